@@ -1,0 +1,272 @@
+"""HistoryBuffer: per-env ring buffers of batched info dicts, read back as strided histories.
+
+Storage per key is one preallocated ``(n_envs * max_len, E)`` device tensor (``E`` elements per
+entry); env ``e``'s ring slot ``s`` is row ``e * max_len + s``. Write heads and counts live on the host
+(the host already knows them), so ``append``/``get`` never read the device; per-call row metadata is
+built there and uploaded with one non-blocking copy. See SPEC.md, "HistoryBuffer".
+"""
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from gpubuf import ops
+from gpubuf.staging import Staging, as_index_array, as_tensor
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], device) -> dict:
+    """Zero-filled tensors for every key, all or none: a failure names the bytes and the device."""
+    total = sum(int(np.prod(s)) * torch.empty((), dtype=dtypes[k]).element_size() for k, s in shapes.items())
+    try:
+        return {k: torch.zeros(s, dtype=dtypes[k], device=device) for k, s in shapes.items()}
+    except (RuntimeError, torch.OutOfMemoryError) as err:
+        raise MemoryError(f"gpubuf: cannot allocate {total} bytes of storage on {device}: {err}") from None
+
+
+class HistoryBuffer:
+    """Per-env ring buffer over batched info dicts with strided, warm-up padded reads.
+
+    Args:
+        n_envs: number of parallel envs (rows of every appended value).
+        max_len: entries (env steps since the last reset) kept per env.
+        action_block: stride between returned frames (frameskip of the planner).
+        block_keys: keys returned as action blocks between frames (a bare string is a ``TypeError``).
+        device: storage device; ``None`` -> ``cuda`` when available, else ``cpu``.
+
+    ``append({'pixels': (n_envs, 1, H, W, C), 'action': (n_envs, 1, A)})`` stores one entry per env;
+    ``get(n)`` returns ``pixels`` ``(n_envs, n, H, W, C)`` and ``action`` ``(n_envs, n-1, action_block*A)``.
+    Until an env has lived ``(n-1)*action_block+1`` steps its frames are left-padded with its oldest
+    strided entry and its blocks with zero blocks (synthetic warm-up, as in stable-worldmodel).
+    """
+
+    def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys: Iterable[str] = (),
+                 *, device=None):
+        self.n_envs = _positive_int("n_envs", n_envs)
+        self.max_len = _positive_int("max_len", max_len)
+        self.action_block = _positive_int("action_block", action_block)
+        if isinstance(block_keys, (str, bytes)) or not isinstance(block_keys, Iterable):
+            raise TypeError(f"block_keys: expected an iterable of key names such as ('action',), got {block_keys!r}")
+        self.block_keys = tuple(block_keys)
+        for key in self.block_keys:
+            if not isinstance(key, str):
+                raise TypeError(f"block_keys: expected str key names, got {key!r}")
+        self.device = ops.resolve_device(device)
+        self.backend = ops.backend_for(self.device)
+        self._counts = np.zeros(self.n_envs, dtype=np.int64)  # entries held per env (host mirror)
+        self._heads = np.zeros(self.n_envs, dtype=np.int64)  # next ring slot per env (host mirror)
+        self._all_ids = np.arange(self.n_envs, dtype=np.int64)
+        self._shapes: dict[str, tuple] = {}  # per-entry shape of each key, fixed by the first append
+        self._data: dict[str, torch.Tensor] = {}  # key -> (n_envs * max_len, E)
+        self._staging = Staging(self.device)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def __len__(self) -> int:
+        """The minimum entry count over all envs."""
+        return int(self._counts.min())
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(self._data)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the storage."""
+        return sum(t.numel() * t.element_size() for t in self._data.values())
+
+    def num_strided(self, env_ids=None) -> list[int]:
+        """Strided frames available per env: ``(L-1)//action_block + 1``, or 0 for an empty env."""
+        ids = self._ids(env_ids)
+        L = self._counts[ids]
+        return np.where(L > 0, (L - 1) // self.action_block + 1, 0).tolist()
+
+    def reset(self, env_ids=None) -> None:
+        """Forget the listed envs' entries (all envs if ``None``)."""
+        ids = self._ids(env_ids)
+        self._counts[ids] = 0
+        self._heads[ids] = 0
+
+    def _ids(self, env_ids) -> np.ndarray:
+        if env_ids is None:
+            return self._all_ids
+        return as_index_array(env_ids, "env_ids", self.n_envs)
+
+    def _upload(self, arr: np.ndarray, key: str) -> torch.Tensor:
+        return self._staging.to_device(torch.from_numpy(arr), key)
+
+    # ------------------------------------------------------------------ append
+
+    def append(self, info_dict: Mapping, env_ids=None) -> None:
+        """Append one entry per selected env: values ``(R, T, ...)`` or ``(R,)``, ``R = len(env_ids)``.
+
+        Row ``j`` goes to env ``env_ids[j]`` (all envs in order if ``None``); an env listed twice gets
+        two entries, in row order. Numeric scalars are broadcast. Every check runs before any write.
+        """
+        if not isinstance(info_dict, Mapping) or not info_dict:
+            raise TypeError(f"info_dict: expected a non-empty dict of arrays, got {info_dict!r:.80}")
+        ids = self._ids(env_ids)
+        R = len(ids)
+        values = {key: self._check_value(key, value, R) for key, value in info_dict.items()}
+        if self._shapes:
+            missing = [k for k in self._shapes if k not in values]
+            extra = [k for k in values if k not in self._shapes]
+            if missing or extra:
+                raise ValueError(
+                    f"info_dict: keys are fixed by the first append {list(self._shapes)}; "
+                    f"missing {missing}, unexpected {extra}"
+                )
+            for key, t in values.items():
+                self._check_against_spec(key, t)
+        else:
+            self._allocate(values)
+        if R == 0:
+            return
+        dst_rows, keep = self._plan_append(ids)
+        dst = self._upload(dst_rows, "__dst_rows__")
+        for key, t in values.items():
+            storage = self._data[key]
+            rows = t.expand(R, *self._shapes[key]) if t.dim() == 0 else t
+            if keep is not None:
+                rows = rows[torch.from_numpy(keep).to(rows.device)]
+            rows = self._staging.to_device(rows.reshape(len(dst_rows), -1), key)
+            if rows.dtype != storage.dtype or not rows.is_contiguous():
+                rows = rows.to(storage.dtype).contiguous()
+            ops.history_append(self.backend, storage, rows, dst)
+
+    def _check_value(self, key, value, R: int) -> torch.Tensor:
+        if not isinstance(key, str):
+            raise TypeError(f"info_dict: keys must be str, got {key!r}")
+        t = as_tensor(value, key)
+        if t.dim() > 0 and t.shape[0] != R:
+            raise ValueError(f"{key}: expected a leading env dim of {R} rows, got shape {tuple(t.shape)}")
+        return t
+
+    def _check_against_spec(self, key: str, t: torch.Tensor) -> None:
+        shape, dtype = self._shapes[key], self._data[key].dtype
+        if t.dim() > 0 and tuple(t.shape[1:]) != shape:
+            raise ValueError(f"{key}: expected per-env shape {shape}, got {tuple(t.shape[1:])}")
+        if t.dim() == 0 and shape != ():
+            raise ValueError(f"{key}: a scalar cannot fill per-env shape {shape}")
+        if not torch.can_cast(t.dtype, dtype):
+            raise TypeError(f"{key}: cannot safely cast {t.dtype} to the stored dtype {dtype}")
+
+    def _allocate(self, values: dict) -> None:
+        shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
+        rows = self.n_envs * self.max_len
+        storage_shapes = {k: (rows, int(np.prod(s))) for k, s in shapes.items()}
+        self._data = allocate(storage_shapes, {k: t.dtype for k, t in values.items()}, self.device)
+        self._shapes = shapes
+
+    def _plan_append(self, ids: np.ndarray):
+        """Storage rows for each input row, and which rows to keep (None = all), updating the mirror."""
+        mult = np.bincount(ids, minlength=self.n_envs)
+        keep = None
+        if mult.max() > 1:  # an env listed twice: entries go in row order
+            order = np.argsort(ids, kind="stable")
+            sorted_ids = ids[order]
+            rank = np.empty_like(ids)
+            rank[order] = np.arange(len(ids)) - np.searchsorted(sorted_ids, sorted_ids, "left")
+            kept = rank >= mult[ids] - self.max_len  # older duplicates would be overwritten anyway
+            if not kept.all():
+                keep = np.flatnonzero(kept)
+                ids, rank = ids[keep], rank[keep]
+        else:
+            rank = 0
+        dst_rows = ids * self.max_len + (self._heads[ids] + rank) % self.max_len
+        self._heads = (self._heads + mult) % self.max_len
+        self._counts = np.minimum(self._counts + mult, self.max_len)
+        return dst_rows, keep
+
+    # ------------------------------------------------------------------ get
+
+    def get(self, n: int, env_ids=None, out: dict | None = None) -> dict[str, torch.Tensor] | None:
+        """The last ``n`` strided entries per selected env, oldest first; ``None`` if one is empty.
+
+        Regular keys: ``(rows, n)`` for per-env shape ``()``, else ``(rows, n*T, ...)``. Block keys:
+        ``(rows, n-1, action_block*D)``, omitted when ``n == 1``. ``out`` may hold tensors of exactly
+        these shapes and dtypes on the buffer's device; they are written and returned.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"n: expected an int, got {n!r}")
+        ids = self._ids(env_ids)
+        if n <= 0 or not self._data or (self._counts[ids] == 0).any():
+            return None
+        n, ab = int(n), self.action_block
+        L = self._counts[ids]
+        k = np.minimum(n, (L - 1) // ab + 1)
+        newest = (self._heads[ids] - 1) % self.max_len
+        shapes = self._output_shapes(len(ids), n)
+        if out is not None:
+            self._check_out(out, shapes)
+        result = {}
+        meta = self._upload(np.stack([ids, newest, k]), "__meta__")
+        for key, shape in shapes.items():
+            storage = self._data[key]
+            dst = out[key] if out is not None else torch.empty(shape, dtype=storage.dtype, device=self.device)
+            if key in self.block_keys:
+                ops.history_pack_blocks(self.backend, storage, meta, n, ab, self.max_len, dst)
+            else:
+                ops.history_gather_frames(self.backend, storage, meta, n, ab, self.max_len, dst)
+            result[key] = dst
+        return result
+
+    def _output_shapes(self, rows: int, n: int) -> dict[str, tuple]:
+        shapes = {}
+        for key, entry in self._shapes.items():
+            if key in self.block_keys:
+                if n > 1:
+                    shapes[key] = (rows, n - 1, self.action_block * int(np.prod(entry)))
+            elif entry == ():
+                shapes[key] = (rows, n)
+            else:
+                shapes[key] = (rows, n * entry[0], *entry[1:])
+        return shapes
+
+    def _check_out(self, out: dict, shapes: dict) -> None:
+        for key, shape in shapes.items():
+            t = out.get(key) if isinstance(out, Mapping) else None
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"out[{key!r}]: expected a tensor of shape {shape}, got {type(t).__name__}")
+            dtype = self._data[key].dtype
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != self.device or not t.is_contiguous():
+                raise ValueError(
+                    f"out[{key!r}]: expected a contiguous {dtype} tensor of shape {shape} on {self.device}, "
+                    f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """A snapshot (cloned tensors) of configuration, data and counters."""
+        return {
+            "n_envs": self.n_envs,
+            "max_len": self.max_len,
+            "action_block": self.action_block,
+            "block_keys": self.block_keys,
+            "shapes": dict(self._shapes),
+            "data": {k: t.clone() for k, t in self._data.items()},
+            "counts": self._counts.copy(),
+            "heads": self._heads.copy(),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore a :meth:`state_dict` (from any device); the configuration must match."""
+        for name in ("n_envs", "max_len", "action_block", "block_keys"):
+            if tuple(np.atleast_1d(state[name])) != tuple(np.atleast_1d(getattr(self, name))):
+                raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has {getattr(self, name)!r}")
+        shapes = {k: tuple(s) for k, s in state["shapes"].items()}
+        data = {k: torch.as_tensor(t) for k, t in state["data"].items()}
+        self._data = allocate({k: tuple(t.shape) for k, t in data.items()},
+                              {k: t.dtype for k, t in data.items()}, self.device)
+        for key, t in data.items():
+            self._data[key].copy_(t)
+        self._shapes = shapes
+        self._counts = np.asarray(state["counts"], dtype=np.int64).copy()
+        self._heads = np.asarray(state["heads"], dtype=np.int64).copy()

@@ -1,0 +1,60 @@
+"""One function per device operation, dispatching to the Triton kernel or its pure-torch twin.
+
+The backend is chosen once per buffer: ``GPUBUF_BACKEND=torch|triton`` forces one, else CUDA tensors
+use Triton and everything else uses :mod:`gpubuf.reference`. Triton is imported only when used, so
+``import gpubuf`` works without a GPU or driver (set ``TRITON_INTERPRET=1`` to run kernels on CPU).
+"""
+
+import importlib
+import os
+
+import torch
+
+from gpubuf import reference
+
+BACKENDS = ("torch", "triton")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` -> ``cuda`` when available, else ``cpu``."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: expected a torch device or its name, got {device!r}") from err
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend a buffer on ``device`` uses (``GPUBUF_BACKEND`` overrides)."""
+    forced = os.environ.get("GPUBUF_BACKEND", "").strip()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"GPUBUF_BACKEND: expected one of {BACKENDS}, got {forced!r}")
+        return forced
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def _kernels(name: str):
+    return importlib.import_module(f"gpubuf.kernels.{name}")
+
+
+def history_append(backend, storage, rows, dst_rows):
+    """storage (n_envs*max_len, E)[dst_rows (R,)] = rows (R, E)."""
+    if backend == "triton":
+        return _kernels("history").append(storage, rows, dst_rows)
+    return reference.history_append(storage, rows, dst_rows)
+
+
+def history_gather_frames(backend, storage, meta, n, ab, max_len, out):
+    """out (rows, n, E) = strided frames; meta (3, rows) int64 = (env, newest slot, k)."""
+    if backend == "triton":
+        return _kernels("history").gather_frames(storage, meta, n, ab, max_len, out)
+    return reference.history_gather_frames(storage, meta, n, ab, max_len, out)
+
+
+def history_pack_blocks(backend, storage, meta, n, ab, max_len, out):
+    """out (rows, n-1, ab*D) = action blocks between strided frames, NaN zeroed, zero-padded."""
+    if backend == "triton":
+        return _kernels("history").pack_blocks(storage, meta, n, ab, max_len, out)
+    return reference.history_pack_blocks(storage, meta, n, ab, max_len, out)

@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers (shipped as ``gpubuf.kernels``); the only place importing triton."""

@@ -1,0 +1,149 @@
+"""Triton kernels of HistoryBuffer: append scatter, strided history gather, action-block packing.
+
+Storage of one key is a contiguous ``(n_envs * max_len, E)`` tensor: env ``e``'s ring slot ``s`` is row
+``e * max_len + s`` and holds one entry of ``E`` elements. Per-row metadata comes from the host as an
+int64 tensor (the host mirrors counts and write heads, so nothing is read back from the device).
+Runtime sizes are plain arguments; only block sizes are ``tl.constexpr``. Offsets are int64.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _append_kernel(
+    src_ptr,  # (R, E) rows to append, contiguous
+    dst_ptr,  # (n_envs * max_len, E) storage, contiguous
+    dst_row_ptr,  # (R,) int64 storage row of each input row: env * max_len + slot
+    E,  # elements per entry
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < E  # last chunk of the entry is partial
+    dst_row = tl.load(dst_row_ptr + row)
+    x = tl.load(src_ptr + row.to(tl.int64) * E + offs, mask=mask)
+    tl.store(dst_ptr + dst_row * E + offs, x, mask=mask)
+
+
+@triton.jit
+def _gather_frames_kernel(
+    src_ptr,  # (n_envs * max_len, E) storage
+    dst_ptr,  # (rows, n, E) output
+    meta_ptr,  # (3, rows) int64: env id, newest slot, k = strided frames used
+    rows,
+    n,  # frames per row
+    ab,  # action_block (stride between frames)
+    max_len,
+    E,
+    BLOCK: tl.constexpr,
+):
+    rf = tl.program_id(0)  # row * n + frame
+    row = rf // n
+    j = rf % n
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < E
+    env = tl.load(meta_ptr + row)
+    newest = tl.load(meta_ptr + rows + row)
+    k = tl.load(meta_ptr + 2 * rows + row)
+    back = tl.minimum(n - 1 - j, k - 1) * ab  # warm-up clamps to the oldest strided entry
+    slot = (newest - back + max_len) % max_len
+    x = tl.load(src_ptr + (env * max_len + slot) * E + offs, mask=mask)
+    tl.store(dst_ptr + rf.to(tl.int64) * E + offs, x, mask=mask)
+
+
+@triton.jit
+def _pack_blocks_kernel(
+    src_ptr,  # (n_envs * max_len, D) storage
+    dst_ptr,  # (rows, n - 1, ab * D) output
+    meta_ptr,  # (3, rows) int64: env id, newest slot, k
+    rows,
+    n,
+    ab,
+    max_len,
+    D,  # elements per entry
+    fmax_ptr,  # (1,) the dtype's largest finite value (+inf maps to it); unused for ints
+    IS_FLOAT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rb = tl.program_id(0)  # row * (n - 1) + block
+    row = rb // (n - 1)
+    i = rb % (n - 1)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ab * D
+    env = tl.load(meta_ptr + row)
+    newest = tl.load(meta_ptr + rows + row)
+    k = tl.load(meta_ptr + 2 * rows + row)
+    live = tl.where(i >= n - k, ab * D, 0)  # the first (n-1)-(k-1) blocks are zero blocks
+    t = offs // D  # entry within the block
+    d = offs % D
+    last = newest - (n - 2 - i) * ab  # slot of frame i+1, the block's last entry
+    slot = (last - (ab - 1 - t) + 2 * max_len) % max_len
+    x = tl.load(src_ptr + (env * max_len + slot) * D + d, mask=offs < live, other=0)
+    if IS_FLOAT:
+        fmax = tl.load(fmax_ptr)
+        x = tl.where(x != x, 0.0, x)  # NaN -> 0
+        x = tl.where(x > fmax, fmax, x)  # +inf -> max
+        x = tl.where(x < -fmax, -fmax, x)  # -inf -> min
+    tl.store(dst_ptr + rb.to(tl.int64) * (ab * D) + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """View a contiguous 2-D tensor's rows as the widest int words dividing the row's bytes (pure copies)."""
+    b = t.view(torch.uint8) if t.dtype == torch.bool else t
+    row_bytes = b.shape[1] * b.element_size()
+    for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if size >= b.element_size() and row_bytes % size == 0:
+            return b.view(word)
+    return b
+
+
+_LIMITS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _finite_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 1-element tensor holding the dtype's largest finite value (what +inf becomes)."""
+    key = (dtype, device)
+    if key not in _LIMITS:
+        _LIMITS[key] = torch.tensor([torch.finfo(dtype).max], dtype=dtype, device=device)
+    return _LIMITS[key]
+
+
+def append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """storage (n_envs*max_len, E)[dst_rows] = rows (R, E); dst_rows int64 (R,), distinct."""
+    if rows.shape[0] == 0 or storage.shape[1] == 0:
+        return
+    src, dst = _as_words(rows), _as_words(storage)
+    E = dst.shape[1]
+    grid = (rows.shape[0], triton.cdiv(E, BLOCK))
+    _append_kernel[grid](src, dst, dst_rows, E, BLOCK=BLOCK)
+
+
+def gather_frames(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_len: int,
+                  out: torch.Tensor) -> None:
+    """out (rows, n, E) = the strided frames of each row; meta (3, rows) int64 (env, newest slot, k)."""
+    rows = meta.shape[1]
+    if rows == 0 or storage.shape[1] == 0:
+        return
+    src, dst = _as_words(storage), _as_words(out.view(rows * n, -1))
+    E = src.shape[1]
+    grid = (rows * n, triton.cdiv(E, BLOCK))
+    _gather_frames_kernel[grid](src, dst, meta, rows, n, ab, max_len, E, BLOCK=BLOCK)
+
+
+def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_len: int,
+                out: torch.Tensor) -> None:
+    """out (rows, n-1, ab*D) = the action blocks between strided frames, NaN-free, zero-padded."""
+    rows = meta.shape[1]
+    D = storage.shape[1]
+    if rows == 0 or D == 0 or n < 2:
+        return
+    is_float = storage.dtype.is_floating_point
+    fmax = _finite_max(storage.dtype, storage.device) if is_float else meta
+    src = storage.view(torch.uint8) if storage.dtype == torch.bool else storage
+    dst = out.view(torch.uint8) if out.dtype == torch.bool else out
+    grid = (rows * (n - 1), triton.cdiv(ab * D, BLOCK))
+    _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, D, fmax, IS_FLOAT=is_float, BLOCK=BLOCK)
