@@ -58,3 +58,27 @@ def history_pack_blocks(backend, storage, meta, n, ab, max_len, out):
     if backend == "triton":
         return _kernels("history").pack_blocks(storage, meta, n, ab, max_len, out)
     return reference.history_pack_blocks(storage, meta, n, ab, max_len, out)
+
+
+# ---- replay (kernels/sequence.py, kernels/prefix_tree.py)
+
+
+def tree_sample(backend, tree, offsets, fanout, u, out):
+    """out (B,) int64 = leaves of the wide prefix-sum tree picked by uniforms u (B,) float64."""
+    if backend == "triton":
+        return _kernels("prefix_tree").sample(tree, offsets, fanout, u, out)
+    return reference.tree_sample(tree, offsets, fanout, u, out)
+
+
+def tree_update(backend, tree, offsets, fanout, idx, values):
+    """tree leaves [idx (K,)] = values (K,) float64, then touched parents recomputed from their children."""
+    if backend == "triton":
+        return _kernels("prefix_tree").update(tree, offsets, fanout, idx, values)
+    return reference.tree_update(tree, offsets, fanout, idx, values)
+
+
+def sequence_gather(backend, storage, starts, n, E, M, shift, out):
+    """out (B, n, D) = windows of n time-major rows of storage (M*E, D) from flat starts (B,), shifted."""
+    if backend == "triton":
+        return _kernels("sequence").gather(storage, starts, n, E, M, shift, out)
+    return reference.sequence_gather(storage, starts, n, E, M, shift, out)

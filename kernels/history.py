@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpubuf.reference import as_words
+
 BLOCK = 1024
 
 
@@ -91,16 +93,6 @@ def _pack_blocks_kernel(
     tl.store(dst_ptr + rb.to(tl.int64) * (ab * D) + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """View a contiguous 2-D tensor's rows as the widest int words dividing the row's bytes (pure copies)."""
-    b = t.view(torch.uint8) if t.dtype == torch.bool else t
-    row_bytes = b.shape[1] * b.element_size()
-    for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if size >= b.element_size() and row_bytes % size == 0:
-            return b.view(word)
-    return b
-
-
 _LIMITS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -116,7 +108,7 @@ def append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) ->
     """storage (n_envs*max_len, E)[dst_rows] = rows (R, E); dst_rows int64 (R,), distinct."""
     if rows.shape[0] == 0 or storage.shape[1] == 0:
         return
-    src, dst = _as_words(rows), _as_words(storage)
+    src, dst = as_words(rows), as_words(storage)
     E = dst.shape[1]
     grid = (rows.shape[0], triton.cdiv(E, BLOCK))
     _append_kernel[grid](src, dst, dst_rows, E, BLOCK=BLOCK)
@@ -128,7 +120,7 @@ def gather_frames(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, ma
     rows = meta.shape[1]
     if rows == 0 or storage.shape[1] == 0:
         return
-    src, dst = _as_words(storage), _as_words(out.view(rows * n, -1))
+    src, dst = as_words(storage), as_words(out.view(rows * n, -1))
     E = src.shape[1]
     grid = (rows * n, triton.cdiv(E, BLOCK))
     _gather_frames_kernel[grid](src, dst, meta, rows, n, ab, max_len, E, BLOCK=BLOCK)
