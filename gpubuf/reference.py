@@ -4,32 +4,54 @@ Each function has the signature of its kernel launcher in ``kernels/`` and write
 preallocated outputs. Vectorised torch only: no Python loop over envs or samples.
 """
 
+from functools import lru_cache
+
 import torch
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """View a contiguous 2-D tensor's rows as the widest int words dividing the row's bytes.
+
+    For pure copies: moving int64 words instead of bytes is what makes a gather run at memcpy speed.
+    """
+    b = t.view(torch.uint8) if t.dtype == torch.bool else t
+    row_bytes = b.shape[1] * b.element_size()
+    for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if size >= b.element_size() and row_bytes % size == 0:
+            return b.view(word)
+    return b
+
+
+@lru_cache(maxsize=64)
+def _countdown(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) int64: n-1, n-2, ..., 0."""
+    return torch.arange(n - 1, -1, -1, device=device)
+
 
 # ---------------------------------------------------------------- HistoryBuffer (kernels/history.py)
 
 
 def history_append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """storage (n_envs*max_len, E)[dst_rows (R,)] = rows (R, E); dst_rows distinct."""
-    storage.index_copy_(0, dst_rows, rows)
+    if rows.shape[0] and storage.shape[1]:
+        as_words(storage).index_copy_(0, dst_rows, as_words(rows))
 
 
 def _frame_back(meta: torch.Tensor, n: int, ab: int) -> torch.Tensor:
     """(rows, n) how many env steps before the newest entry each output frame lies."""
-    j = torch.arange(n, device=meta.device)
-    k = meta[2].unsqueeze(1)
-    return torch.minimum(n - 1 - j, k - 1) * ab
+    return torch.minimum(_countdown(n, meta.device), meta[2].unsqueeze(1) - 1) * ab
 
 
 def history_gather_frames(storage, meta, n, ab, max_len, out) -> None:
     """out (rows, n, E) = strided frames, left-padded with the oldest strided entry."""
     rows = meta.shape[1]
-    if rows == 0:
+    if rows == 0 or storage.shape[1] == 0:
         return
     env, newest = meta[0].unsqueeze(1), meta[1].unsqueeze(1)
     slot = (newest - _frame_back(meta, n, ab)) % max_len  # (rows, n)
     src_rows = (env * max_len + slot).reshape(-1)
-    torch.index_select(storage, 0, src_rows, out=out.view(rows * n, storage.shape[1]))
+    dst = as_words(out.view(rows * n, storage.shape[1]))
+    torch.index_select(as_words(storage), 0, src_rows, out=dst)
 
 
 def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:
@@ -37,14 +59,13 @@ def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:
     rows, D = meta.shape[1], storage.shape[1]
     if rows == 0 or n < 2:
         return
-    env, newest, k = meta[0].view(-1, 1, 1), meta[1].view(-1, 1, 1), meta[2].view(-1, 1)
-    i = torch.arange(n - 1, device=meta.device).view(1, -1, 1)
-    t = torch.arange(ab, device=meta.device).view(1, 1, -1)
-    slot = (newest - (n - 2 - i) * ab - (ab - 1 - t)) % max_len  # (rows, n-1, ab)
+    env, newest, k = meta[0].view(-1, 1), meta[1].view(-1, 1), meta[2].view(-1, 1)
+    back = (_countdown(n - 1, meta.device).view(-1, 1) * ab + _countdown(ab, meta.device)).view(1, -1)
+    slot = (newest - back) % max_len  # (rows, (n-1)*ab): entries of block i end at frame i+1
     src_rows = (env * max_len + slot).reshape(-1)
     flat = out.view(rows * (n - 1) * ab, D)
     torch.index_select(storage, 0, src_rows, out=flat)
     if out.dtype.is_floating_point:
         torch.nan_to_num(out, nan=0.0, out=out)
-    zero = torch.arange(n - 1, device=meta.device).view(1, -1) < (n - k)  # (rows, n-1)
+    zero = _countdown(n - 1, meta.device).view(1, -1) >= k - 1  # (rows, n-1): the first n-k blocks
     out.masked_fill_(zero.unsqueeze(-1), 0)
