@@ -69,3 +69,64 @@ def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:
         torch.nan_to_num(out, nan=0.0, out=out)
     zero = _countdown(n - 1, meta.device).view(1, -1) >= k - 1  # (rows, n-1): the first n-k blocks
     out.masked_fill_(zero.unsqueeze(-1), 0)
+
+
+# ---- replay (kernels/sequence.py, kernels/prefix_tree.py)
+
+
+_BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
+
+
+def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
+    """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide prefix-sum tree.
+
+    ``tree`` is the flat float64 concatenation of the levels (leaves first; level ``k+1`` holds the sums of
+    consecutive groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries);
+    ``offsets`` (K+1 ints) bounds the K levels: level ``k`` is ``tree[offsets[k]:offsets[k+1]]``. At each
+    level the sample takes the inclusive prefix sum of its node's children and moves to the first child
+    whose prefix sum exceeds its remaining mass. The mass is clamped just below the node's total, so a
+    zero-mass child (an invalid start) is never chosen.
+    """
+    B = u.shape[0]
+    if B == 0:
+        return
+    F = fanout
+    node = torch.zeros(B, dtype=torch.int64, device=u.device)
+    target = None
+    for k in range(len(offsets) - 2, -1, -1):
+        c = tree[offsets[k]:offsets[k + 1]].view(-1, F)[node]  # (B, F) children of each sample's node
+        cs = c.cumsum(1)
+        if target is None:
+            target = u * cs[:, -1]
+        target = torch.minimum(target, cs[:, -1] * _BELOW_ONE)  # stay below the node's mass
+        below = cs <= target.unsqueeze(1)  # (B, F) children entirely below the mass
+        j = below.sum(1)
+        target = (target - (c * below).sum(1)).clamp_min_(0)
+        node = node * F + j
+    out.copy_(node)
+
+
+def tree_update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched parent,
+    level by level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed)."""
+    if idx.numel() == 0:
+        return
+    F = fanout
+    tree[idx] = values
+    node = idx
+    for k in range(1, len(offsets) - 1):
+        child = tree[offsets[k - 1]:offsets[k]].view(-1, F)
+        node = node // F
+        tree[offsets[k] + node] = child[node].sum(1)
+
+
+def sequence_gather(storage: torch.Tensor, starts: torch.Tensor, n: int, E: int, M: int, shift: int,
+                    out: torch.Tensor) -> None:
+    """out (B, n, D) = storage (M*E, D) rows ``((start//E + j + shift) % M) * E + start % E``, j < n."""
+    B = starts.shape[0]
+    if B == 0:
+        return
+    step, env = starts // E, starts % E
+    j = torch.arange(shift, n + shift, device=starts.device)
+    rows = ((step.unsqueeze(1) + j) % M) * E + env.unsqueeze(1)  # (B, n)
+    torch.index_select(as_words(storage), 0, rows.reshape(-1), out=as_words(out.view(B * n, storage.shape[1])))

@@ -1,0 +1,165 @@
+"""PrioritizedTransitionBuffer and the wide prefix-sum tree it samples from.
+
+The tree keeps one float64 mass per sequence start (``priority**alpha``, or 1 for uniform sampling,
+times 0/1 validity). Level ``k+1`` holds the sums of consecutive groups of ``fanout`` entries of level
+``k``; the top level is a single node of ``fanout`` entries. All levels live in one flat tensor. Sampling
+walks the levels with a prefix sum over each visited node's children; updating writes leaves, then
+recomputes only the touched parents from their children, so the tree is a deterministic function of its
+leaves: float rounding cannot accumulate across updates, and a zero leaf is never sampled.
+"""
+
+import numpy as np
+import torch
+
+from gpubuf import ops
+from gpubuf.replay import Transition, TransitionBuffer
+from gpubuf.staging import as_tensor
+
+FANOUT = 64
+
+
+class PrefixSumTree:
+    """Wide prefix-sum tree over ``capacity`` leaves on ``device`` (storage assigned by the owner)."""
+
+    def __init__(self, capacity: int, device: torch.device, backend: str, fanout: int = FANOUT):
+        F = fanout
+        sizes = [max(1, -(-capacity // F)) * F]
+        while sizes[-1] > F:
+            sizes.append(-(-sizes[-1] // F // F) * F)
+        self.capacity, self.fanout, self.device, self.backend = capacity, F, device, backend
+        self.offsets = [0]
+        for s in sizes:
+            self.offsets.append(self.offsets[-1] + s)
+        self.size = self.offsets[-1]
+        self.tree: torch.Tensor | None = None  # (size,) float64, levels leaves-first
+
+    def leaves(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tree[idx]
+
+    def total(self) -> torch.Tensor:
+        return self.tree[self.offsets[-2]:].sum()
+
+    def update(self, idx: torch.Tensor, values: torch.Tensor) -> None:
+        ops.tree_update(self.backend, self.tree, self.offsets, self.fanout, idx, values)
+
+    def sample(self, u: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
+        ops.tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
+        return out
+
+
+def _nonneg_float(name: str, value, positive: bool = False) -> float:
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not np.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} number, "
+                         f"got {value!r}")
+    return float(value)
+
+
+class PrioritizedTransitionBuffer(TransitionBuffer):
+    """A :class:`TransitionBuffer` with prioritized experience replay over sequence starts.
+
+    Extra args: ``alpha`` (priority exponent; 0 is uniform), ``beta`` (importance-sampling exponent, see
+    :meth:`update_beta`), ``eps`` (> 0, added to ``|td|`` so no start gets zero probability).
+
+    Each start has a raw priority; newly inserted starts get the running ``max_priority`` (initially 1,
+    never decreasing). ``P_i = p_i**alpha / sum over valid starts``. :meth:`sample` returns
+    ``(Transition, flat_indices)`` with ``PER_weights = (N*P_i)**-beta / max over the batch``, which equals
+    ``(P_i / min_batch P)**-beta``. Without replacement (the default) the draw is exact sequential
+    sampling without replacement (Plackett-Luce): see :class:`TransitionBuffer` for how and what it costs.
+    :meth:`update_priorities` validates its inputs, which reads them back once when they live on the device.
+    """
+
+    _prioritized = True
+
+    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
+                 n_steps: int = 1, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *, device=None,
+                 seed: int | None = None):
+        self.alpha = _nonneg_float("alpha", alpha)
+        self.beta = _nonneg_float("beta", beta)
+        self.eps = _nonneg_float("eps", eps, positive=True)
+        super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps, device=device, seed=seed)
+        self._max_priority = torch.ones((), dtype=torch.float32, device=self.device)
+
+    @property
+    def max_priority(self) -> float:
+        """The running maximum priority (reads the device)."""
+        return float(self._max_priority)
+
+    def _on_rows_written(self, rows: np.ndarray) -> None:
+        E = self.n_envs
+        prio = self._priority.view(self.max_rows, E)
+        lo, hi = int(rows[0]), int(rows[-1])
+        if lo <= hi:
+            prio[lo:hi + 1] = self._max_priority
+        else:  # wrapped
+            prio[lo:] = self._max_priority
+            prio[:hi + 1] = self._max_priority
+
+    def _leaf_mass(self, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self._priority[idx].to(torch.float64).pow_(self.alpha).mul_(valid)
+
+    def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
+               with_next_obs: bool = False) -> tuple[Transition, torch.Tensor]:
+        """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch carries
+        ``PER_weights`` (B,) float32. Shapes and ``with_next_obs`` as in :meth:`TransitionBuffer.sample`."""
+        B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
+        idx, mass = self._draw(self._trees[kind], B, self._generator(key), with_replacement)
+        batch = self._gather(idx, with_next_obs)
+        batch.PER_weights = (mass / mass.min()).pow_(-self.beta).to(torch.float32)
+        return batch, idx
+
+    def update_priorities(self, indices, td_errors):
+        """Set priorities ``|td| + eps`` of flat starts ``indices``; returns ``self``.
+
+        Duplicate indices keep their largest value. ``max_priority`` becomes ``max(max_priority, new)``.
+        Raises (writing nothing) on non-integer or out-of-range indices, a length mismatch, or NaN/inf results.
+        """
+        idx = as_tensor(indices, "indices")
+        td = as_tensor(td_errors, "td_errors")
+        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
+        if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex or td.dtype == torch.bool:
+            raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per index), "
+                             f"got {td.dtype} of shape {tuple(td.shape)}")
+        if idx.numel() == 0:
+            return self
+        L = self.max_size
+        idx = self._staging.to_device(idx, "__upd_idx__").to(torch.int64)
+        new = self._staging.to_device(td, "__upd_td__").to(torch.float32).abs().add_(self.eps)
+        bad_idx = ((idx < 0) | (idx >= L)).any()
+        bad_td = (~torch.isfinite(new)).any()
+        flags = torch.stack([bad_idx, bad_td]).cpu()  # one read-back for both checks
+        if flags[0]:
+            raise IndexError(f"indices: expected flat start indices in [0, {L}), got "
+                             f"{idx[(idx < 0) | (idx >= L)][:5].tolist()}")
+        if flags[1]:
+            raise ValueError(f"td_errors: |td| + eps must be finite and non-negative, got "
+                             f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
+        self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
+        torch.maximum(self._max_priority, new.max(), out=self._max_priority)
+        p = self._priority[idx].to(torch.float64).pow_(self.alpha)
+        for tree in self._trees.values():
+            tree.update(idx, torch.where(tree.leaves(idx) > 0, p, 0.0))
+        return self
+
+    def update_beta(self, beta: float):
+        """Set the importance-sampling exponent; returns ``self``."""
+        self.beta = _nonneg_float("beta", beta)
+        return self
+
+    _CONFIG = TransitionBuffer._CONFIG + ("alpha", "eps")
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(beta=self.beta, priority=self._priority.clone(), max_priority=self._max_priority.clone())
+        return state
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        self._priority.copy_(torch.as_tensor(state["priority"]))
+        self._max_priority.copy_(torch.as_tensor(state["max_priority"]))
+        self.beta = float(state["beta"])
+
+
+__all__ = ["PrefixSumTree", "PrioritizedTransitionBuffer"]

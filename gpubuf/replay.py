@@ -1,0 +1,426 @@
+"""Transition and TransitionBuffer: a time-major circular buffer sampled as contiguous n-step windows.
+
+Storage per leaf (every tensor of a ``Transition``, nested dicts included) is one preallocated
+``(M, E, *shape)`` device tensor (``(M, *shape)`` when not vectorized; internally ``E = 1``). A sequence
+start is the flat index ``step * E + env``. Which starts are valid (window inside written rows, off the
+write seam, no truncation inside when next observations are inferred) is tracked on the host, where
+the write position and counts already live, and enters the device as zero mass in a wide prefix-sum
+tree (:class:`gpubuf.prioritized.PrefixSumTree`): an insert only rewrites the leaves of the starts whose
+windows changed and their parents. Sampling descends that tree, then gathers the ``(B, n_steps)``
+windows in one launch per leaf. See SPEC.md, "TransitionBuffer and PrioritizedTransitionBuffer".
+"""
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpubuf import ops
+from gpubuf.history import _positive_int, allocate
+from gpubuf.staging import Staging, as_tensor
+
+FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
+
+
+@dataclasses.dataclass
+class Transition:
+    """One batch of transitions; every field may be a tensor, a (nested) dict of tensors, or ``None``.
+
+    ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled
+    from a :class:`~gpubuf.PrioritizedTransitionBuffer` and is never stored.
+    """
+
+    observation: Any
+    action: Any
+    reward: Any
+    terminated: Any
+    truncated: Any
+    next_observation: Any = None
+    info: dict = dataclasses.field(default_factory=dict)
+    PER_weights: Any = None
+
+
+def _leaf_name(path: tuple) -> str:
+    return path[0] + "".join(f"[{p!r}]" for p in path[1:])
+
+
+def _flatten(transition, name: str = "transition") -> dict[tuple, Any]:
+    """``{(field, key, ...): leaf}`` over the stored fields, in field order."""
+    if not isinstance(transition, Transition):
+        raise TypeError(f"{name}: expected a gpubuf.Transition, got {type(transition).__name__}")
+    leaves: dict[tuple, Any] = {}
+
+    def walk(path, value):
+        if value is None:
+            return
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"{_leaf_name(path)}: dict keys must be str, got {k!r}")
+                walk(path + (k,), v)
+        else:
+            leaves[path] = value
+
+    for f in FIELDS:
+        walk((f,), getattr(transition, f))
+    return leaves
+
+
+def _unflatten(leaves: dict[tuple, torch.Tensor]) -> Transition:
+    fields: dict[str, Any] = {f: None for f in FIELDS}
+    fields["info"] = {}
+    for path, t in leaves.items():
+        if len(path) == 1:
+            fields[path[0]] = t
+            continue
+        node = fields[path[0]] if fields[path[0]] is not None else {}
+        fields[path[0]] = node
+        for p in path[1:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = t
+    return Transition(**fields)
+
+
+class TransitionBuffer:
+    """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
+
+    Args:
+        max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows.
+        sample_batch_size: default number of windows per :meth:`sample`.
+        data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when
+            ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and dtypes.
+        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch on sampling.
+        n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else ``(B, n_steps, ...)``.
+        device: storage device; ``None`` -> ``cuda`` when available, else ``cpu``.
+        seed: seed of the buffer's own generator (used when :meth:`sample` gets ``key=None``).
+
+    Sampling cost is O(B * levels * fanout) for the tree descent plus the bytes of the windows: it does not
+    grow with capacity. Without replacement the draw is exact sequential sampling without replacement
+    (here: uniform over valid starts): rounds of draws with replacement from the tree, keeping first
+    appearances, with the drawn starts' mass zeroed between rounds and restored at the end. Each round
+    reads the number of distinct draws back from the device (one sync per round; typically one or two
+    rounds unless the batch is a large fraction of the valid starts).
+    """
+
+    _prioritized = False
+
+    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
+                 n_steps: int = 1, *, device=None, seed: int | None = None):
+        max_size = _positive_int("max_size", max_size)
+        self.sample_batch_size = _positive_int("sample_batch_size", sample_batch_size)
+        self.n_steps = _positive_int("n_steps", n_steps)
+        self.vectorized_env = bool(vectorized_env)
+        samples = {p: as_tensor(v, _leaf_name(p)) for p, v in _flatten(data_sample, "data_sample").items()}
+        if not samples:
+            raise ValueError("data_sample: expected at least one non-None field")
+        lead = 2 if self.vectorized_env else 1
+        for p, t in samples.items():
+            if t.dim() < lead:
+                want = "(T, E, ...)" if self.vectorized_env else "(T, ...)"
+                raise ValueError(f"data_sample.{_leaf_name(p)}: expected leaves shaped {want}, got {tuple(t.shape)}")
+        if self.vectorized_env:
+            envs = {p: t.shape[1] for p, t in samples.items()}
+            E = next(iter(envs.values()))
+            if any(e != E for e in envs.values()) or E < 1:
+                raise ValueError(f"data_sample: every leaf needs the same env axis (axis 1) >= 1, got "
+                                 f"{ {_leaf_name(p): e for p, e in envs.items()} }")
+        else:
+            E = 1
+        self.n_envs = E
+        if max_size % E:
+            warnings.warn(f"max_size: {max_size} is not divisible by {E} envs; rounded down to {max_size // E * E}",
+                          stacklevel=2)
+        self.max_rows = M = max_size // E
+        self.max_size = M * E
+        if not 1 <= self.n_steps <= M:
+            raise ValueError(f"n_steps: expected 1 <= n_steps <= {M} rows per env, got {self.n_steps}")
+        most = E * (M - self.n_steps + 1)
+        if self.sample_batch_size > most:
+            raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), "
+                             f"got {self.sample_batch_size}")
+        self.device = ops.resolve_device(device)
+        self.backend = ops.backend_for(self.device)
+        self._shapes = {p: tuple(t.shape[lead:]) for p, t in samples.items()}
+        self._dtypes = {p: t.dtype for p, t in samples.items()}
+        self._has_next_obs = any(p[0] == "next_observation" for p in samples)
+        self._obs_paths = [p for p in samples if p[0] == "observation"]
+        self._trunc_paths = [p for p in samples if p[0] == "truncated"]
+        # Validity kinds: 0 = plain windows of n_steps rows; 1 = windows of n_steps+1 rows whose first
+        # n_steps rows hold no truncation (next observations inferred from the following row).
+        self._kinds = (0,) if self._has_next_obs or not self._obs_paths else (0, 1)
+        from gpubuf.prioritized import PrefixSumTree
+
+        shapes = {_leaf_name(p): ((M, E) if self.vectorized_env else (M,)) + s for p, s in self._shapes.items()}
+        dtypes = {_leaf_name(p): self._dtypes[p] for p in samples}
+        self._trees = {k: PrefixSumTree(M * E, self.device, self.backend) for k in self._kinds}
+        for k, tree in self._trees.items():
+            shapes[f"__tree{k}__"], dtypes[f"__tree{k}__"] = (tree.size,), torch.float64
+        if self._prioritized:
+            shapes["__priority__"], dtypes["__priority__"] = (M * E,), torch.float32
+        storage = allocate(shapes, dtypes, self.device)
+        for k, tree in self._trees.items():
+            tree.tree = storage.pop(f"__tree{k}__")
+        self._priority = storage.pop("__priority__", None)
+        self._data = {p: storage[_leaf_name(p)] for p in samples}
+        self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
+        # host mirrors: write position, rows written, truncation flags, per-start validity and counts
+        self._pos = 0
+        self._count = 0
+        self._trunc = np.zeros((M, E), dtype=bool)
+        self._valid = {k: np.zeros((M, E), dtype=bool) for k in self._kinds}
+        self._n_valid = dict.fromkeys(self._kinds, 0)
+        self._staging = Staging(self.device)
+        self._gen = torch.Generator(device=self.device)
+        if seed is not None:
+            self._gen.manual_seed(int(seed))
+        else:
+            self._gen.seed()
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def __len__(self) -> int:
+        """Transitions stored (rows written times envs)."""
+        return self._count * self.n_envs
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held: storage, prefix-sum trees and priorities."""
+        ts = list(self._data.values()) + [t.tree for t in self._trees.values()]
+        if self._priority is not None:
+            ts.append(self._priority)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def num_valid(self, with_next_obs: bool = False) -> int:
+        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs``."""
+        return self._n_valid[self._kind(with_next_obs)]
+
+    def _kind(self, with_next_obs: bool) -> int:
+        if not with_next_obs or self._has_next_obs:
+            return 0
+        if 1 not in self._kinds:
+            raise ValueError("with_next_obs: the buffer stores neither next_observation nor observation")
+        return 1
+
+    def _window(self, kind: int) -> int:
+        return self.n_steps + kind
+
+    def _upload(self, arr: np.ndarray, key: str) -> torch.Tensor:
+        return self._staging.to_device(torch.from_numpy(np.ascontiguousarray(arr)), key)
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(self, transition: Transition):
+        """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
+
+        Leaves are shaped ``(T, E, ...)`` (``(T, ...)`` when not vectorized), ``1 <= T <= M``, with the key
+        set, per-row shapes and (safely castable) dtypes of ``data_sample``. Every check runs before any write.
+        """
+        leaves = _flatten(transition)
+        missing = [_leaf_name(p) for p in self._shapes if p not in leaves]
+        extra = [_leaf_name(p) for p in leaves if p not in self._shapes]
+        if missing or extra:
+            raise ValueError(f"transition: leaves are fixed by data_sample {[_leaf_name(p) for p in self._shapes]}; "
+                             f"missing {missing}, unexpected {extra}")
+        values, T = {}, None
+        lead = (self.n_envs,) if self.vectorized_env else ()
+        for p, v in leaves.items():
+            name = _leaf_name(p)
+            t = as_tensor(v, name)
+            want = lead + self._shapes[p]
+            if t.dim() != len(want) + 1 or tuple(t.shape[1:]) != want:
+                raise ValueError(f"{name}: expected shape (T, {', '.join(map(str, want))}), got {tuple(t.shape)}")
+            if T is None:
+                T = t.shape[0]
+            elif t.shape[0] != T:
+                raise ValueError(f"{name}: expected T = {T} rows like the other leaves, got {t.shape[0]}")
+            if not torch.can_cast(t.dtype, self._dtypes[p]):
+                raise TypeError(f"{name}: cannot safely cast {t.dtype} to the stored dtype {self._dtypes[p]}")
+            values[p] = t
+        M = self.max_rows
+        if not 1 <= T <= M:
+            raise ValueError(f"transition: expected 1 <= T <= {M} rows per insert, got T = {T}")
+        trunc = None
+        if self._trunc_paths:
+            flags = [values[p].reshape(T, self.n_envs, -1) for p in self._trunc_paths]
+            # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
+            trunc = torch.cat([f != 0 for f in flags], dim=2).any(2).cpu().numpy()
+        # ---- all checks passed: write
+        pos = self._pos
+        first = min(T, M - pos)  # rows before the ring wraps
+        for p, t in values.items():
+            src = self._staging.to_device(t, _leaf_name(p))
+            dst = self._data[p]
+            dst[pos:pos + first].copy_(src[:first], non_blocking=True)
+            if first < T:
+                dst[:T - first].copy_(src[first:], non_blocking=True)
+        rows = (pos + np.arange(T)) % M
+        if trunc is not None:
+            self._trunc[rows] = trunc
+        self._on_rows_written(rows)
+        self._pos = (pos + T) % M
+        self._count = min(self._count + T, M)
+        self._refresh_validity(pos, T)
+        return self
+
+    def _on_rows_written(self, rows: np.ndarray) -> None:
+        """Hook for new rows (the prioritized buffer gives their starts the running max priority)."""
+
+    def _refresh_validity(self, old_pos: int, T: int) -> None:
+        """Recompute validity (host) and tree leaves (device) of the starts whose windows changed: rows
+        ``old_pos - W + 1 .. old_pos + T - 1`` (the seam moved, rows were overwritten)."""
+        M, E = self.max_rows, self.n_envs
+        W = max(self._window(k) for k in self._kinds)
+        K = min(T + W - 1, M)
+        rows = (old_pos + T - K + np.arange(K)) % M
+        oldest = self._pos if self._count == M else 0
+        t = (rows - oldest) % M  # time index of each row, 0 = oldest
+        starts = (rows[:, None] * E + np.arange(E)).reshape(-1)
+        idx = self._upload(starts, "__starts__")
+        for k in self._kinds:
+            ok = np.broadcast_to((t <= self._count - self._window(k))[:, None], (K, E))
+            if k == 1 and self._trunc_paths:
+                win = (rows[:, None] + np.arange(self.n_steps)) % M  # (K, n)
+                ok = ok & ~self._trunc[win].any(1)
+            valid = self._valid[k]
+            self._n_valid[k] += int(ok.sum()) - int(valid[rows].sum())
+            valid[rows] = ok
+            mass = self._upload(ok.reshape(-1).astype(np.float64), f"__valid{k}__")
+            self._trees[k].update(idx, self._leaf_mass(idx, mass))
+
+    def _leaf_mass(self, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Sampling mass of starts ``idx`` given their validity (0/1): uniform here."""
+        return valid
+
+    # ------------------------------------------------------------------ sample
+
+    def _generator(self, key) -> torch.Generator:
+        if key is None:
+            return self._gen
+        if isinstance(key, torch.Generator):
+            return key
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            g = torch.Generator(device=self.device)
+            g.manual_seed(int(key))
+            return g
+        raise TypeError(f"key: expected a torch.Generator, an int seed or None, got {type(key).__name__}")
+
+    def _uniform(self, g: torch.Generator, n: int) -> torch.Tensor:
+        return torch.rand(n, dtype=torch.float64, generator=g, device=g.device).to(self.device, non_blocking=True)
+
+    def _check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool) -> tuple[int, int]:
+        B = self.sample_batch_size if batch_size is None else batch_size
+        if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
+            raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
+        kind = self._kind(with_next_obs)
+        n = self._n_valid[kind]
+        if n == 0:
+            raise ValueError(f"sample: no valid sequence start yet ({self._count} rows written per env, windows of "
+                             f"{self._window(kind)} rows{' without truncation' if kind else ''})")
+        if not with_replacement and B > n:
+            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement "
+                             "needs")
+        return int(B), kind
+
+    def _draw(self, tree, B: int, g: torch.Generator, with_replacement: bool):
+        """(flat starts (B,) int64, their masses (B,) float64) drawn from ``tree``."""
+        if with_replacement:
+            idx = tree.sample(self._uniform(g, B))
+            return idx, tree.leaves(idx)
+        chosen, masses = [], []
+        need = B
+        while need > 0:
+            draws = tree.sample(self._uniform(g, max(2 * need, 16)))
+            uniq, inv = torch.unique(draws, return_inverse=True)
+            first = torch.full_like(uniq, draws.numel()).scatter_reduce_(
+                0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
+            new = uniq[torch.argsort(first)][:need]  # distinct draws in order of first appearance
+            chosen.append(new)
+            masses.append(tree.leaves(new))
+            tree.update(new, torch.zeros(new.shape, dtype=torch.float64, device=self.device))
+            need -= new.numel()
+        idx, mass = torch.cat(chosen), torch.cat(masses)
+        tree.update(idx, mass)  # restore: leaves as before, parents recomputed from them
+        return idx, mass
+
+    def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
+               with_next_obs: bool = False) -> Transition:
+        """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts.
+
+        Leaves come back ``(B, n_steps, ...)`` (``(B, ...)`` when ``n_steps == 1``). ``with_next_obs`` fills
+        ``next_observation`` with the observation one row later (unless it is stored), and then never
+        samples a window whose first ``n_steps`` rows hold a truncation. Raises ``ValueError`` when there
+        is no valid start, or fewer valid starts than ``batch_size`` without replacement.
+        """
+        B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
+        idx, _ = self._draw(self._trees[kind], B, self._generator(key), with_replacement)
+        return self._gather(idx, with_next_obs)
+
+    def _gather(self, starts: torch.Tensor, with_next_obs: bool) -> Transition:
+        B, n = starts.shape[0], self.n_steps
+        out = {}
+        shifted = [] if (not with_next_obs or self._has_next_obs) else self._obs_paths
+        jobs = [(p, p, 0) for p in self._data] + [(("next_observation",) + p[1:], p, 1) for p in shifted]
+        for dst_path, src_path, shift in jobs:
+            src = self._flat[src_path]
+            shape = (B, n) + self._shapes[src_path] if n > 1 else (B,) + self._shapes[src_path]
+            dst = torch.empty(shape, dtype=src.dtype, device=self.device)
+            ops.sequence_gather(self.backend, src, starts, n, self.n_envs, self.max_rows, shift,
+                                dst.view(B, n, src.shape[1]))
+            out[dst_path] = dst
+        return _unflatten(out)
+
+    # ------------------------------------------------------------------ state
+
+    _CONFIG = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs", "max_rows")
+
+    def state_dict(self) -> dict:
+        """A snapshot (cloned tensors) of configuration, data, trees, host mirrors and RNG state."""
+        state = {name: getattr(self, name) for name in self._CONFIG}
+        state.update(
+            shapes={_leaf_name(p): s for p, s in self._shapes.items()},
+            data={_leaf_name(p): t.clone() for p, t in self._data.items()},
+            trees={k: t.tree.clone() for k, t in self._trees.items()},
+            pos=self._pos,
+            count=self._count,
+            trunc=self._trunc.copy(),
+            valid={k: v.copy() for k, v in self._valid.items()},
+            n_valid=dict(self._n_valid),
+            rng=self._gen.get_state(),
+            rng_device=self._gen.device.type,
+        )
+        return state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore a :meth:`state_dict` (from any device); the configuration must match.
+
+        The generator state is restored exactly when saved and loaded on the same device type; across
+        device types (CPU and CUDA generators keep different states) it is reseeded from the saved state.
+        """
+        for name in self._CONFIG:
+            if state[name] != getattr(self, name):
+                raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has {getattr(self, name)!r}")
+        shapes = {_leaf_name(p): s for p, s in self._shapes.items()}
+        if {k: tuple(v) for k, v in state["shapes"].items()} != shapes:
+            raise ValueError(f"state_dict: leaves {dict(state['shapes'])} differ from this buffer's {shapes}")
+        if set(state["trees"]) != set(self._trees):
+            raise ValueError(f"state_dict: trees {sorted(state['trees'])} differ from this buffer's "
+                             f"{sorted(self._trees)}")
+        for p, t in self._data.items():
+            t.copy_(torch.as_tensor(state["data"][_leaf_name(p)]))
+        for k, tree in self._trees.items():
+            tree.tree.copy_(torch.as_tensor(state["trees"][k]))
+        self._pos, self._count = int(state["pos"]), int(state["count"])
+        self._trunc = np.asarray(state["trunc"], dtype=bool).copy()
+        self._valid = {k: np.asarray(v, dtype=bool).copy() for k, v in state["valid"].items()}
+        self._n_valid = {k: int(v) for k, v in state["n_valid"].items()}
+        rng = torch.as_tensor(state["rng"]).cpu()
+        if state["rng_device"] == self._gen.device.type:
+            self._gen.set_state(rng)
+        else:
+            self._gen.manual_seed(int.from_bytes(rng.numpy().tobytes()[-8:], "little") % (2**63))
+
+
+__all__ = ["Transition", "TransitionBuffer"]
