@@ -115,8 +115,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         Duplicate indices keep their largest value. ``max_priority`` becomes ``max(max_priority, new)``.
         Raises (writing nothing) on non-integer or out-of-range indices, a length mismatch, or NaN/inf results.
         """
-        idx = as_tensor(indices, "indices")
-        td = as_tensor(td_errors, "td_errors")
+        idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
+        td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors, "td_errors")
         if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
         if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex or td.dtype == torch.bool:

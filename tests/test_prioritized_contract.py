@@ -1,0 +1,161 @@
+"""PrioritizedTransitionBuffer against SPEC.md on both backends (triton through the interpreter on CPU)."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from test_replay_helpers import Model, check_windows, make_transition
+
+from gpubuf import PrioritizedTransitionBuffer
+
+
+def build(E=3, M=10, n=2, B=4, device="cpu", **kw):
+    return PrioritizedTransitionBuffer(M * E, B, make_transition(0, 1, E), n_steps=n, device=device, seed=0, **kw)
+
+
+def probs(model: Model, alpha: float, with_next_obs=False) -> dict[int, float]:
+    valid = sorted(model.valid_starts(with_next_obs))
+    m = np.array([model.prio[i] ** alpha for i in valid])
+    return dict(zip(valid, m / m.sum(), strict=True))
+
+
+def test_sample_returns_indices_and_weights(backend, device):
+    E, M, n = 3, 8, 2
+    buf = build(E=E, M=M, n=n, device=device, alpha=0.7, beta=0.5)
+    model = Model(M, E, n)
+    buf.insert(make_transition(0, 6, E, trunc_steps=(2,)))
+    model.insert(6, (2,))
+    idx = torch.tensor([0, 4, 7, 9, 4])
+    td = torch.tensor([3.0, -0.5, 0.01, 2.0, 0.7])
+    buf.update_priorities(idx, td)
+    model.update(idx.tolist(), td.tolist(), buf.eps)
+    assert buf.max_priority == pytest.approx(3.0 + 1e-6)
+    for wno in (False, True):
+        batch, flat = buf.sample(key=1, batch_size=6, with_next_obs=wno)
+        check_windows(batch, flat, model, wno)
+        P = probs(model, 0.7, wno)
+        N = len(P)
+        w = np.array([(N * P[i]) ** -0.5 for i in flat.tolist()])
+        assert batch.PER_weights.dtype == torch.float32 and batch.PER_weights.shape == (6,)
+        np.testing.assert_allclose(batch.PER_weights.cpu().numpy(), w / w.max(), rtol=1e-5)
+    # new starts get the running max priority
+    buf.insert(make_transition(6, 2, E))
+    model.insert(2)
+    prio = buf._priority.cpu().numpy()
+    for i in range(6 * E, 8 * E):
+        assert prio[i] == pytest.approx(model.prio[i])
+
+
+def test_duplicates_resolve_to_largest(backend, device):
+    buf = build(device=device)
+    buf.insert(make_transition(0, 5, 3))
+    buf.update_priorities(np.array([2, 2, 2, 5]), np.array([0.5, -4.0, 1.0, 0.1]))
+    assert buf._priority[2].item() == pytest.approx(4.0 + 1e-6)
+    assert buf._priority[5].item() == pytest.approx(0.1 + 1e-6)
+    assert buf.max_priority == pytest.approx(4.0 + 1e-6)
+    buf.update_priorities([2], [0.0])  # max_priority never decreases
+    assert buf.max_priority == pytest.approx(4.0 + 1e-6)
+
+
+def test_invalid_start_priority_keeps_zero_mass(backend, device):
+    buf = build(device=device, n=3)
+    buf.insert(make_transition(0, 4, 3))  # rows 2, 3 are no valid starts yet (windows of 3)
+    buf.update_priorities([7, 10], [100.0, 100.0])
+    tree = buf._trees[0]
+    assert tree.leaves(torch.tensor([7, 10])).tolist() == [0.0, 0.0]
+    _, flat = buf.sample(key=0, batch_size=50, with_replacement=True)
+    assert set(flat.tolist()) <= set(range(6))
+
+
+def test_update_beta_and_state_dict(backend, device):
+    buf = build(device=device)
+    assert buf.update_beta(0.9) is buf and buf.beta == 0.9
+    buf.insert(make_transition(0, 7, 3))
+    buf.update_priorities([1, 4], [2.0, 5.0])
+    other = build(device=device)
+    other.load_state_dict(buf.state_dict())
+    assert other.beta == 0.9 and other.max_priority == buf.max_priority
+    a, ia = buf.sample()
+    b, ib = other.sample()
+    assert torch.equal(ia, ib) and torch.equal(a.PER_weights, b.PER_weights)
+
+
+def test_per_chi_square_with_replacement():
+    E, M, n, alpha = 2, 10, 2, 0.6
+    buf = build(E=E, M=M, n=n, alpha=alpha)
+    model = Model(M, E, n)
+    buf.insert(make_transition(0, 9, E))
+    model.insert(9)
+    rng = np.random.default_rng(0)
+    idx = np.arange(16)
+    td = rng.uniform(0, 3, size=16)
+    buf.update_priorities(idx, td)
+    model.update(idx, td, buf.eps)
+    P = probs(model, alpha)
+    _, flat = buf.sample(key=3, batch_size=40000, with_replacement=True)
+    counts = np.bincount(flat.numpy(), minlength=M * E)
+    keys = sorted(P)
+    assert counts[[i for i in range(M * E) if i not in P]].sum() == 0
+    assert stats.chisquare(counts[keys], np.array([P[k] for k in keys]) * 40000).pvalue > 1e-4
+
+
+def test_per_without_replacement_is_plackett_luce():
+    """First position ~ P; second position ~ sum_j P_j P_i / (1 - P_j) (together: the inclusion law for B=2)."""
+    E, M, n, alpha = 1, 8, 1, 1.0
+    buf = build(E=E, M=M, n=n, alpha=alpha)
+    model = Model(M, E, n)
+    buf.insert(make_transition(0, 8, E))
+    model.insert(8)
+    td = np.array([0.1, 0.5, 1.0, 2.0, 4.0, 0.3, 0.05, 1.5])
+    buf.update_priorities(np.arange(8), td)
+    model.update(range(8), td, buf.eps)
+    P = np.array([probs(model, alpha)[i] for i in range(8)])
+    trials = 3000
+    first, second = np.zeros(8), np.zeros(8)
+    for s in range(trials):
+        _, flat = buf.sample(key=s, batch_size=2)
+        a, b = flat.tolist()
+        assert a != b
+        first[a] += 1
+        second[b] += 1
+    p2 = np.array([sum(P[j] * P[i] / (1 - P[j]) for j in range(8) if j != i) for i in range(8)])
+    assert stats.chisquare(first, P * trials).pvalue > 1e-4
+    assert stats.chisquare(second, p2 / p2.sum() * trials).pvalue > 1e-4
+    # the tree is restored exactly after sampling without replacement
+    before = buf._trees[0].tree.clone()
+    buf.sample(key=0, batch_size=8)
+    assert torch.equal(before, buf._trees[0].tree)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(alpha=-1.0), "alpha"), (dict(beta=float("nan")), "beta"),
+                                           (dict(eps=0.0), "eps")])
+def test_bad_constructor(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build(**kwargs)
+
+
+@pytest.mark.parametrize("indices, td, exc, match", [
+    ([0, 1], [1.0, float("nan")], ValueError, "td_errors"),
+    ([0, 1], [1.0, float("inf")], ValueError, "td_errors"),
+    ([0, 30], [1.0, 1.0], IndexError, "indices"),
+    ([0, -1], [1.0, 1.0], IndexError, "indices"),
+    ([0.0, 1.0], [1.0, 1.0], TypeError, "indices"),
+    ([0, 1], [1.0], ValueError, "td_errors"),
+])
+def test_bad_update_priorities_writes_nothing(indices, td, exc, match):
+    buf = build()
+    buf.insert(make_transition(0, 5, 3))
+    prio, tree, mx = buf._priority.clone(), buf._trees[0].tree.clone(), buf.max_priority
+    with pytest.raises(exc, match=match):
+        buf.update_priorities(np.array(indices), np.array(td))
+    assert torch.equal(prio, buf._priority) and torch.equal(tree, buf._trees[0].tree) and mx == buf.max_priority
+
+
+def test_bad_update_beta():
+    buf = build()
+    with pytest.raises(ValueError, match="beta"):
+        buf.update_beta(-0.1)
+    assert buf.beta == 0.4
