@@ -1,7 +1,8 @@
 """HistoryBuffer: per-env ring buffers of batched info dicts, read back as strided histories.
 
-Storage per key is one preallocated ``(n_envs * max_len, E)`` device tensor (``E`` elements per
-entry); env ``e``'s ring slot ``s`` is row ``e * max_len + s``. Write heads and counts live on the host
+Storage per key is one preallocated slot-major ``(max_len * n_envs, E)`` device tensor (``E`` elements
+per entry); env ``e``'s ring slot ``s`` is row ``s * n_envs + e``, so envs in lockstep write and read
+contiguous blocks. Write heads and counts live on the host
 (the host already knows them), so ``append``/``get`` never read the device; per-call row metadata is
 built there and uploaded with one non-blocking copy. See SPEC.md, "HistoryBuffer".
 """
@@ -63,7 +64,7 @@ class HistoryBuffer:
         self._heads = np.zeros(self.n_envs, dtype=np.int64)  # next ring slot per env (host mirror)
         self._all_ids = np.arange(self.n_envs, dtype=np.int64)
         self._shapes: dict[str, tuple] = {}  # per-entry shape of each key, fixed by the first append
-        self._data: dict[str, torch.Tensor] = {}  # key -> (n_envs * max_len, E)
+        self._data: dict[str, torch.Tensor] = {}  # key -> (max_len * n_envs, E)
         self._staging = Staging(self.device)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -179,7 +180,7 @@ class HistoryBuffer:
                 ids, rank = ids[keep], rank[keep]
         else:
             rank = 0
-        dst_rows = ids * self.max_len + (self._heads[ids] + rank) % self.max_len
+        dst_rows = (self._heads[ids] + rank) % self.max_len * self.n_envs + ids
         self._heads = (self._heads + mult) % self.max_len
         self._counts = np.minimum(self._counts + mult, self.max_len)
         return dst_rows, keep

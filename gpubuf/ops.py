@@ -40,7 +40,7 @@ def _kernels(name: str):
 
 
 def history_append(backend, storage, rows, dst_rows):
-    """storage (n_envs*max_len, E)[dst_rows (R,)] = rows (R, E)."""
+    """storage (max_len*n_envs, E)[dst_rows (R,)] = rows (R, E)."""
     if backend == "triton":
         return _kernels("history").append(storage, rows, dst_rows)
     return reference.history_append(storage, rows, dst_rows)

@@ -32,7 +32,7 @@ def _countdown(n: int, device: torch.device) -> torch.Tensor:
 
 
 def history_append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """storage (n_envs*max_len, E)[dst_rows (R,)] = rows (R, E); dst_rows distinct."""
+    """storage (max_len*n_envs, E)[dst_rows (R,)] = rows (R, E); dst_rows distinct."""
     if rows.shape[0] and storage.shape[1]:
         as_words(storage).index_copy_(0, dst_rows, as_words(rows))
 
@@ -49,7 +49,7 @@ def history_gather_frames(storage, meta, n, ab, max_len, out) -> None:
         return
     env, newest = meta[0].unsqueeze(1), meta[1].unsqueeze(1)
     slot = (newest - _frame_back(meta, n, ab)) % max_len  # (rows, n)
-    src_rows = (env * max_len + slot).reshape(-1)
+    src_rows = (slot * (storage.shape[0] // max_len) + env).reshape(-1)
     dst = as_words(out.view(rows * n, storage.shape[1]))
     torch.index_select(as_words(storage), 0, src_rows, out=dst)
 
@@ -62,7 +62,7 @@ def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:
     env, newest, k = meta[0].view(-1, 1), meta[1].view(-1, 1), meta[2].view(-1, 1)
     back = (_countdown(n - 1, meta.device).view(-1, 1) * ab + _countdown(ab, meta.device)).view(1, -1)
     slot = (newest - back) % max_len  # (rows, (n-1)*ab): entries of block i end at frame i+1
-    src_rows = (env * max_len + slot).reshape(-1)
+    src_rows = (slot * (storage.shape[0] // max_len) + env).reshape(-1)
     flat = out.view(rows * (n - 1) * ab, D)
     torch.index_select(storage, 0, src_rows, out=flat)
     if out.dtype.is_floating_point:

@@ -1,7 +1,8 @@
 """Triton kernels of HistoryBuffer: append scatter, strided history gather, action-block packing.
 
-Storage of one key is a contiguous ``(n_envs * max_len, E)`` tensor: env ``e``'s ring slot ``s`` is row
-``e * max_len + s`` and holds one entry of ``E`` elements. Per-row metadata comes from the host as an
+Storage of one key is a contiguous ``(max_len * n_envs, E)`` tensor, slot-major: env ``e``'s ring slot
+``s`` is row ``s * n_envs + e`` and holds one entry of ``E`` elements (envs stepping in lockstep then
+write and read whole contiguous blocks). Per-row metadata comes from the host as an
 int64 tensor (the host mirrors counts and write heads, so nothing is read back from the device).
 Runtime sizes are plain arguments; only block sizes are ``tl.constexpr``. Offsets are int64.
 """
@@ -18,8 +19,8 @@ BLOCK = 1024
 @triton.jit
 def _append_kernel(
     src_ptr,  # (R, E) rows to append, contiguous
-    dst_ptr,  # (n_envs * max_len, E) storage, contiguous
-    dst_row_ptr,  # (R,) int64 storage row of each input row: env * max_len + slot
+    dst_ptr,  # (max_len * n_envs, E) storage, contiguous
+    dst_row_ptr,  # (R,) int64 storage row of each input row: slot * n_envs + env
     E,  # elements per entry
     BLOCK: tl.constexpr,
 ):
@@ -33,13 +34,14 @@ def _append_kernel(
 
 @triton.jit
 def _gather_frames_kernel(
-    src_ptr,  # (n_envs * max_len, E) storage
+    src_ptr,  # (max_len * n_envs, E) storage
     dst_ptr,  # (rows, n, E) output
     meta_ptr,  # (3, rows) int64: env id, newest slot, k = strided frames used
     rows,
     n,  # frames per row
     ab,  # action_block (stride between frames)
     max_len,
+    n_envs,
     E,
     BLOCK: tl.constexpr,
 ):
@@ -53,19 +55,20 @@ def _gather_frames_kernel(
     k = tl.load(meta_ptr + 2 * rows + row)
     back = tl.minimum(n - 1 - j, k - 1) * ab  # warm-up clamps to the oldest strided entry
     slot = (newest - back + max_len) % max_len
-    x = tl.load(src_ptr + (env * max_len + slot) * E + offs, mask=mask)
+    x = tl.load(src_ptr + (slot * n_envs + env) * E + offs, mask=mask)
     tl.store(dst_ptr + rf.to(tl.int64) * E + offs, x, mask=mask)
 
 
 @triton.jit
 def _pack_blocks_kernel(
-    src_ptr,  # (n_envs * max_len, D) storage
+    src_ptr,  # (max_len * n_envs, D) storage
     dst_ptr,  # (rows, n - 1, ab * D) output
     meta_ptr,  # (3, rows) int64: env id, newest slot, k
     rows,
     n,
     ab,
     max_len,
+    n_envs,
     D,  # elements per entry
     fmax_ptr,  # (1,) the dtype's largest finite value (+inf maps to it); unused for ints
     IS_FLOAT: tl.constexpr,
@@ -84,7 +87,7 @@ def _pack_blocks_kernel(
     d = offs % D
     last = newest - (n - 2 - i) * ab  # slot of frame i+1, the block's last entry
     slot = (last - (ab - 1 - t) + 2 * max_len) % max_len
-    x = tl.load(src_ptr + (env * max_len + slot) * D + d, mask=offs < live, other=0)
+    x = tl.load(src_ptr + (slot * n_envs + env) * D + d, mask=offs < live, other=0)
     if IS_FLOAT:
         fmax = tl.load(fmax_ptr)
         x = tl.where(x != x, 0.0, x)  # NaN -> 0
@@ -105,7 +108,7 @@ def _finite_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """storage (n_envs*max_len, E)[dst_rows] = rows (R, E); dst_rows int64 (R,), distinct."""
+    """storage (max_len*n_envs, E)[dst_rows] = rows (R, E); dst_rows int64 (R,), distinct."""
     if rows.shape[0] == 0 or storage.shape[1] == 0:
         return
     src, dst = as_words(rows), as_words(storage)
@@ -123,7 +126,7 @@ def gather_frames(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, ma
     src, dst = as_words(storage), as_words(out.view(rows * n, -1))
     E = src.shape[1]
     grid = (rows * n, triton.cdiv(E, BLOCK))
-    _gather_frames_kernel[grid](src, dst, meta, rows, n, ab, max_len, E, BLOCK=BLOCK)
+    _gather_frames_kernel[grid](src, dst, meta, rows, n, ab, max_len, src.shape[0] // max_len, E, BLOCK=BLOCK)
 
 
 def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_len: int,
@@ -138,4 +141,5 @@ def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_
     src = storage.view(torch.uint8) if storage.dtype == torch.bool else storage
     dst = out.view(torch.uint8) if out.dtype == torch.bool else out
     grid = (rows * (n - 1), triton.cdiv(ab * D, BLOCK))
-    _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, D, fmax, IS_FLOAT=is_float, BLOCK=BLOCK)
+    n_envs = src.shape[0] // max_len
+    _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, n_envs, D, fmax, IS_FLOAT=is_float, BLOCK=BLOCK)
