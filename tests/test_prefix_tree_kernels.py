@@ -1,0 +1,134 @@
+"""Kernels of kernels/prefix_tree.py and kernels/sequence.py against their torch twins, and tree properties.
+
+Without CUDA the Triton kernels run through the interpreter on CPU tensors (TRITON_INTERPRET=1, set in
+conftest), so sizes stay small and odd.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from gpubuf import reference
+from gpubuf.prioritized import PrefixSumTree
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _kernels(name):
+    import importlib
+
+    return importlib.import_module(f"gpubuf.kernels.{name}")
+
+
+def make_tree(capacity, fanout, seed=0, zero_frac=0.3):
+    """A tree with random leaf masses (some exactly zero) built through the torch twin."""
+    g = torch.Generator().manual_seed(seed)
+    tree = PrefixSumTree(capacity, torch.device(DEVICE), "torch", fanout)
+    tree.tree = torch.zeros(tree.size, dtype=torch.float64, device=DEVICE)
+    mass = torch.rand(capacity, generator=g, dtype=torch.float64) * 10
+    mass[torch.rand(capacity, generator=g) < zero_frac] = 0
+    tree.update(torch.arange(capacity, device=DEVICE), mass.to(DEVICE))
+    return tree, mass
+
+
+@pytest.mark.parametrize("capacity, fanout", [(1, 16), (37, 16), (1000, 16), (300, 64)])
+def test_tree_levels_are_sums_of_children(capacity, fanout):
+    tree, mass = make_tree(capacity, fanout)
+    t, off = tree.tree.cpu(), tree.offsets
+    assert off[-1] - off[-2] == fanout  # the top level is one node
+    for k in range(1, len(off) - 1):
+        child = t[off[k - 1]:off[k]].view(-1, fanout).sum(1)
+        assert torch.equal(t[off[k]:off[k] + child.numel()], child)
+    assert tree.total().item() == pytest.approx(mass.sum().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("capacity, fanout", [(37, 16), (1000, 16), (300, 64)])
+def test_sample_kernel_matches_twin(capacity, fanout):
+    tree, mass = make_tree(capacity, fanout, seed=capacity)
+    u = torch.rand(53, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    u[0], u[1] = 0.0, 1.0 - 2**-53  # both ends of [0, 1)
+    ref = torch.empty(53, dtype=torch.int64, device=DEVICE)
+    out = torch.empty_like(ref)
+    reference.tree_sample(tree.tree, tree.offsets, fanout, u, ref)
+    _kernels("prefix_tree").sample(tree.tree, tree.offsets, fanout, u, out)
+    assert torch.equal(ref, out)
+    assert (mass[ref.cpu()] > 0).all()  # never a zero-mass leaf
+    # the picked leaf's interval holds u * total
+    cum = torch.cumsum(mass, 0)
+    tgt = u.cpu() * mass.sum()
+    assert ((cum[ref.cpu()] - mass[ref.cpu()] <= tgt * (1 + 1e-12)) & (tgt <= cum[ref.cpu()] * (1 + 1e-12))).all()
+
+
+@pytest.mark.parametrize("capacity, fanout, K", [(37, 16, 5), (1000, 16, 41), (300, 64, 17)])
+def test_update_kernel_matches_twin(capacity, fanout, K):
+    a, _ = make_tree(capacity, fanout, seed=3)
+    b = a.tree.clone()
+    g = torch.Generator().manual_seed(K)
+    idx = torch.randint(0, capacity, (K,), generator=g)
+    idx[-1] = idx[0]  # a duplicate, carrying the same value
+    vals = torch.rand(capacity, generator=g, dtype=torch.float64)[idx]
+    reference.tree_update(a.tree, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
+    _kernels("prefix_tree").update(b, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
+    assert torch.equal(a.tree[:capacity], b[:capacity])  # leaves exactly
+    torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)  # parent sums: reduction order may differ
+
+
+@pytest.mark.parametrize("dtype, shape", [(torch.uint8, (5, 3)), (torch.float32, (7,)), (torch.bool, ()),
+                                          (torch.int64, (2, 3))])
+@pytest.mark.parametrize("shift", [0, 1])
+def test_sequence_gather_matches_twin(dtype, shape, shift):
+    M, E, n, B = 11, 3, 4, 9
+    D = int(np.prod(shape))
+    storage = (torch.arange(M * E * D) % 251).to(dtype).view(M * E, D).to(DEVICE)  # value = index (mod)
+    starts = torch.randint(0, M * E, (B,), generator=torch.Generator().manual_seed(shift)).to(DEVICE)
+    ref = torch.empty((B, n, D), dtype=dtype, device=DEVICE)
+    out = torch.empty_like(ref)
+    reference.sequence_gather(storage, starts, n, E, M, shift, ref)
+    _kernels("sequence").gather(storage, starts, n, E, M, shift, out)
+    assert torch.equal(ref, out)
+    s = starts.cpu()
+    rows = ((s // E).unsqueeze(1) + torch.arange(n) + shift) % M * E + (s % E).unsqueeze(1)
+    assert torch.equal(ref.cpu(), storage.cpu()[rows])
+
+
+def test_tree_sampling_frequencies():
+    tree, mass = make_tree(500, 16, seed=5, zero_frac=0.5)
+    u = torch.rand(100000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(100000, dtype=torch.int64)
+    reference.tree_sample(tree.tree, tree.offsets, 16, u, out)
+    counts = torch.bincount(out, minlength=500).numpy()
+    live = (mass > 0).numpy()
+    assert counts[~live].sum() == 0
+    p = mass.numpy()[live] / mass.sum().item()
+    assert stats.chisquare(counts[live], p * 100000).pvalue > 1e-4
+
+
+def test_float_drift_after_millions_of_updates():
+    """3 million leaf updates (3000 vectorised batches of 1000 indices, priorities spanning 12 decades): the
+    tree stays a deterministic function of its leaves, so afterwards every live leaf is still sampled."""
+    cap, F = 1000, 16
+    tree = PrefixSumTree(cap, torch.device("cpu"), "torch", F)
+    tree.tree = torch.zeros(tree.size, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        idx = torch.randint(0, cap, (1000,), generator=g).unique()
+        tree.update(idx, torch.pow(10.0, torch.rand(idx.numel(), generator=g, dtype=torch.float64) * 12 - 6))
+    idx = torch.arange(cap)
+    tree.update(idx, torch.ones(cap, dtype=torch.float64))  # all equal again: every leaf must be reachable
+    assert tree.total().item() == cap
+    out = torch.empty(40000, dtype=torch.int64)
+    reference.tree_sample(tree.tree, tree.offsets, F, torch.rand(40000, dtype=torch.float64, generator=g), out)
+    assert torch.bincount(out, minlength=cap).min() > 0
+
+
+@pytest.mark.cuda
+def test_cuda_kernels_match_twin_at_scale():
+    tree, mass = make_tree(2**20 + 3, 64, seed=9)
+    u = torch.rand(4096, dtype=torch.float64, device="cuda")
+    ref = torch.empty(4096, dtype=torch.int64, device="cuda")
+    out = torch.empty_like(ref)
+    reference.tree_sample(tree.tree, tree.offsets, 64, u, ref)
+    _kernels("prefix_tree").sample(tree.tree, tree.offsets, 64, u, out)
+    assert (ref == out).float().mean() > 0.999  # boundary ties may round differently
+    assert (mass.cuda()[out] > 0).all()
