@@ -1,8 +1,13 @@
 """gpubuf: GPU-resident history and replay buffers for reinforcement learning."""
 
+from gpubuf.envpool_source import EnvPoolSource, Step, StepStager
 from gpubuf.history import HistoryBuffer
+from gpubuf.planning import CEMSolver, PlanConfig, Planner
 from gpubuf.prioritized import PrioritizedTransitionBuffer
 from gpubuf.replay import Transition, TransitionBuffer
 
-__all__ = ["HistoryBuffer", "PrioritizedTransitionBuffer", "Transition", "TransitionBuffer"]
+__all__ = [
+    "CEMSolver", "EnvPoolSource", "HistoryBuffer", "PlanConfig", "Planner", "PrioritizedTransitionBuffer",
+    "Step", "StepStager", "Transition", "TransitionBuffer",
+]
 __version__ = "0.1.0"

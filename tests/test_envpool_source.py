@@ -1,0 +1,241 @@
+"""EnvPoolSource and StepStager on real EnvPool envs (sync and async), no mocks."""
+
+import envpool
+import numpy as np
+import pytest
+import torch
+
+from gpubuf import HistoryBuffer
+from gpubuf.envpool_source import EnvPoolSource, StepStager
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def make(task="CartPole-v1", num_envs=4, batch_size=None, seed=0):
+    return envpool.make(task, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size or num_envs, seed=seed)
+
+
+def test_sync_layout_matches_raw_envpool_outputs(device):
+    """A twin env with the same seed and actions gives the raw arrays the source must have staged."""
+    src, twin = EnvPoolSource(make(), device=device), make()
+    step = src.reset()
+    obs, _ = twin.reset()
+    assert step.first.all() and torch.isnan(step.info["action"]).all()
+    rng = np.random.default_rng(0)
+    seen_reset = False
+    for _ in range(60):
+        act = rng.integers(0, 2, 4).astype(np.int32)
+        step = src.step(act)
+        obs, rew, term, trunc, info = twin.step(act)
+        assert {k: tuple(v.shape) for k, v in step.info.items()} == {
+            "observation": (4, 1, 4), "action": (4, 1, 1), "reward": (4, 1), "terminated": (4, 1), "truncated": (4, 1)}
+        assert all(v.device.type == torch.device(device).type for v in step.info.values())
+        np.testing.assert_array_equal(step.info["observation"][:, 0].cpu().numpy(), obs)
+        np.testing.assert_array_equal(step.info["reward"][:, 0].cpu().numpy(), rew)
+        np.testing.assert_array_equal(step.info["terminated"][:, 0].cpu().numpy(), term)
+        np.testing.assert_array_equal(step.info["truncated"][:, 0].cpu().numpy(), trunc)
+        first = info["elapsed_step"] == 0
+        np.testing.assert_array_equal(step.first, first)
+        echo = step.info["action"][:, 0, 0].cpu().numpy()
+        np.testing.assert_array_equal(echo[~first], act[~first].astype(np.float32))
+        assert np.isnan(echo[first]).all()
+        seen_reset |= bool(first.any())
+    assert seen_reset, "no episode ended: the test did not exercise reset frames"
+
+
+def test_pong_pixels_feed_history_and_flush_on_reset(device):
+    hist = HistoryBuffer(2, 4, block_keys=("action",), device=device)
+    src = EnvPoolSource(make("Pong-v5", 2), obs_key="pixels", history=hist, device=device)
+    step = src.reset()
+    assert step.info["pixels"].shape == (2, 1, 4, 84, 84) and step.info["pixels"].dtype == torch.uint8
+    for _ in range(3):
+        step = src.step(np.array([2, 3]))
+    assert hist.num_strided() == [4, 4]
+    out = hist.get(4)
+    assert out["pixels"].shape == (2, 4, 4, 84, 84)  # (envs, n * T, *obs) with T = 1
+    np.testing.assert_array_equal(out["pixels"][:, -1].cpu().numpy(), step.info["pixels"][:, 0].cpu().numpy())
+    np.testing.assert_array_equal(out["action"][:, :, 0].cpu().numpy(), [[2, 2, 2], [3, 3, 3]])
+    src.reset()  # every row is a reset frame: histories restart from it
+    assert hist.num_strided() == [1, 1]
+
+
+def test_async_routes_every_received_row_to_its_env_history(device):
+    """Unique continuous actions per (env, send): each env's history echoes exactly what it was sent."""
+    n_envs, batch = 6, 3
+    hist = HistoryBuffer(n_envs, 200, device=device)
+    src = EnvPoolSource(make("Pendulum-v1", n_envs, batch), history=hist, device=device)
+    assert src.is_async
+    sent = {e: [] for e in range(n_envs)}
+    received = np.zeros(n_envs, dtype=int)
+    step = src.reset()
+    received[step.env_ids] += 1
+    for k in range(40):
+        acts = (step.env_ids * 0.1 + k * 1e-3).astype(np.float32)[:, None]
+        for e, a in zip(step.env_ids, acts[:, 0], strict=True):
+            sent[e].append(a)
+        src.send(acts, step.env_ids)
+        step = src.recv()
+        assert len(step.env_ids) == batch and len(set(step.env_ids)) == batch
+        received[step.env_ids] += 1
+    assert hist.num_strided() == received.tolist()  # no row lost, none duplicated (episodes last 200 steps)
+    for e in range(n_envs):
+        echo = hist.get(int(received[e]), [e])["action"][0, :, 0].cpu().numpy()
+        assert np.isnan(echo[0])  # the reset frame
+        np.testing.assert_array_equal(echo[1:], np.array(sent[e][: received[e] - 1], dtype=np.float32))
+
+
+def test_sync_transitions_follow_the_dynamics(device):
+    """Sampled (obs, action, next obs) triples obey CartPole's own equations: rows are aligned."""
+    from gpubuf.cli import cartpole_dynamics
+    from gpubuf.replay import TransitionBuffer
+
+    env = make(num_envs=4)
+    src = EnvPoolSource(env, device=device)
+    tb = TransitionBuffer(4 * 64, 32, src.transition_sample(), device=device)
+    src.transitions = tb
+    src.reset()
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        src.step(rng.integers(0, 2, 4))
+    assert len(tb) == 40 * 4  # one row per step after the reset
+    batch = tb.sample(0, batch_size=64, with_next_obs=True)
+    live = ~batch.terminated.bool()
+    pred = cartpole_dynamics(batch.observation.float(), batch.action.float()[:, None] * 2 - 1)
+    torch.testing.assert_close(pred[live], batch.next_observation[live].float(), rtol=1e-4, atol=1e-4)
+
+
+class DlpackOnly:
+    """An array that speaks only the DLPack protocol, as JAX or CuPy arrays do."""
+
+    def __init__(self, t):
+        self._t = t
+
+    def __dlpack__(self, **kwargs):
+        return self._t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._t.__dlpack_device__()
+
+
+@pytest.mark.parametrize("wrap", [lambda t: t, DlpackOnly], ids=["torch", "dlpack"])
+def test_stager_takes_device_arrays_from_gpu_simulators(device, wrap):
+    stager = StepStager(3, device=device)
+    obs = torch.arange(6.0, device=device).reshape(3, 2)
+    step = stager(wrap(obs), wrap(torch.ones(3, 2, device=device)), wrap(torch.zeros(3, device=device)),
+                  wrap(torch.zeros(3, dtype=torch.bool, device=device)),
+                  wrap(torch.ones(3, dtype=torch.bool, device=device)), env_ids=[2, 0, 1], first=[False, True, False])
+    torch.testing.assert_close(step.info["observation"][:, 0], obs)
+    assert torch.isnan(step.info["action"][1]).all() and (step.info["action"][[0, 2]] == 1).all()
+    assert step.info["truncated"].all() and step.env_ids.tolist() == [2, 0, 1]
+    obs.fill_(-1)  # the caller may overwrite its arrays: the staged step is a copy
+    assert step.info["observation"].min() >= 0
+
+
+@pytest.mark.cuda
+def test_stager_cuda_inputs_stay_on_device():
+    stager = StepStager(2, device="cuda")
+    x = torch.randn(2, 5, device="cuda")
+    step = stager(x, torch.zeros(2, device="cuda"), torch.zeros(2, device="cuda"), torch.zeros(2, device="cuda"),
+                  torch.zeros(2, device="cuda"))
+    assert step.info["observation"].is_cuda
+    torch.testing.assert_close(step.info["observation"][:, 0], x)
+
+
+# ------------------------------------------------------------------ rejected input
+
+
+def stage(stager, rows=2, obs=None, env_ids=None, first=None, reward=None):
+    obs = np.zeros((rows, 3), np.float32) if obs is None else obs
+    reward = np.zeros(rows) if reward is None else reward
+    return stager(obs, np.zeros(rows), reward, np.zeros(rows, bool), np.zeros(rows, bool), env_ids, first)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_stager_rejects_bad_n_envs(bad):
+    with pytest.raises(ValueError, match=f"n_envs: expected a positive int, got {bad!r}"):
+        StepStager(bad)
+
+
+def test_stager_rejects_obs_key_that_collides():
+    with pytest.raises(ValueError, match="obs_key: expected a str other than the step keys, got 'reward'"):
+        StepStager(2, "reward")
+
+
+def test_stager_rejects_wrong_row_count():
+    with pytest.raises(ValueError, match=r"observation: expected a leading env dim of 2 rows, got shape \(3, 3\)"):
+        stage(StepStager(2), obs=np.zeros((3, 3), np.float32))
+
+
+def test_stager_rejects_out_of_range_env_ids():
+    with pytest.raises(IndexError, match=r"env_ids: ids must lie in \[-2, 2\), got \[5\]"):
+        stage(StepStager(2), rows=1, env_ids=[5])
+
+
+def test_stager_rejects_bad_first_mask():
+    with pytest.raises(ValueError, match=r"first: expected shape \(2,\), got \(3,\)"):
+        stage(StepStager(2), first=[True, False, True])
+
+
+def test_stager_rejects_reward_with_extra_dims():
+    with pytest.raises(ValueError, match=r"reward: expected shape \(2,\), got \(2, 2\)"):
+        stage(StepStager(2), reward=np.zeros((2, 2)))
+
+
+def test_stager_rejects_a_shape_change_and_writes_nothing():
+    stager = StepStager(2)
+    first = stage(stager)
+    before = first.info["observation"].clone()
+    with pytest.raises(ValueError, match=r"observation: expected per-env shape \(3,\), got \(4,\)"):
+        stage(stager, obs=np.ones((2, 4), np.float32))
+    torch.testing.assert_close(first.info["observation"], before)
+
+
+def test_stager_rejects_non_numeric_values():
+    with pytest.raises(TypeError, match="observation: expected a torch tensor"):
+        stage(StepStager(2), obs=["a", "b"])
+
+
+def test_source_rejects_a_non_envpool_env():
+    with pytest.raises(TypeError, match="env: expected an envpool env"):
+        EnvPoolSource(object())
+
+
+def test_source_rejects_history_of_another_size():
+    with pytest.raises(ValueError, match="history: expected a HistoryBuffer with n_envs=4, got 3"):
+        EnvPoolSource(make(), history=HistoryBuffer(3, 2))
+
+
+def test_source_rejects_a_vectorized_transition_buffer_in_async_mode():
+    from gpubuf.replay import TransitionBuffer
+
+    tb = TransitionBuffer(64, 4, EnvPoolSource(make()).transition_sample(), device="cpu")
+    with pytest.raises(ValueError, match="transitions: an async env needs a buffer with vectorized_env=False"):
+        EnvPoolSource(make(num_envs=4, batch_size=2), transitions=tb)
+
+
+def test_source_rejects_actions_of_the_wrong_size():
+    src = EnvPoolSource(make())
+    src.reset()
+    with pytest.raises(ValueError, match=r"actions: expected 4 numbers shaped \(4,\), got int64 array of shape \(3,\)"):
+        src.step(np.zeros(3, dtype=np.int64))
+
+
+@pytest.mark.parametrize("batch_size", [4, 2], ids=["sync", "async"])
+def test_row_transitions_skip_reset_frames_and_follow_the_dynamics(device, batch_size):
+    from gpubuf.cli import cartpole_dynamics
+    from gpubuf.replay import TransitionBuffer
+
+    src = EnvPoolSource(make(num_envs=4, batch_size=batch_size), device=device)
+    tb = TransitionBuffer(512, 32, src.transition_sample(vectorized=False), vectorized_env=False, device=device)
+    src.transitions = tb
+    step = src.reset()
+    rng = np.random.default_rng(2)
+    expected = 0
+    for _ in range(60):
+        step = src.step(rng.integers(0, 2, len(step.env_ids)), step.env_ids)
+        expected += int((~step.first).sum())
+    assert len(tb) == expected  # every received row but reset frames
+    batch = tb.sample(0, batch_size=128)
+    live = ~batch.terminated.bool()
+    pred = cartpole_dynamics(batch.observation.float(), batch.action.float()[:, None] * 2 - 1)
+    torch.testing.assert_close(pred[live], batch.next_observation[live].float(), rtol=1e-4, atol=1e-4)
