@@ -1,0 +1,125 @@
+"""Planner (queues, subset re-planning, flush on reset) and CEMSolver, on the CPU torch path."""
+
+import envpool
+import numpy as np
+import pytest
+import torch
+
+from gpubuf import CEMSolver, EnvPoolSource, PlanConfig, Planner
+from gpubuf.cli import cartpole_cost, cartpole_dynamics
+
+
+class RecordingSolver:
+    """Plans whose action values say who asked and when: ``1000 * call + 10 * env + step``."""
+
+    def __init__(self, horizon, dim):
+        self.horizon, self.dim, self.calls = horizon, dim, []
+
+    def __call__(self, history, env_ids):
+        self.calls.append((np.asarray(env_ids).tolist(), {k: tuple(v.shape) for k, v in history.items()}))
+        call = len(self.calls)
+        steps = torch.arange(self.horizon * self.dim, dtype=torch.float32).view(1, self.horizon, self.dim)
+        return 1000 * call + 10 * torch.as_tensor(env_ids, dtype=torch.float32).view(-1, 1, 1) + steps
+
+
+def info(rows, t):
+    return {"observation": torch.full((rows, 1, 2), float(t)), "action": torch.zeros(rows, 1, 1)}
+
+
+def test_queues_pop_in_order_and_refill_when_empty(device):
+    cfg = PlanConfig(horizon=3, receding_horizon=2, action_block=2, history_len=2)
+    solver = RecordingSolver(3, 2)  # (horizon, action_block * action_dim)
+    planner = Planner(cfg, solver, n_envs=2, action_dim=1, device=device)
+    popped = [planner.act(info(2, t))[:, 0].cpu().tolist() for t in range(6)]
+    # queue = the first receding_horizon planned steps, each unrolled into action_block env actions
+    assert popped[:4] == [[1000.0, 1010.0], [1001.0, 1011.0], [1002.0, 1012.0], [1003.0, 1013.0]]
+    assert popped[4:] == [[2000.0, 2010.0], [2001.0, 2011.0]]
+    assert [c[0] for c in solver.calls] == [[0, 1], [0, 1]]
+    # n = min(history_len, max(num_strided)): 1 frame at the first call, 2 (with one action block) later
+    assert solver.calls[0][1] == {"observation": (2, 1, 2)}
+    assert solver.calls[1][1] == {"observation": (2, 2, 2), "action": (2, 1, 2)}
+
+
+def test_only_envs_with_empty_queues_are_replanned(device):
+    planner = Planner(PlanConfig(4, 2), RecordingSolver(4, 1), n_envs=3, action_dim=1, device=device)
+    planner.act(info(3, 0))  # all three plan
+    a = planner.act(info(2, 1), env_ids=[2, 0])  # async-style subset: one action left for 0 and 2
+    assert a[:, 0].tolist() == [1021.0, 1001.0]
+    a = planner.act(info(2, 2), env_ids=[0, 1])  # 0 is empty -> re-planned alone; 1 still holds one
+    assert planner.replanned.tolist() == [0]
+    assert a[:, 0].tolist() == [2000.0, 1011.0]
+    assert [c[0] for c in planner.solver.calls] == [[0, 1, 2], [0]]
+
+
+def test_reset_frames_flush_history_and_queue(device):
+    planner = Planner(PlanConfig(4, 4, history_len=3), RecordingSolver(4, 1), n_envs=2, action_dim=1, device=device)
+    for t in range(3):
+        planner.act(info(2, t))
+    assert planner.history.num_strided() == [3, 3]
+    a = planner.act(info(2, 9), first=[False, True])
+    assert planner.history.num_strided() == [3, 1]  # env 1 restarts from its reset frame
+    assert planner.replanned.tolist() == [1] and a[:, 0].tolist() == [1003.0, 2010.0]
+    assert planner.solver.calls[-1][1] == {"observation": (1, 1, 2)}  # n = 1: only the reset frame is real
+
+
+def test_cem_solver_finds_the_minimum_of_a_known_cost():
+    target = torch.tensor([[0.5], [-0.25]])
+    solver = CEMSolver(lambda s, a: s + a, lambda s, a: ((s - target.repeat_interleave(128, 0)) ** 2).sum(1),
+                       horizon=1, action_dim=1, num_samples=128, num_elites=16, iterations=6)
+    plan = solver({"observation": torch.zeros(2, 1, 1)}, [0, 1])
+    assert plan.shape == (2, 1, 1)
+    torch.testing.assert_close(plan[:, 0], target, atol=0.05, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_cem_planner_balances_real_cartpole(device):
+    """Planner + CEM over CartPole's equations on EnvPool: no episode ends in 150 steps."""
+    env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=4, seed=3)
+    src = EnvPoolSource(env, device=device)
+    planner = Planner(PlanConfig(horizon=10, receding_horizon=2), CEMSolver(cartpole_dynamics, cartpole_cost, 10, 1),
+                      n_envs=4, action_dim=1, device=device)
+    step = src.reset()
+    for _ in range(150):
+        a = planner.act(step.info, step.env_ids, step.first)
+        step = src.step((a[:, 0] > 0).cpu().numpy().astype(np.int32))
+        assert not step.info["terminated"].any()
+
+
+# ------------------------------------------------------------------ rejected input
+
+
+@pytest.mark.parametrize("field", ["horizon", "receding_horizon", "action_block", "history_len"])
+def test_plan_config_sizes_must_be_positive(field):
+    kwargs = dict(horizon=4, receding_horizon=2, action_block=1, history_len=1)
+    kwargs[field] = 0
+    with pytest.raises(ValueError, match=f"{field}: expected a positive int, got 0"):
+        PlanConfig(**kwargs)
+
+
+def test_plan_config_receding_horizon_within_horizon():
+    with pytest.raises(ValueError, match=r"receding_horizon: expected <= horizon \(2\), got 3"):
+        PlanConfig(horizon=2, receding_horizon=3)
+
+
+def test_planner_rejects_bad_config_and_solver():
+    with pytest.raises(TypeError, match="config: expected a PlanConfig, got dict"):
+        Planner({}, RecordingSolver(1, 1), 2, 1)
+    with pytest.raises(TypeError, match="solver: expected a callable solver"):
+        Planner(PlanConfig(1, 1), None, 2, 1)
+
+
+def test_planner_rejects_a_solver_output_of_the_wrong_shape():
+    planner = Planner(PlanConfig(3, 1), lambda h, ids: torch.zeros(len(ids), 2, 1), n_envs=2, action_dim=1)
+    with pytest.raises(ValueError, match=r"solver: expected actions of shape \(2, 3, 1\), got \(2, 2, 1\)"):
+        planner.act(info(2, 0))
+
+
+def test_planner_rejects_a_first_mask_of_the_wrong_shape():
+    planner = Planner(PlanConfig(1, 1), RecordingSolver(1, 1), n_envs=2, action_dim=1)
+    with pytest.raises(ValueError, match=r"first: expected shape \(2,\), got \(3,\)"):
+        planner.act(info(2, 0), first=[True, False, True])
+
+
+def test_cem_rejects_more_elites_than_samples():
+    with pytest.raises(ValueError, match=r"num_elites: expected <= num_samples \(4\), got 8"):
+        CEMSolver(cartpole_dynamics, cartpole_cost, 2, 1, num_samples=4, num_elites=8)
