@@ -9,6 +9,7 @@ batches and updates their priorities. Prints a summary table and writes the numb
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -96,12 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--async", dest="async_", action="store_true", help="async EnvPool: batch_size = num_envs/2")
     demo.add_argument("--out", default="gpubuf_demo.json", help="JSON file for the numbers")
     demo.add_argument("--seed", type=int, default=0)
+    parser.demo = demo  # check_args reports through it
     return parser
 
 
 def check_args(parser, args) -> torch.device:
-    """Validate what argparse cannot; returns the device."""
+    """Validate what argparse cannot, before any work; returns the device."""
     import envpool
+
+    parser = parser.demo
 
     if args.env not in envpool.list_all_envs():
         parser.error(f"--env: unknown EnvPool task {args.env!r} (envpool.list_all_envs() lists them)")
@@ -114,6 +118,9 @@ def check_args(parser, args) -> torch.device:
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError) as err:
         parser.error(f"--device: cannot use {args.device!r} ({str(err).splitlines()[0]})")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        parser.error(f"--out: cannot write {args.out!r} (no writable directory {out_dir!r})")
     return device
 
 
@@ -253,6 +260,6 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     except OSError as err:
-        parser.exit(2, f"gpubuf: error: --out: cannot write {args.out!r} ({err.strerror})\n")
+        parser.demo.error(f"--out: cannot write {args.out!r} ({err.strerror})")
     print(f"numbers written to {args.out}")
     return 0
