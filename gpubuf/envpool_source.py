@@ -1,10 +1,10 @@
 """Env outputs -> stacked-info device tensors, and an EnvPool driver that feeds the buffers.
 
 :class:`StepStager` turns one batch of env outputs (numpy, torch on any device, or ``__dlpack__`` arrays
-from a GPU simulator) into SPEC.md's stacked-info layout in preallocated device tensors: the observation
+from a GPU simulator) into SPEC.md's stacked-info layout on the device: the observation
 ``(R, 1, *obs)``, the executed ``action`` echo ``(R, 1, A)`` float32 with NaN on reset frames, ``reward``
 ``(R, 1)`` float32, ``terminated``/``truncated`` ``(R, 1)`` bool. Host arrays go through pinned staging;
-device arrays are copied on the device (no host round trip).
+device arrays are used in place (no host round trip, no copy).
 
 :class:`EnvPoolSource` drives an ``envpool`` env in sync mode (``batch_size == num_envs``) or async mode
 (``send``/``recv`` with ``env_id`` routing) and can append every received row to a :class:`HistoryBuffer`
@@ -25,8 +25,9 @@ from gpubuf.staging import Staging, as_index_array, as_tensor
 class Step:
     """One received batch: ``info`` in the stacked layout (device), and host-side routing.
 
-    ``info`` tensors are views of the stager's preallocated storage, overwritten by the next step; the
-    buffers copy what they store. ``env_ids`` ``(R,)`` int64 and ``first`` ``(R,)`` bool (reset frames)
+    ``info`` tensors are valid until the next step: device inputs are passed through without a copy and
+    host inputs bound for CUDA sit in the stager's reusable pinned/device staging. The buffers copy what
+    they store. ``env_ids`` ``(R,)`` int64 and ``first`` ``(R,)`` bool (reset frames)
     live on the host, where the env already put them.
     """
 
@@ -36,14 +37,15 @@ class Step:
 
 
 class StepStager:
-    """Copies one batch of env outputs into preallocated device tensors in the stacked-info layout.
+    """Puts one batch of env outputs on the device in the stacked-info layout, without a host round trip.
 
     Args:
         n_envs: number of envs (the most rows one call may carry).
         obs_key: the info key of the observation.
         device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
 
-    Storage is allocated at the first call, when shapes are known; later calls must keep them.
+    Host arrays bound for CUDA go through preallocated pinned staging (one non-blocking copy per key);
+    arrays already on the device are used as they are. Shapes are fixed by the first call.
     """
 
     def __init__(self, n_envs: int, obs_key: str = "observation", *, device=None):
@@ -56,7 +58,9 @@ class StepStager:
         self.device = ops.resolve_device(device)
         self._staging = Staging(self.device)
         self._all_ids = np.arange(self.n_envs, dtype=np.int64)
-        self._out: dict[str, torch.Tensor] = {}  # key -> (n_envs, 1, *per_env)
+        self._shapes: dict[str, tuple] = {}  # key -> (1, *per_env), fixed by the first call
+        self._dtypes = {"action": torch.float32, "reward": torch.float32, "terminated": torch.bool,
+                        "truncated": torch.bool}
 
     def __call__(self, obs, action, reward, terminated, truncated, env_ids=None, first=None) -> Step:
         """Stage ``R`` rows: ``obs (R, *obs)``, ``action (R,)`` or ``(R, A)``, ``reward``/``terminated``/
@@ -79,27 +83,20 @@ class StepStager:
             elif key in ("reward", "terminated", "truncated") and t.dim() != 1:
                 raise ValueError(f"{key}: expected shape ({R},), got {tuple(t.shape)}")
             values[key] = t.reshape(R, 1, *t.shape[1:])
-        if not self._out:
-            self._allocate(values)
+        if not self._shapes:
+            self._shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
         for key, t in values.items():
-            want = tuple(self._out[key].shape[1:])
+            want = self._shapes[key]
             if tuple(t.shape[1:]) != want:
                 raise ValueError(f"{key}: expected per-env shape {want[1:]}, got {tuple(t.shape[2:])}")
         info = {}
         for key, t in values.items():
-            dst = self._out[key][:R]
-            dst.copy_(self._staging.to_device(t, key), non_blocking=True)
-            info[key] = dst
+            dev = self._staging.to_device(t, key)  # ``t`` itself when already on the device: no copy
+            info[key] = dev if dev.dtype == self._dtypes.get(key, dev.dtype) else dev.to(self._dtypes[key])
         if first.any():
             mask = self._staging.to_device(torch.from_numpy(first), "__first__")
-            info["action"].masked_fill_(mask.view(R, 1, 1), float("nan"))
+            info["action"] = torch.where(mask.view(R, 1, 1), float("nan"), info["action"])
         return Step(info, ids, first)
-
-    def _allocate(self, values: dict) -> None:
-        dtypes = {self.obs_key: values[self.obs_key].dtype, "action": torch.float32, "reward": torch.float32,
-                  "terminated": torch.bool, "truncated": torch.bool}
-        self._out = {k: torch.zeros((self.n_envs, *values[k].shape[1:]), dtype=dtypes[k], device=self.device)
-                     for k in values}
 
 
 def _space_layout(space) -> tuple[np.dtype, tuple]:

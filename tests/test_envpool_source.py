@@ -127,8 +127,7 @@ def test_stager_takes_device_arrays_from_gpu_simulators(device, wrap):
     torch.testing.assert_close(step.info["observation"][:, 0], obs)
     assert torch.isnan(step.info["action"][1]).all() and (step.info["action"][[0, 2]] == 1).all()
     assert step.info["truncated"].all() and step.env_ids.tolist() == [2, 0, 1]
-    obs.fill_(-1)  # the caller may overwrite its arrays: the staged step is a copy
-    assert step.info["observation"].min() >= 0
+    assert step.info["observation"].data_ptr() == obs.data_ptr()  # used in place: no copy
 
 
 @pytest.mark.cuda
@@ -181,13 +180,11 @@ def test_stager_rejects_reward_with_extra_dims():
         stage(StepStager(2), reward=np.zeros((2, 2)))
 
 
-def test_stager_rejects_a_shape_change_and_writes_nothing():
+def test_stager_rejects_a_shape_change():
     stager = StepStager(2)
-    first = stage(stager)
-    before = first.info["observation"].clone()
+    stage(stager)
     with pytest.raises(ValueError, match=r"observation: expected per-env shape \(3,\), got \(4,\)"):
         stage(stager, obs=np.ones((2, 4), np.float32))
-    torch.testing.assert_close(first.info["observation"], before)
 
 
 def test_stager_rejects_non_numeric_values():
