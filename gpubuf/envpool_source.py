@@ -257,5 +257,8 @@ class EnvPoolSource:
                 self.transitions.insert(Transition(
                     observation=self._prev_obs[dev_ids[dev_rows]], next_observation=obs[dev_rows],
                     **{k: v[rows] for k, v in host.items()}))
-        self._prev_obs.index_copy_(0, dev_ids, obs)
+        if len(ids) == self.n_envs and (ids == np.arange(self.n_envs)).all():
+            self._prev_obs.copy_(obs)  # sync, in env order: a plain copy (index_copy_ is ~40x slower on CPU)
+        else:
+            self._prev_obs.index_copy_(0, dev_ids, obs)
         self._has_prev[ids] = True
