@@ -11,7 +11,7 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q torch==2.13.0 || { echo "setup_peers: torch 2.13.0 failed"; exit 1; }
 "$PY" -m pip install -q -e . numpy scipy
-for peer in cpprb "torchrl tensordict" "flashbax jax" jaxnasium; do
+for peer in cpprb "torchrl tensordict" "flashbax jax" "jaxnasium[algs]"; do
     # shellcheck disable=SC2086
     if "$PY" -m pip install -q $peer; then echo "setup_peers: installed $peer"; else echo "setup_peers: FAILED $peer"; fi
 done

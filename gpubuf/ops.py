@@ -82,3 +82,11 @@ def sequence_gather(backend, storage, starts, n, E, M, shift, out):
     if backend == "triton":
         return _kernels("sequence").gather(storage, starts, n, E, M, shift, out)
     return reference.sequence_gather(storage, starts, n, E, M, shift, out)
+
+
+def tree_update_range(backend, tree, offsets, fanout, lo, values):
+    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their children."""
+    if backend == "triton":
+        idx = torch.arange(lo, lo + values.shape[0], device=tree.device)
+        return _kernels("prefix_tree").update(tree, offsets, fanout, idx, values)
+    return reference.tree_update_range(tree, offsets, fanout, lo, values)

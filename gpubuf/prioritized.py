@@ -42,6 +42,10 @@ class PrefixSumTree:
     def update(self, idx: torch.Tensor, values: torch.Tensor) -> None:
         ops.tree_update(self.backend, self.tree, self.offsets, self.fanout, idx, values)
 
+    def update_range(self, lo: int, values: torch.Tensor) -> None:
+        """Leaves ``[lo, lo + len(values))`` = values, then their (contiguous) parents."""
+        ops.tree_update_range(self.backend, self.tree, self.offsets, self.fanout, lo, values)
+
     def sample(self, u: torch.Tensor) -> torch.Tensor:
         out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
         ops.tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
@@ -96,8 +100,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
             prio[lo:] = self._max_priority
             prio[:hi + 1] = self._max_priority
 
-    def _leaf_mass(self, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        return self._priority[idx].to(torch.float64).pow_(self.alpha).mul_(valid)
+    def _range_mass(self, lo: int, hi: int, valid: torch.Tensor) -> torch.Tensor:
+        return self._priority[lo:hi].to(torch.float64).pow_(self.alpha).mul_(valid)
 
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
                with_next_obs: bool = False) -> tuple[Transition, torch.Tensor]:
@@ -139,7 +143,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
         torch.maximum(self._max_priority, new.max(), out=self._max_priority)
         p = self._priority[idx].to(torch.float64).pow_(self.alpha)
-        for tree in self._trees.values():
+        for kind in self._active:
+            tree = self._trees[kind]
             tree.update(idx, torch.where(tree.leaves(idx) > 0, p, 0.0))
         return self
 

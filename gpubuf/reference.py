@@ -90,19 +90,19 @@ def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
     B = u.shape[0]
     if B == 0:
         return
-    F = fanout
-    node = torch.zeros(B, dtype=torch.int64, device=u.device)
-    target = None
-    for k in range(len(offsets) - 2, -1, -1):
-        c = tree[offsets[k]:offsets[k + 1]].view(-1, F)[node]  # (B, F) children of each sample's node
+    F, K = fanout, len(offsets) - 1
+    top = tree[offsets[K - 1]:offsets[K]]  # (F,) the single top node: shared by every sample
+    cs = top.cumsum(0)
+    target = torch.minimum(u * cs[-1], cs[-1] * _BELOW_ONE)
+    node = torch.searchsorted(cs, target, right=True)  # first child whose prefix sum exceeds the mass
+    target = (target - (cs - top)[node]).clamp_min_(0)
+    for k in range(K - 2, -1, -1):
+        c = tree[offsets[k]:offsets[k + 1]].view(-1, F).index_select(0, node)  # (B, F) children
         cs = c.cumsum(1)
-        if target is None:
-            target = u * cs[:, -1]
-        target = torch.minimum(target, cs[:, -1] * _BELOW_ONE)  # stay below the node's mass
-        below = cs <= target.unsqueeze(1)  # (B, F) children entirely below the mass
-        j = below.sum(1)
-        target = (target - (c * below).sum(1)).clamp_min_(0)
-        node = node * F + j
+        target = torch.minimum(target, cs[:, -1] * _BELOW_ONE).unsqueeze_(1)  # stay below the node's mass
+        j = torch.searchsorted(cs, target, right=True).clamp_max_(F - 1)  # (B, 1)
+        target = (target - (cs - c).gather(1, j)).squeeze_(1).clamp_min_(0)
+        node = torch.add(j.squeeze_(1), node, alpha=F)
     out.copy_(node)
 
 
@@ -112,12 +112,12 @@ def tree_update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.
     if idx.numel() == 0:
         return
     F = fanout
-    tree[idx] = values
+    tree.index_copy_(0, idx, values)
     node = idx
     for k in range(1, len(offsets) - 1):
-        child = tree[offsets[k - 1]:offsets[k]].view(-1, F)
-        node = node // F
-        tree[offsets[k] + node] = child[node].sum(1)
+        node = torch.div(node, F, rounding_mode="floor")
+        sums = tree[offsets[k - 1]:offsets[k]].view(-1, F).index_select(0, node).sum(1)
+        tree[offsets[k]:offsets[k + 1]].index_copy_(0, node, sums)
 
 
 def sequence_gather(storage: torch.Tensor, starts: torch.Tensor, n: int, E: int, M: int, shift: int,
@@ -126,7 +126,22 @@ def sequence_gather(storage: torch.Tensor, starts: torch.Tensor, n: int, E: int,
     B = starts.shape[0]
     if B == 0:
         return
-    step, env = starts // E, starts % E
-    j = torch.arange(shift, n + shift, device=starts.device)
-    rows = ((step.unsqueeze(1) + j) % M) * E + env.unsqueeze(1)  # (B, n)
-    torch.index_select(as_words(storage), 0, rows.reshape(-1), out=as_words(out.view(B * n, storage.shape[1])))
+    if n == 1 and shift == 0:
+        rows = starts  # row of start s = step * E + env is s itself
+    else:  # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
+        j = torch.arange(shift * E, (n + shift) * E, E, device=starts.device)
+        rows = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)  # (B * n,)
+    torch.index_select(as_words(storage), 0, rows, out=as_words(out.view(B * n, storage.shape[1])))
+
+
+def tree_update_range(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:
+    """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from their children."""
+    a, b = lo, lo + values.shape[0]
+    if a == b:
+        return
+    F = fanout
+    tree[a:b].copy_(values)
+    for k in range(1, len(offsets) - 1):
+        child = tree[offsets[k - 1]:offsets[k]]
+        a, b = a // F, (b - 1) // F + 1
+        torch.sum(child[a * F:b * F].view(-1, F), 1, out=tree[offsets[k] + a:offsets[k] + b])

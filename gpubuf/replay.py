@@ -172,6 +172,7 @@ class TransitionBuffer:
         self._trunc = np.zeros((M, E), dtype=bool)
         self._valid = {k: np.zeros((M, E), dtype=bool) for k in self._kinds}
         self._n_valid = dict.fromkeys(self._kinds, 0)
+        self._active = {0}  # trees kept up to date; the next-obs tree is built on first use (one linear pass)
         self._staging = Staging(self.device)
         self._gen = torch.Generator(device=self.device)
         if seed is not None:
@@ -198,10 +199,14 @@ class TransitionBuffer:
         return self._n_valid[self._kind(with_next_obs)]
 
     def _kind(self, with_next_obs: bool) -> int:
+        """The validity kind (and its tree, activated here on first use) that ``with_next_obs`` samples from."""
         if not with_next_obs or self._has_next_obs:
             return 0
         if 1 not in self._kinds:
             raise ValueError("with_next_obs: the buffer stores neither next_observation nor observation")
+        if 1 not in self._active:
+            self._active.add(1)
+            self._set_rows(1, 0, self.max_rows)
         return 1
 
     def _window(self, kind: int) -> int:
@@ -270,28 +275,40 @@ class TransitionBuffer:
 
     def _refresh_validity(self, old_pos: int, T: int) -> None:
         """Recompute validity (host) and tree leaves (device) of the starts whose windows changed: rows
-        ``old_pos - W + 1 .. old_pos + T - 1`` (the seam moved, rows were overwritten)."""
-        M, E = self.max_rows, self.n_envs
-        W = max(self._window(k) for k in self._kinds)
+        ``old_pos - W + 1 .. old_pos + T - 1`` (the seam moved, rows were overwritten), at most two
+        contiguous row ranges, hence contiguous ranges of flat starts."""
+        M = self.max_rows
+        W = max(self._window(k) for k in self._active)
         K = min(T + W - 1, M)
-        rows = (old_pos + T - K + np.arange(K)) % M
+        a = (old_pos + T - K) % M
+        segments = [(a, min(a + K, M))] + ([(0, a + K - M)] if a + K > M else [])
+        for kind in sorted(self._active):
+            for r0, r1 in segments:
+                self._set_rows(kind, r0, r1)
+
+    def _validity(self, rows: np.ndarray, kind: int) -> np.ndarray:
+        """(len(rows), E) bool: is the window of this kind starting at each row (and env) valid."""
+        M, E = self.max_rows, self.n_envs
         oldest = self._pos if self._count == M else 0
         t = (rows - oldest) % M  # time index of each row, 0 = oldest
-        starts = (rows[:, None] * E + np.arange(E)).reshape(-1)
-        idx = self._upload(starts, "__starts__")
-        for k in self._kinds:
-            ok = np.broadcast_to((t <= self._count - self._window(k))[:, None], (K, E))
-            if k == 1 and self._trunc_paths:
-                win = (rows[:, None] + np.arange(self.n_steps)) % M  # (K, n)
-                ok = ok & ~self._trunc[win].any(1)
-            valid = self._valid[k]
-            self._n_valid[k] += int(ok.sum()) - int(valid[rows].sum())
-            valid[rows] = ok
-            mass = self._upload(ok.reshape(-1).astype(np.float64), f"__valid{k}__")
-            self._trees[k].update(idx, self._leaf_mass(idx, mass))
+        ok = np.broadcast_to((t <= self._count - self._window(kind))[:, None], (len(rows), E))
+        if kind == 1 and self._trunc_paths:
+            win = (rows[:, None] + np.arange(self.n_steps)) % M  # (K, n)
+            ok = ok & ~self._trunc[win].any(1)
+        return ok
 
-    def _leaf_mass(self, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Sampling mass of starts ``idx`` given their validity (0/1): uniform here."""
+    def _set_rows(self, kind: int, r0: int, r1: int) -> None:
+        """Refresh validity and tree leaves (then their parents) of the starts in rows ``[r0, r1)``."""
+        ok = self._validity(np.arange(r0, r1), kind)
+        valid = self._valid[kind]
+        self._n_valid[kind] += int(ok.sum()) - int(valid[r0:r1].sum())
+        valid[r0:r1] = ok
+        lo, hi = r0 * self.n_envs, r1 * self.n_envs
+        mass = self._upload(ok.reshape(-1).astype(np.float64), f"__valid{kind}_{r0 == 0}__")
+        self._trees[kind].update_range(lo, self._range_mass(lo, hi, mass))
+
+    def _range_mass(self, lo: int, hi: int, valid: torch.Tensor) -> torch.Tensor:
+        """Sampling mass of flat starts ``[lo, hi)`` given their validity (0/1): uniform here."""
         return valid
 
     # ------------------------------------------------------------------ sample
@@ -382,7 +399,7 @@ class TransitionBuffer:
         state.update(
             shapes={_leaf_name(p): s for p, s in self._shapes.items()},
             data={_leaf_name(p): t.clone() for p, t in self._data.items()},
-            trees={k: t.tree.clone() for k, t in self._trees.items()},
+            trees={k: t.tree.clone() for k, t in self._trees.items() if k in self._active},
             pos=self._pos,
             count=self._count,
             trunc=self._trunc.copy(),
@@ -405,13 +422,14 @@ class TransitionBuffer:
         shapes = {_leaf_name(p): s for p, s in self._shapes.items()}
         if {k: tuple(v) for k, v in state["shapes"].items()} != shapes:
             raise ValueError(f"state_dict: leaves {dict(state['shapes'])} differ from this buffer's {shapes}")
-        if set(state["trees"]) != set(self._trees):
+        if not set(state["trees"]) <= set(self._trees):
             raise ValueError(f"state_dict: trees {sorted(state['trees'])} differ from this buffer's "
                              f"{sorted(self._trees)}")
         for p, t in self._data.items():
             t.copy_(torch.as_tensor(state["data"][_leaf_name(p)]))
-        for k, tree in self._trees.items():
-            tree.tree.copy_(torch.as_tensor(state["trees"][k]))
+        self._active = set(state["trees"])
+        for k in self._active:
+            self._trees[k].tree.copy_(torch.as_tensor(state["trees"][k]))
         self._pos, self._count = int(state["pos"]), int(state["count"])
         self._trunc = np.asarray(state["trunc"], dtype=bool).copy()
         self._valid = {k: np.asarray(v, dtype=bool).copy() for k, v in state["valid"].items()}

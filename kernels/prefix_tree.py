@@ -36,8 +36,9 @@ def _sample_kernel(
         cs = tl.cumsum(c, 0)
         target = tl.minimum(target, tl.max(cs, 0) * BELOW_ONE)  # stay below the node's mass
         below = cs <= target  # children entirely below the remaining mass
-        j = tl.sum(below.to(tl.int64), 0)
-        target = tl.maximum(target - tl.sum(tl.where(below, c, 0.0), 0), 0.0)
+        j = tl.minimum(tl.sum(below.to(tl.int64), 0), F - 1)
+        prev = tl.sum(tl.where(ar == j, cs - c, 0.0), 0)  # exclusive prefix sum at the chosen child
+        target = tl.maximum(target - prev, 0.0)
         node = node * F + j
     tl.store(out_ptr + b, node)
 

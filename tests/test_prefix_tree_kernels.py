@@ -132,3 +132,13 @@ def test_cuda_kernels_match_twin_at_scale():
     _kernels("prefix_tree").sample(tree.tree, tree.offsets, 64, u, out)
     assert (ref == out).float().mean() > 0.999  # boundary ties may round differently
     assert (mass.cuda()[out] > 0).all()
+
+
+@pytest.mark.parametrize("lo, K", [(0, 1000), (5, 17), (990, 10), (63, 130)])
+def test_range_update_matches_indexed_update(lo, K):
+    a, _ = make_tree(1000, 16, seed=4)
+    b = a.tree.clone()
+    vals = torch.rand(K, dtype=torch.float64, generator=torch.Generator().manual_seed(K)).to(DEVICE)
+    reference.tree_update_range(a.tree, a.offsets, 16, lo, vals)
+    reference.tree_update(b, a.offsets, 16, torch.arange(lo, lo + K, device=DEVICE), vals)
+    torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
