@@ -131,18 +131,17 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         L = self.max_size
         idx = self._staging.to_device(idx, "__upd_idx__").to(torch.int64)
         new = self._staging.to_device(td, "__upd_td__").to(torch.float32).abs().add_(self.eps)
-        bad_idx = ((idx < 0) | (idx >= L)).any()
-        bad_td = (~torch.isfinite(new)).any()
-        flags = torch.stack([bad_idx, bad_td]).cpu()  # one read-back for both checks
-        if flags[0]:
+        lo, hi = torch.aminmax(idx)
+        lo, hi, finite = torch.stack([lo, hi, torch.isfinite(new).all().to(torch.int64)]).tolist()  # one read-back
+        if lo < 0 or hi >= L:
             raise IndexError(f"indices: expected flat start indices in [0, {L}), got "
                              f"{idx[(idx < 0) | (idx >= L)][:5].tolist()}")
-        if flags[1]:
+        if not finite:
             raise ValueError(f"td_errors: |td| + eps must be finite and non-negative, got "
                              f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
         self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
         torch.maximum(self._max_priority, new.max(), out=self._max_priority)
-        p = self._priority[idx].to(torch.float64).pow_(self.alpha)
+        p = self._priority.index_select(0, idx).to(torch.float64).pow_(self.alpha)
         for kind in self._active:
             tree = self._trees[kind]
             tree.update(idx, torch.where(tree.leaves(idx) > 0, p, 0.0))

@@ -144,6 +144,7 @@ class TransitionBuffer:
         self.device = ops.resolve_device(device)
         self.backend = ops.backend_for(self.device)
         self._shapes = {p: tuple(t.shape[lead:]) for p, t in samples.items()}
+        self._names = {p: _leaf_name(p) for p in samples}
         self._dtypes = {p: t.dtype for p, t in samples.items()}
         self._has_next_obs = any(p[0] == "next_observation" for p in samples)
         self._obs_paths = [p for p in samples if p[0] == "observation"]
@@ -224,15 +225,15 @@ class TransitionBuffer:
         set, per-row shapes and (safely castable) dtypes of ``data_sample``. Every check runs before any write.
         """
         leaves = _flatten(transition)
-        missing = [_leaf_name(p) for p in self._shapes if p not in leaves]
-        extra = [_leaf_name(p) for p in leaves if p not in self._shapes]
-        if missing or extra:
+        if leaves.keys() != self._shapes.keys():
+            missing = [_leaf_name(p) for p in self._shapes if p not in leaves]
+            extra = [_leaf_name(p) for p in leaves if p not in self._shapes]
             raise ValueError(f"transition: leaves are fixed by data_sample {[_leaf_name(p) for p in self._shapes]}; "
                              f"missing {missing}, unexpected {extra}")
         values, T = {}, None
         lead = (self.n_envs,) if self.vectorized_env else ()
         for p, v in leaves.items():
-            name = _leaf_name(p)
+            name = self._names[p]
             t = as_tensor(v, name)
             want = lead + self._shapes[p]
             if t.dim() != len(want) + 1 or tuple(t.shape[1:]) != want:
@@ -250,13 +251,14 @@ class TransitionBuffer:
         trunc = None
         if self._trunc_paths:
             flags = [values[p].reshape(T, self.n_envs, -1) for p in self._trunc_paths]
+            flags = flags[0] if len(flags) == 1 else torch.cat(flags, dim=2)
             # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
-            trunc = torch.cat([f != 0 for f in flags], dim=2).any(2).cpu().numpy()
+            trunc = flags.any(2).cpu().numpy() if flags.dtype == torch.bool else (flags != 0).any(2).cpu().numpy()
         # ---- all checks passed: write
         pos = self._pos
         first = min(T, M - pos)  # rows before the ring wraps
         for p, t in values.items():
-            src = self._staging.to_device(t, _leaf_name(p))
+            src = self._staging.to_device(t, self._names[p])
             dst = self._data[p]
             dst[pos:pos + first].copy_(src[:first], non_blocking=True)
             if first < T:
