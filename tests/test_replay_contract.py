@@ -260,3 +260,14 @@ def test_no_warning_when_divisible():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build()
+
+
+def test_allocation_failure_names_bytes_and_device():
+    with pytest.raises(MemoryError, match=r"bytes .* on cpu"):
+        TransitionBuffer(2**42 * 3, 4, make_transition(0, 1, 3), device="cpu")
+
+
+def test_insert_returns_self_and_len():
+    buf = build()
+    assert buf.insert(make_transition(0, 4, 3)) is buf
+    assert len(buf) == 12
