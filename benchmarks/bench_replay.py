@@ -9,9 +9,9 @@ Cases (DESIGN.md, issue 3):
   Peers: torchrl SliceSampler on LazyTensorStorage, flashbax trajectory buffer, jaxnasium TransitionBuffer.
 - ``floor``: a plain copy of the same output bytes into a preallocated tensor.
 
-Peers are interleaved repeat by repeat and the median is reported; ``torch.set_num_threads(1)`` (and one
-XLA CPU thread) unless ``--threads`` says otherwise. A peer that does not import is reported as missing
-with the reason. Run with the venv made by ``benchmarks/setup_peers.sh``:
+Peers are interleaved (blocks of consecutive calls, rotating order) and the median is reported;
+``torch.set_num_threads(1)`` (and one XLA CPU thread) unless ``--threads`` says otherwise. A peer that
+does not import is reported as missing with the reason. Run with the venv made by ``benchmarks/setup_peers.sh``:
 
     /work/bench-venv/bin/python benchmarks/bench_replay.py            # writes benchmarks/results/replay_<device>.json
 """
@@ -30,7 +30,7 @@ import numpy as np
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--threads", type=int, default=1)
-parser.add_argument("--repeats", type=int, default=60)
+parser.add_argument("--repeats", type=int, default=20, help="blocks of 5 timed calls per implementation")
 parser.add_argument("--log2-sizes", default="17,20,22")
 parser.add_argument("--cases", default="per,seq")
 parser.add_argument("--peers", default="cpprb,torchrl,flashbax,jaxnasium")
@@ -56,17 +56,22 @@ def sync():
         torch.cuda.synchronize()
 
 
-def bench(fns: dict, repeats: int, warmup: int = 3) -> dict:
-    """Median seconds per call of each fn, calls interleaved across fns within every repeat."""
+def bench(fns: dict, repeats: int, block: int = 6) -> dict:
+    """Median seconds per call of each fn. Every repeat runs each fn for a block of consecutive calls, in a
+    rotating order (interleaved within the run); the first call of each block is discarded, so the thread
+    pools a previous peer left spinning (XLA's) do not land on the next one's first call."""
     for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+        fn()
+    names = list(fns)
     times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+    for r in range(repeats):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[k]
+            for i in range(block):
+                t0 = time.perf_counter()
+                fn()
+                if i:
+                    times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -290,13 +295,18 @@ def gpubuf_seq(frames: np.ndarray):
     for s in range(0, STEPS, 256):
         buf.insert(tr(frames[s:s + 256]))
     gen = torch.Generator(device=DEV).manual_seed(0)
+    out = buf.sample(key=gen)
 
     def sample():
-        out = buf.sample(key=gen)
+        res = buf.sample(key=gen)
         sync()
-        return out
+        return res
 
-    return sample
+    def sample_into():
+        buf.sample(key=gen, out=out)
+        sync()
+
+    return sample, sample_into
 
 
 def torchrl_seq(frames: np.ndarray):
@@ -363,7 +373,7 @@ def jaxnasium_seq(frames: np.ndarray):
 def seq_case():
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, size=(STEPS, ENVS, H, W, C), dtype=np.uint8)  # time-major (T, E, H, W, C)
-    fns = {"gpubuf": gpubuf_seq(frames)}
+    fns = dict(zip(("gpubuf", "gpubuf (out=)"), gpubuf_seq(frames), strict=True))
     for name, make in (("torchrl-SliceSampler", torchrl_seq), ("flashbax", flashbax_seq),
                        ("jaxnasium", jaxnasium_seq)):
         p = try_peer(name, lambda make=make: make(frames))
@@ -373,7 +383,7 @@ def seq_case():
     src = torch.zeros(nbytes, dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
     fns["floor"] = lambda: (dst.copy_(src), sync())
-    res = bench(fns, max(10, args.repeats // 3))
+    res = bench(fns, max(4, args.repeats // 2))
     for name, sec in res.items():
         rows.append({"case": "seq", "N": ENVS * STEPS, "op": f"sample {SB}x{SL} frames", "impl": name,
                      "us": sec * 1e6, "MB/s": nbytes / sec / 1e6})

@@ -104,12 +104,14 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return self._priority[lo:hi].to(torch.float64).pow_(self.alpha).mul_(valid)
 
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
-               with_next_obs: bool = False) -> tuple[Transition, torch.Tensor]:
+               with_next_obs: bool = False, *, out: Transition | None = None) -> tuple[Transition, torch.Tensor]:
         """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch carries
-        ``PER_weights`` (B,) float32. Shapes and ``with_next_obs`` as in :meth:`TransitionBuffer.sample`."""
+        ``PER_weights`` (B,) float32. Shapes, ``with_next_obs`` and ``out`` as in :meth:`TransitionBuffer.sample`
+        (``out.PER_weights`` is replaced by a fresh tensor)."""
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
+        dst = self._check_out(out, B, with_next_obs)
         idx, mass = self._draw(self._trees[kind], B, self._generator(key), with_replacement)
-        batch = self._gather(idx, with_next_obs)
+        batch = self._gather(idx, dst, out)
         batch.PER_weights = (mass / mass.min()).pow_(-self.beta).to(torch.float32)
         return batch, idx
 

@@ -365,31 +365,61 @@ class TransitionBuffer:
         return idx, mass
 
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
-               with_next_obs: bool = False) -> Transition:
+               with_next_obs: bool = False, *, out: Transition | None = None) -> Transition:
         """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts.
 
         Leaves come back ``(B, n_steps, ...)`` (``(B, ...)`` when ``n_steps == 1``). ``with_next_obs`` fills
         ``next_observation`` with the observation one row later (unless it is stored), and then never
         samples a window whose first ``n_steps`` rows hold a truncation. Raises ``ValueError`` when there
         is no valid start, or fewer valid starts than ``batch_size`` without replacement.
+
+        ``out`` may be a :class:`Transition` of preallocated tensors of exactly the returned shapes and dtypes
+        on the buffer's device: the windows are written there and ``out`` is returned (no allocation; large
+        fresh CPU outputs otherwise pay page faults on every call).
         """
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
+        dst = self._check_out(out, B, with_next_obs)
         idx, _ = self._draw(self._trees[kind], B, self._generator(key), with_replacement)
-        return self._gather(idx, with_next_obs)
+        return self._gather(idx, dst, out)
 
-    def _gather(self, starts: torch.Tensor, with_next_obs: bool) -> Transition:
-        B, n = starts.shape[0], self.n_steps
-        out = {}
+    def _jobs(self, B: int, with_next_obs: bool):
+        """(output path, source path, shift, output shape) of every returned leaf."""
+        n = self.n_steps
         shifted = [] if (not with_next_obs or self._has_next_obs) else self._obs_paths
-        jobs = [(p, p, 0) for p in self._data] + [(("next_observation",) + p[1:], p, 1) for p in shifted]
-        for dst_path, src_path, shift in jobs:
-            src = self._flat[src_path]
-            shape = (B, n) + self._shapes[src_path] if n > 1 else (B,) + self._shapes[src_path]
-            dst = torch.empty(shape, dtype=src.dtype, device=self.device)
+        pairs = [(p, p, 0) for p in self._data] + [(("next_observation",) + p[1:], p, 1) for p in shifted]
+        return [(d, s, shift, ((B, n) if n > 1 else (B,)) + self._shapes[s]) for d, s, shift in pairs]
+
+    def _check_out(self, out, B: int, with_next_obs: bool) -> dict:
+        """{output path: (destination tensor or None, source path, shift)}, checking a caller's ``out``."""
+        jobs = self._jobs(B, with_next_obs)
+        if out is None:
+            return {d: (None, s, shift, shape) for d, s, shift, shape in jobs}
+        given = _flatten(out, "out")
+        result = {}
+        for d, s, shift, shape in jobs:
+            t = given.get(d)
+            dtype = self._dtypes[s]
+            if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
+                    or t.device != self.device or not t.is_contiguous()):
+                got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"out.{_leaf_name(d)}: expected a contiguous {dtype} tensor of shape {shape} on "
+                                 f"{self.device}, got {got}")
+            result[d] = (t, s, shift, shape)
+        return result
+
+    def _gather(self, starts: torch.Tensor, jobs: dict, out: Transition | None = None) -> Transition:
+        B, n = starts.shape[0], self.n_steps
+        result = {}
+        for d, (dst, s, shift, shape) in jobs.items():
+            src = self._flat[s]
+            if dst is None:
+                dst = torch.empty(shape, dtype=src.dtype, device=self.device)
             ops.sequence_gather(self.backend, src, starts, n, self.n_envs, self.max_rows, shift,
                                 dst.view(B, n, src.shape[1]))
-            out[dst_path] = dst
-        return _unflatten(out)
+            result[d] = dst
+        if out is None:
+            return _unflatten(result)
+        return out
 
     # ------------------------------------------------------------------ state
 

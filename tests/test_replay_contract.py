@@ -271,3 +271,19 @@ def test_insert_returns_self_and_len():
     buf = build()
     assert buf.insert(make_transition(0, 4, 3)) is buf
     assert len(buf) == 12
+
+
+def test_sample_into_out(backend, device):
+    buf = build(n=3, device=device)
+    buf.insert(make_transition(0, 9, 3))
+    ref = buf.sample(key=4, batch_size=5, with_next_obs=True)
+    out = buf.sample(key=4, batch_size=5, with_next_obs=True)  # a Transition of the right tensors
+    for t in (out.observation, out.reward, out.next_observation):
+        t.zero_()
+    got = buf.sample(key=4, batch_size=5, with_next_obs=True, out=out)
+    assert got is out
+    assert torch.equal(out.observation, ref.observation) and torch.equal(out.next_observation, ref.next_observation)
+    assert torch.equal(out.info["step"], ref.info["step"])
+    out.reward = torch.zeros(5, 2)
+    with pytest.raises(ValueError, match=r"out\.reward"):
+        buf.sample(batch_size=5, with_next_obs=True, out=out)
