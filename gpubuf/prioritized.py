@@ -15,7 +15,7 @@ from gpubuf import ops
 from gpubuf.replay import Transition, TransitionBuffer
 from gpubuf.staging import as_tensor
 
-FANOUT = 64
+FANOUT = 32
 
 
 class PrefixSumTree:

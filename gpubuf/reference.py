@@ -75,6 +75,7 @@ def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:
 
 
 _BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
+_SHARED = 4096  # tree levels up to this size are searched whole by tree_sample
 
 
 def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
@@ -91,12 +92,15 @@ def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
     if B == 0:
         return
     F, K = fanout, len(offsets) - 1
-    top = tree[offsets[K - 1]:offsets[K]]  # (F,) the single top node: shared by every sample
-    cs = top.cumsum(0)
+    # The lowest level holding at most _SHARED entries is searched whole: one cumsum shared by all samples
+    # (bounded work, whatever the capacity), then the descent goes node by node below it.
+    shared = next(k for k in range(K) if offsets[k + 1] - offsets[k] <= max(_SHARED, F))
+    level = tree[offsets[shared]:offsets[shared + 1]]
+    cs = level.cumsum(0)
     target = torch.minimum(u * cs[-1], cs[-1] * _BELOW_ONE)
-    node = torch.searchsorted(cs, target, right=True)  # first child whose prefix sum exceeds the mass
-    target = (target - (cs - top)[node]).clamp_min_(0)
-    for k in range(K - 2, -1, -1):
+    node = torch.searchsorted(cs, target, right=True)  # first entry whose prefix sum exceeds the mass
+    target = (target - (cs - level)[node]).clamp_min_(0)
+    for k in range(shared - 1, -1, -1):
         c = tree[offsets[k]:offsets[k + 1]].view(-1, F).index_select(0, node)  # (B, F) children
         cs = c.cumsum(1)
         target = torch.minimum(target, cs[:, -1] * _BELOW_ONE).unsqueeze_(1)  # stay below the node's mass
