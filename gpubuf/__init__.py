@@ -1,6 +1,6 @@
 """gpubuf: GPU-resident history and replay buffers for reinforcement learning."""
 
-from gpubuf.envpool_source import EnvPoolSource, Step, StepStager
+from gpubuf.envpool import EnvPoolSource, Step, StepStager
 from gpubuf.history import HistoryBuffer
 from gpubuf.planning import CEMSolver, PlanConfig, Planner
 from gpubuf.prioritized import PrioritizedTransitionBuffer

@@ -1,6 +1,6 @@
 """The ``gpubuf`` command. ``gpubuf demo``: EnvPool envs -> planner histories -> PER learner, timed.
 
-Every env step goes through :class:`~gpubuf.envpool_source.EnvPoolSource` into a prioritized replay
+Every env step goes through :class:`~gpubuf.envpool.EnvPoolSource` into a prioritized replay
 buffer; a :class:`~gpubuf.planning.Planner` picks the actions from per-env histories (CEM over CartPole's
 own equations for ``CartPole-v1``, uniform random plans for other tasks); a linear Q-learner samples PER
 batches and updates their priorities. Prints a summary table and writes the numbers as JSON.
@@ -155,7 +155,7 @@ def demo(args, device: torch.device) -> dict:
     """Run the loop; returns the numbers of the summary."""
     import envpool
 
-    from gpubuf.envpool_source import EnvPoolSource
+    from gpubuf.envpool import EnvPoolSource
     from gpubuf.planning import PlanConfig, Planner
     from gpubuf.prioritized import PrioritizedTransitionBuffer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpubuf import HistoryBuffer
-from gpubuf.envpool_source import EnvPoolSource, StepStager
+from gpubuf.envpool import EnvPoolSource, StepStager
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

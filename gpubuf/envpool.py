@@ -9,7 +9,7 @@ device arrays are used in place (no host round trip, no copy).
 :class:`EnvPoolSource` drives an ``envpool`` env in sync mode (``batch_size == num_envs``) or async mode
 (``send``/``recv`` with ``env_id`` routing) and can append every received row to a :class:`HistoryBuffer`
 (flushing envs on their reset frame) and insert transitions into a ``TransitionBuffer``.
-The module is not called ``envpool.py`` so that it never shadows the ``envpool`` package.
+Imports are absolute, so this module (``gpubuf.envpool``) never shadows the ``envpool`` package.
 """
 
 from dataclasses import dataclass
