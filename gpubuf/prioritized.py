@@ -90,15 +90,11 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         """The running maximum priority (reads the device)."""
         return float(self._max_priority)
 
-    def _on_rows_written(self, rows: np.ndarray) -> None:
-        E = self.n_envs
-        prio = self._priority.view(self.max_rows, E)
-        lo, hi = int(rows[0]), int(rows[-1])
-        if lo <= hi:
-            prio[lo:hi + 1] = self._max_priority
-        else:  # wrapped
-            prio[lo:] = self._max_priority
-            prio[:hi + 1] = self._max_priority
+    def _on_rows_written(self, pos: int, first: int, T: int) -> None:
+        prio = self._priority.view(self.max_rows, self.n_envs)
+        prio[pos:pos + first] = self._max_priority
+        if first < T:  # wrapped
+            prio[:T - first] = self._max_priority
 
     def _range_mass(self, lo: int, hi: int, valid: torch.Tensor) -> torch.Tensor:
         return self._priority[lo:hi].to(torch.float64).pow_(self.alpha).mul_(valid)
@@ -134,7 +130,9 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         idx = self._staging.to_device(idx, "__upd_idx__").to(torch.int64)
         new = self._staging.to_device(td, "__upd_td__").to(torch.float32).abs().add_(self.eps)
         lo, hi = torch.aminmax(idx)
-        lo, hi, finite = torch.stack([lo, hi, torch.isfinite(new).all().to(torch.int64)]).tolist()  # one read-back
+        top = new.max()  # NaN or inf here iff anywhere
+        lo, hi, top_value = torch.stack([lo.double(), hi.double(), top.double()]).tolist()  # one read-back
+        finite = np.isfinite(top_value)
         if lo < 0 or hi >= L:
             raise IndexError(f"indices: expected flat start indices in [0, {L}), got "
                              f"{idx[(idx < 0) | (idx >= L)][:5].tolist()}")
@@ -142,11 +140,11 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
             raise ValueError(f"td_errors: |td| + eps must be finite and non-negative, got "
                              f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
         self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
-        torch.maximum(self._max_priority, new.max(), out=self._max_priority)
+        torch.maximum(self._max_priority, top, out=self._max_priority)
         p = self._priority.index_select(0, idx).to(torch.float64).pow_(self.alpha)
         for kind in self._active:
             tree = self._trees[kind]
-            tree.update(idx, torch.where(tree.leaves(idx) > 0, p, 0.0))
+            tree.update(idx, p * (tree.leaves(idx) > 0))  # invalid starts keep zero mass
         return self
 
     def update_beta(self, beta: float):

@@ -253,7 +253,8 @@ class TransitionBuffer:
             flags = [values[p].reshape(T, self.n_envs, -1) for p in self._trunc_paths]
             flags = flags[0] if len(flags) == 1 else torch.cat(flags, dim=2)
             # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
-            trunc = flags.any(2).cpu().numpy() if flags.dtype == torch.bool else (flags != 0).any(2).cpu().numpy()
+            f = flags.cpu().numpy()
+            trunc = f.any(2) if f.dtype == np.bool_ else (f != 0).any(2)
         # ---- all checks passed: write
         pos = self._pos
         first = min(T, M - pos)  # rows before the ring wraps
@@ -263,17 +264,18 @@ class TransitionBuffer:
             dst[pos:pos + first].copy_(src[:first], non_blocking=True)
             if first < T:
                 dst[:T - first].copy_(src[first:], non_blocking=True)
-        rows = (pos + np.arange(T)) % M
         if trunc is not None:
-            self._trunc[rows] = trunc
-        self._on_rows_written(rows)
+            self._trunc[pos:pos + first] = trunc[:first]
+            self._trunc[:T - first] = trunc[first:]
+        self._on_rows_written(pos, first, T)
         self._pos = (pos + T) % M
         self._count = min(self._count + T, M)
         self._refresh_validity(pos, T)
         return self
 
-    def _on_rows_written(self, rows: np.ndarray) -> None:
-        """Hook for new rows (the prioritized buffer gives their starts the running max priority)."""
+    def _on_rows_written(self, pos: int, first: int, T: int) -> None:
+        """Hook for new rows ``pos .. pos+first-1`` and ``0 .. T-first-1`` (the prioritized buffer gives their
+        starts the running max priority)."""
 
     def _refresh_validity(self, old_pos: int, T: int) -> None:
         """Recompute validity (host) and tree leaves (device) of the starts whose windows changed: rows
