@@ -263,3 +263,7 @@ def main(argv=None) -> int:
         parser.demo.error(f"--out: cannot write {args.out!r} ({err.strerror})")
     print(f"numbers written to {args.out}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
