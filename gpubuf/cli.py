@@ -215,10 +215,12 @@ class ValueLearner:
 
     def __init__(self, obs_size: int, device: torch.device, lr: float = 0.1, gamma: float = 0.99):
         self.w = torch.zeros(obs_size, device=device)
+        self._batch = None
         self.lr, self.gamma = lr / obs_size, gamma
 
     def update(self, per, with_next_obs: bool) -> None:
-        batch, idx = per.sample(with_next_obs=with_next_obs)
+        batch, idx = per.sample(with_next_obs=with_next_obs, out=self._batch)
+        self._batch = batch  # the next sample writes into the same tensors (no allocation)
         B = batch.reward.shape[0]
         scale = 1 / 255 if batch.observation.dtype == torch.uint8 else 1.0
         x = batch.observation.reshape(B, -1).float() * scale  # (B, obs)

@@ -45,7 +45,8 @@ class Planner:
         config: a :class:`PlanConfig`.
         solver: ``solver(history, env_ids) -> actions (len(env_ids), horizon, action_block * action_dim)``;
             ``history`` is :meth:`HistoryBuffer.get`'s dict for those envs (``action`` as blocks), with
-            ``n = min(history_len, max(num_strided(env_ids)))`` frames.
+            ``n = min(history_len, max(num_strided(env_ids)))`` frames. Its tensors are reused by the next
+            re-plan of the same shape (zero allocation): copy what the solver keeps beyond its call.
         n_envs: number of envs.
         action_dim: size of one env action (``1`` for a discrete or scalar action).
         device: device of the queues and history; ``None`` -> ``cuda`` when available, else ``cpu``.
@@ -71,6 +72,7 @@ class Planner:
         self._all_ids = np.arange(self.n_envs, dtype=np.int64)
         self._staging = Staging(self.device)
         self.replanned: np.ndarray = np.zeros(0, dtype=np.int64)  # envs re-planned by the last act()
+        self._history_out: tuple = (None, None)  # ((n, rows), tensors) reused by get(out=) while the key holds
 
     def reset(self, env_ids=None) -> None:
         """Forget the listed envs' histories and plans (all envs if ``None``)."""
@@ -105,7 +107,9 @@ class Planner:
     def _replan(self, ids: np.ndarray) -> None:
         cfg = self.config
         n = min(cfg.history_len, max(self.history.num_strided(ids)))
-        history = self.history.get(n, ids)
+        key, out = self._history_out
+        history = self.history.get(n, ids, out=out if key == (n, len(ids)) else None)
+        self._history_out = ((n, len(ids)), history)  # lockstep envs re-plan with the same shapes: no allocation
         plan = torch.as_tensor(self.solver(history, ids), device=self.device)
         want = (len(ids), cfg.horizon, cfg.action_block * self.action_dim)
         if tuple(plan.shape) != want:

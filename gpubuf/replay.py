@@ -173,7 +173,7 @@ class TransitionBuffer:
         self._trunc = np.zeros((M, E), dtype=bool)
         self._valid = {k: np.zeros((M, E), dtype=bool) for k in self._kinds}
         self._n_valid = dict.fromkeys(self._kinds, 0)
-        self._active = {0}  # trees kept up to date; the next-obs tree is built on first use (one linear pass)
+        self._active: set[int] = set()  # trees kept up to date; each is built on first use (one linear pass)
         self._staging = Staging(self.device)
         self._gen = torch.Generator(device=self.device)
         if seed is not None:
@@ -201,14 +201,13 @@ class TransitionBuffer:
 
     def _kind(self, with_next_obs: bool) -> int:
         """The validity kind (and its tree, activated here on first use) that ``with_next_obs`` samples from."""
-        if not with_next_obs or self._has_next_obs:
-            return 0
-        if 1 not in self._kinds:
+        kind = 0 if (not with_next_obs or self._has_next_obs) else 1
+        if kind not in self._kinds:
             raise ValueError("with_next_obs: the buffer stores neither next_observation nor observation")
-        if 1 not in self._active:
-            self._active.add(1)
-            self._set_rows(1, 0, self.max_rows)
-        return 1
+        if kind not in self._active:
+            self._active.add(kind)
+            self._set_rows(kind, 0, self.max_rows)
+        return kind
 
     def _window(self, kind: int) -> int:
         return self.n_steps + kind
@@ -281,6 +280,8 @@ class TransitionBuffer:
         """Recompute validity (host) and tree leaves (device) of the starts whose windows changed: rows
         ``old_pos - W + 1 .. old_pos + T - 1`` (the seam moved, rows were overwritten), at most two
         contiguous row ranges, hence contiguous ranges of flat starts."""
+        if not self._active:
+            return
         M = self.max_rows
         W = max(self._window(k) for k in self._active)
         K = min(T + W - 1, M)

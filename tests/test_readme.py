@@ -1,0 +1,19 @@
+"""The README's Python quick starts run as written (a newcomer must succeed from the README alone)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_quick_starts():
+    assert len(BLOCKS) >= 3
+
+
+@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_readme_block_runs(code, monkeypatch):
+    monkeypatch.delenv("GPUBUF_BACKEND", raising=False)
+    exec(compile(code, str(README), "exec"), {"__name__": "readme"})
