@@ -84,6 +84,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         self.eps = _nonneg_float("eps", eps, positive=True)
         super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps, device=device, seed=seed)
         self._max_priority = torch.ones((), dtype=torch.float32, device=self.device)
+        self._priority_rows = self._priority.view(self.max_rows, self.n_envs)
 
     @property
     def max_priority(self) -> float:
@@ -91,13 +92,14 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return float(self._max_priority)
 
     def _on_rows_written(self, pos: int, first: int, T: int) -> None:
-        prio = self._priority.view(self.max_rows, self.n_envs)
+        prio = self._priority_rows
         prio[pos:pos + first] = self._max_priority
         if first < T:  # wrapped
             prio[:T - first] = self._max_priority
 
-    def _range_mass(self, lo: int, hi: int, valid: torch.Tensor) -> torch.Tensor:
-        return self._priority[lo:hi].to(torch.float64).pow_(self.alpha).mul_(valid)
+    def _range_mass(self, lo: int, hi: int, ok: np.ndarray, all_ok: bool, key: str) -> torch.Tensor:
+        mass = self._priority[lo:hi].to(torch.float64).pow_(self.alpha)
+        return mass if all_ok else mass.mul_(self._upload(ok, key))  # invalid starts: zero mass
 
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
                with_next_obs: bool = False, *, out: Transition | None = None) -> tuple[Transition, torch.Tensor]:

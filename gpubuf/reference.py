@@ -76,6 +76,7 @@ def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:
 
 _BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
 _SHARED = 4096  # tree levels up to this size are searched whole by tree_sample
+_DENSE = 1024  # parent levels up to this size are recomputed whole by tree_update
 
 
 def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
@@ -112,16 +113,25 @@ def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
 
 def tree_update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
     """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched parent,
-    level by level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed)."""
-    if idx.numel() == 0:
+    level by level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed).
+
+    Parent levels of at most ``max(_DENSE, len(idx))`` entries are recomputed whole (one reduction instead
+    of a gather, a sum and a scatter of the touched parents): same values, untouched parents included."""
+    K = idx.shape[0]
+    if K == 0:
         return
     F = fanout
     tree.index_copy_(0, idx, values)
-    node = idx
+    node, base = idx, tree.storage_offset()
     for k in range(1, len(offsets) - 1):
+        c0, p0 = offsets[k - 1], offsets[k]
+        n = (p0 - c0) // F  # parents with children (the level's padding past them stays zero)
+        children = tree.as_strided((n, F), (F, 1), base + c0)
+        if n <= max(_DENSE, K):  # this level and every (smaller) one above it: whole
+            torch.sum(children, 1, out=tree[p0:p0 + n])
+            continue
         node = torch.div(node, F, rounding_mode="floor")
-        sums = tree[offsets[k - 1]:offsets[k]].view(-1, F).index_select(0, node).sum(1)
-        tree[offsets[k]:offsets[k + 1]].index_copy_(0, node, sums)
+        tree[p0:p0 + n].index_copy_(0, node, children.index_select(0, node).sum(1))
 
 
 def sequence_gather(storage: torch.Tensor, starts: torch.Tensor, n: int, E: int, M: int, shift: int,
@@ -145,7 +155,8 @@ def tree_update_range(tree: torch.Tensor, offsets: list[int], fanout: int, lo: i
         return
     F = fanout
     tree[a:b].copy_(values)
+    base = tree.storage_offset()
     for k in range(1, len(offsets) - 1):
-        child = tree[offsets[k - 1]:offsets[k]]
+        c0, p0 = offsets[k - 1], offsets[k]
         a, b = a // F, (b - 1) // F + 1
-        torch.sum(child[a * F:b * F].view(-1, F), 1, out=tree[offsets[k] + a:offsets[k] + b])
+        torch.sum(tree.as_strided((b - a, F), (F, 1), base + c0 + a * F), 1, out=tree[p0 + a:p0 + b])

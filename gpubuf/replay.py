@@ -22,6 +22,7 @@ from gpubuf import ops
 from gpubuf.history import _positive_int, allocate
 from gpubuf.staging import Staging, as_tensor
 
+_ARRAYS = (torch.Tensor, np.ndarray)
 FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
 
 
@@ -65,7 +66,11 @@ def _flatten(transition, name: str = "transition") -> dict[tuple, Any]:
             leaves[path] = value
 
     for f in FIELDS:
-        walk((f,), getattr(transition, f))
+        value = getattr(transition, f)
+        if isinstance(value, _ARRAYS):  # the common case, without the walk
+            leaves[(f,)] = value
+        else:
+            walk((f,), value)
     return leaves
 
 
@@ -144,6 +149,7 @@ class TransitionBuffer:
         self.device = ops.resolve_device(device)
         self.backend = ops.backend_for(self.device)
         self._shapes = {p: tuple(t.shape[lead:]) for p, t in samples.items()}
+        self._want = {p: ((E,) if self.vectorized_env else ()) + s for p, s in self._shapes.items()}  # per-row
         self._names = {p: _leaf_name(p) for p in samples}
         self._dtypes = {p: t.dtype for p, t in samples.items()}
         self._has_next_obs = any(p[0] == "next_observation" for p in samples)
@@ -230,18 +236,17 @@ class TransitionBuffer:
             raise ValueError(f"transition: leaves are fixed by data_sample {[_leaf_name(p) for p in self._shapes]}; "
                              f"missing {missing}, unexpected {extra}")
         values, T = {}, None
-        lead = (self.n_envs,) if self.vectorized_env else ()
         for p, v in leaves.items():
             name = self._names[p]
             t = as_tensor(v, name)
-            want = lead + self._shapes[p]
-            if t.dim() != len(want) + 1 or tuple(t.shape[1:]) != want:
+            want = self._want[p]
+            if t.dim() != len(want) + 1 or t.shape[1:] != want:
                 raise ValueError(f"{name}: expected shape (T, {', '.join(map(str, want))}), got {tuple(t.shape)}")
             if T is None:
                 T = t.shape[0]
             elif t.shape[0] != T:
                 raise ValueError(f"{name}: expected T = {T} rows like the other leaves, got {t.shape[0]}")
-            if not torch.can_cast(t.dtype, self._dtypes[p]):
+            if t.dtype != self._dtypes[p] and not torch.can_cast(t.dtype, self._dtypes[p]):
                 raise TypeError(f"{name}: cannot safely cast {t.dtype} to the stored dtype {self._dtypes[p]}")
             values[p] = t
         M = self.max_rows
@@ -249,23 +254,26 @@ class TransitionBuffer:
             raise ValueError(f"transition: expected 1 <= T <= {M} rows per insert, got T = {T}")
         trunc = None
         if self._trunc_paths:
-            flags = [values[p].reshape(T, self.n_envs, -1) for p in self._trunc_paths]
-            flags = flags[0] if len(flags) == 1 else torch.cat(flags, dim=2)
             # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
-            f = flags.cpu().numpy()
-            trunc = f.any(2) if f.dtype == np.bool_ else (f != 0).any(2)
+            flags = [values[p].cpu().numpy().reshape(T, self.n_envs, -1) for p in self._trunc_paths]
+            f = flags[0] if len(flags) == 1 else np.concatenate(flags, axis=2)
+            f = f if f.dtype == np.bool_ else f != 0
+            trunc = f[:, :, 0] if f.shape[2] == 1 else f.any(2)
         # ---- all checks passed: write
         pos = self._pos
         first = min(T, M - pos)  # rows before the ring wraps
         for p, t in values.items():
             src = self._staging.to_device(t, self._names[p])
             dst = self._data[p]
-            dst[pos:pos + first].copy_(src[:first], non_blocking=True)
-            if first < T:
+            if first == T:
+                dst[pos:pos + T].copy_(src, non_blocking=True)
+            else:
+                dst[pos:].copy_(src[:first], non_blocking=True)
                 dst[:T - first].copy_(src[first:], non_blocking=True)
         if trunc is not None:
             self._trunc[pos:pos + first] = trunc[:first]
-            self._trunc[:T - first] = trunc[first:]
+            if first < T:
+                self._trunc[:T - first] = trunc[first:]
         self._on_rows_written(pos, first, T)
         self._pos = (pos + T) % M
         self._count = min(self._count + T, M)
@@ -291,30 +299,30 @@ class TransitionBuffer:
             for r0, r1 in segments:
                 self._set_rows(kind, r0, r1)
 
-    def _validity(self, rows: np.ndarray, kind: int) -> np.ndarray:
-        """(len(rows), E) bool: is the window of this kind starting at each row (and env) valid."""
+    def _validity(self, r0: int, r1: int, kind: int) -> np.ndarray:
+        """((r1 - r0) * E,) bool: is the window of this kind starting at each flat start of rows ``[r0, r1)`` valid."""
         M, E = self.max_rows, self.n_envs
         oldest = self._pos if self._count == M else 0
-        t = (rows - oldest) % M  # time index of each row, 0 = oldest
-        ok = np.broadcast_to((t <= self._count - self._window(kind))[:, None], (len(rows), E))
+        ok = np.arange(r0 - oldest, r1 - oldest) % M <= self._count - self._window(kind)  # time index 0 = oldest
         if kind == 1 and self._trunc_paths:
-            win = (rows[:, None] + np.arange(self.n_steps)) % M  # (K, n)
-            ok = ok & ~self._trunc[win].any(1)
-        return ok
+            win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps)) % M  # (K, n)
+            return (ok[:, None] & ~self._trunc[win].any(1)).reshape(-1)
+        return ok if E == 1 else np.repeat(ok, E)
 
     def _set_rows(self, kind: int, r0: int, r1: int) -> None:
         """Refresh validity and tree leaves (then their parents) of the starts in rows ``[r0, r1)``."""
-        ok = self._validity(np.arange(r0, r1), kind)
-        valid = self._valid[kind]
-        self._n_valid[kind] += int(ok.sum()) - int(valid[r0:r1].sum())
-        valid[r0:r1] = ok
+        ok = self._validity(r0, r1, kind)
         lo, hi = r0 * self.n_envs, r1 * self.n_envs
-        mass = self._upload(ok.reshape(-1).astype(np.float64), f"__valid{kind}_{r0 == 0}__")
-        self._trees[kind].update_range(lo, self._range_mass(lo, hi, mass))
+        valid = self._valid[kind].reshape(-1)  # (M*E,) view
+        n_ok = int(np.count_nonzero(ok))
+        self._n_valid[kind] += n_ok - int(np.count_nonzero(valid[lo:hi]))
+        valid[lo:hi] = ok
+        self._trees[kind].update_range(lo, self._range_mass(lo, hi, ok, n_ok == hi - lo, f"__valid{kind}_{r0 == 0}__"))
 
-    def _range_mass(self, lo: int, hi: int, valid: torch.Tensor) -> torch.Tensor:
-        """Sampling mass of flat starts ``[lo, hi)`` given their validity (0/1): uniform here."""
-        return valid
+    def _range_mass(self, lo: int, hi: int, ok: np.ndarray, all_ok: bool, key: str) -> torch.Tensor:
+        """Sampling mass (float64, on the device) of flat starts ``[lo, hi)`` given their host validity ``ok``
+        (``all_ok``: all of them valid): uniform here."""
+        return self._upload(ok.astype(np.float64), key)
 
     # ------------------------------------------------------------------ sample
 
