@@ -8,6 +8,8 @@ recomputes only the touched parents from their children, so the tree is a determ
 leaves: float rounding cannot accumulate across updates, and a zero leaf is never sampled.
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -133,8 +135,11 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         new = self._staging.to_device(td, "__upd_td__").to(torch.float32).abs().add_(self.eps)
         lo, hi = torch.aminmax(idx)
         top = new.max()  # NaN or inf here iff anywhere
-        lo, hi, top_value = torch.stack([lo.double(), hi.double(), top.double()]).tolist()  # one read-back
-        finite = np.isfinite(top_value)
+        if self.device.type == "cpu":
+            lo, hi, top_value = lo.item(), hi.item(), top.item()
+        else:
+            lo, hi, top_value = torch.stack([lo.double(), hi.double(), top.double()]).tolist()  # one read-back
+        finite = math.isfinite(top_value)
         if lo < 0 or hi >= L:
             raise IndexError(f"indices: expected flat start indices in [0, {L}), got "
                              f"{idx[(idx < 0) | (idx >= L)][:5].tolist()}")

@@ -92,22 +92,27 @@ def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
     B = u.shape[0]
     if B == 0:
         return
-    F, K = fanout, len(offsets) - 1
+    F = fanout
     # The lowest level holding at most _SHARED entries is searched whole: one cumsum shared by all samples
     # (bounded work, whatever the capacity), then the descent goes node by node below it.
-    shared = next(k for k in range(K) if offsets[k + 1] - offsets[k] <= max(_SHARED, F))
+    shared = 0
+    while offsets[shared + 1] - offsets[shared] > max(_SHARED, F):
+        shared += 1
     level = tree[offsets[shared]:offsets[shared + 1]]
     cs = level.cumsum(0)
-    target = torch.minimum(u * cs[-1], cs[-1] * _BELOW_ONE)
+    total = cs[-1]
+    target = torch.minimum(u * total, total * _BELOW_ONE)
     node = torch.searchsorted(cs, target, right=True)  # first entry whose prefix sum exceeds the mass
-    target = (target - (cs - level)[node]).clamp_min_(0)
+    target = target.sub_(cs.sub_(level).index_select(0, node)).clamp_min_(0).unsqueeze_(1)  # (B, 1)
+    base = tree.storage_offset()
     for k in range(shared - 1, -1, -1):
-        c = tree[offsets[k]:offsets[k + 1]].view(-1, F).index_select(0, node)  # (B, F) children
+        children = tree.as_strided(((offsets[k + 1] - offsets[k]) // F, F), (F, 1), base + offsets[k])
+        c = children.index_select(0, node)  # (B, F) children
         cs = c.cumsum(1)
-        target = torch.minimum(target, cs[:, -1] * _BELOW_ONE).unsqueeze_(1)  # stay below the node's mass
+        target = torch.minimum(target, cs[:, -1:] * _BELOW_ONE)  # stay below the node's mass
         j = torch.searchsorted(cs, target, right=True).clamp_max_(F - 1)  # (B, 1)
-        target = (target - (cs - c).gather(1, j)).squeeze_(1).clamp_min_(0)
-        node = torch.add(j.squeeze_(1), node, alpha=F)
+        target = target.sub_(cs.sub_(c).gather(1, j)).clamp_min_(0)
+        node = torch.add(j.view(-1), node, alpha=F)
     out.copy_(node)
 
 

@@ -302,8 +302,12 @@ class TransitionBuffer:
     def _validity(self, r0: int, r1: int, kind: int) -> np.ndarray:
         """((r1 - r0) * E,) bool: is the window of this kind starting at each flat start of rows ``[r0, r1)`` valid."""
         M, E = self.max_rows, self.n_envs
-        oldest = self._pos if self._count == M else 0
-        ok = np.arange(r0 - oldest, r1 - oldest) % M <= self._count - self._window(kind)  # time index 0 = oldest
+        # rows r0 + i have time indices (t0 + i) % M (0 = oldest); valid ones are <= last: two slices of rows
+        t0 = (r0 - (self._pos if self._count == M else 0)) % M
+        last = self._count - self._window(kind)
+        ok = np.zeros(r1 - r0, dtype=bool)
+        ok[:max(last - t0 + 1, 0)] = True  # before the time index wraps past M
+        ok[M - t0:max(last - t0 + M + 1, 0)] = True  # after it
         if kind == 1 and self._trunc_paths:
             win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps)) % M  # (K, n)
             return (ok[:, None] & ~self._trunc[win].any(1)).reshape(-1)
