@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser, args) -> torch.device:
     """Validate what argparse cannot, before any work; returns the device."""
-    import envpool
+    try:
+        import envpool
+    except ImportError as err:
+        parser.demo.error(f"the demo steps EnvPool envs: pip install envpool ({err})")
 
     parser = parser.demo
 

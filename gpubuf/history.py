@@ -129,7 +129,7 @@ class HistoryBuffer:
             self._allocate(values)
         if R == 0:
             return
-        dst_rows, keep = self._plan_append(ids)
+        dst_rows, keep, heads, counts = self._plan_append(ids)
         dst = self._upload(dst_rows, "__dst_rows__")
         for key, t in values.items():
             storage = self._data[key]
@@ -140,6 +140,7 @@ class HistoryBuffer:
             if rows.dtype != storage.dtype or not rows.is_contiguous():
                 rows = rows.to(storage.dtype).contiguous()
             ops.history_append(self.backend, storage, rows, dst)
+        self._heads, self._counts = heads, counts
 
     def _check_value(self, key, value, R: int) -> torch.Tensor:
         if not isinstance(key, str):
@@ -166,7 +167,8 @@ class HistoryBuffer:
         self._shapes = shapes
 
     def _plan_append(self, ids: np.ndarray):
-        """Storage rows for each input row, and which rows to keep (None = all), updating the mirror."""
+        """Storage rows for each input row, which rows to keep (None = all), and the mirror's next heads
+        and counts (committed by the caller once every key is written)."""
         mult = np.bincount(ids, minlength=self.n_envs)
         keep = None
         if mult.max() > 1:  # an env listed twice: entries go in row order
@@ -181,9 +183,9 @@ class HistoryBuffer:
         else:
             rank = 0
         dst_rows = (self._heads[ids] + rank) % self.max_len * self.n_envs + ids
-        self._heads = (self._heads + mult) % self.max_len
-        self._counts = np.minimum(self._counts + mult, self.max_len)
-        return dst_rows, keep
+        heads = (self._heads + mult) % self.max_len
+        counts = np.minimum(self._counts + mult, self.max_len)
+        return dst_rows, keep, heads, counts
 
     # ------------------------------------------------------------------ get
 

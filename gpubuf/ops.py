@@ -16,13 +16,19 @@ BACKENDS = ("torch", "triton")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` -> ``cuda`` when available, else ``cpu``."""
+    """``None`` -> ``cuda`` when available, else ``cpu``; a bare ``cuda`` gets the current index.
+
+    The index matters: tensors report ``cuda:0``, and ``torch.device("cuda") != torch.device("cuda:0")``.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device: expected a torch device or its name, got {device!r}") from err
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def backend_for(device: torch.device) -> str:

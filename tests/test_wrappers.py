@@ -2,13 +2,15 @@
 
 from collections import deque
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-from gpubuf.wrappers import (
+gym = pytest.importorskip("gymnasium")  # absent on the GPU machine, which has no registry
+
+from gymnasium.vector import AutoresetMode, SyncVectorEnv  # noqa: E402
+
+from gpubuf.wrappers import (  # noqa: E402
     ActionRepeatWrapper,
     FrameStackInfoWrapper,
     VectorActionRepeatWrapper,
