@@ -15,7 +15,8 @@ def test_readme_has_quick_starts():
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_readme_block_runs(code, monkeypatch):
-    if "import envpool" in code:
-        pytest.importorskip("envpool")  # absent on the GPU machine
+    for package in ("envpool", "gymnasium"):  # absent on the GPU machine
+        if f"import {package}" in code:
+            pytest.importorskip(package)
     monkeypatch.delenv("GPUBUF_BACKEND", raising=False)
     exec(compile(code, str(README), "exec"), {"__name__": "readme"})
