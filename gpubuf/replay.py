@@ -173,6 +173,8 @@ class TransitionBuffer:
         self._priority = storage.pop("__priority__", None)
         self._data = {p: storage[_leaf_name(p)] for p in samples}
         self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
+        # CPU storage as numpy views: a same-dtype host array is written by one numpy slice assignment
+        self._host = {p: t.numpy() for p, t in self._data.items()} if self.device.type == "cpu" else {}
         # host mirrors: write position, rows written, truncation flags, per-start validity and counts
         self._pos = 0
         self._count = 0
@@ -262,7 +264,12 @@ class TransitionBuffer:
         # ---- all checks passed: write
         pos = self._pos
         first = min(T, M - pos)  # rows before the ring wraps
+        host = self._host
         for p, t in values.items():
+            v = leaves[p]
+            if host and first == T and type(v) is np.ndarray and t.dtype == self._dtypes[p]:
+                host[p][pos:pos + T] = v
+                continue
             src = self._staging.to_device(t, self._names[p])
             dst = self._data[p]
             if first == T:
