@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gpubuf import ops
-from gpubuf.staging import Staging, as_index_array, as_tensor
+from gpubuf.staging import Staging, as_index_array, as_tensor, positive_int
 
 
 @dataclass
@@ -49,11 +49,9 @@ class StepStager:
     """
 
     def __init__(self, n_envs: int, obs_key: str = "observation", *, device=None):
-        if isinstance(n_envs, bool) or not isinstance(n_envs, (int, np.integer)) or n_envs < 1:
-            raise ValueError(f"n_envs: expected a positive int, got {n_envs!r}")
         if not isinstance(obs_key, str) or obs_key in ("action", "reward", "terminated", "truncated"):
             raise ValueError(f"obs_key: expected a str other than the step keys, got {obs_key!r}")
-        self.n_envs = int(n_envs)
+        self.n_envs = positive_int("n_envs", n_envs)
         self.obs_key = obs_key
         self.device = ops.resolve_device(device)
         self._staging = Staging(self.device)

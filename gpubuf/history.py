@@ -13,22 +13,7 @@ import numpy as np
 import torch
 
 from gpubuf import ops
-from gpubuf.staging import Staging, as_index_array, as_tensor
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
-
-
-def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], device) -> dict:
-    """Zero-filled tensors for every key, all or none: a failure names the bytes and the device."""
-    total = sum(int(np.prod(s)) * torch.empty((), dtype=dtypes[k]).element_size() for k, s in shapes.items())
-    try:
-        return {k: torch.zeros(s, dtype=dtypes[k], device=device) for k, s in shapes.items()}
-    except (RuntimeError, torch.OutOfMemoryError) as err:
-        raise MemoryError(f"gpubuf: cannot allocate {total} bytes of storage on {device}: {err}") from None
+from gpubuf.staging import Staging, as_index_array, as_tensor, positive_int
 
 
 class HistoryBuffer:
@@ -49,9 +34,9 @@ class HistoryBuffer:
 
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys: Iterable[str] = (),
                  *, device=None):
-        self.n_envs = _positive_int("n_envs", n_envs)
-        self.max_len = _positive_int("max_len", max_len)
-        self.action_block = _positive_int("action_block", action_block)
+        self.n_envs = positive_int("n_envs", n_envs)
+        self.max_len = positive_int("max_len", max_len)
+        self.action_block = positive_int("action_block", action_block)
         if isinstance(block_keys, (str, bytes)) or not isinstance(block_keys, Iterable):
             raise TypeError(f"block_keys: expected an iterable of key names such as ('action',), got {block_keys!r}")
         self.block_keys = tuple(block_keys)
@@ -163,7 +148,7 @@ class HistoryBuffer:
         shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
         rows = self.n_envs * self.max_len
         storage_shapes = {k: (rows, int(np.prod(s))) for k, s in shapes.items()}
-        self._data = allocate(storage_shapes, {k: t.dtype for k, t in values.items()}, self.device)
+        self._data = ops.allocate(storage_shapes, {k: t.dtype for k, t in values.items()}, self.device)
         self._shapes = shapes
 
     def _plan_append(self, ids: np.ndarray):
@@ -266,7 +251,7 @@ class HistoryBuffer:
                 raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has {getattr(self, name)!r}")
         shapes = {k: tuple(s) for k, s in state["shapes"].items()}
         data = {k: torch.as_tensor(t) for k, t in state["data"].items()}
-        self._data = allocate({k: tuple(t.shape) for k, t in data.items()},
+        self._data = ops.allocate({k: tuple(t.shape) for k, t in data.items()},
                               {k: t.dtype for k, t in data.items()}, self.device)
         for key, t in data.items():
             self._data[key].copy_(t)

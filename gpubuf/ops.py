@@ -7,7 +7,9 @@ use Triton and everything else uses :mod:`gpubuf.reference`. Triton is imported 
 
 import importlib
 import os
+from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from gpubuf import reference
@@ -29,6 +31,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], device) -> dict:
+    """Zero-filled tensors for every key, all or none: a failure names the bytes and the device."""
+    total = sum(int(np.prod(s)) * torch.empty((), dtype=dtypes[k]).element_size() for k, s in shapes.items())
+    try:
+        return {k: torch.zeros(s, dtype=dtypes[k], device=device) for k, s in shapes.items()}
+    except (RuntimeError, torch.OutOfMemoryError) as err:
+        raise MemoryError(f"gpubuf: cannot allocate {total} bytes of storage on {device}: {err}") from None
 
 
 def backend_for(device: torch.device) -> str:

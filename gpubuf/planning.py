@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpubuf.history import HistoryBuffer, _positive_int
-from gpubuf.staging import Staging, as_index_array
+from gpubuf.history import HistoryBuffer
+from gpubuf.staging import Staging, as_index_array, positive_int
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class PlanConfig:
 
     def __post_init__(self):
         for name in ("horizon", "receding_horizon", "action_block", "history_len"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.receding_horizon > self.horizon:
             raise ValueError(f"receding_horizon: expected <= horizon ({self.horizon}), got {self.receding_horizon}")
 
@@ -61,8 +61,8 @@ class Planner:
         if not callable(solver):
             raise TypeError(f"solver: expected a callable solver(history, env_ids), got {type(solver).__name__}")
         self.config, self.solver = config, solver
-        self.n_envs = _positive_int("n_envs", n_envs)
-        self.action_dim = _positive_int("action_dim", action_dim)
+        self.n_envs = positive_int("n_envs", n_envs)
+        self.action_dim = positive_int("action_dim", action_dim)
         ab = config.action_block
         self.history = HistoryBuffer(self.n_envs, (config.history_len - 1) * ab + 1, ab, ("action",), device=device)
         self.device = self.history.device
@@ -146,11 +146,11 @@ class CEMSolver:
                  num_elites: int = 8, iterations: int = 3, init_std: float = 1.0, low: float = -1.0,
                  high: float = 1.0, seed: int = 0):
         self.dynamics, self.cost = dynamics, cost
-        self.horizon = _positive_int("horizon", horizon)
-        self.action_dim = _positive_int("action_dim", action_dim)
-        self.num_samples = _positive_int("num_samples", num_samples)
-        self.num_elites = _positive_int("num_elites", num_elites)
-        self.iterations = _positive_int("iterations", iterations)
+        self.horizon = positive_int("horizon", horizon)
+        self.action_dim = positive_int("action_dim", action_dim)
+        self.num_samples = positive_int("num_samples", num_samples)
+        self.num_elites = positive_int("num_elites", num_elites)
+        self.iterations = positive_int("iterations", iterations)
         if self.num_elites > self.num_samples:
             raise ValueError(f"num_elites: expected <= num_samples ({self.num_samples}), got {self.num_elites}")
         if not low < high:

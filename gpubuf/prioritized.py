@@ -131,7 +131,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         if idx.numel() == 0:
             return self
         L = self.max_size
-        idx = self._staging.to_device(idx, "__upd_idx__").to(torch.int64)
+        idx = self._staging.to_device(idx, "__upd_idx__").to(torch.int64).contiguous()  # kernels assume unit stride
         new = self._staging.to_device(td, "__upd_td__").to(torch.float32).abs().add_(self.eps)
         lo, hi = torch.aminmax(idx)
         top = new.max()  # NaN or inf here iff anywhere

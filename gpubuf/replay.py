@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from gpubuf import ops
-from gpubuf.history import _positive_int, allocate
-from gpubuf.staging import Staging, as_tensor
+from gpubuf.staging import Staging, as_tensor, positive_int
 
 _ARRAYS = (torch.Tensor, np.ndarray)
 FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
@@ -114,9 +113,9 @@ class TransitionBuffer:
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, *, device=None, seed: int | None = None):
-        max_size = _positive_int("max_size", max_size)
-        self.sample_batch_size = _positive_int("sample_batch_size", sample_batch_size)
-        self.n_steps = _positive_int("n_steps", n_steps)
+        max_size = positive_int("max_size", max_size)
+        self.sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
+        self.n_steps = positive_int("n_steps", n_steps)
         self.vectorized_env = bool(vectorized_env)
         samples = {p: as_tensor(v, _leaf_name(p)) for p, v in _flatten(data_sample, "data_sample").items()}
         if not samples:
@@ -135,6 +134,8 @@ class TransitionBuffer:
         else:
             E = 1
         self.n_envs = E
+        if max_size < E:
+            raise ValueError(f"max_size: expected at least one row per env ({E} envs), got {max_size}")
         if max_size % E:
             warnings.warn(f"max_size: {max_size} is not divisible by {E} envs; rounded down to {max_size // E * E}",
                           stacklevel=2)
@@ -167,7 +168,7 @@ class TransitionBuffer:
             shapes[f"__tree{k}__"], dtypes[f"__tree{k}__"] = (tree.size,), torch.float64
         if self._prioritized:
             shapes["__priority__"], dtypes["__priority__"] = (M * E,), torch.float32
-        storage = allocate(shapes, dtypes, self.device)
+        storage = ops.allocate(shapes, dtypes, self.device)
         for k, tree in self._trees.items():
             tree.tree = storage.pop(f"__tree{k}__")
         self._priority = storage.pop("__priority__", None)

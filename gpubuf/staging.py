@@ -40,6 +40,13 @@ def as_tensor(value, name: str) -> torch.Tensor:
     )
 
 
+def positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1, else ``ValueError`` naming ``name`` (bools and floats are rejected)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
 def as_index_array(ids, name: str, size: int) -> np.ndarray:
     """Host int64 ids in ``[0, size)``; negatives index from the end as in Python.
 

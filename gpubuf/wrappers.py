@@ -8,14 +8,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv, VectorWrapper
 
-from gpubuf.history import HistoryBuffer, _positive_int
-from gpubuf.staging import as_tensor
-
-
-def _repeat(repeat) -> int:
-    if isinstance(repeat, bool) or not isinstance(repeat, (int, np.integer)) or repeat < 1:
-        raise ValueError(f"repeat: expected an int >= 1, got {repeat!r}")
-    return int(repeat)
+from gpubuf.history import HistoryBuffer
+from gpubuf.staging import as_tensor, positive_int
 
 
 class ActionRepeatWrapper(gym.Wrapper):
@@ -28,7 +22,7 @@ class ActionRepeatWrapper(gym.Wrapper):
 
     def __init__(self, env: gym.Env, repeat: int = 1):
         super().__init__(env)
-        self.repeat = _repeat(repeat)
+        self.repeat = positive_int("repeat", repeat)
 
     def step(self, action):
         total = 0.0
@@ -49,7 +43,7 @@ class VectorActionRepeatWrapper(VectorWrapper):
     """
 
     def __init__(self, env: VectorEnv, repeat: int = 1):
-        self.repeat = _repeat(repeat)
+        self.repeat = positive_int("repeat", repeat)
         base = env.unwrapped
         if not isinstance(base, SyncVectorEnv):
             raise TypeError(f"env: expected a SyncVectorEnv (got {type(base).__name__}); for other vector envs "
@@ -72,7 +66,7 @@ class FrameStackInfoWrapper(gym.Wrapper):
 
     def __init__(self, env: gym.Env, num_stack: int = 4, key: str = "pixels", *, device=None):
         super().__init__(env)
-        self.num_stack = _positive_int("num_stack", num_stack)
+        self.num_stack = positive_int("num_stack", num_stack)
         self.key = key
         self.history = HistoryBuffer(1, self.num_stack, device=device)
 
@@ -102,7 +96,7 @@ class VectorFrameStackInfoWrapper(VectorWrapper):
 
     def __init__(self, env: VectorEnv, num_stack: int = 4, key: str = "pixels", *, device=None):
         super().__init__(env)
-        self.num_stack = _positive_int("num_stack", num_stack)
+        self.num_stack = positive_int("num_stack", num_stack)
         self.key = key
         self.history = HistoryBuffer(self.num_envs, self.num_stack, device=device)
         mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)

@@ -57,6 +57,17 @@ def test_duplicates_resolve_to_largest(backend, device):
     assert buf.max_priority == pytest.approx(4.0 + 1e-6)
 
 
+def test_update_priorities_takes_strided_indices(backend, device):
+    buf = build(device=device, alpha=1.0)
+    buf.insert(make_transition(0, 5, 3))
+    buf.sample(key=0)  # builds the tree, so the update below goes through the tree kernel
+    idx = torch.tensor([[2, 0], [5, 0], [7, 0]])[:, 0]  # a strided view
+    buf.update_priorities(idx, torch.tensor([1.0, 2.0, 3.0]))
+    want = [1.0 + 1e-6, 2.0 + 1e-6, 3.0 + 1e-6]
+    assert buf._trees[0].leaves(torch.tensor([2, 5, 7], device=buf.device)).tolist() == pytest.approx(want)
+    assert buf._trees[0].leaves(torch.tensor([0, 1], device=buf.device)).tolist() == [1.0, 1.0]
+
+
 def test_invalid_start_priority_keeps_zero_mass(backend, device):
     buf = build(device=device, n=3)
     buf.insert(make_transition(0, 4, 3))  # rows 2, 3 are no valid starts yet (windows of 3)

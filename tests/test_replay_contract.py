@@ -164,6 +164,7 @@ def test_without_replacement_inclusion_uniform():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_size=0), "max_size"),
+    (dict(max_size=2), r"max_size: expected at least one row per env \(3 envs\), got 2"),
     (dict(sample_batch_size=0), "sample_batch_size"),
     (dict(n_steps=0), "n_steps"),
     (dict(n_steps=11), "n_steps"),
