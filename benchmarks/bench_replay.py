@@ -32,6 +32,7 @@ parser.add_argument("--device", default="cpu")
 parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--repeats", type=int, default=20, help="blocks of 5 timed calls per implementation")
 parser.add_argument("--log2-sizes", default="17,20,22")
+parser.add_argument("--batch", type=int, default=256, help="PER insert/sample/update batch")
 parser.add_argument("--cases", default="per,seq")
 parser.add_argument("--peers", default="cpprb,torchrl,flashbax,jaxnasium")
 parser.add_argument("--out", default=None)
@@ -94,7 +95,7 @@ def jax_block(x):
 
 # ------------------------------------------------------------------------------------------ PER case
 
-OBS, ACT, B = 17, 6, 256
+OBS, ACT, B = 17, 6, args.batch
 
 
 def per_data(n: int, rng: np.random.Generator) -> dict:

@@ -21,7 +21,7 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/test
 # 2. benchmarks at GPU sizes
 timeout 90 python3 benchmarks/bench_history.py --device cuda --n-envs 1024 4096 --repeats 51 --no-deque \
     --out "$OUT/history_cuda.json" > "$OUT/history_cuda.md" 2>&1 || status=1
-timeout 120 python3 benchmarks/bench_replay.py --device cuda --peers "" --log2-sizes 20,24 --repeats 20 \
+timeout 120 python3 benchmarks/bench_replay.py --device cuda --peers "" --log2-sizes 20,24 --batch 4096 --repeats 20 \
     --out "$OUT/replay_cuda.json" > "$OUT/replay_cuda.md" 2>&1 || status=1
 
 # 3. the demo on the GPU (envpool is not installed there: reported, not fatal)
