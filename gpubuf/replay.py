@@ -184,7 +184,9 @@ class TransitionBuffer:
         self._n_valid = dict.fromkeys(self._kinds, 0)
         self._active: set[int] = set()  # trees kept up to date; each is built on first use (one linear pass)
         self._staging = Staging(self.device)
-        self._gen = torch.Generator(device=self.device)
+        # uniforms come from a host generator and travel through pinned staging: the same seed samples the
+        # same starts on every device, and the RNG state round-trips exactly across devices
+        self._gen = torch.Generator()
         if seed is not None:
             self._gen.manual_seed(int(seed))
         else:
@@ -344,13 +346,15 @@ class TransitionBuffer:
         if isinstance(key, torch.Generator):
             return key
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-            g = torch.Generator(device=self.device)
+            g = torch.Generator()
             g.manual_seed(int(key))
             return g
         raise TypeError(f"key: expected a torch.Generator, an int seed or None, got {type(key).__name__}")
 
     def _uniform(self, g: torch.Generator, n: int) -> torch.Tensor:
-        return torch.rand(n, dtype=torch.float64, generator=g, device=g.device).to(self.device, non_blocking=True)
+        """(n,) float64 uniforms on the buffer's device, drawn on the generator's device."""
+        u = torch.rand(n, dtype=torch.float64, generator=g, device=g.device)
+        return self._staging.to_device(u, "__uniform__")
 
     def _check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool) -> tuple[int, int]:
         B = self.sample_batch_size if batch_size is None else batch_size
@@ -461,15 +465,14 @@ class TransitionBuffer:
             valid={k: v.copy() for k, v in self._valid.items()},
             n_valid=dict(self._n_valid),
             rng=self._gen.get_state(),
-            rng_device=self._gen.device.type,
         )
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore a :meth:`state_dict` (from any device); the configuration must match.
 
-        The generator state is restored exactly when saved and loaded on the same device type; across
-        device types (CPU and CUDA generators keep different states) it is reseeded from the saved state.
+        The sampling generator lives on the host, so its state is restored exactly on any device. Every
+        check (configuration, leaves, trees) runs before the first write.
         """
         for name in self._CONFIG:
             if state[name] != getattr(self, name):
@@ -477,6 +480,8 @@ class TransitionBuffer:
         shapes = {_leaf_name(p): s for p, s in self._shapes.items()}
         if {k: tuple(v) for k, v in state["shapes"].items()} != shapes:
             raise ValueError(f"state_dict: leaves {dict(state['shapes'])} differ from this buffer's {shapes}")
+        if set(state["data"]) != set(shapes):
+            raise ValueError(f"state_dict: data for {sorted(state['data'])}, this buffer has {sorted(shapes)}")
         if not set(state["trees"]) <= set(self._trees):
             raise ValueError(f"state_dict: trees {sorted(state['trees'])} differ from this buffer's "
                              f"{sorted(self._trees)}")
@@ -489,11 +494,7 @@ class TransitionBuffer:
         self._trunc = np.asarray(state["trunc"], dtype=bool).copy()
         self._valid = {k: np.asarray(v, dtype=bool).copy() for k, v in state["valid"].items()}
         self._n_valid = {k: int(v) for k, v in state["n_valid"].items()}
-        rng = torch.as_tensor(state["rng"]).cpu()
-        if state["rng_device"] == self._gen.device.type:
-            self._gen.set_state(rng)
-        else:
-            self._gen.manual_seed(int.from_bytes(rng.numpy().tobytes()[-8:], "little") % (2**63))
+        self._gen.set_state(torch.as_tensor(state["rng"]).cpu())
 
 
 __all__ = ["Transition", "TransitionBuffer"]
