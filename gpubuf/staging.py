@@ -67,9 +67,14 @@ def as_index_array(ids, name: str, size: int) -> np.ndarray:
 
 
 class Staging:
-    """Moves host tensors onto ``device`` through reusable pinned and device buffers, one copy per key."""
+    """Moves host tensors onto ``device`` through reusable pinned and device buffers, one copy per key.
 
-    def __init__(self, device: torch.device, slots: int = 2):
+    Each key has a ring of ``slots`` buffers: the host waits on a slot's previous copy only when it runs
+    that many calls ahead of the device, and a returned device tensor stays valid for ``slots - 1`` more
+    calls with the same key.
+    """
+
+    def __init__(self, device: torch.device, slots: int = 4):
         self.device = device
         self.slots = slots
         self._ring: dict[str, list] = {}  # key -> [next slot, [(pinned, device_buf, event) per slot]]
