@@ -73,7 +73,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     ``(Transition, flat_indices)`` with ``PER_weights = (N*P_i)**-beta / max over the batch``, which equals
     ``(P_i / min_batch P)**-beta``. Without replacement (the default) the draw is exact sequential
     sampling without replacement (Plackett-Luce): see :class:`TransitionBuffer` for how and what it costs.
-    :meth:`update_priorities` validates its inputs, which reads them back once when they live on the device.
+    :meth:`update_priorities` validates its inputs where they live: host inputs on the host (no device read),
+    device inputs with one read-back.
     """
 
     _prioritized = True
@@ -130,22 +131,15 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
                              f"got {td.dtype} of shape {tuple(td.shape)}")
         if idx.numel() == 0:
             return self
-        L = self.max_size
+        on_host = idx.device.type == "cpu" and td.device.type == "cpu"
+        new = td.to(torch.float32).abs().add_(self.eps)  # where td lives
+        if on_host:  # host inputs are checked where they are: nothing is read back from the device
+            self._check_update(idx, td, new)
         idx = self._staging.to_device(idx, "__upd_idx__").to(torch.int64).contiguous()  # kernels assume unit stride
-        new = self._staging.to_device(td, "__upd_td__").to(torch.float32).abs().add_(self.eps)
-        lo, hi = torch.aminmax(idx)
-        top = new.max()  # NaN or inf here iff anywhere
-        if self.device.type == "cpu":
-            lo, hi, top_value = lo.item(), hi.item(), top.item()
-        else:
-            lo, hi, top_value = torch.stack([lo.double(), hi.double(), top.double()]).tolist()  # one read-back
-        finite = math.isfinite(top_value)
-        if lo < 0 or hi >= L:
-            raise IndexError(f"indices: expected flat start indices in [0, {L}), got "
-                             f"{idx[(idx < 0) | (idx >= L)][:5].tolist()}")
-        if not finite:
-            raise ValueError(f"td_errors: |td| + eps must be finite and non-negative, got "
-                             f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
+        new = self._staging.to_device(new, "__upd_td__")
+        if not on_host:  # device inputs: one read-back of (min index, max index, max value)
+            self._check_update(idx, td, new)
+        top = new.max()
         self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
         torch.maximum(self._max_priority, top, out=self._max_priority)
         p = self._priority.index_select(0, idx).to(torch.float64).pow_(self.alpha)
@@ -153,6 +147,22 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
             tree = self._trees[kind]
             tree.update(idx, p * (tree.leaves(idx) > 0))  # invalid starts keep zero mass
         return self
+
+    def _check_update(self, idx: torch.Tensor, td: torch.Tensor, new: torch.Tensor) -> None:
+        """Raise on indices outside ``[0, max_size)`` or non-finite ``|td| + eps`` (``new``), both (K,)."""
+        lo, hi = torch.aminmax(idx)
+        top = new.max()  # NaN or inf here iff anywhere
+        if idx.device.type == "cpu":
+            lo, hi, top_value = lo.item(), hi.item(), top.item()
+        else:
+            lo, hi, top_value = torch.stack([lo.double(), hi.double(), top.double()]).tolist()
+        L = self.max_size
+        if lo < 0 or hi >= L:
+            raise IndexError(f"indices: expected flat start indices in [0, {L}), got "
+                             f"{idx[(idx < 0) | (idx >= L)][:5].tolist()}")
+        if not math.isfinite(top_value):
+            raise ValueError(f"td_errors: |td| + eps must be finite and non-negative, got "
+                             f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
 
     def update_beta(self, beta: float):
         """Set the importance-sampling exponent; returns ``self``."""

@@ -39,11 +39,13 @@ def test_history_append_and_get_do_not_sync():
 
 
 @pytest.mark.cuda
-def test_replay_insert_and_sample_with_replacement_do_not_sync():
+def test_replay_insert_sample_and_host_priority_updates_do_not_sync():
     per = PrioritizedTransitionBuffer(4 * 64, 16, rollout(1, 4), n_steps=2, device="cuda", seed=0)
+    host_idx, host_td = np.array([0, 5, 9, 5]), np.array([0.5, -2.0, 1.0, 3.0], np.float32)
     for t in range(3):  # warm-up: trees built, staging allocated, kernels compiled
         per.insert(rollout(8, 4, t))
         per.sample(with_replacement=True, with_next_obs=True)
+        per.update_priorities(host_idx, host_td)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -51,6 +53,7 @@ def test_replay_insert_and_sample_with_replacement_do_not_sync():
             per.insert(rollout(8, 4, t))
             batch, idx = per.sample(with_replacement=True, with_next_obs=True)
             per.sample(with_replacement=True)
+            per.update_priorities(host_idx, host_td)  # host inputs are checked on the host
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert batch.observation.device.type == "cuda" and idx.shape == (16,)
