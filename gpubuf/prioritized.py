@@ -1,11 +1,7 @@
-"""PrioritizedTransitionBuffer and the wide prefix-sum tree it samples from.
+"""PrioritizedTransitionBuffer: a TransitionBuffer whose prefix-sum tree holds ``priority**alpha`` per start.
 
-The tree keeps one float64 mass per sequence start (``priority**alpha``, or 1 for uniform sampling,
-times 0/1 validity). Level ``k+1`` holds the sums of consecutive groups of ``fanout`` entries of level
-``k``; the top level is a single node of ``fanout`` entries. All levels live in one flat tensor. Sampling
-walks the levels with a prefix sum over each visited node's children; updating writes leaves, then
-recomputes only the touched parents from their children, so the tree is a deterministic function of its
-leaves: float rounding cannot accumulate across updates, and a zero leaf is never sampled.
+Priorities live on the device (``(M*E,)`` float32) next to the tree (:mod:`gpubuf.prefix_tree`); new starts
+get the running maximum priority, updates rewrite only the touched leaves and their parents.
 """
 
 import math
@@ -13,45 +9,8 @@ import math
 import numpy as np
 import torch
 
-from gpubuf import ops
 from gpubuf.replay import Transition, TransitionBuffer
 from gpubuf.staging import as_tensor
-
-FANOUT = 32
-
-
-class PrefixSumTree:
-    """Wide prefix-sum tree over ``capacity`` leaves on ``device`` (storage assigned by the owner)."""
-
-    def __init__(self, capacity: int, device: torch.device, backend: str, fanout: int = FANOUT):
-        F = fanout
-        sizes = [max(1, -(-capacity // F)) * F]
-        while sizes[-1] > F:
-            sizes.append(-(-sizes[-1] // F // F) * F)
-        self.capacity, self.fanout, self.device, self.backend = capacity, F, device, backend
-        self.offsets = [0]
-        for s in sizes:
-            self.offsets.append(self.offsets[-1] + s)
-        self.size = self.offsets[-1]
-        self.tree: torch.Tensor | None = None  # (size,) float64, levels leaves-first
-
-    def leaves(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tree[idx]
-
-    def total(self) -> torch.Tensor:
-        return self.tree[self.offsets[-2]:].sum()
-
-    def update(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        ops.tree_update(self.backend, self.tree, self.offsets, self.fanout, idx, values)
-
-    def update_range(self, lo: int, values: torch.Tensor) -> None:
-        """Leaves ``[lo, lo + len(values))`` = values, then their (contiguous) parents."""
-        ops.tree_update_range(self.backend, self.tree, self.offsets, self.fanout, lo, values)
-
-    def sample(self, u: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
-        ops.tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
-        return out
 
 
 def _nonneg_float(name: str, value, positive: bool = False) -> float:
@@ -183,4 +142,4 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         self.beta = float(state["beta"])
 
 
-__all__ = ["PrefixSumTree", "PrioritizedTransitionBuffer"]
+__all__ = ["PrioritizedTransitionBuffer"]

@@ -5,7 +5,7 @@ Storage per leaf (every tensor of a ``Transition``, nested dicts included) is on
 start is the flat index ``step * E + env``. Which starts are valid (window inside written rows, off the
 write seam, no truncation inside when next observations are inferred) is tracked on the host, where
 the write position and counts already live, and enters the device as zero mass in a wide prefix-sum
-tree (:class:`gpubuf.prioritized.PrefixSumTree`): an insert only rewrites the leaves of the starts whose
+tree (:class:`gpubuf.prefix_tree.PrefixSumTree`): an insert only rewrites the leaves of the starts whose
 windows changed and their parents. Sampling descends that tree, then gathers the ``(B, n_steps)``
 windows in one launch per leaf. See SPEC.md, "TransitionBuffer and PrioritizedTransitionBuffer".
 """
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from gpubuf import ops
+from gpubuf.prefix_tree import PrefixSumTree
 from gpubuf.staging import Staging, as_tensor, positive_int
 
 _ARRAYS = (torch.Tensor, np.ndarray)
@@ -159,7 +160,6 @@ class TransitionBuffer:
         # Validity kinds: 0 = plain windows of n_steps rows; 1 = windows of n_steps+1 rows whose first
         # n_steps rows hold no truncation (next observations inferred from the following row).
         self._kinds = (0,) if self._has_next_obs or not self._obs_paths else (0, 1)
-        from gpubuf.prioritized import PrefixSumTree
 
         shapes = {_leaf_name(p): ((M, E) if self.vectorized_env else (M,)) + s for p, s in self._shapes.items()}
         dtypes = {_leaf_name(p): self._dtypes[p] for p in samples}

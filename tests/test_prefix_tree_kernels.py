@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from gpubuf import reference
-from gpubuf.prioritized import PrefixSumTree
+from gpubuf.prefix_tree import PrefixSumTree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
