@@ -19,27 +19,6 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-CARTPOLE = dict(gravity=9.8, masscart=1.0, masspole=0.1, length=0.5, force_mag=10.0, tau=0.02)
-
-
-def cartpole_dynamics(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-    """CartPole-v1's Euler step: ``state (N, 4)``, ``action (N, 1)`` (push right when ``> 0``) -> ``(N, 4)``."""
-    c = CARTPOLE
-    x, x_dot, theta, theta_dot = state.unbind(-1)
-    force = torch.where(action[:, 0] > 0, c["force_mag"], -c["force_mag"])
-    total_mass, pml = c["masscart"] + c["masspole"], c["masspole"] * c["length"]
-    cos, sin = torch.cos(theta), torch.sin(theta)
-    temp = (force + pml * theta_dot**2 * sin) / total_mass
-    theta_acc = (c["gravity"] * sin - cos * temp) / (c["length"] * (4.0 / 3.0 - c["masspole"] * cos**2 / total_mass))
-    x_acc = temp - pml * theta_acc * cos / total_mass
-    tau = c["tau"]
-    return torch.stack([x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot, theta_dot + tau * theta_acc], -1)
-
-
-def cartpole_cost(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-    """Pole angle and cart offset, squared: ``(N,)``."""
-    return state[:, 2] ** 2 + 0.01 * state[:, 0] ** 2
-
 
 class OneLineParser(argparse.ArgumentParser):
     """Errors are one line on stderr and exit code 2."""
@@ -140,7 +119,7 @@ def progress(done: int, total: int, env_steps: int, elapsed: float) -> None:
 def make_policy(task: str, space, horizon: int, seed: int):
     """``(solver, action_dim, to_env)``: CEM over CartPole's own equations for ``CartPole-v1``, else uniform
     random plans in ``[0, 1)`` mapped onto the action space; ``to_env`` turns planner actions into env actions."""
-    from gpubuf.planning import CEMSolver
+    from gpubuf.planning import CEMSolver, cartpole_cost, cartpole_dynamics
 
     if task == "CartPole-v1":
         solver = CEMSolver(cartpole_dynamics, cartpole_cost, horizon, 1, num_samples=64, num_elites=8, seed=seed)

@@ -3,7 +3,8 @@
 :class:`Planner` keeps a :class:`~gpubuf.HistoryBuffer` and, for every env, a queue of env actions. Each
 :meth:`Planner.act` flushes the histories (and queues) of envs on a reset frame, appends the step, asks
 the solver for a new plan only for the envs whose queue ran empty, and pops one action per env.
-:class:`CEMSolver` is a cross-entropy-method solver over user dynamics and cost functions.
+:class:`CEMSolver` is a cross-entropy-method solver over user dynamics and cost functions;
+:func:`cartpole_dynamics` and :func:`cartpole_cost` are CartPole-v1's own equations, for the demo and tests.
 """
 
 from collections.abc import Callable
@@ -181,3 +182,27 @@ class CEMSolver:
             elites = actions.gather(1, elite[:, :, None, None].expand(R, K, H, A))
             mean, std = elites.mean(1), elites.std(1, unbiased=False) + 1e-3
         return mean
+
+
+# ---------------------------------------------------------------- a ready-made model for the CEM solver
+
+CARTPOLE = dict(gravity=9.8, masscart=1.0, masspole=0.1, length=0.5, force_mag=10.0, tau=0.02)
+
+
+def cartpole_dynamics(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+    """CartPole-v1's Euler step: ``state (N, 4)``, ``action (N, 1)`` (push right when ``> 0``) -> ``(N, 4)``."""
+    c = CARTPOLE
+    x, x_dot, theta, theta_dot = state.unbind(-1)
+    force = torch.where(action[:, 0] > 0, c["force_mag"], -c["force_mag"])
+    total_mass, pml = c["masscart"] + c["masspole"], c["masspole"] * c["length"]
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    temp = (force + pml * theta_dot**2 * sin) / total_mass
+    theta_acc = (c["gravity"] * sin - cos * temp) / (c["length"] * (4.0 / 3.0 - c["masspole"] * cos**2 / total_mass))
+    x_acc = temp - pml * theta_acc * cos / total_mass
+    tau = c["tau"]
+    return torch.stack([x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot, theta_dot + tau * theta_acc], -1)
+
+
+def cartpole_cost(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+    """Pole angle and cart offset, squared: ``(N,)``."""
+    return state[:, 2] ** 2 + 0.01 * state[:, 0] ** 2
