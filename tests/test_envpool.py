@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from dlpack_only import DlpackOnly
 
 from gpubuf import HistoryBuffer
 from gpubuf.envpool import EnvPoolSource, StepStager
@@ -103,19 +104,6 @@ def test_sync_transitions_follow_the_dynamics(device):
     live = ~batch.terminated.bool()
     pred = cartpole_dynamics(batch.observation.float(), batch.action.float()[:, None] * 2 - 1)
     torch.testing.assert_close(pred[live], batch.next_observation[live].float(), rtol=1e-4, atol=1e-4)
-
-
-class DlpackOnly:
-    """An array that speaks only the DLPack protocol, as JAX or CuPy arrays do."""
-
-    def __init__(self, t):
-        self._t = t
-
-    def __dlpack__(self, **kwargs):
-        return self._t.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._t.__dlpack_device__()
 
 
 @pytest.mark.parametrize("wrap", [lambda t: t, DlpackOnly], ids=["torch", "dlpack"])

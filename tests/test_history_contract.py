@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from dlpack_only import DlpackOnly
 from history_model import HistoryModel
 
 from gpubuf import HistoryBuffer
@@ -113,20 +114,10 @@ def test_non_numeric_values_raise_type_error(bad):
 
 
 def test_inputs_numpy_torch_and_dlpack(backend, device):
-    class DLPackOnly:  # a producer that only speaks the DLPack protocol (like a JAX or CuPy array)
-        def __init__(self, arr):
-            self._arr = arr
-
-        def __dlpack__(self, **kwargs):
-            return self._arr.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self._arr.__dlpack_device__()
-
     buf = HistoryBuffer(2, 4, device=device)
     buf.append({"x": np.array([[1], [2]], np.int32)})
     buf.append({"x": torch.tensor([[3], [4]], dtype=torch.int32)})
-    buf.append({"x": DLPackOnly(np.array([[5], [6]], np.int32))})
+    buf.append({"x": DlpackOnly(np.array([[5], [6]], np.int32))})
     assert buf.get(3)["x"].tolist() == [[1, 3, 5], [2, 4, 6]]
 
 
