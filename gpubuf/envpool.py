@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from gpubuf import ops
-from gpubuf.staging import Staging, as_index_array, as_tensor, positive_int
+from gpubuf.inputs import as_index_array, as_tensor, positive_int
+from gpubuf.staging import Staging
 
 
 @dataclass

@@ -4,7 +4,10 @@ Storage per key is one preallocated slot-major ``(max_len * n_envs, E)`` device 
 per entry); env ``e``'s ring slot ``s`` is row ``s * n_envs + e``, so envs in lockstep write and read
 contiguous blocks. Write heads and counts live on the host
 (the host already knows them), so ``append``/``get`` never read the device; per-call row metadata is
-built there and uploaded with one non-blocking copy. See SPEC.md, "HistoryBuffer".
+built there and uploaded with one non-blocking copy.
+
+Every write is two-phase: each key is checked and staged on the device first (where any conversion fails),
+then all keys are committed with copies that cannot fail on staged data, then the host mirror moves.
 """
 
 from collections.abc import Iterable, Mapping
@@ -12,8 +15,10 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from gpubuf import ops
-from gpubuf.staging import Staging, as_index_array, as_tensor, positive_int
+from gpubuf import checkpoint, ops
+from gpubuf.inputs import as_index_array, as_tensor, check_cast, positive_int
+from gpubuf.staging import Staging
+from gpubuf.state import check_state, check_tensor, copy_into, host_tensor
 
 
 class HistoryBuffer:
@@ -110,21 +115,26 @@ class HistoryBuffer:
                 )
             for key, t in values.items():
                 self._check_against_spec(key, t)
-        else:
-            self._allocate(values)
         if R == 0:
+            if not self._shapes:
+                self._allocate(values)
             return
         dst_rows, keep, heads, counts = self._plan_append(ids)
-        dst = self._upload(dst_rows, "__dst_rows__")
+        # phase 1: stage every key (conversion errors happen here, before any write)
+        keep_t = None if keep is None else torch.from_numpy(keep)
+        staged = {}
         for key, t in values.items():
-            storage = self._data[key]
-            rows = t.expand(R, *self._shapes[key]) if t.dim() == 0 else t
-            if keep is not None:
-                rows = rows[torch.from_numpy(keep).to(rows.device)]
-            rows = self._staging.to_device(rows.reshape(len(dst_rows), -1), key)
-            if rows.dtype != storage.dtype or not rows.is_contiguous():
-                rows = rows.to(storage.dtype).contiguous()
-            ops.history_append(self.backend, storage, rows, dst)
+            rows = t.expand(R, *t.shape) if t.dim() == 0 else t
+            if keep_t is not None:
+                rows = rows[keep_t.to(rows.device)]
+            dtype = self._data[key].dtype if self._data else t.dtype
+            staged[key] = self._staging.stage(rows.reshape(len(dst_rows), -1), key, dtype)
+        dst = self._upload(dst_rows, "__dst_rows__")
+        if not self._data:
+            self._allocate(values)
+        # phase 2: commit
+        for key, rows in staged.items():
+            ops.history_append(self.backend, self._data[key], rows, dst)
         self._heads, self._counts = heads, counts
 
     def _check_value(self, key, value, R: int) -> torch.Tensor:
@@ -141,8 +151,7 @@ class HistoryBuffer:
             raise ValueError(f"{key}: expected per-env shape {shape}, got {tuple(t.shape[1:])}")
         if t.dim() == 0 and shape != ():
             raise ValueError(f"{key}: a scalar cannot fill per-env shape {shape}")
-        if not torch.can_cast(t.dtype, dtype):
-            raise TypeError(f"{key}: cannot safely cast {t.dtype} to the stored dtype {dtype}")
+        check_cast(t, dtype, key)
 
     def _allocate(self, values: dict) -> None:
         shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
@@ -193,11 +202,12 @@ class HistoryBuffer:
         shapes = self._output_shapes(len(ids), n)
         if out is not None:
             self._check_out(out, shapes)
+        if out is None:
+            out = self._new_outputs(shapes, n)
         result = {}
         meta = self._upload(np.stack([ids, newest, k]), "__meta__")
-        for key, shape in shapes.items():
-            storage = self._data[key]
-            dst = out[key] if out is not None else torch.empty(shape, dtype=storage.dtype, device=self.device)
+        for key in shapes:
+            storage, dst = self._data[key], out[key]
             if key in self.block_keys:
                 ops.history_pack_blocks(self.backend, storage, meta, n, ab, self.max_len, dst)
             else:
@@ -217,6 +227,14 @@ class HistoryBuffer:
                 shapes[key] = (rows, n * entry[0], *entry[1:])
         return shapes
 
+    def _new_outputs(self, shapes: dict, n: int) -> dict[str, torch.Tensor]:
+        sizes = {k: int(np.prod(shape, dtype=object)) * self._data[k].element_size() for k, shape in shapes.items()}
+        try:
+            return {k: torch.empty(shape, dtype=self._data[k].dtype, device=self.device) for k, shape in shapes.items()}
+        except (RuntimeError, torch.OutOfMemoryError) as err:
+            raise MemoryError(f"n: get(n={n}) needs {sum(sizes.values())} bytes of output on {self.device}, which "
+                              f"cannot be allocated ({str(err).splitlines()[0]})") from None
+
     def _check_out(self, out: dict, shapes: dict) -> None:
         for key, shape in shapes.items():
             t = out.get(key) if isinstance(out, Mapping) else None
@@ -231,30 +249,83 @@ class HistoryBuffer:
 
     # ------------------------------------------------------------------ state
 
+    _CONFIG = ("n_envs", "max_len", "action_block", "block_keys")
+
     def state_dict(self) -> dict:
-        """A snapshot (cloned tensors) of configuration, data and counters."""
+        """Configuration, data and counters: tensors and plain Python values only (``torch.load`` reads it
+        with its defaults). Data tensors are the storage itself, not copies (as ``nn.Module.state_dict``):
+        save or clone them before the buffer changes."""
         return {
+            "buffer": type(self).__name__,
+            "version": 1,
             "n_envs": self.n_envs,
             "max_len": self.max_len,
             "action_block": self.action_block,
             "block_keys": self.block_keys,
-            "shapes": dict(self._shapes),
-            "data": {k: t.clone() for k, t in self._data.items()},
-            "counts": self._counts.copy(),
-            "heads": self._heads.copy(),
+            "shapes": {k: s for k, s in self._shapes.items()},
+            "data": dict(self._data),
+            "counts": torch.from_numpy(self._counts.copy()),
+            "heads": torch.from_numpy(self._heads.copy()),
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Restore a :meth:`state_dict` (from any device); the configuration must match."""
-        for name in ("n_envs", "max_len", "action_block", "block_keys"):
-            if tuple(np.atleast_1d(state[name])) != tuple(np.atleast_1d(getattr(self, name))):
-                raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has {getattr(self, name)!r}")
-        shapes = {k: tuple(s) for k, s in state["shapes"].items()}
-        data = {k: torch.as_tensor(t) for k, t in state["data"].items()}
-        self._data = ops.allocate({k: tuple(t.shape) for k, t in data.items()},
-                              {k: t.dtype for k, t in data.items()}, self.device)
-        for key, t in data.items():
-            self._data[key].copy_(t)
-        self._shapes = shapes
-        self._counts = np.asarray(state["counts"], dtype=np.int64).copy()
-        self._heads = np.asarray(state["heads"], dtype=np.int64).copy()
+    def load_state_dict(self, state) -> None:
+        """Restore a :meth:`state_dict` (saved on any device). The whole state is validated first (buffer
+        type, configuration, keys, shapes, dtypes, counters in range): a mismatch raises naming the key and
+        leaves the buffer as it was. A buffer that has not stored anything yet takes the state's keys."""
+        template = self.state_dict()
+        check_state(state, template, self._CONFIG + ("version",), skip=("shapes", "data"))
+        shapes = self._check_state_layout(state)
+        counts = host_tensor(state["counts"]).numpy().copy()
+        heads = host_tensor(state["heads"]).numpy().copy()
+        if counts.size and (counts.min() < 0 or counts.max() > self.max_len):
+            raise ValueError(f"state_dict['counts']: expected entry counts in [0, {self.max_len}], got "
+                             f"[{counts.min()}, {counts.max()}]")
+        if heads.size and (heads.min() < 0 or heads.max() >= self.max_len):
+            raise ValueError(f"state_dict['heads']: expected ring heads in [0, {self.max_len}), got "
+                             f"[{heads.min()}, {heads.max()}]")
+        data = state["data"]
+        if not self._data and shapes:
+            storage = ops.allocate({k: tuple(data[k].shape) for k in shapes}, {k: data[k].dtype for k in shapes},
+                                   self.device)
+        else:
+            storage = self._data
+        try:
+            for key, t in storage.items():
+                copy_into(t, data[key])
+        except BaseException:
+            self._counts[:], self._heads[:] = 0, 0  # the data is half-read: forget every entry
+            raise
+        self._data, self._shapes = storage, shapes
+        self._counts, self._heads = counts, heads
+
+    def _check_state_layout(self, state) -> dict[str, tuple]:
+        """The state's per-key entry shapes, checked against this buffer's (or, before its first append,
+        against each other)."""
+        shapes, data = state["shapes"], state["data"]
+        if not isinstance(shapes, dict) or not isinstance(data, dict) or set(shapes) != set(data):
+            raise ValueError("state_dict['shapes'], ['data']: expected dicts over the same keys")
+        shapes = {k: tuple(s) for k, s in shapes.items()}
+        if self._shapes:
+            if shapes != self._shapes:
+                raise ValueError(f"state_dict['shapes']: expected {self._shapes}, got {shapes}")
+            for key, t in self._data.items():
+                check_tensor(f"state_dict['data'][{key!r}]", data[key], tuple(t.shape), t.dtype)
+            return shapes
+        rows = self.n_envs * self.max_len
+        for key, shape in shapes.items():
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"state_dict['shapes'][{key!r}]: expected a shape, got {shape!r}")
+            t = data[key]
+            want = (rows, int(np.prod(shape)))
+            dtype = getattr(t, "dtype", None)
+            check_tensor(f"state_dict['data'][{key!r}]", t, want, dtype if isinstance(dtype, torch.dtype) else None)
+        return shapes
+
+    def save(self, path) -> None:
+        """Write a checkpoint to ``path`` atomically, streaming storage in bounded chunks (see
+        :func:`gpubuf.checkpoint.save`)."""
+        checkpoint.save(self, path)
+
+    def load(self, path) -> None:
+        """Restore a checkpoint written by :meth:`save` (on any device); validated before the first write."""
+        checkpoint.load(self, path)

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from gpubuf.history import HistoryBuffer
-from gpubuf.staging import Staging, as_index_array, positive_int
+from gpubuf.inputs import as_index_array, positive_int
+from gpubuf.staging import Staging
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """PrioritizedTransitionBuffer: a TransitionBuffer whose prefix-sum tree holds ``priority**alpha`` per start.
 
 Priorities live on the device (``(M*E,)`` float32) next to the tree (:mod:`gpubuf.prefix_tree`); new starts
-get the running maximum priority, updates rewrite only the touched leaves and their parents.
+get the running maximum priority, updates rewrite only the touched leaves and their parents. The running
+maximum is mirrored on the host (every update already checks its values there), so inserts never read it back.
 """
 
 import math
@@ -9,16 +10,18 @@ import math
 import numpy as np
 import torch
 
+from gpubuf.inputs import as_tensor, finite_float
 from gpubuf.replay import Transition, TransitionBuffer
-from gpubuf.staging import as_tensor
+from gpubuf.state import check_tensor, chunks, copy_into
+
+_F32 = torch.finfo(torch.float32)
+_LOG_MAX = math.log(torch.finfo(torch.float64).max)
+_LOG_TINY = math.log(torch.finfo(torch.float64).tiny)
 
 
-def _nonneg_float(name: str, value, positive: bool = False) -> float:
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not ok or not np.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}: expected a finite {'positive' if positive else 'non-negative'} number, "
-                         f"got {value!r}")
-    return float(value)
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as the priorities are stored."""
+    return float(np.float32(x))
 
 
 class PrioritizedTransitionBuffer(TransitionBuffer):
@@ -27,13 +30,18 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     Extra args: ``alpha`` (priority exponent; 0 is uniform), ``beta`` (importance-sampling exponent, see
     :meth:`update_beta`), ``eps`` (> 0, added to ``|td|`` so no start gets zero probability).
 
-    Each start has a raw priority; newly inserted starts get the running ``max_priority`` (initially 1,
-    never decreasing). ``P_i = p_i**alpha / sum over valid starts``. :meth:`sample` returns
+    Each start has a raw priority (float32); newly inserted starts get the running ``max_priority``
+    (initially 1, never decreasing). ``P_i = p_i**alpha / sum over valid starts``. :meth:`sample` returns
     ``(Transition, flat_indices)`` with ``PER_weights = (N*P_i)**-beta / max over the batch``, which equals
-    ``(P_i / min_batch P)**-beta``. Without replacement (the default) the draw is exact sequential
+    ``(P_i / min_batch P)**-beta``. Without replacement (**the default here**, as in the original PER
+    buffer; the uniform :class:`TransitionBuffer` defaults to with replacement) the draw is exact sequential
     sampling without replacement (Plackett-Luce): see :class:`TransitionBuffer` for how and what it costs.
-    :meth:`update_priorities` validates its inputs where they live: host inputs on the host (no device read),
-    device inputs with one read-back.
+
+    Every valid start has a positive, finite mass: ``eps`` must survive float32 and ``eps**alpha`` float64
+    (checked here), and an update whose ``max_priority**alpha`` summed over all starts would overflow
+    float64 is rejected (``ValueError`` naming ``td_errors`` and ``alpha``). :meth:`update_priorities`
+    validates its inputs where they live: host inputs on the host (no device read), device inputs with one
+    read-back.
     """
 
     _prioritized = True
@@ -41,33 +49,46 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *, device=None,
                  seed: int | None = None):
-        self.alpha = _nonneg_float("alpha", alpha)
-        self.beta = _nonneg_float("beta", beta)
-        self.eps = _nonneg_float("eps", eps, positive=True)
+        self.alpha = finite_float("alpha", alpha, 0.0)
+        self.beta = finite_float("beta", beta, 0.0)
+        self.eps = finite_float("eps", eps, 0.0, low_open=True)
+        if _f32(self.eps) < _F32.tiny:
+            raise ValueError(f"eps: expected at least {_F32.tiny:g} (priorities are float32), got {eps!r}")
+        if self.alpha * math.log(_f32(self.eps)) < _LOG_TINY:
+            raise ValueError(f"eps, alpha: eps**alpha = {_f32(self.eps):g}**{self.alpha:g} underflows float64, so a "
+                             "start with a zero TD error could never be drawn; raise eps or lower alpha")
         super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps, device=device, seed=seed)
-        self._max_priority = torch.ones((), dtype=torch.float32, device=self.device)
+        self._check_mass("alpha", 1.0)
+        self._max_p = 1.0  # running max priority (host mirror; float32 values)
         self._priority_rows = self._priority.view(self.max_rows, self.n_envs)
 
     @property
     def max_priority(self) -> float:
-        """The running maximum priority (reads the device)."""
-        return float(self._max_priority)
+        """The running maximum priority."""
+        return self._max_p
+
+    def _check_mass(self, name: str, top: float) -> None:
+        """Raise unless ``top**alpha`` summed over every start stays finite in float64."""
+        if top > 0 and self.alpha * math.log(top) + math.log(self.max_size) >= _LOG_MAX:
+            raise ValueError(f"{name}: priority {top:g} ** alpha {self.alpha:g} over {self.max_size} starts "
+                             "overflows float64 sampling mass; lower alpha or scale the TD errors")
 
     def _on_rows_written(self, pos: int, first: int, T: int) -> None:
         prio = self._priority_rows
-        prio[pos:pos + first] = self._max_priority
+        prio[pos:pos + first] = self._max_p
         if first < T:  # wrapped
-            prio[:T - first] = self._max_priority
+            prio[:T - first] = self._max_p
 
-    def _range_mass(self, lo: int, hi: int, ok: np.ndarray, all_ok: bool, key: str) -> torch.Tensor:
-        mass = self._priority[lo:hi].to(torch.float64).pow_(self.alpha)
-        return mass if all_ok else mass.mul_(self._upload(ok, key))  # invalid starts: zero mass
+    def _mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
+        mass = self._priority[starts].to(torch.float64).pow_(self.alpha)
+        return mass if all_valid else mass.mul_(valid)  # invalid starts: zero mass
 
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
                with_next_obs: bool = False, *, out: Transition | None = None) -> tuple[Transition, torch.Tensor]:
         """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch carries
-        ``PER_weights`` (B,) float32. Shapes, ``with_next_obs`` and ``out`` as in :meth:`TransitionBuffer.sample`
-        (``out.PER_weights`` is replaced by a fresh tensor)."""
+        ``PER_weights`` (B,) float32. Shapes, ``key``, ``with_next_obs`` and ``out`` as in
+        :meth:`TransitionBuffer.sample` (``out.PER_weights`` is replaced by a fresh tensor). Note the default
+        ``with_replacement=False``."""
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
         dst = self._check_out(out, B, with_next_obs)
         idx, mass = self._draw(self._trees[kind], B, self._generator(key), with_replacement)
@@ -76,39 +97,48 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return batch, idx
 
     def update_priorities(self, indices, td_errors):
-        """Set priorities ``|td| + eps`` of flat starts ``indices``; returns ``self``.
+        """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
 
         Duplicate indices keep their largest value. ``max_priority`` becomes ``max(max_priority, new)``.
-        Raises (writing nothing) on non-integer or out-of-range indices, a length mismatch, or NaN/inf results.
+        Empty inputs do nothing. Raises (writing nothing) on non-integer or out-of-range indices, a length
+        mismatch, NaN/inf results, or a priority whose ``**alpha`` mass would overflow.
         """
         idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
         td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors, "td_errors")
+        if idx.numel() == 0 and td.numel() == 0 and idx.dim() <= 1 and td.dim() <= 1:
+            return self
         if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
         if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex or td.dtype == torch.bool:
             raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per index), "
                              f"got {td.dtype} of shape {tuple(td.shape)}")
-        if idx.numel() == 0:
-            return self
         on_host = idx.device.type == "cpu" and td.device.type == "cpu"
+        if on_host and idx.dtype != torch.int64:  # unsigned and narrow ints: checked and widened on the host
+            idx = torch.from_numpy(self._host_indices(idx.numpy()))
         new = td.to(torch.float32).abs().add_(self.eps)  # where td lives
         if on_host:  # host inputs are checked where they are: nothing is read back from the device
-            self._check_update(idx, td, new)
-        idx = self._staging.to_device(idx, "__upd_idx__").to(torch.int64).contiguous()  # kernels assume unit stride
-        new = self._staging.to_device(new, "__upd_td__")
+            top = self._check_update(idx, td, new)
+        idx = self._staging.stage(idx, "__upd_idx__", torch.int64)  # contiguous: the kernels assume unit stride
+        new = self._staging.stage(new, "__upd_td__", torch.float32)
         if not on_host:  # device inputs: one read-back of (min index, max index, max value)
-            self._check_update(idx, td, new)
-        top = new.max()
+            top = self._check_update(idx, td, new)
+        # ---- all checks passed: write
         self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
-        torch.maximum(self._max_priority, top, out=self._max_priority)
-        p = self._priority.index_select(0, idx).to(torch.float64).pow_(self.alpha)
+        self._max_p = max(self._max_p, top)
         for kind in self._active:
-            tree = self._trees[kind]
-            tree.update(idx, p * (tree.leaves(idx) > 0))  # invalid starts keep zero mass
+            self._trees[kind].update(idx, self._mass(idx, self._valid_dev[kind][idx], False))
         return self
 
-    def _check_update(self, idx: torch.Tensor, td: torch.Tensor, new: torch.Tensor) -> None:
-        """Raise on indices outside ``[0, max_size)`` or non-finite ``|td| + eps`` (``new``), both (K,)."""
+    def _host_indices(self, arr: np.ndarray) -> np.ndarray:
+        L = self.max_size
+        bad = (arr >= L) if arr.dtype.kind == "u" else (arr < 0) | (arr >= L)
+        if bad.any():
+            raise IndexError(f"indices: expected flat start indices in [0, {L}), got {arr[bad][:5].tolist()}")
+        return arr.astype(np.int64)
+
+    def _check_update(self, idx: torch.Tensor, td: torch.Tensor, new: torch.Tensor) -> float:
+        """Raise on indices outside ``[0, max_size)``, non-finite ``|td| + eps`` (``new``), or an overflowing
+        mass; returns the largest new priority."""
         lo, hi = torch.aminmax(idx)
         top = new.max()  # NaN or inf here iff anywhere
         if idx.device.type == "cpu":
@@ -120,26 +150,45 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
             raise IndexError(f"indices: expected flat start indices in [0, {L}), got "
                              f"{idx[(idx < 0) | (idx >= L)][:5].tolist()}")
         if not math.isfinite(top_value):
-            raise ValueError(f"td_errors: |td| + eps must be finite and non-negative, got "
+            raise ValueError(f"td_errors: |td| + eps must be finite (float32), got "
                              f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
+        self._check_mass("td_errors, alpha", top_value)
+        return top_value
 
     def update_beta(self, beta: float):
         """Set the importance-sampling exponent; returns ``self``."""
-        self.beta = _nonneg_float("beta", beta)
+        self.beta = finite_float("beta", beta, 0.0)
         return self
+
+    # ------------------------------------------------------------------ state
 
     _CONFIG = TransitionBuffer._CONFIG + ("alpha", "eps")
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state.update(beta=self.beta, priority=self._priority.clone(), max_priority=self._max_priority.clone())
+        state.update(beta=self.beta, priority=self._priority, max_priority=self._max_p)
         return state
 
-    def load_state_dict(self, state) -> None:
-        super().load_state_dict(state)
-        self._priority.copy_(torch.as_tensor(state["priority"]))
-        self._max_priority.copy_(torch.as_tensor(state["max_priority"]))
-        self.beta = float(state["beta"])
+    def _check_extra_state(self, state) -> tuple[float, float]:
+        beta = finite_float("state_dict['beta']", state["beta"], 0.0)
+        top = finite_float("state_dict['max_priority']", state["max_priority"], 1.0)
+        self._check_mass("state_dict['max_priority']", top)
+        prio = state["priority"]
+        check_tensor("state_dict['priority']", prio, tuple(self._priority.shape), torch.float32)
+        written = (state["count"] if state["count"] < self.max_rows else self.max_rows) * self.n_envs
+        at = 0
+        for piece in chunks(prio):  # written starts: priorities in [eps, max_priority]; all: finite
+            lo = piece[:max(0, written - at)]
+            if not bool(torch.isfinite(piece).all()) or (lo.numel() and not (
+                    float(lo.min()) >= _f32(self.eps) and float(lo.max()) <= top)):
+                raise ValueError(f"state_dict['priority']: expected priorities of written starts in "
+                                 f"[{_f32(self.eps):g}, max_priority {top:g}], finite everywhere")
+            at += piece.numel()
+        return beta, top
+
+    def _load_extra_state(self, state, extra: tuple[float, float]) -> None:
+        copy_into(self._priority, state["priority"])
+        self.beta, self._max_p = extra
 
 
 __all__ = ["PrioritizedTransitionBuffer"]

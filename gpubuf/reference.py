@@ -23,6 +23,12 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
+def _ascending(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) int64: 0, 1, ..., n-1."""
+    return torch.arange(n, device=device)
+
+
+@lru_cache(maxsize=64)
 def _countdown(n: int, device: torch.device) -> torch.Tensor:
     """(n,) int64: n-1, n-2, ..., 0."""
     return torch.arange(n - 1, -1, -1, device=device)
@@ -86,8 +92,10 @@ def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
     consecutive groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries);
     ``offsets`` (K+1 ints) bounds the K levels: level ``k`` is ``tree[offsets[k]:offsets[k+1]]``. At each
     level the sample takes the inclusive prefix sum of its node's children and moves to the first child
-    whose prefix sum exceeds its remaining mass. The mass is clamped just below the node's total, so a
-    zero-mass child (an invalid start) is never chosen.
+    whose prefix sum exceeds its remaining mass. Only a child of positive mass is ever chosen: when rounding
+    (subnormal or huge masses) puts the remaining mass at or past the node's total, the last child of
+    positive mass is taken. So, whenever the tree holds any mass, every returned leaf has positive mass
+    (a valid start) and lies below the capacity (padding leaves are zero).
     """
     B = u.shape[0]
     if B == 0:
@@ -102,7 +110,7 @@ def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
     cs = level.cumsum(0)
     total = cs[-1]
     target = torch.minimum(u * total, total * _BELOW_ONE)
-    node = torch.searchsorted(cs, target, right=True)  # first entry whose prefix sum exceeds the mass
+    node = _positive_child(torch.searchsorted(cs, target, right=True), level)
     target = target.sub_(cs.sub_(level).index_select(0, node)).clamp_min_(0).unsqueeze_(1)  # (B, 1)
     base = tree.storage_offset()
     for k in range(shared - 1, -1, -1):
@@ -110,10 +118,22 @@ def tree_sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
         c = children.index_select(0, node)  # (B, F) children
         cs = c.cumsum(1)
         target = torch.minimum(target, cs[:, -1:] * _BELOW_ONE)  # stay below the node's mass
-        j = torch.searchsorted(cs, target, right=True).clamp_max_(F - 1)  # (B, 1)
+        j = _positive_child(torch.searchsorted(cs, target, right=True), c)  # (B, 1)
         target = target.sub_(cs.sub_(c).gather(1, j)).clamp_min_(0)
         node = torch.add(j.view(-1), node, alpha=F)
     out.copy_(node)
+
+
+def _positive_child(j: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``j`` (first child whose prefix sum exceeds the mass), replaced by the last child of positive mass in
+    ``c`` (``(F,)`` or ``(B, F)``) wherever it is out of range or of zero mass."""
+    F = c.shape[-1]
+    last = torch.where(c > 0, _ascending(F, c.device), -1).amax(-1, keepdim=True).clamp_min_(0)
+    if c.dim() == 1:
+        last = last.expand_as(j)
+    j = j.clamp_max(F - 1)
+    picked = c.gather(-1, j) if c.dim() == 2 else c.index_select(0, j)
+    return torch.where(picked > 0, j, last)
 
 
 def tree_update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:

@@ -7,7 +7,11 @@ write seam, no truncation inside when next observations are inferred) is tracked
 the write position and counts already live, and enters the device as zero mass in a wide prefix-sum
 tree (:class:`gpubuf.prefix_tree.PrefixSumTree`): an insert only rewrites the leaves of the starts whose
 windows changed and their parents. Sampling descends that tree, then gathers the ``(B, n_steps)``
-windows in one launch per leaf. See SPEC.md, "TransitionBuffer and PrioritizedTransitionBuffer".
+windows in one launch per leaf.
+
+Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then committed
+with copies that cannot fail on staged data. Validity is kept apart from priority: a device mask per
+validity kind says which starts may be drawn, and a valid start's mass is never zero.
 """
 
 import dataclasses
@@ -18,9 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpubuf import ops
+from gpubuf import checkpoint, ops
+from gpubuf.inputs import as_tensor, check_cast, positive_int
 from gpubuf.prefix_tree import PrefixSumTree
-from gpubuf.staging import Staging, as_tensor, positive_int
+from gpubuf.staging import Staging
+from gpubuf.state import check_range, check_state, copy_into, host_tensor
 
 _ARRAYS = (torch.Tensor, np.ndarray)
 FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
@@ -166,11 +172,13 @@ class TransitionBuffer:
         self._trees = {k: PrefixSumTree(M * E, self.device, self.backend) for k in self._kinds}
         for k, tree in self._trees.items():
             shapes[f"__tree{k}__"], dtypes[f"__tree{k}__"] = (tree.size,), torch.float64
+            shapes[f"__valid{k}__"], dtypes[f"__valid{k}__"] = (M * E,), torch.bool
         if self._prioritized:
             shapes["__priority__"], dtypes["__priority__"] = (M * E,), torch.float32
         storage = ops.allocate(shapes, dtypes, self.device)
         for k, tree in self._trees.items():
             tree.tree = storage.pop(f"__tree{k}__")
+        self._valid_dev = {k: storage.pop(f"__valid{k}__") for k in self._kinds}  # (M*E,) device validity masks
         self._priority = storage.pop("__priority__", None)
         self._data = {p: storage[_leaf_name(p)] for p in samples}
         self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
@@ -200,8 +208,8 @@ class TransitionBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held: storage, prefix-sum trees and priorities."""
-        ts = list(self._data.values()) + [t.tree for t in self._trees.values()]
+        """Device bytes held: storage, prefix-sum trees, validity masks and priorities."""
+        ts = list(self._data.values()) + [t.tree for t in self._trees.values()] + list(self._valid_dev.values())
         if self._priority is not None:
             ts.append(self._priority)
         return sum(t.numel() * t.element_size() for t in ts)
@@ -232,7 +240,8 @@ class TransitionBuffer:
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
 
         Leaves are shaped ``(T, E, ...)`` (``(T, ...)`` when not vectorized), ``1 <= T <= M``, with the key
-        set, per-row shapes and (safely castable) dtypes of ``data_sample``. Every check runs before any write.
+        set and per-row shapes of ``data_sample``, and dtypes that store without changing values (narrowing casts
+        of host data are checked on the values: :func:`gpubuf.inputs.check_cast`). Nothing is written on any error.
         """
         leaves = _flatten(transition)
         if leaves.keys() != self._shapes.keys():
@@ -251,8 +260,7 @@ class TransitionBuffer:
                 T = t.shape[0]
             elif t.shape[0] != T:
                 raise ValueError(f"{name}: expected T = {T} rows like the other leaves, got {t.shape[0]}")
-            if t.dtype != self._dtypes[p] and not torch.can_cast(t.dtype, self._dtypes[p]):
-                raise TypeError(f"{name}: cannot safely cast {t.dtype} to the stored dtype {self._dtypes[p]}")
+            check_cast(t, self._dtypes[p], name)
             values[p] = t
         M = self.max_rows
         if not 1 <= T <= M:
@@ -264,22 +272,24 @@ class TransitionBuffer:
             f = flags[0] if len(flags) == 1 else np.concatenate(flags, axis=2)
             f = f if f.dtype == np.bool_ else f != 0
             trunc = f[:, :, 0] if f.shape[2] == 1 else f.any(2)
-        # ---- all checks passed: write
-        pos = self._pos
-        first = min(T, M - pos)  # rows before the ring wraps
-        host = self._host
+        # ---- phase 1: stage every leaf (any conversion error happens here, before the first write)
+        staged = {}
         for p, t in values.items():
             v = leaves[p]
-            if host and first == T and type(v) is np.ndarray and t.dtype == self._dtypes[p]:
-                host[p][pos:pos + T] = v
-                continue
-            src = self._staging.to_device(t, self._names[p])
-            dst = self._data[p]
-            if first == T:
-                dst[pos:pos + T].copy_(src, non_blocking=True)
+            if self._host and type(v) is np.ndarray and t.dtype == self._dtypes[p]:
+                staged[p] = v  # CPU storage, same dtype: one numpy slice assignment, which cannot fail
             else:
-                dst[pos:].copy_(src[:first], non_blocking=True)
-                dst[:T - first].copy_(src[first:], non_blocking=True)
+                staged[p] = self._staging.stage(t, self._names[p], self._dtypes[p])
+        # ---- phase 2: commit
+        pos = self._pos
+        first = min(T, M - pos)  # rows before the ring wraps
+        for p, src in staged.items():
+            dst = self._host[p] if isinstance(src, np.ndarray) else self._data[p]
+            if first == T:
+                dst[pos:pos + T] = src
+            else:
+                dst[pos:] = src[:first]
+                dst[:T - first] = src[first:]
         if trunc is not None:
             self._trunc[pos:pos + first] = trunc[:first]
             if first < T:
@@ -324,19 +334,25 @@ class TransitionBuffer:
         return ok if E == 1 else np.repeat(ok, E)
 
     def _set_rows(self, kind: int, r0: int, r1: int) -> None:
-        """Refresh validity and tree leaves (then their parents) of the starts in rows ``[r0, r1)``."""
+        """Refresh validity (host mirror and device mask) and tree leaves (then their parents) of the starts in
+        rows ``[r0, r1)``."""
         ok = self._validity(r0, r1, kind)
         lo, hi = r0 * self.n_envs, r1 * self.n_envs
         valid = self._valid[kind].reshape(-1)  # (M*E,) view
         n_ok = int(np.count_nonzero(ok))
         self._n_valid[kind] += n_ok - int(np.count_nonzero(valid[lo:hi]))
         valid[lo:hi] = ok
-        self._trees[kind].update_range(lo, self._range_mass(lo, hi, ok, n_ok == hi - lo, f"__valid{kind}_{r0 == 0}__"))
+        mask = self._valid_dev[kind][lo:hi]
+        if n_ok == hi - lo:
+            mask.fill_(True)
+        else:
+            mask.copy_(self._upload(ok, f"__valid{kind}_{r0 == 0}__"))
+        self._trees[kind].update_range(lo, self._mass(slice(lo, hi), mask, n_ok == hi - lo))
 
-    def _range_mass(self, lo: int, hi: int, ok: np.ndarray, all_ok: bool, key: str) -> torch.Tensor:
-        """Sampling mass (float64, on the device) of flat starts ``[lo, hi)`` given their host validity ``ok``
-        (``all_ok``: all of them valid): uniform here."""
-        return self._upload(ok.astype(np.float64), key)
+    def _mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
+        """Sampling mass (float64, on the device) of flat ``starts`` (a slice or index tensor) given their device
+        validity ``valid`` (``all_valid``: all of them valid): 1 per valid start here, 0 per invalid one."""
+        return valid.to(torch.float64)
 
     # ------------------------------------------------------------------ sample
 
@@ -450,51 +466,79 @@ class TransitionBuffer:
 
     # ------------------------------------------------------------------ state
 
-    _CONFIG = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs", "max_rows")
+    _CONFIG = ("version", "max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs", "max_rows")
 
     def state_dict(self) -> dict:
-        """A snapshot (cloned tensors) of configuration, data, trees, host mirrors and RNG state."""
-        state = {name: getattr(self, name) for name in self._CONFIG}
+        """Configuration, data, write position, truncation flags and the sampling RNG state: tensors and
+        plain Python values only (``torch.load`` reads it with its defaults). Data tensors are the storage
+        itself, not copies (as ``nn.Module.state_dict``): save or clone them before the buffer changes.
+        Validity and the prefix-sum trees are derived from these and rebuilt on load."""
+        state = {"buffer": type(self).__name__, "version": 1}
+        state.update({name: getattr(self, name) for name in self._CONFIG[1:]})
         state.update(
             shapes={_leaf_name(p): s for p, s in self._shapes.items()},
-            data={_leaf_name(p): t.clone() for p, t in self._data.items()},
-            trees={k: t.tree.clone() for k, t in self._trees.items() if k in self._active},
+            data={_leaf_name(p): t for p, t in self._data.items()},
             pos=self._pos,
             count=self._count,
-            trunc=self._trunc.copy(),
-            valid={k: v.copy() for k, v in self._valid.items()},
-            n_valid=dict(self._n_valid),
+            trunc=torch.from_numpy(self._trunc.copy()),
             rng=self._gen.get_state(),
         )
         return state
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Restore a :meth:`state_dict` (from any device); the configuration must match.
+    def load_state_dict(self, state) -> None:
+        """Restore a :meth:`state_dict` (saved on any device); the sampling generator lives on the host, so
+        its state is restored exactly on any device.
 
-        The sampling generator lives on the host, so its state is restored exactly on any device. Every
-        check (configuration, leaves, trees) runs before the first write.
+        The whole state is validated first (buffer type, configuration, keys, shapes, dtypes, write position
+        and count in range, RNG state): a mismatch raises naming the key and leaves the buffer as it was.
         """
-        for name in self._CONFIG:
-            if state[name] != getattr(self, name):
-                raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has {getattr(self, name)!r}")
-        shapes = {_leaf_name(p): s for p, s in self._shapes.items()}
-        if {k: tuple(v) for k, v in state["shapes"].items()} != shapes:
-            raise ValueError(f"state_dict: leaves {dict(state['shapes'])} differ from this buffer's {shapes}")
-        if set(state["data"]) != set(shapes):
-            raise ValueError(f"state_dict: data for {sorted(state['data'])}, this buffer has {sorted(shapes)}")
-        if not set(state["trees"]) <= set(self._trees):
-            raise ValueError(f"state_dict: trees {sorted(state['trees'])} differ from this buffer's "
-                             f"{sorted(self._trees)}")
-        for p, t in self._data.items():
-            t.copy_(torch.as_tensor(state["data"][_leaf_name(p)]))
-        self._active = set(state["trees"])
-        for k in self._active:
-            self._trees[k].tree.copy_(torch.as_tensor(state["trees"][k]))
-        self._pos, self._count = int(state["pos"]), int(state["count"])
-        self._trunc = np.asarray(state["trunc"], dtype=bool).copy()
-        self._valid = {k: np.asarray(v, dtype=bool).copy() for k, v in state["valid"].items()}
-        self._n_valid = {k: int(v) for k, v in state["n_valid"].items()}
-        self._gen.set_state(torch.as_tensor(state["rng"]).cpu())
+        check_state(state, self.state_dict(), self._CONFIG)
+        M = self.max_rows
+        count = check_range("state_dict['count']", state["count"], 0, M)
+        pos = check_range("state_dict['pos']", state["pos"], 0, M - 1)
+        if count < M and pos != count:
+            raise ValueError(f"state_dict['pos']: a buffer holding {count} of {M} rows writes at row {count}, "
+                             f"got {pos}")
+        rng = host_tensor(state["rng"])
+        try:
+            torch.Generator().set_state(rng)
+        except RuntimeError as err:
+            raise ValueError(f"state_dict['rng']: not a generator state ({err})") from None
+        trunc = host_tensor(state["trunc"]).numpy().copy()
+        extra = self._check_extra_state(state)
+        try:
+            for p, t in self._data.items():
+                copy_into(t, state["data"][_leaf_name(p)])
+            self._load_extra_state(state, extra)
+        except BaseException:
+            self._pos, self._count = 0, 0  # the data is half-read: forget every row
+            self._forget_validity()
+            raise
+        self._pos, self._count, self._trunc = pos, count, trunc
+        self._gen.set_state(rng)
+        self._forget_validity()
+
+    def _forget_validity(self) -> None:
+        """Drop validity and trees: each is rebuilt from the rows on its next use."""
+        for kind in self._kinds:
+            self._valid[kind][:] = False
+            self._n_valid[kind] = 0
+        self._active = set()
+
+    def _check_extra_state(self, state):
+        """Hook: validate the subclass's own state entries (before any write); returns what to load."""
+
+    def _load_extra_state(self, state, extra) -> None:
+        """Hook: write the subclass's own state entries (after validation), given what the check returned."""
+
+    def save(self, path) -> None:
+        """Write a checkpoint to ``path`` atomically, streaming storage in bounded chunks (see
+        :func:`gpubuf.checkpoint.save`)."""
+        checkpoint.save(self, path)
+
+    def load(self, path) -> None:
+        """Restore a checkpoint written by :meth:`save` (on any device); validated before the first write."""
+        checkpoint.load(self, path)
 
 
 __all__ = ["Transition", "TransitionBuffer"]

@@ -1,4 +1,4 @@
-"""Inputs -> device tensors: torch tensors, numpy arrays, ``__dlpack__`` arrays and numeric scalars.
+"""Host tensors -> device tensors through reusable pinned buffers.
 
 Host data bound for a CUDA buffer goes through :class:`Staging`: a small ring of preallocated pinned
 host buffers per key, each followed by one non-blocking copy into a preallocated device buffer. A
@@ -6,64 +6,7 @@ pinned slot is reused only after the copy that read it has finished (a CUDA even
 overwrite their arrays as soon as the call returns and nothing waits on the device in steady state.
 """
 
-import numbers
-
-import numpy as np
 import torch
-
-_PY_SCALARS = (bool, int, float, np.bool_, np.number)
-
-
-def as_tensor(value, name: str) -> torch.Tensor:
-    """A torch view of ``value`` (no copy where possible); numeric scalars become 0-d tensors.
-
-    Raises ``TypeError`` naming ``name`` for strings, lists and other non-numeric objects.
-    """
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biufc":
-            raise TypeError(f"{name}: expected a numeric array, got a numpy array of dtype {value.dtype}")
-        return torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, _PY_SCALARS) or (isinstance(value, numbers.Number) and not isinstance(value, complex)):
-        if isinstance(value, np.generic):
-            return torch.from_numpy(np.asarray(value))
-        return torch.tensor(value)
-    if hasattr(value, "__dlpack__"):
-        try:
-            return torch.from_dlpack(value)
-        except (RuntimeError, TypeError, BufferError) as err:
-            raise TypeError(f"{name}: could not read the __dlpack__ array ({err})") from err
-    raise TypeError(
-        f"{name}: expected a torch tensor, numpy array, __dlpack__ array or numeric scalar, "
-        f"got {type(value).__name__}"
-    )
-
-
-def positive_int(name: str, value) -> int:
-    """``value`` as an int >= 1, else ``ValueError`` naming ``name`` (bools and floats are rejected)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
-
-
-def as_index_array(ids, name: str, size: int) -> np.ndarray:
-    """Host int64 ids in ``[0, size)``; negatives index from the end as in Python.
-
-    Raises ``TypeError`` for non-integer ids and ``IndexError`` for out-of-range ones.
-    """
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()  # reads the device: pass host ids on the hot path
-    arr = np.asarray(ids)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu" or arr.ndim != 1:
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}")
-    arr = arr.astype(np.int64, copy=False)
-    bad = (arr < -size) | (arr >= size)
-    if bad.any():
-        raise IndexError(f"{name}: ids must lie in [-{size}, {size}), got {arr[bad][:5].tolist()}")
-    return np.where(arr < 0, arr + size, arr)
 
 
 class Staging:
@@ -105,3 +48,18 @@ class Staging:
         out.copy_(host, non_blocking=True)
         event.record()
         return out
+
+    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """``t`` as a contiguous ``dtype`` tensor on the device, ready to be copied into storage.
+
+        This is the first phase of every write: any conversion that can fail (device, dtype, layout) fails
+        here, before the first write, and the error names ``key``.
+        """
+        try:
+            out = self.to_device(t, key)
+            if out.dtype != dtype:
+                out = out.to(dtype)
+            return out.contiguous()
+        except (RuntimeError, NotImplementedError, TypeError) as err:
+            raise TypeError(f"{key}: could not convert {t.dtype} {tuple(t.shape)} on {t.device} into a "
+                            f"contiguous {dtype} tensor on {self.device} ({err})") from err

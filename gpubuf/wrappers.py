@@ -9,7 +9,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv, VectorWrapper
 
 from gpubuf.history import HistoryBuffer
-from gpubuf.staging import as_tensor, positive_int
+from gpubuf.inputs import as_tensor, positive_int
 
 
 class ActionRepeatWrapper(gym.Wrapper):

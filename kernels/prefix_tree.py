@@ -37,6 +37,10 @@ def _sample_kernel(
         target = tl.minimum(target, tl.max(cs, 0) * BELOW_ONE)  # stay below the node's mass
         below = cs <= target  # children entirely below the remaining mass
         j = tl.minimum(tl.sum(below.to(tl.int64), 0), F - 1)
+        # rounding (subnormal or huge masses) can leave j on a zero-mass child: take the last positive one
+        picked = tl.sum(tl.where(ar == j, c, 0.0), 0)
+        last = tl.max(tl.where(c > 0, ar, 0), 0)
+        j = tl.where(picked > 0, j, last)
         prev = tl.sum(tl.where(ar == j, cs - c, 0.0), 0)  # exclusive prefix sum at the chosen child
         target = tl.maximum(target - prev, 0.0)
         node = node * F + j

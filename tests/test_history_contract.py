@@ -5,6 +5,7 @@ import pytest
 import torch
 from dlpack_only import DlpackOnly
 from history_model import HistoryModel
+from snapshots import assert_unchanged, snapshot
 
 from gpubuf import HistoryBuffer
 
@@ -135,40 +136,32 @@ def test_inputs_are_copied_not_viewed(backend, device):
 def test_missing_or_extra_key_raises_and_writes_nothing(backend, device):
     buf, model = make(device=device)
     steps(buf, model, 2, 3)
-    before = buf.state_dict()
+    before = snapshot(buf)
     with pytest.raises(ValueError, match=r"missing \['action'\]"):
         buf.append({"pixels": np.zeros((3, 1, 2, 3), np.uint8)})
     with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
         buf.append({"pixels": np.zeros((3, 1, 2, 3), np.uint8), "action": np.zeros((3, 1, 2), np.float32),
                     "extra": np.zeros(3)})
-    assert_state_equal(buf.state_dict(), before)
+    assert_unchanged(buf, before)
 
 
 def test_changed_shape_raises_value_error(backend, device):
     buf, model = make(device=device)
     steps(buf, model, 1, 3)
-    before = buf.state_dict()
+    before = snapshot(buf)
     with pytest.raises(ValueError, match=r"pixels: expected per-env shape \(1, 2, 3\), got \(2, 2, 3\)"):
         buf.append({"pixels": np.zeros((3, 2, 2, 3), np.uint8), "action": np.zeros((3, 1, 2), np.float32)})
-    assert_state_equal(buf.state_dict(), before)
+    assert_unchanged(buf, before)
 
 
 def test_unsafe_dtype_raises_type_error(backend, device):
     buf, model = make(device=device)
     steps(buf, model, 1, 3)
-    before = buf.state_dict()
-    with pytest.raises(TypeError, match="pixels: cannot safely cast torch.float32 to the stored dtype torch.uint8"):
+    before = snapshot(buf)
+    with pytest.raises(TypeError, match="pixels: cannot store torch.float32 in the stored dtype torch.uint8"):
         buf.append({"pixels": np.zeros((3, 1, 2, 3), np.float32), "action": np.zeros((3, 1, 2), np.float32)})
-    assert_state_equal(buf.state_dict(), before)
+    assert_unchanged(buf, before)
     buf.append({"pixels": np.zeros((3, 1, 2, 3), np.uint8), "action": np.zeros((3, 1, 2), np.float64)})  # safe
-
-
-def assert_state_equal(a, b):
-    assert a["shapes"] == b["shapes"]
-    np.testing.assert_array_equal(a["counts"], b["counts"])
-    np.testing.assert_array_equal(a["heads"], b["heads"])
-    for key in b["data"]:
-        assert torch.equal(a["data"][key].cpu(), b["data"][key].cpu())
 
 
 # ------------------------------------------------------------------ get

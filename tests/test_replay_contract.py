@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from snapshots import assert_unchanged, snapshot
 from test_replay_helpers import Model, check_windows, make_transition
 
 from gpubuf import TransitionBuffer
@@ -217,16 +218,13 @@ def _bad_inserts():
 def test_bad_insert_writes_nothing(i):
     buf = build()
     buf.insert(make_transition(0, 4, 3))
-    before = buf.state_dict()
+    buf.sample()  # the tree is built
+    before, tree = snapshot(buf), buf._trees[0].tree.clone()
     bad, exc, match = _bad_inserts()[i]
     with pytest.raises(exc, match=match):
         buf.insert(bad)
-    after = buf.state_dict()
-    assert after["pos"] == before["pos"] and after["count"] == before["count"]
-    for k, t in before["data"].items():
-        assert torch.equal(t, after["data"][k])
-    for k, t in before["trees"].items():
-        assert torch.equal(t, after["trees"][k])
+    assert_unchanged(buf, before)
+    assert torch.equal(tree, buf._trees[0].tree)
 
 
 def test_bad_sample_args():

@@ -1,0 +1,152 @@
+"""Argument validation and conversion shared by every public method.
+
+Inputs may be torch tensors (any device), numpy arrays (any byte order), ``__dlpack__`` arrays or numeric
+scalars. Every function here raises an exception that names the argument, before anything is written.
+"""
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+_PY_SCALARS = (bool, int, float, np.bool_, np.number)
+
+
+def as_tensor(value, name: str) -> torch.Tensor:
+    """A dense torch view of ``value`` (no copy where possible); numeric scalars become 0-d tensors.
+
+    Non-native byte order (big-endian numpy data) is converted to native order here (a copy). Raises
+    ``TypeError`` naming ``name`` for strings, lists, other non-numeric objects, sparse and meta tensors.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.device.type == "meta":
+            raise TypeError(f"{name}: expected a dense tensor with data, got a {value.layout} tensor on "
+                            f"{value.device}")
+        return value
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biufc":
+            raise TypeError(f"{name}: expected a numeric array, got a numpy array of dtype {value.dtype}")
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+        return torch.from_numpy(value if value.flags.c_contiguous else np.ascontiguousarray(value))
+    if isinstance(value, _PY_SCALARS) or (isinstance(value, numbers.Number) and not isinstance(value, complex)):
+        if isinstance(value, np.generic):
+            return as_tensor(np.asarray(value), name)
+        return torch.tensor(value)
+    if hasattr(value, "__dlpack__"):
+        try:
+            return torch.from_dlpack(value)
+        except (RuntimeError, TypeError, BufferError) as err:
+            raise TypeError(f"{name}: could not read the __dlpack__ array ({err})") from err
+    raise TypeError(
+        f"{name}: expected a torch tensor, numpy array, __dlpack__ array or numeric scalar, "
+        f"got {type(value).__name__}"
+    )
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1, else ``ValueError`` naming ``name`` (bools and floats are rejected)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def finite_float(name: str, value, low: float = -math.inf, low_open: bool = False) -> float:
+    """``value`` as a finite float ``>= low`` (``> low`` when ``low_open``), else ``ValueError`` naming ``name``."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = math.isfinite(value) and (value > low if low_open else value >= low)
+    if not ok:
+        bound = "" if low == -math.inf else f" {'>' if low_open else '>='} {low:g}"
+        raise ValueError(f"{name}: expected a finite number{bound}, got {value!r}")
+    return value
+
+
+def as_index_array(ids, name: str, size: int) -> np.ndarray:
+    """Host int64 ids in ``[0, size)``; negatives index from the end as in Python.
+
+    Raises ``TypeError`` for non-integer ids and ``IndexError`` for out-of-range ones.
+    """
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()  # reads the device: pass host ids on the hot path
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}")
+    bad = (arr >= size) if arr.dtype.kind == "u" else (arr < -size) | (arr >= size)
+    if bad.any():
+        raise IndexError(f"{name}: ids must lie in [-{size}, {size}), got {arr[bad][:5].tolist()}")
+    arr = arr.astype(np.int64, copy=False)
+    return np.where(arr < 0, arr + size, arr)
+
+
+# ---------------------------------------------------------------- value-preserving casts
+
+
+def _int_range(dtype: torch.dtype) -> tuple[int, int]:
+    return (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+
+
+def _exact_ints(dtype: torch.dtype) -> int:
+    """The largest n such that every integer in [-n, n] is exact in float ``dtype``."""
+    return 2 ** round(1 - math.log2(torch.finfo(dtype).eps))
+
+
+def lossless(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every value of ``src`` is exactly representable in ``dst`` (no value check needed)."""
+    if src == dst or src == torch.bool:
+        return True
+    if src.is_complex:
+        return dst.is_complex and torch.promote_types(src, dst) == dst
+    if dst.is_complex:
+        return lossless(src, torch.float64 if dst == torch.complex128 else torch.float32)
+    if src.is_floating_point:
+        return dst.is_floating_point and torch.promote_types(src, dst) == dst
+    lo, hi = _int_range(src)
+    if dst.is_floating_point:
+        return max(-lo, hi) <= _exact_ints(dst)
+    dlo, dhi = _int_range(dst)
+    return dlo <= lo and hi <= dhi
+
+
+def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    """Raise ``TypeError`` naming ``name`` unless storing ``t`` as ``dtype`` keeps its values.
+
+    Casts that keep every value of the source type (``lossless``) pass without looking at the data. Other
+    casts are checked on the values when ``t`` is on the host (one pass over the input):
+
+    - integer -> narrower integer or bool: every value within the stored type's range;
+    - integer -> float: every ``|value|`` small enough to be exact (``<= 2**24`` for ``float32``);
+    - float -> narrower float: no finite value overflows to ``inf`` (rounding to nearest is accepted, as
+      every float pipeline does: ``float64`` rewards stored as ``float32``).
+
+    Always rejected: float -> integer or bool, complex -> real, and any cast that is not lossless for a
+    tensor on a GPU (checking it would read the device; cast it yourself with ``.to(dtype)``).
+    """
+    src = t.dtype
+    if lossless(src, dtype):
+        return
+    why = None
+    if (src.is_floating_point or src.is_complex) and not (dtype.is_floating_point or dtype.is_complex):
+        why = "float into an integer dtype"
+    elif src.is_complex and not dtype.is_complex:
+        why = "complex into a real dtype"
+    elif t.device.type != "cpu":
+        why = (f"a narrowing cast of a {t.device.type} tensor is not checked (it would read the device); "
+               f"cast it with .to({dtype}) first")
+    elif t.numel():
+        if src.is_floating_point:  # float -> narrower float
+            fits = bool((torch.isfinite(t.to(dtype)) | ~torch.isfinite(t)).all())
+            why = None if fits else f"a finite value overflows {dtype}"
+        else:
+            vmin, vmax = int(t.min()), int(t.max())
+            if dtype.is_floating_point:  # integer -> float
+                lo, hi = -_exact_ints(dtype), _exact_ints(dtype)
+            else:  # integer -> narrower integer
+                lo, hi = _int_range(dtype)
+            why = None if lo <= vmin and vmax <= hi else f"values [{vmin}, {vmax}] do not fit [{lo}, {hi}] exactly"
+    if why:
+        raise TypeError(f"{name}: cannot store {src} in the stored dtype {dtype} without changing values ({why})")
