@@ -1,7 +1,7 @@
 """Env outputs -> stacked-info device tensors, and an EnvPool driver that feeds the buffers.
 
 :class:`StepStager` turns one batch of env outputs (numpy, torch on any device, or ``__dlpack__`` arrays
-from a GPU simulator) into SPEC.md's stacked-info layout on the device: the observation
+from a GPU simulator) into the stacked-info layout on the device: the observation
 ``(R, 1, *obs)``, the executed ``action`` echo ``(R, 1, A)`` float32 with NaN on reset frames, ``reward``
 ``(R, 1)`` float32, ``terminated``/``truncated`` ``(R, 1)`` bool. Host arrays go through pinned staging;
 device arrays are used in place (no host round trip, no copy).
@@ -146,6 +146,7 @@ class EnvPoolSource:
         self.device = self.stager.device
         self._staging = Staging(self.device)
         self.action_dtype, self.action_shape = _space_layout(env.action_space)
+        self.n_actions = getattr(env.action_space, "n", None)  # Discrete spaces: actions lie in [0, n)
         self._sent = np.zeros((self.n_envs, *self.action_shape), dtype=self.action_dtype)  # last sent, per env
         self._prev_obs = None  # (n_envs, *obs) device copy of each env's last observation (transitions only)
         self._has_prev = None  # (n_envs,) host: whether _prev_obs holds a real observation
@@ -166,7 +167,11 @@ class EnvPoolSource:
         return self._receive(obs, zeros, zeros.astype(bool), zeros.astype(bool), info)
 
     def send(self, actions, env_ids=None) -> None:
-        """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R, *shape)``."""
+        """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R, *shape)``.
+
+        A discrete env takes integers in ``[0, n)``; floats are accepted only when integral (``2.0``), so a
+        continuous planner's output must be mapped explicitly (e.g. ``(plan > 0).long()``): ``ValueError``
+        otherwise, before anything is sent."""
         ids = np.arange(self.n_envs) if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         acts = self._host_actions(actions, len(ids))
         self._sent[ids] = acts
@@ -190,6 +195,14 @@ class EnvPoolSource:
         if arr.size != int(np.prod(want)) or arr.dtype.kind not in "biuf":
             raise ValueError(f"actions: expected {int(np.prod(want))} numbers shaped {want}, "
                              f"got {arr.dtype} array of shape {arr.shape}")
+        if self.action_dtype.kind in "iu":  # a discrete env: integral actions only, never truncated silently
+            if arr.dtype.kind == "f" and not np.array_equal(arr, np.trunc(arr)):
+                bad = arr[~(arr == np.trunc(arr))][:5].tolist()
+                raise ValueError(f"actions: a discrete env takes integer actions, got {bad}; map a continuous "
+                                 "planner's output explicitly (e.g. (plan > 0).long() or plan.round())")
+            if self.n_actions is not None and arr.size and not (0 <= arr.min() and arr.max() < self.n_actions):
+                raise ValueError(f"actions: expected actions in [0, {self.n_actions}), got "
+                                 f"[{arr.min()}, {arr.max()}]")
         return arr.reshape(want).astype(self.action_dtype, copy=False)
 
     def _receive(self, obs, reward, terminated, truncated, info) -> Step:

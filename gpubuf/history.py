@@ -79,10 +79,21 @@ class HistoryBuffer:
         return np.where(L > 0, (L - 1) // self.action_block + 1, 0).tolist()
 
     def reset(self, env_ids=None) -> None:
-        """Forget the listed envs' entries (all envs if ``None``)."""
+        """Forget the listed envs' entries (all envs if ``None``; ``[]`` does nothing).
+
+        Only the entry counts change: each env's ring position is kept, so its next entries overwrite its
+        oldest slots first."""
         ids = self._ids(env_ids)
         self._counts[ids] = 0
-        self._heads[ids] = 0
+
+    def _mirror(self) -> tuple[np.ndarray, np.ndarray]:
+        """A copy of the host mirror (write heads, counts), for callers that undo their own appends."""
+        return self._heads.copy(), self._counts.copy()
+
+    def _restore_mirror(self, mirror: tuple[np.ndarray, np.ndarray]) -> None:
+        """Undo the appends and resets since :meth:`_mirror`: exact as long as no env appended more entries
+        than it had free or oldest slots that are never read again (the caller's guarantee)."""
+        self._heads, self._counts = mirror[0].copy(), mirror[1].copy()
 
     def _ids(self, env_ids) -> np.ndarray:
         if env_ids is None:

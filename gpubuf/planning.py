@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gpubuf.history import HistoryBuffer
-from gpubuf.inputs import as_index_array, positive_int
+from gpubuf.inputs import as_index_array, as_tensor, finite_float, positive_int
 from gpubuf.staging import Staging
 
 
@@ -66,7 +66,8 @@ class Planner:
         self.n_envs = positive_int("n_envs", n_envs)
         self.action_dim = positive_int("action_dim", action_dim)
         ab = config.action_block
-        self.history = HistoryBuffer(self.n_envs, (config.history_len - 1) * ab + 1, ab, ("action",), device=device)
+        # one slot more than the solver ever reads: an act() that fails can undo its append exactly
+        self.history = HistoryBuffer(self.n_envs, (config.history_len - 1) * ab + 2, ab, ("action",), device=device)
         self.device = self.history.device
         self.queue_len = config.receding_horizon * ab
         self._queue = torch.zeros(self.n_envs, self.queue_len, self.action_dim, device=self.device)
@@ -86,21 +87,31 @@ class Planner:
         """One action per listed env: ``(R, action_dim)`` on the device.
 
         ``info`` is one step in the stacked layout (``(R, 1, ...)`` values, ``action`` echo included),
-        ``env_ids`` ``(R,)`` host ints (all envs if ``None``), ``first`` ``(R,)`` host bools marking reset
-        frames: those envs' histories and queues are flushed before the step is appended.
+        ``env_ids`` ``(R,)`` distinct host ints (all envs if ``None``), ``first`` ``(R,)`` host bools marking
+        reset frames: those envs' histories and queues are flushed before the step is appended. If anything
+        fails (bad input, the solver raising or returning a wrong shape), the planner is left exactly as it
+        was before the call, so the same step can be retried.
         """
         ids = self._ids(env_ids)
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError(f"env_ids: expected distinct envs (one action each), got {ids.tolist()}")
         if first is not None:
             first = np.asarray(first, dtype=bool)
             if first.shape != ids.shape:
                 raise ValueError(f"first: expected shape {ids.shape}, got {first.shape}")
-            if first.any():
+        mirror, left = self.history._mirror(), self._left.copy()
+        try:
+            if first is not None and first.any():
                 self.reset(ids[first])
-        self.history.append(info, env_ids=ids)
-        empty = ids[self._left[ids] == 0]
+            self.history.append(info, env_ids=ids)
+            empty = ids[self._left[ids] == 0]
+            if len(empty):
+                self._replan(empty)
+        except BaseException:
+            self.history._restore_mirror(mirror)
+            self._left = left
+            raise
         self.replanned = empty
-        if len(empty):
-            self._replan(empty)
         pos = self.queue_len - self._left[ids]
         index = self._staging.to_device(torch.from_numpy(np.stack([ids, pos])), "__pop__")
         self._left[ids] -= 1
@@ -112,10 +123,11 @@ class Planner:
         key, out = self._history_out
         history = self.history.get(n, ids, out=out if key == (n, len(ids)) else None)
         self._history_out = ((n, len(ids)), history)  # lockstep envs re-plan with the same shapes: no allocation
-        plan = torch.as_tensor(self.solver(history, ids), device=self.device)
+        plan = as_tensor(self.solver(history, ids), "solver")
         want = (len(ids), cfg.horizon, cfg.action_block * self.action_dim)
-        if tuple(plan.shape) != want:
-            raise ValueError(f"solver: expected actions of shape {want}, got {tuple(plan.shape)}")
+        if tuple(plan.shape) != want or not plan.dtype.is_floating_point:
+            raise ValueError(f"solver: expected float actions of shape {want}, got {plan.dtype} {tuple(plan.shape)}")
+        plan = plan.to(self.device)
         rows = self._staging.to_device(torch.from_numpy(ids), "__replan__")
         steps = plan[:, : cfg.receding_horizon].reshape(len(ids), self.queue_len, self.action_dim)
         self._queue.index_copy_(0, rows, steps.to(self._queue.dtype))
@@ -155,10 +167,11 @@ class CEMSolver:
         self.iterations = positive_int("iterations", iterations)
         if self.num_elites > self.num_samples:
             raise ValueError(f"num_elites: expected <= num_samples ({self.num_samples}), got {self.num_elites}")
-        if not low < high:
+        self.init_std = finite_float("init_std", init_std, 0.0, low_open=True)
+        self.low, self.high = finite_float("low", low), finite_float("high", high)
+        if not self.low < self.high:
             raise ValueError(f"low, high: expected low < high, got {low} and {high}")
         self.encode = encode or (lambda history: history[state_key][:, -1])
-        self.init_std, self.low, self.high = float(init_std), float(low), float(high)
         self.seed = seed
         self._gen: dict[torch.device, torch.Generator] = {}
 

@@ -225,3 +225,21 @@ def test_row_transitions_skip_reset_frames_and_follow_the_dynamics(device, batch
     live = ~batch.terminated.bool()
     pred = cartpole_dynamics(batch.observation.float(), batch.action.float()[:, None] * 2 - 1)
     torch.testing.assert_close(pred[live], batch.next_observation[live].float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("actions, message", [
+    (np.array([0.7, -0.7, 1.0, 0.0]), r"actions: a discrete env takes integer actions, got \[0.7, -0.7\]"),
+    (np.array([0.0, 1.0, np.nan, 0.0]), "actions: a discrete env takes integer actions"),
+    (np.array([0, 1, 2, 0]), r"actions: expected actions in \[0, 2\), got \[0, 2\]"),
+    (np.array([0, -1, 1, 0]), r"actions: expected actions in \[0, 2\), got \[-1, 1\]"),
+])
+def test_discrete_env_rejects_non_integral_or_out_of_range_actions(actions, message):
+    """Nothing is sent: the env steps on exactly as the twin that never saw the bad call."""
+    src, twin = EnvPoolSource(make(), device="cpu"), make()
+    src.reset()
+    twin.reset()
+    with pytest.raises(ValueError, match=message):
+        src.step(actions)
+    step = src.step(np.array([1.0, 0.0, 1.0, 1.0]))  # integral floats are fine
+    obs, *_ = twin.step(np.array([1, 0, 1, 1], np.int32))
+    np.testing.assert_array_equal(step.info["observation"][:, 0].numpy(), obs)

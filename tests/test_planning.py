@@ -58,7 +58,8 @@ def test_reset_frames_flush_history_and_queue(device):
         planner.act(info(2, t))
     assert planner.history.num_strided() == [3, 3]
     a = planner.act(info(2, 9), first=[False, True])
-    assert planner.history.num_strided() == [3, 1]  # env 1 restarts from its reset frame
+    # env 1 restarts from its reset frame (the history keeps one spare slot: env 0 holds 4 entries, reads 3)
+    assert planner.history.num_strided() == [4, 1]
     assert planner.replanned.tolist() == [1] and a[:, 0].tolist() == [1003.0, 2010.0]
     assert planner.solver.calls[-1][1] == {"observation": (1, 1, 2)}  # n = 1: only the reset frame is real
 
@@ -111,14 +112,68 @@ def test_planner_rejects_bad_config_and_solver():
 
 def test_planner_rejects_a_solver_output_of_the_wrong_shape():
     planner = Planner(PlanConfig(3, 1), lambda h, ids: torch.zeros(len(ids), 2, 1), n_envs=2, action_dim=1)
-    with pytest.raises(ValueError, match=r"solver: expected actions of shape \(2, 3, 1\), got \(2, 2, 1\)"):
+    with pytest.raises(ValueError, match=r"solver: expected float actions of shape \(2, 3, 1\), got torch.float32 "
+                                         r"\(2, 2, 1\)"):
         planner.act(info(2, 0))
+
+
+class FlakySolver(RecordingSolver):
+    """Fails (raises, or returns a wrong shape) on the calls listed in ``fail_on``."""
+
+    def __init__(self, horizon, width, fail_on, how):
+        super().__init__(horizon, width)
+        self.n, self.fail_on, self.how = 0, fail_on, how
+
+    def __call__(self, history, ids):
+        self.n += 1
+        if self.n in self.fail_on:
+            if self.how == "raise":
+                raise RuntimeError("model crashed")
+            return torch.zeros(len(ids), 1, 1)
+        return super().__call__(history, ids)
+
+
+@pytest.mark.parametrize("how", ["raise", "shape"])
+def test_failed_act_leaves_the_planner_as_before_and_a_retry_matches(how, device):
+    """A solver failure half-way through act() (after the step was appended, on a full history, with a reset
+    frame in the batch) undoes everything: retrying the same step gives what a planner that never failed gives."""
+    cfg = PlanConfig(2, 1, history_len=3)
+    ok = Planner(cfg, RecordingSolver(2, 1), n_envs=3, action_dim=1, device=device)
+    flaky = Planner(cfg, FlakySolver(2, 1, fail_on={6}, how=how), n_envs=3, action_dim=1, device=device)
+    firsts = [None, None, None, None, None, [False, True, False], None]
+    for t, first in enumerate(firsts):
+        want = ok.act(info(3, t), first=first)
+        if t == 5:
+            with pytest.raises((RuntimeError, ValueError)):
+                flaky.act(info(3, 99), first=first)  # other data: a write that was not undone would show
+        got = flaky.act(info(3, t), first=first)
+        assert torch.equal(got, want), t
+        assert flaky.history.num_strided() == ok.history.num_strided()
+        assert all(torch.equal(flaky.history.get(3)[k], v) for k, v in ok.history.get(3).items())
+
+
+def test_planner_rejects_duplicate_env_ids():
+    planner = Planner(PlanConfig(1, 1), RecordingSolver(1, 1), n_envs=2, action_dim=1)
+    with pytest.raises(ValueError, match=r"env_ids: expected distinct envs"):
+        planner.act(info(2, 0), env_ids=[1, 1])
 
 
 def test_planner_rejects_a_first_mask_of_the_wrong_shape():
     planner = Planner(PlanConfig(1, 1), RecordingSolver(1, 1), n_envs=2, action_dim=1)
     with pytest.raises(ValueError, match=r"first: expected shape \(2,\), got \(3,\)"):
         planner.act(info(2, 0), first=[True, False, True])
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"init_std": float("nan")}, "init_std: expected a finite number > 0, got nan"),
+    ({"init_std": 0.0}, "init_std: expected a finite number > 0, got 0.0"),
+    ({"low": float("-inf")}, "low: expected a finite number, got -inf"),
+    ({"high": float("nan")}, "high: expected a finite number, got nan"),
+    ({"low": 1.0, "high": 1.0}, "low, high: expected low < high"),
+])
+def test_cem_rejects_non_finite_parameters(kw, message):
+    with pytest.raises(ValueError, match=message):
+        CEMSolver(cartpole_dynamics, cartpole_cost, 2, 1, **kw)
 
 
 def test_cem_rejects_more_elites_than_samples():
