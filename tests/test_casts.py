@@ -1,0 +1,89 @@
+"""Only value-preserving casts: lossless ones pass, narrowing host inputs are checked on their values,
+float -> int and unchecked device narrowing raise ``TypeError`` naming the key. Nothing is written on error."""
+
+import numpy as np
+import pytest
+import torch
+from snapshots import assert_unchanged, snapshot
+
+from gpubuf import HistoryBuffer, Transition, TransitionBuffer
+from gpubuf.inputs import check_cast, lossless
+
+
+def history(dtype, device="cpu"):
+    buf = HistoryBuffer(2, 3, device=device)
+    buf.append({"x": torch.zeros(2, 1, dtype=dtype)})
+    return buf
+
+
+@pytest.mark.parametrize("src, dst", [(torch.int64, torch.uint8), (torch.int32, torch.int8),
+                                      (torch.int64, torch.bool), (torch.int64, torch.float32)])
+def test_int_overflow_raises_and_fitting_values_pass(src, dst, backend, device):
+    buf = history(dst, device)
+    before = snapshot(buf)
+    hi = {torch.uint8: 300, torch.int8: 128, torch.bool: 2, torch.float32: 2**24 + 1}[dst]
+    with pytest.raises(TypeError, match=rf"x: cannot store {src} in the stored dtype {dst} without changing values"):
+        buf.append({"x": torch.tensor([[1], [hi]], dtype=src)})
+    assert_unchanged(buf, before)
+    buf.append({"x": torch.tensor([[1], [0]], dtype=src)})  # checked: fits
+    assert buf.get(1)["x"].tolist() == [[1], [0]] or buf.get(1)["x"].tolist() == [[True], [False]]
+
+
+def test_float_narrowing_overflow_raises_rounding_passes(backend, device):
+    buf = history(torch.float32, device)
+    before = snapshot(buf)
+    with pytest.raises(TypeError, match="x: cannot store torch.float64 .* \\(a finite value overflows torch.float32\\)"):
+        buf.append({"x": np.array([[0.5], [1e300]])})
+    assert_unchanged(buf, before)
+    buf.append({"x": np.array([[0.1], [np.inf]])})  # rounding and inf -> inf keep the values' meaning
+    assert buf.get(1)["x"][:, 0].tolist() == [np.float32(0.1), np.inf]
+
+
+def test_float_into_int_always_raises(backend, device):
+    buf = history(torch.int32, device)
+    with pytest.raises(TypeError, match=r"x: cannot store torch.float32 .* \(float into an integer dtype\)"):
+        buf.append({"x": torch.tensor([[1.0], [2.0]])})
+
+
+def test_python_scalars_are_checked():
+    buf = HistoryBuffer(2, 3, device="cpu")
+    buf.append({"x": np.zeros(2, np.uint8)})
+    buf.append({"x": 7})
+    with pytest.raises(TypeError, match="x: cannot store torch.int64 in the stored dtype torch.uint8"):
+        buf.append({"x": 300})
+    assert buf.get(2)["x"].tolist() == [[0, 7], [0, 7]]
+
+
+def test_big_endian_numpy_is_read_by_value():
+    buf = HistoryBuffer(2, 3, device="cpu")
+    buf.append({"x": np.array([[1.5], [-2.0]], dtype=">f4")})
+    buf.append({"x": np.array([[3], [4]], dtype=">i2")})  # int16 -> float32: lossless
+    assert buf.get(2)["x"].tolist() == [[1.5, 3.0], [-2.0, 4.0]]
+
+
+def test_replay_insert_checks_values_too(device):
+    def tr(reward):
+        return Transition(observation=np.zeros((1, 2, 3), np.uint8), action=np.zeros((1, 2), np.int64),
+                          reward=reward, terminated=np.zeros((1, 2), bool), truncated=np.zeros((1, 2), bool))
+    buf = TransitionBuffer(8, 2, tr(np.zeros((1, 2), np.float32)), device=device)
+    before = snapshot(buf)
+    with pytest.raises(TypeError, match="reward: cannot store torch.float64 .* overflows torch.float32"):
+        buf.insert(tr(np.array([[1.0, 1e39]])))
+    assert_unchanged(buf, before)
+    buf.insert(tr(np.array([[0.25, -1.0]])))  # float64 rewards, as numpy makes them: rounded to float32
+    assert len(buf) == 2
+
+
+@pytest.mark.parametrize("src, dst, expected", [
+    (torch.uint8, torch.int16, True), (torch.int16, torch.float32, True), (torch.int32, torch.float32, False),
+    (torch.int32, torch.float64, True), (torch.float16, torch.bfloat16, False), (torch.bool, torch.float16, True),
+    (torch.float32, torch.float64, True), (torch.float64, torch.float32, False), (torch.int8, torch.uint8, False),
+])
+def test_lossless_table(src, dst, expected):
+    assert lossless(src, dst) is expected
+
+
+def test_device_narrowing_is_not_checked_but_rejected():
+    t = torch.zeros(3, dtype=torch.float64, device="meta")  # any non-host tensor: checking would read it
+    with pytest.raises(TypeError, match=r"narrowing cast of a meta tensor is not checked .* \.to\(torch.float32\)"):
+        check_cast(t, torch.float32, "x")
