@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -134,7 +133,8 @@ BROKEN = {
                                          r"state_dict\['data'\]\['pixels'\]: expected a torch.uint8 tensor"),
     "history: data cut to one row": ("history", lambda s: {**s, "data": {**s["data"], "pixels":
                                      s["data"]["pixels"][:1]}}, ValueError,
-                                     r"state_dict\['data'\]\['pixels'\]: expected a torch.uint8 tensor of shape \(15, 2\)"),
+                                     r"state_dict\['data'\]\['pixels'\]: expected a torch.uint8 tensor of shape "
+                                     r"\(15, 2\)"),
     "history: count too large": ("history", lambda s: _with(s, "counts", s["counts"] + 9), ValueError,
                                  r"state_dict\['counts'\]: expected entry counts in \[0, 5\]"),
     "history: head out of range": ("history", lambda s: _with(s, "heads", s["heads"] - 9), ValueError,

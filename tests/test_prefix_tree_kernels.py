@@ -142,3 +142,40 @@ def test_range_update_matches_indexed_update(lo, K):
     reference.tree_update_range(a.tree, a.offsets, 16, lo, vals)
     reference.tree_update(b, a.offsets, 16, torch.arange(lo, lo + K, device=DEVICE), vals)
     torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
+
+
+def _adversarial(capacity, kind):
+    mass = torch.zeros(capacity, dtype=torch.float64)
+    if kind == "one live leaf first":
+        mass[0] = 1.0
+    elif kind == "one live leaf last":
+        mass[-1] = 1e-300
+    elif kind == "one subnormal leaf":
+        mass[capacity // 2] = 5e-324
+    elif kind == "subnormals":
+        mass[::7] = 5e-324
+    elif kind == "huge (sums overflow to inf)":
+        mass[::3] = 1e308
+    elif kind == "huge and subnormal":
+        mass[1::5], mass[2::5] = 1.7e308, 5e-324
+    return mass
+
+
+@pytest.mark.parametrize("capacity, fanout", [(37, 16), (300, 32), (5003, 16)])
+@pytest.mark.parametrize("kind", ["one live leaf first", "one live leaf last", "one subnormal leaf", "subnormals",
+                                  "huge (sums overflow to inf)", "huge and subnormal"])
+def test_descent_never_returns_a_dead_or_padding_leaf(capacity, fanout, kind):
+    """Zeros, subnormals, infinite sums, a single live leaf: both the twin and the kernel return only leaves
+    of positive mass below the capacity, for uniforms across [0, 1) including both ends."""
+    mass = _adversarial(capacity, kind)
+    tree = PrefixSumTree(capacity, torch.device(DEVICE), "torch", fanout)
+    tree.tree = torch.zeros(tree.size, dtype=torch.float64, device=DEVICE)
+    tree.update(torch.arange(capacity, device=DEVICE), mass.to(DEVICE))
+    u = torch.cat([torch.tensor([0.0, 1.0 - 2**-53, 0.5]), torch.rand(29, dtype=torch.float64,
+                   generator=torch.Generator().manual_seed(capacity))]).to(DEVICE)
+    for sample in (reference.tree_sample, _kernels("prefix_tree").sample):
+        out = torch.full((u.numel(),), -1, dtype=torch.int64, device=DEVICE)
+        sample(tree.tree, tree.offsets, fanout, u, out)
+        out = out.cpu()
+        assert ((out >= 0) & (out < capacity)).all(), (sample.__module__, out.max().item())
+        assert (mass[out] > 0).all(), sample.__module__
