@@ -93,7 +93,7 @@ class Planner:
         was before the call, so the same step can be retried.
         """
         ids = self._ids(env_ids)
-        if len(np.unique(ids)) != len(ids):
+        if env_ids is not None and len(np.unique(ids)) != len(ids):
             raise ValueError(f"env_ids: expected distinct envs (one action each), got {ids.tolist()}")
         if first is not None:
             first = np.asarray(first, dtype=bool)

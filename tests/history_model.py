@@ -1,4 +1,4 @@
-"""A tiny pure-Python model of SPEC.md's HistoryBuffer contract: per-env lists, no tensors."""
+"""A tiny pure-Python model of the HistoryBuffer contract (README, docstrings): per-env lists, no tensors."""
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""On CUDA the hot paths never wait for the device (SPEC common rules), checked by torch's sync debug mode.
+"""On CUDA the hot paths never wait for the device (the buffers' documented rule), checked by torch's sync debug mode.
 
 Host inputs (numpy, as env outputs are) go through pinned staging; counters are host mirrors. Run on a
 GPU machine (``bash benchmarks/device_check.sh``); skipped elsewhere.

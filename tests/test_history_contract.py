@@ -1,4 +1,4 @@
-"""HistoryBuffer: one test per statement of SPEC.md's HistoryBuffer section, on both backends."""
+"""HistoryBuffer: one test per documented behaviour, on both backends."""
 
 import numpy as np
 import pytest

@@ -14,9 +14,10 @@ def test_readme_has_quick_starts():
 
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_block_runs(code, monkeypatch):
+def test_readme_block_runs(code, monkeypatch, tmp_path):
     for package in ("envpool", "gymnasium"):  # absent on the GPU machine
         if f"import {package}" in code:
             pytest.importorskip(package)
     monkeypatch.delenv("GPUBUF_BACKEND", raising=False)
+    monkeypatch.chdir(tmp_path)  # checkpoints the blocks write land here
     exec(compile(code, str(README), "exec"), {"__name__": "readme"})

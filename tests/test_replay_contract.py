@@ -1,4 +1,4 @@
-"""TransitionBuffer against SPEC.md on both backends (triton runs through the interpreter on CPU)."""
+"""TransitionBuffer against its documented contract on both backends (triton runs through the interpreter on CPU)."""
 
 import warnings
 
