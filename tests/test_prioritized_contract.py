@@ -1,4 +1,4 @@
-"""PrioritizedTransitionBuffer against its documented contract on both backends (triton through the interpreter on CPU)."""
+"""PrioritizedTransitionBuffer against its documented contract on both backends (triton: the interpreter on CPU)."""
 
 import numpy as np
 import pytest
