@@ -1,5 +1,6 @@
 """gpubuf: GPU-resident history and replay buffers for reinforcement learning."""
 
+from gpubuf.checkpoint import CheckpointError
 from gpubuf.envpool import EnvPoolSource, Step, StepStager
 from gpubuf.history import HistoryBuffer
 from gpubuf.planning import CEMSolver, PlanConfig, Planner
@@ -7,7 +8,7 @@ from gpubuf.prioritized import PrioritizedTransitionBuffer
 from gpubuf.replay import Transition, TransitionBuffer
 
 __all__ = [
-    "CEMSolver", "EnvPoolSource", "HistoryBuffer", "PlanConfig", "Planner", "PrioritizedTransitionBuffer",
+    "CEMSolver", "CheckpointError", "EnvPoolSource", "HistoryBuffer", "PlanConfig", "Planner", "PrioritizedTransitionBuffer",
     "Step", "StepStager", "Transition", "TransitionBuffer",
 ]
 __version__ = "0.1.0"

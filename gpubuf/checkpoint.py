@@ -29,6 +29,19 @@ _FOOTER = struct.Struct("<QQ16s")
 _ALIGN = 64
 
 
+class Checkpointable:
+    """``save(path)`` / ``load(path)`` for a buffer with ``state_dict()`` / ``load_state_dict()``."""
+
+    def save(self, path) -> None:
+        """Write a checkpoint to ``path`` atomically, streaming storage in bounded chunks (:func:`save`)."""
+        save(self, path)
+
+    def load(self, path) -> None:
+        """Restore a checkpoint written by :meth:`save` (saved on any device); the file is verified and the
+        state validated before the first write (:func:`load`)."""
+        load(self, path)
+
+
 class CheckpointError(ValueError):
     """A checkpoint file that is not one, is truncated, or fails its checksums."""
 

@@ -21,7 +21,7 @@ from gpubuf.staging import Staging
 from gpubuf.state import check_state, check_tensor, copy_into, host_tensor
 
 
-class HistoryBuffer:
+class HistoryBuffer(checkpoint.Checkpointable):
     """Per-env ring buffer over batched info dicts with strided, warm-up padded reads.
 
     Args:
@@ -91,8 +91,8 @@ class HistoryBuffer:
         return self._heads.copy(), self._counts.copy()
 
     def _restore_mirror(self, mirror: tuple[np.ndarray, np.ndarray]) -> None:
-        """Undo the appends and resets since :meth:`_mirror`: exact as long as no env appended more entries
-        than it had free or oldest slots that are never read again (the caller's guarantee)."""
+        """Undo the appends and resets made since :meth:`_mirror`. Exact only if those appends overwrote no
+        slot that is read again: the caller keeps a spare slot per env (see :class:`gpubuf.Planner`)."""
         self._heads, self._counts = mirror[0].copy(), mirror[1].copy()
 
     def _ids(self, env_ids) -> np.ndarray:
@@ -211,10 +211,10 @@ class HistoryBuffer:
         k = np.minimum(n, (L - 1) // ab + 1)
         newest = (self._heads[ids] - 1) % self.max_len
         shapes = self._output_shapes(len(ids), n)
-        if out is not None:
-            self._check_out(out, shapes)
         if out is None:
             out = self._new_outputs(shapes, n)
+        else:
+            self._check_out(out, shapes)
         result = {}
         meta = self._upload(np.stack([ids, newest, k]), "__meta__")
         for key in shapes:
@@ -239,12 +239,13 @@ class HistoryBuffer:
         return shapes
 
     def _new_outputs(self, shapes: dict, n: int) -> dict[str, torch.Tensor]:
-        sizes = {k: int(np.prod(shape, dtype=object)) * self._data[k].element_size() for k, shape in shapes.items()}
+        """Fresh output tensors; a size that cannot be allocated raises ``MemoryError`` naming ``n``."""
         try:
             return {k: torch.empty(shape, dtype=self._data[k].dtype, device=self.device) for k, shape in shapes.items()}
         except (RuntimeError, torch.OutOfMemoryError) as err:
-            raise MemoryError(f"n: get(n={n}) needs {sum(sizes.values())} bytes of output on {self.device}, which "
-                              f"cannot be allocated ({str(err).splitlines()[0]})") from None
+            nbytes = sum(int(np.prod(s, dtype=object)) * self._data[k].element_size() for k, s in shapes.items())
+            raise MemoryError(f"n: get(n={n}) needs {nbytes} bytes of output on {self.device}, which cannot be "
+                              f"allocated ({str(err).splitlines()[0]})") from None
 
     def _check_out(self, out: dict, shapes: dict) -> None:
         for key, shape in shapes.items():
@@ -315,6 +316,8 @@ class HistoryBuffer:
         shapes, data = state["shapes"], state["data"]
         if not isinstance(shapes, dict) or not isinstance(data, dict) or set(shapes) != set(data):
             raise ValueError("state_dict['shapes'], ['data']: expected dicts over the same keys")
+        if not all(isinstance(s, (tuple, list)) for s in shapes.values()):
+            raise ValueError(f"state_dict['shapes']: expected a shape tuple per key, got {shapes!r:.120}")
         shapes = {k: tuple(s) for k, s in shapes.items()}
         if self._shapes:
             if shapes != self._shapes:
@@ -331,12 +334,3 @@ class HistoryBuffer:
             dtype = getattr(t, "dtype", None)
             check_tensor(f"state_dict['data'][{key!r}]", t, want, dtype if isinstance(dtype, torch.dtype) else None)
         return shapes
-
-    def save(self, path) -> None:
-        """Write a checkpoint to ``path`` atomically, streaming storage in bounded chunks (see
-        :func:`gpubuf.checkpoint.save`)."""
-        checkpoint.save(self, path)
-
-    def load(self, path) -> None:
-        """Restore a checkpoint written by :meth:`save` (on any device); validated before the first write."""
-        checkpoint.load(self, path)

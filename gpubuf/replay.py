@@ -95,7 +95,7 @@ def _unflatten(leaves: dict[tuple, torch.Tensor]) -> Transition:
     return Transition(**fields)
 
 
-class TransitionBuffer:
+class TransitionBuffer(checkpoint.Checkpointable):
     """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
 
     Args:
@@ -530,15 +530,6 @@ class TransitionBuffer:
 
     def _load_extra_state(self, state, extra) -> None:
         """Hook: write the subclass's own state entries (after validation), given what the check returned."""
-
-    def save(self, path) -> None:
-        """Write a checkpoint to ``path`` atomically, streaming storage in bounded chunks (see
-        :func:`gpubuf.checkpoint.save`)."""
-        checkpoint.save(self, path)
-
-    def load(self, path) -> None:
-        """Restore a checkpoint written by :meth:`save` (on any device); validated before the first write."""
-        checkpoint.load(self, path)
 
 
 __all__ = ["Transition", "TransitionBuffer"]

@@ -57,7 +57,8 @@ def _plain(v):
 def check_state(state, template: Mapping, config: tuple[str, ...], skip: tuple[str, ...] = ()) -> None:
     """Raise unless ``state`` has exactly ``template``'s structure (``template`` is the receiving buffer's own
     state dict): the same buffer type, equal ``config`` values, the same keys at every level, and tensors of
-    the same shape and dtype (any device). Entries in ``skip`` are left to the caller. Errors name the key."""
+    the same shape and dtype (any device). The contents of entries in ``skip`` are left to the caller. Errors
+    name the key."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state_dict: expected a dict from state_dict() or a checkpoint, got {type(state).__name__}")
     if state.get("buffer") != template["buffer"]:
@@ -72,8 +73,8 @@ def check_state(state, template: Mapping, config: tuple[str, ...], skip: tuple[s
 def _check_tree(where: str, state, template: Mapping, skip=()) -> None:
     if not isinstance(state, Mapping):
         raise ValueError(f"{where}: expected a dict, got {type(state).__name__}")
-    missing = [k for k in template if k not in state and k not in skip]
-    extra = [k for k in state if k not in template and k not in skip]
+    missing = [k for k in template if k not in state]
+    extra = [k for k in state if k not in template]
     if missing or extra:
         raise ValueError(f"{where}: missing keys {missing}, unexpected keys {extra}")
     for key, want in template.items():
