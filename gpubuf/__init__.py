@@ -8,7 +8,7 @@ from gpubuf.prioritized import PrioritizedTransitionBuffer
 from gpubuf.replay import Transition, TransitionBuffer
 
 __all__ = [
-    "CEMSolver", "CheckpointError", "EnvPoolSource", "HistoryBuffer", "PlanConfig", "Planner", "PrioritizedTransitionBuffer",
-    "Step", "StepStager", "Transition", "TransitionBuffer",
+    "CEMSolver", "CheckpointError", "EnvPoolSource", "HistoryBuffer", "PlanConfig", "Planner",
+    "PrioritizedTransitionBuffer", "Step", "StepStager", "Transition", "TransitionBuffer",
 ]
 __version__ = "0.1.0"
