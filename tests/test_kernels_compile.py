@@ -1,0 +1,34 @@
+"""Every Triton kernel variant the launchers produce compiles ahead of time for sm_80 and sm_90 on this
+CPU-only machine (the Triton wheel ships ptxas), without register spills. No GPU is needed or used; the
+compilation runs in a child process, because this one interprets the kernels (TRITON_INTERPRET=1)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+signatures = pytest.importorskip("gpubuf.kernels.signatures")
+
+
+def test_every_launcher_dtype_is_covered():
+    variants = signatures.variants()
+    assert {v.name for v in variants} == {"history.append", "history.gather_frames", "history.pack_blocks",
+                                          "sequence.gather", "prefix_tree.write_leaves",
+                                          "prefix_tree.update_parents", "prefix_tree.sample"}
+    per_index_width = 3 * len(signatures.WORDS) + len(signatures.FLOATS) + len(signatures.INTS) + 3
+    assert len(variants) == len(signatures.INDEX) * per_index_width
+
+
+def test_kernels_compile_for_sm80_and_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "gpubuf.kernels.signatures", "80", "90"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    assert len(rows) == 2 * len(signatures.variants())
+    failures = [f"{r['arch']} {r['kernel']}: {r['error']}" for r in rows if "error" in r]
+    failures += [f"{r['arch']} {r['kernel']}: spills ({r['local']} B local, {r['stack']} B stack)"
+                 for r in rows if "error" not in r and (r["local"] or r["stack"])]
+    assert not failures, "\n".join(failures)
+    assert {r["arch"] for r in rows} == {"sm_80", "sm_90"}
