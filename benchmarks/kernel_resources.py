@@ -30,7 +30,7 @@ def main() -> None:
     for (name, arch), rs in sorted(groups.items()):
         ok = [r for r in rs if "error" not in r]
 
-        def span(key):
+        def span(key, ok=ok):
             vals = [r[key] for r in ok]
             return "-" if not vals else (f"{min(vals)}" if min(vals) == max(vals) else f"{min(vals)}-{max(vals)}")
 
