@@ -2,14 +2,16 @@
 
 File layout: an 16-byte magic, then each tensor of the buffer's ``state_dict()`` as raw bytes (64-byte
 aligned), then a JSON header (the state with every tensor replaced by ``{"__tensor__": i}``, and per
-tensor its dtype, shape, offset, size and CRC-32), then a 32-byte footer (header offset and length, magic).
+tensor its dtype, shape, offset, size and CRC-32), then a 40-byte footer (header offset, length and CRC-32,
+magic).
 
 - Saving streams each tensor in chunks of at most ``CHUNK_BYTES`` (16 MiB): CPU storage is written from
   its own memory, CUDA storage through one pinned host chunk. Extra memory is bounded by one chunk, never a
   clone of the storage. The file is written beside ``path`` under a temporary name, flushed to disk and
   renamed over ``path`` (atomic on POSIX): a crash mid-save leaves the previous checkpoint intact (and at
-  worst a stale ``<name>.*.partial`` file).
-- Loading checks the whole file first (magic, header, sizes, every CRC, reading chunk by chunk), then hands
+  worst a stale ``<name>.*.partial`` file). The new file gets the mode of the file it replaces, or
+  ``0o666`` less the umask (as ``open`` would create it).
+- Loading checks the whole file first (magic, header CRC, sizes, every tensor's CRC, reading chunk by chunk), then hands
   the buffer's ``load_state_dict`` a state of file-backed tensors, which validates configuration, keys,
   shapes, dtypes and counters before its first write and then streams the bytes into storage on any device.
 """
@@ -25,7 +27,7 @@ import torch
 from gpubuf.state import CHUNK_BYTES
 
 MAGIC = b"GPUBUF-CKPT-v1\x00\n"
-_FOOTER = struct.Struct("<QQ16s")
+_FOOTER = struct.Struct("<QQI4x16s")  # header offset, header length, header CRC-32, magic
 _ALIGN = 64
 
 
@@ -68,11 +70,13 @@ class FileTensor:
             flat[a:a + n].copy_(host[:n])
 
     def chunks(self, chunk: int = CHUNK_BYTES):
-        """Flat CPU tensors of whole elements, at most ``chunk`` bytes each, in order."""
+        """Flat CPU tensors of whole elements, at most ``chunk`` bytes each, in order. They are views of one
+        reused host buffer: each piece is overwritten by the next (copy it to keep it)."""
         size = torch.empty((), dtype=self.dtype).element_size()
         step = max(size, chunk // size * size)
+        host = torch.empty(min(step, self.nbytes), dtype=torch.uint8)
         for a in range(0, self.nbytes, step):
-            piece = torch.empty(min(step, self.nbytes - a), dtype=torch.uint8)
+            piece = host[:min(step, self.nbytes - a)]
             self._read(piece.numpy(), a)
             yield piece.view(self.dtype)
 
@@ -93,6 +97,7 @@ def save(buffer, path, chunk: int = CHUNK_BYTES) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".partial", dir=folder)
     try:
+        os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC)
             metas = []
@@ -105,7 +110,7 @@ def save(buffer, path, chunk: int = CHUNK_BYTES) -> None:
             header = json.dumps({"state": skeleton, "tensors": metas}).encode()
             at = f.tell()
             f.write(header)
-            f.write(_FOOTER.pack(at, len(header), MAGIC))
+            f.write(_FOOTER.pack(at, len(header), zlib.crc32(header), MAGIC))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -128,6 +133,16 @@ def load(buffer, path, chunk: int = CHUNK_BYTES) -> None:
         fd = f.fileno()
         state = _read_checked(fd, os.fstat(fd).st_size, path, chunk)
         buffer.load_state_dict(state)
+
+
+def _mode_for(path: str) -> int:
+    """The permission bits of the file at ``path``, or ``0o666`` less the process umask for a new file."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _strip(value, tensors: list):
@@ -170,11 +185,14 @@ def _read_checked(fd: int, size: int, path: str, chunk: int) -> dict:
 
     if size < len(MAGIC) + _FOOTER.size or os.pread(fd, len(MAGIC), 0) != MAGIC:
         fail("no gpubuf magic at the start")
-    at, length, magic = _FOOTER.unpack(os.pread(fd, _FOOTER.size, size - _FOOTER.size))
+    at, length, header_crc, magic = _FOOTER.unpack(os.pread(fd, _FOOTER.size, size - _FOOTER.size))
     if magic != MAGIC or at + length != size - _FOOTER.size:
         fail("no footer: the file was cut short or not written by gpubuf")
+    raw = os.pread(fd, length, at)
+    if zlib.crc32(raw) != header_crc:
+        fail("the header fails its CRC-32")
     try:
-        header = json.loads(os.pread(fd, length, at))
+        header = json.loads(raw)
         metas, skeleton = header["tensors"], header["state"]
         files = []
         for i, m in enumerate(metas):
@@ -195,13 +213,19 @@ def _read_checked(fd: int, size: int, path: str, chunk: int) -> dict:
             got = zlib.crc32(piece.view(torch.uint8).numpy(), got)
         if got != crc:
             fail(f"tensor {i} fails its CRC-32")
-    return _fill(skeleton, [t for t, _ in files])
+    try:
+        return _fill(skeleton, [t for t, _ in files])
+    except (IndexError, TypeError) as err:
+        fail(f"the header refers to a tensor it does not list ({err})")
 
 
 def _fill(value, tensors: list):
     if isinstance(value, dict):
         if set(value) == {"__tensor__"}:
-            return tensors[value["__tensor__"]]
+            i = value["__tensor__"]
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tensors):
+                raise IndexError(f"tensor {i!r} of {len(tensors)}")
+            return tensors[i]
         return {k: _fill(v, tensors) for k, v in value.items()}
     if isinstance(value, list):
         return [_fill(v, tensors) for v in value]

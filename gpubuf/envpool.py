@@ -169,10 +169,13 @@ class EnvPoolSource:
     def send(self, actions, env_ids=None) -> None:
         """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R, *shape)``.
 
-        A discrete env takes integers in ``[0, n)``; floats are accepted only when integral (``2.0``), so a
-        continuous planner's output must be mapped explicitly (e.g. ``(plan > 0).long()``): ``ValueError``
-        otherwise, before anything is sent."""
+        ``env_ids`` must be distinct. A discrete env takes integers in ``[0, n)``; floats are accepted only
+        when integral (``2.0``), so a continuous planner's output must be mapped explicitly (e.g.
+        ``(plan > 0).long()``): ``ValueError`` otherwise, before anything is sent."""
         ids = np.arange(self.n_envs) if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
+        if len(np.unique(ids)) != len(ids):
+            dup = np.unique(ids[np.bincount(ids, minlength=self.n_envs)[ids] > 1])
+            raise ValueError(f"env_ids: each env takes one action per send, got duplicates {dup[:5].tolist()}")
         acts = self._host_actions(actions, len(ids))
         self._sent[ids] = acts
         self.env.send(acts, ids.astype(np.int32))

@@ -20,6 +20,17 @@ from gpubuf.inputs import as_index_array, as_tensor, check_cast, positive_int
 from gpubuf.staging import Staging
 from gpubuf.state import check_state, check_tensor, copy_into, host_tensor
 
+BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+                torch.int32, torch.int64, torch.bool)  # what action blocks may hold (NaN/inf are cleaned per dtype)
+
+
+def _new_storage_dtype(value, t: torch.Tensor) -> torch.dtype:
+    """The dtype a key's storage takes from its first value: torch's default float dtype for a Python float
+    (as ``torch.tensor(1.5)``), else the value's own dtype."""
+    if isinstance(value, float):  # np.float64 is a float too: it keeps float64
+        return t.dtype if isinstance(value, np.floating) else torch.get_default_dtype()
+    return t.dtype
+
 
 class HistoryBuffer(checkpoint.Checkpointable):
     """Per-env ring buffer over batched info dicts with strided, warm-up padded reads.
@@ -28,7 +39,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         n_envs: number of parallel envs (rows of every appended value).
         max_len: entries (env steps since the last reset) kept per env.
         action_block: stride between returned frames (frameskip of the planner).
-        block_keys: keys returned as action blocks between frames (a bare string is a ``TypeError``).
+        block_keys: keys returned as action blocks between frames (a bare string is a ``TypeError``); their
+            values must be real floats (16 to 64 bits), ``uint8``, signed ints or bool.
         device: storage device; ``None`` -> ``cuda`` when available, else ``cpu``.
 
     ``append({'pixels': (n_envs, 1, H, W, C), 'action': (n_envs, 1, A)})`` stores one entry per env;
@@ -55,6 +67,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         self._all_ids = np.arange(self.n_envs, dtype=np.int64)
         self._shapes: dict[str, tuple] = {}  # per-entry shape of each key, fixed by the first append
         self._data: dict[str, torch.Tensor] = {}  # key -> (max_len * n_envs, E)
+        self._owned = frozenset()  # data_ptr of every storage: inputs sharing one are copied before a write
         self._staging = Staging(self.device)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -109,7 +122,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         """Append one entry per selected env: values ``(R, T, ...)`` or ``(R,)``, ``R = len(env_ids)``.
 
         Row ``j`` goes to env ``env_ids[j]`` (all envs in order if ``None``); an env listed twice gets
-        two entries, in row order. Numeric scalars are broadcast. Every check runs before any write.
+        two entries, in row order. Numeric scalars are broadcast (a new key from a Python float takes torch's
+        default float dtype, as ``torch.tensor(1.5)`` does). Every check runs before any write.
         """
         if not isinstance(info_dict, Mapping) or not info_dict:
             raise TypeError(f"info_dict: expected a non-empty dict of arrays, got {info_dict!r:.80}")
@@ -126,9 +140,14 @@ class HistoryBuffer(checkpoint.Checkpointable):
                 )
             for key, t in values.items():
                 self._check_against_spec(key, t)
+        else:
+            dtypes = {k: _new_storage_dtype(info_dict[k], t) for k, t in values.items()}
+            for key, t in values.items():
+                check_cast(t, dtypes[key], key)
+            self._check_block_dtypes(dtypes, "info_dict")
         if R == 0:
             if not self._shapes:
-                self._allocate(values)
+                self._allocate(values, dtypes)
             return
         dst_rows, keep, heads, counts = self._plan_append(ids)
         # phase 1: stage every key (conversion errors happen here, before any write)
@@ -138,11 +157,11 @@ class HistoryBuffer(checkpoint.Checkpointable):
             rows = t.expand(R, *t.shape) if t.dim() == 0 else t
             if keep_t is not None:
                 rows = rows[keep_t.to(rows.device)]
-            dtype = self._data[key].dtype if self._data else t.dtype
-            staged[key] = self._staging.stage(rows.reshape(len(dst_rows), -1), key, dtype)
+            dtype = self._data[key].dtype if self._data else dtypes[key]
+            staged[key] = self._staging.stage(rows.reshape(len(dst_rows), -1), key, dtype, self._owned)
         dst = self._upload(dst_rows, "__dst_rows__")
         if not self._data:
-            self._allocate(values)
+            self._allocate(values, dtypes)
         # phase 2: commit
         for key, rows in staged.items():
             ops.history_append(self.backend, self._data[key], rows, dst)
@@ -164,12 +183,21 @@ class HistoryBuffer(checkpoint.Checkpointable):
             raise ValueError(f"{key}: a scalar cannot fill per-env shape {shape}")
         check_cast(t, dtype, key)
 
-    def _allocate(self, values: dict) -> None:
+    def _check_block_dtypes(self, dtypes: dict, where: str, exc: type = TypeError) -> None:
+        for key in self.block_keys:
+            if key in dtypes and dtypes[key] not in BLOCK_DTYPES:
+                raise exc(f"{where}[{key!r}]: a block key holds real floats (16 to 64 bits), uint8, signed "
+                                f"ints or bool, got {dtypes[key]}")
+
+    def _allocate(self, values: dict, dtypes: dict) -> None:
         shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
         rows = self.n_envs * self.max_len
         storage_shapes = {k: (rows, int(np.prod(s))) for k, s in shapes.items()}
-        self._data = ops.allocate(storage_shapes, {k: t.dtype for k, t in values.items()}, self.device)
-        self._shapes = shapes
+        self._set_storage(ops.allocate(storage_shapes, dtypes, self.device), shapes)
+
+    def _set_storage(self, data: dict, shapes: dict) -> None:
+        self._data, self._shapes = data, shapes
+        self._owned = frozenset(t.untyped_storage().data_ptr() for t in data.values())
 
     def _plan_append(self, ids: np.ndarray):
         """Storage rows for each input row, which rows to keep (None = all), and the mirror's next heads
@@ -295,6 +323,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         if heads.size and (heads.min() < 0 or heads.max() >= self.max_len):
             raise ValueError(f"state_dict['heads']: expected ring heads in [0, {self.max_len}), got "
                              f"[{heads.min()}, {heads.max()}]")
+        if not shapes and counts.any():
+            raise ValueError("state_dict['counts']: a state without keys holds no entries, got nonzero counts")
         data = state["data"]
         if not self._data and shapes:
             storage = ops.allocate({k: tuple(data[k].shape) for k in shapes}, {k: data[k].dtype for k in shapes},
@@ -307,7 +337,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         except BaseException:
             self._counts[:], self._heads[:] = 0, 0  # the data is half-read: forget every entry
             raise
-        self._data, self._shapes = storage, shapes
+        self._set_storage(storage, shapes)
         self._counts, self._heads = counts, heads
 
     def _check_state_layout(self, state) -> dict[str, tuple]:
@@ -316,6 +346,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         shapes, data = state["shapes"], state["data"]
         if not isinstance(shapes, dict) or not isinstance(data, dict) or set(shapes) != set(data):
             raise ValueError("state_dict['shapes'], ['data']: expected dicts over the same keys")
+        if not all(isinstance(k, str) for k in shapes):
+            raise ValueError(f"state_dict['shapes']: expected str keys, got {list(shapes)!r:.120}")
         if not all(isinstance(s, (tuple, list)) for s in shapes.values()):
             raise ValueError(f"state_dict['shapes']: expected a shape tuple per key, got {shapes!r:.120}")
         shapes = {k: tuple(s) for k, s in shapes.items()}
@@ -327,10 +359,11 @@ class HistoryBuffer(checkpoint.Checkpointable):
             return shapes
         rows = self.n_envs * self.max_len
         for key, shape in shapes.items():
-            if not all(isinstance(d, int) and d >= 0 for d in shape):
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
                 raise ValueError(f"state_dict['shapes'][{key!r}]: expected a shape, got {shape!r}")
             t = data[key]
             want = (rows, int(np.prod(shape)))
             dtype = getattr(t, "dtype", None)
             check_tensor(f"state_dict['data'][{key!r}]", t, want, dtype if isinstance(dtype, torch.dtype) else None)
+        self._check_block_dtypes({k: data[k].dtype for k in shapes}, "state_dict['data']", ValueError)
         return shapes

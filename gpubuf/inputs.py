@@ -33,7 +33,7 @@ def as_tensor(value, name: str) -> torch.Tensor:
     if isinstance(value, _PY_SCALARS) or (isinstance(value, numbers.Number) and not isinstance(value, complex)):
         if isinstance(value, np.generic):
             return as_tensor(np.asarray(value), name)
-        return torch.tensor(value)
+        return _python_scalar(value, name)
     if hasattr(value, "__dlpack__"):
         try:
             return torch.from_dlpack(value)
@@ -43,6 +43,21 @@ def as_tensor(value, name: str) -> torch.Tensor:
         f"{name}: expected a torch tensor, numpy array, __dlpack__ array or numeric scalar, "
         f"got {type(value).__name__}"
     )
+
+
+def _python_scalar(value, name: str) -> torch.Tensor:
+    """A Python ``bool`` as bool, ``int`` as int64 and any other real number as float64 (0-d tensors).
+
+    The widest types keep the value exactly, so a later narrowing into the stored dtype is checked on the
+    value (``1e300`` into ``float32`` storage is rejected rather than stored as ``inf``).
+    """
+    if isinstance(value, bool):
+        return torch.tensor(value)
+    if isinstance(value, numbers.Integral):
+        if not -(2**63) <= int(value) < 2**63:
+            raise TypeError(f"{name}: the integer {value} does not fit int64")
+        return torch.tensor(int(value), dtype=torch.int64)
+    return torch.tensor(float(value), dtype=torch.float64)
 
 
 def positive_int(name: str, value) -> int:
@@ -72,7 +87,7 @@ def as_index_array(ids, name: str, size: int) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()  # reads the device: pass host ids on the hot path
     arr = np.asarray(ids)
-    if arr.size == 0:
+    if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}")
@@ -95,21 +110,49 @@ def _exact_ints(dtype: torch.dtype) -> int:
     return 2 ** round(1 - math.log2(torch.finfo(dtype).eps))
 
 
+def _float_lossless(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether float ``dst`` has at least the precision, range and smallest normal of float ``src``."""
+    a, b = torch.finfo(src), torch.finfo(dst)
+    return b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal
+
+
+def _real(dtype: torch.dtype) -> torch.dtype:
+    """The component dtype of a complex ``dtype`` (``dtype`` itself when real)."""
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32,
+            torch.complex128: torch.float64}.get(dtype, dtype)
+
+
 def lossless(src: torch.dtype, dst: torch.dtype) -> bool:
     """Whether every value of ``src`` is exactly representable in ``dst`` (no value check needed)."""
     if src == dst or src == torch.bool:
         return True
     if src.is_complex:
-        return dst.is_complex and torch.promote_types(src, dst) == dst
+        return dst.is_complex and _float_lossless(_real(src), _real(dst))
     if dst.is_complex:
-        return lossless(src, torch.float64 if dst == torch.complex128 else torch.float32)
+        return lossless(src, _real(dst))
     if src.is_floating_point:
-        return dst.is_floating_point and torch.promote_types(src, dst) == dst
+        return dst.is_floating_point and _float_lossless(src, dst)
     lo, hi = _int_range(src)
     if dst.is_floating_point:
         return max(-lo, hi) <= _exact_ints(dst)
     dlo, dhi = _int_range(dst)
     return dlo <= lo and hi <= dhi
+
+
+def _int_extremes(t: torch.Tensor) -> tuple[int, int]:
+    """Exact ``(min, max)`` of a non-empty host integer tensor of any width or signedness."""
+    a = t.numpy()
+    return int(a.min()), int(a.max())
+
+
+def _float_overflow(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a finite value (or component) of host float/complex ``t`` exceeds the largest finite ``dtype``."""
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if t.dtype not in (torch.float32, torch.float64):
+        t = t.to(torch.float32)
+    big = torch.finfo(_real(dtype)).max
+    return bool((torch.isfinite(t) & (t.abs() > big)).any())
 
 
 def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
@@ -119,32 +162,34 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     casts are checked on the values when ``t`` is on the host (one pass over the input):
 
     - integer -> narrower integer or bool: every value within the stored type's range;
-    - integer -> float: every ``|value|`` small enough to be exact (``<= 2**24`` for ``float32``);
-    - float -> narrower float: no finite value overflows to ``inf`` (rounding to nearest is accepted, as
-      every float pipeline does: ``float64`` rewards stored as ``float32``).
+    - integer -> float or complex: every ``|value|`` small enough to be exact (``<= 2**24`` for ``float32``);
+    - float -> narrower float (complex -> narrower complex): no finite value (component) larger than the
+      stored type's largest finite value. Rounding to the nearest representable value is accepted, as
+      every float pipeline does (``float64`` rewards stored as ``float32``), and so is a tiny value that
+      rounds to zero; ``nan`` and ``inf`` stay what they are.
 
-    Always rejected: float -> integer or bool, complex -> real, and any cast that is not lossless for a
-    tensor on a GPU (checking it would read the device; cast it yourself with ``.to(dtype)``).
+    Always rejected: float or complex -> integer or bool, complex -> real, and any cast that is not
+    lossless for a tensor on a GPU (checking it would read the device; cast it yourself with ``.to``).
     """
     src = t.dtype
     if lossless(src, dtype):
         return
     why = None
     if (src.is_floating_point or src.is_complex) and not (dtype.is_floating_point or dtype.is_complex):
-        why = "float into an integer dtype"
+        why = f"{'complex' if src.is_complex else 'float'} into an integer dtype"
     elif src.is_complex and not dtype.is_complex:
         why = "complex into a real dtype"
     elif t.device.type != "cpu":
         why = (f"a narrowing cast of a {t.device.type} tensor is not checked (it would read the device); "
                f"cast it with .to({dtype}) first")
     elif t.numel():
-        if src.is_floating_point:  # float -> narrower float
-            fits = bool((torch.isfinite(t.to(dtype)) | ~torch.isfinite(t)).all())
-            why = None if fits else f"a finite value overflows {dtype}"
+        if src.is_floating_point or src.is_complex:  # float -> narrower float
+            big = torch.finfo(_real(dtype)).max
+            why = f"a finite value exceeds the largest {dtype} ({big:g})" if _float_overflow(t, dtype) else None
         else:
-            vmin, vmax = int(t.min()), int(t.max())
-            if dtype.is_floating_point:  # integer -> float
-                lo, hi = -_exact_ints(dtype), _exact_ints(dtype)
+            vmin, vmax = _int_extremes(t)
+            if dtype.is_floating_point or dtype.is_complex:  # integer -> float
+                lo, hi = -_exact_ints(_real(dtype)), _exact_ints(_real(dtype))
             else:  # integer -> narrower integer
                 lo, hi = _int_range(dtype)
             why = None if lo <= vmin and vmax <= hi else f"values [{vmin}, {vmax}] do not fit [{lo}, {hi}] exactly"

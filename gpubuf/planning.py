@@ -88,7 +88,8 @@ class Planner:
 
         ``info`` is one step in the stacked layout (``(R, 1, ...)`` values, ``action`` echo included),
         ``env_ids`` ``(R,)`` distinct host ints (all envs if ``None``), ``first`` ``(R,)`` host bools marking
-        reset frames: those envs' histories and queues are flushed before the step is appended. If anything
+        reset frames: those envs' histories and queues are flushed before the step is appended. Planned
+        actions are queued as ``float32`` (a ``float64`` plan is rounded to it). If anything
         fails (bad input, the solver raising or returning a wrong shape), the planner is left exactly as it
         was before the call, so the same step can be retried.
         """
@@ -149,7 +150,8 @@ class CEMSolver:
         encode: ``encode(history) -> state (R, ...)``; default: the last frame of ``history[state_key]``.
         num_samples, num_elites, iterations: CEM sizes.
         init_std, low, high: initial spread and action bounds.
-        seed: seed of the solver's generator.
+        seed: seed of the solver's generator (an int in ``[0, 2**64)``); one generator per device, created on
+            first use. Its draws are not rolled back when a model call raises: a retried solve samples anew.
 
     ``solver(history, env_ids) -> (len(env_ids), horizon, action_dim)``: the elites' mean after the last
     iteration. All envs and samples are rolled out together: one batched model call per horizon step.
@@ -172,7 +174,9 @@ class CEMSolver:
         if not self.low < self.high:
             raise ValueError(f"low, high: expected low < high, got {low} and {high}")
         self.encode = encode or (lambda history: history[state_key][:, -1])
-        self.seed = seed
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed: expected an int in [0, 2**64), got {seed!r}")
+        self.seed = int(seed)
         self._gen: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, history: dict, env_ids) -> torch.Tensor:

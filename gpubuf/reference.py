@@ -9,17 +9,22 @@ from functools import lru_cache
 import torch
 
 
-def as_words(t: torch.Tensor) -> torch.Tensor:
-    """View a contiguous 2-D tensor's rows as the widest int words dividing the row's bytes.
+def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views of contiguous 2-D tensors with equal row bytes as rows of one common int word type.
 
-    For pure copies: moving int64 words instead of bytes is what makes a gather run at memcpy speed.
+    The widest of int64/int32/int16/uint8 that divides the row's bytes and every tensor's byte offset;
+    for pure copies, moving int64 words instead of bytes is what makes a gather run at memcpy speed.
     """
-    b = t.view(torch.uint8) if t.dtype == torch.bool else t
-    row_bytes = b.shape[1] * b.element_size()
-    for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if size >= b.element_size() and row_bytes % size == 0:
-            return b.view(word)
-    return b
+    row_bytes = tensors[0].shape[1] * tensors[0].element_size()
+    for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1)):
+        if row_bytes % size == 0 and all(t.storage_offset() * t.element_size() % size == 0 for t in tensors):
+            return tuple(_canonical(t).view(torch.uint8).view(word) for t in tensors)
+    raise AssertionError("unreachable: every row divides into bytes")
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous 2-D ``t`` with row-major strides (a size-1 dim may carry any stride, which ``view`` rejects)."""
+    return t.as_strided(t.shape, (t.shape[1], 1), t.storage_offset())
 
 
 @lru_cache(maxsize=64)
@@ -40,7 +45,8 @@ def _countdown(n: int, device: torch.device) -> torch.Tensor:
 def history_append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """storage (max_len*n_envs, E)[dst_rows (R,)] = rows (R, E); dst_rows distinct."""
     if rows.shape[0] and storage.shape[1]:
-        as_words(storage).index_copy_(0, dst_rows, as_words(rows))
+        dst, src = as_words(storage, rows)
+        dst.index_copy_(0, dst_rows, src)
 
 
 def _frame_back(meta: torch.Tensor, n: int, ab: int) -> torch.Tensor:
@@ -56,8 +62,8 @@ def history_gather_frames(storage, meta, n, ab, max_len, out) -> None:
     env, newest = meta[0].unsqueeze(1), meta[1].unsqueeze(1)
     slot = (newest - _frame_back(meta, n, ab)) % max_len  # (rows, n)
     src_rows = (slot * (storage.shape[0] // max_len) + env).reshape(-1)
-    dst = as_words(out.view(rows * n, storage.shape[1]))
-    torch.index_select(as_words(storage), 0, src_rows, out=dst)
+    src, dst = as_words(storage, out.view(rows * n, storage.shape[1]))
+    torch.index_select(src, 0, src_rows, out=dst)
 
 
 def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:
@@ -170,7 +176,8 @@ def sequence_gather(storage: torch.Tensor, starts: torch.Tensor, n: int, E: int,
     else:  # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
         j = torch.arange(shift * E, (n + shift) * E, E, device=starts.device)
         rows = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)  # (B * n,)
-    torch.index_select(as_words(storage), 0, rows, out=as_words(out.view(B * n, storage.shape[1])))
+    src, dst = as_words(storage, out.view(B * n, storage.shape[1]))
+    torch.index_select(src, 0, rows, out=dst)
 
 
 def tree_update_range(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:

@@ -50,6 +50,10 @@ class Transition:
     PER_weights: Any = None
 
 
+_NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                 torch.float8_e5m2fnuz)
+
+
 def _leaf_name(path: tuple) -> str:
     return path[0] + "".join(f"[{p!r}]" for p in path[1:])
 
@@ -182,8 +186,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._priority = storage.pop("__priority__", None)
         self._data = {p: storage[_leaf_name(p)] for p in samples}
         self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
-        # CPU storage as numpy views: a same-dtype host array is written by one numpy slice assignment
-        self._host = {p: t.numpy() for p, t in self._data.items()} if self.device.type == "cpu" else {}
+        self._owned = frozenset(t.untyped_storage().data_ptr() for t in self._data.values())
+        # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
+        # slice assignment
+        self._host = {p: t.numpy() for p, t in self._data.items()
+                      if self.device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY}
         # host mirrors: write position, rows written, truncation flags, per-start validity and counts
         self._pos = 0
         self._count = 0
@@ -265,21 +272,16 @@ class TransitionBuffer(checkpoint.Checkpointable):
         M = self.max_rows
         if not 1 <= T <= M:
             raise ValueError(f"transition: expected 1 <= T <= {M} rows per insert, got T = {T}")
-        trunc = None
-        if self._trunc_paths:
-            # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
-            flags = [values[p].cpu().numpy().reshape(T, self.n_envs, -1) for p in self._trunc_paths]
-            f = flags[0] if len(flags) == 1 else np.concatenate(flags, axis=2)
-            f = f if f.dtype == np.bool_ else f != 0
-            trunc = f[:, :, 0] if f.shape[2] == 1 else f.any(2)
+        # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
+        trunc = self._truncation(values, T)
         # ---- phase 1: stage every leaf (any conversion error happens here, before the first write)
         staged = {}
         for p, t in values.items():
             v = leaves[p]
-            if self._host and type(v) is np.ndarray and t.dtype == self._dtypes[p]:
+            if p in self._host and type(v) is np.ndarray and t.dtype == self._dtypes[p]:
                 staged[p] = v  # CPU storage, same dtype: one numpy slice assignment, which cannot fail
             else:
-                staged[p] = self._staging.stage(t, self._names[p], self._dtypes[p])
+                staged[p] = self._staging.stage(t, self._names[p], self._dtypes[p], self._owned)
         # ---- phase 2: commit
         pos = self._pos
         first = min(T, M - pos)  # rows before the ring wraps
@@ -299,6 +301,13 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._count = min(self._count + T, M)
         self._refresh_validity(pos, T)
         return self
+
+    def _truncation(self, leaves: dict, T: int) -> np.ndarray | None:
+        """(T, E) host bool: whether any ``truncated`` leaf of each row is nonzero (None without one)."""
+        if not self._trunc_paths:
+            return None
+        flags = [(leaves[p].detach().reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy() for p in self._trunc_paths]
+        return np.logical_or.reduce(flags)
 
     def _on_rows_written(self, pos: int, first: int, T: int) -> None:
         """Hook for new rows ``pos .. pos+first-1`` and ``0 .. T-first-1`` (the prioritized buffer gives their
@@ -362,6 +371,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if isinstance(key, torch.Generator):
             return key
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if not -(2**63) <= int(key) < 2**64:
+                raise ValueError(f"key: an int seed must lie in [-2**63, 2**64), got {key}")
             g = torch.Generator()
             g.manual_seed(int(key))
             return g
@@ -492,7 +503,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         The whole state is validated first (buffer type, configuration, keys, shapes, dtypes, write position
         and count in range, RNG state): a mismatch raises naming the key and leaves the buffer as it was.
         """
-        check_state(state, self.state_dict(), self._CONFIG)
+        check_state(state, self.state_dict(), self._CONFIG + ("shapes",))
         M = self.max_rows
         count = check_range("state_dict['count']", state["count"], 0, M)
         pos = check_range("state_dict['pos']", state["pos"], 0, M - 1)
@@ -505,6 +516,9 @@ class TransitionBuffer(checkpoint.Checkpointable):
         except RuntimeError as err:
             raise ValueError(f"state_dict['rng']: not a generator state ({err})") from None
         trunc = host_tensor(state["trunc"]).numpy().copy()
+        stored = self._truncation({p: host_tensor(state["data"][self._names[p]]) for p in self._trunc_paths}, M)
+        if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
+            raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         extra = self._check_extra_state(state)
         try:
             for p, t in self._data.items():

@@ -49,17 +49,22 @@ class Staging:
         event.record()
         return out
 
-    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """``t`` as a contiguous ``dtype`` tensor on the device, ready to be copied into storage.
+    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype, owned: frozenset = frozenset()) -> torch.Tensor:
+        """``t`` as a contiguous, 16-byte-aligned ``dtype`` tensor on the device, ready to be copied into storage.
 
-        This is the first phase of every write: any conversion that can fail (device, dtype, layout) fails
-        here, before the first write, and the error names ``key``.
+        This is the first phase of every write: any conversion that can fail (device, dtype, layout, a
+        lazy conjugate or negative view) fails here, before the first write, and the error names ``key``.
+        The result never requires grad and never shares memory with the storages whose
+        ``untyped_storage().data_ptr()`` is in ``owned`` (a buffer's own tensors are copied first).
         """
         try:
-            out = self.to_device(t, key)
+            out = self.to_device(t.detach(), key)
             if out.dtype != dtype:
                 out = out.to(dtype)
-            return out.contiguous()
+            out = out.resolve_conj().resolve_neg().contiguous()
+            if out.storage_offset() * out.element_size() % 16 or (owned and out.untyped_storage().data_ptr() in owned):
+                out = out.clone()
+            return out
         except (RuntimeError, NotImplementedError, TypeError) as err:
             raise TypeError(f"{key}: could not convert {t.dtype} {tuple(t.shape)} on {t.device} into a "
                             f"contiguous {dtype} tensor on {self.device} ({err})") from err

@@ -20,7 +20,7 @@ def is_tensor(x) -> bool:
 def copy_into(dst: torch.Tensor, src) -> None:
     """``dst`` (contiguous) = ``src`` (a tensor on any device, or a file-backed tensor of the same shape)."""
     if isinstance(src, torch.Tensor):
-        dst.copy_(src)
+        dst.copy_(src.detach())
     else:
         src.read_into(dst)
 
@@ -101,10 +101,13 @@ def _same_kind(got, want) -> bool:
 
 
 def check_tensor(where: str, got, shape: tuple, dtype: torch.dtype) -> None:
-    """Raise unless ``got`` is a tensor (or file-backed tensor) of exactly ``shape`` and ``dtype``."""
+    """Raise unless ``got`` is a dense tensor with data (or a file-backed tensor) of exactly ``shape`` and
+    ``dtype`` (any dtype when ``dtype`` is ``None``)."""
     if not is_tensor(got):
         raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got {type(got).__name__}")
-    if tuple(got.shape) != shape or got.dtype != dtype:
+    if isinstance(got, torch.Tensor) and (got.layout != torch.strided or got.device.type == "meta"):
+        raise ValueError(f"{where}: expected a dense tensor with data, got a {got.layout} tensor on {got.device}")
+    if tuple(got.shape) != shape or (dtype is not None and got.dtype != dtype):
         raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got {got.dtype} of shape "
                          f"{tuple(got.shape)}")
 

@@ -70,7 +70,7 @@ def _pack_blocks_kernel(
     max_len,
     n_envs,
     D,  # elements per entry
-    fmax_ptr,  # (1,) the dtype's largest finite value (+inf maps to it); unused for ints
+    fmax_ptr,  # (1,) fp32 (fp64 for fp64 storage): the dtype's largest finite value; unused for ints
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -90,6 +90,7 @@ def _pack_blocks_kernel(
     x = tl.load(src_ptr + (slot * n_envs + env) * D + d, mask=offs < live, other=0)
     if IS_FLOAT:
         fmax = tl.load(fmax_ptr)
+        x = x.to(fmax.dtype)  # 16-bit floats are compared in fp32 (exact)
         x = tl.where(x != x, 0.0, x)  # NaN -> 0
         x = tl.where(x > fmax, fmax, x)  # +inf -> max
         x = tl.where(x < -fmax, -fmax, x)  # -inf -> min
@@ -100,10 +101,12 @@ _LIMITS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _finite_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached 1-element tensor holding the dtype's largest finite value (what +inf becomes)."""
+    """A cached 1-element fp32 tensor (fp64 for fp64) holding the dtype's largest finite value (what +inf
+    becomes)."""
     key = (dtype, device)
     if key not in _LIMITS:
-        _LIMITS[key] = torch.tensor([torch.finfo(dtype).max], dtype=dtype, device=device)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        _LIMITS[key] = torch.tensor([torch.finfo(dtype).max], dtype=wide, device=device)
     return _LIMITS[key]
 
 
@@ -111,7 +114,7 @@ def append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) ->
     """storage (max_len*n_envs, E)[dst_rows] = rows (R, E); dst_rows int64 (R,), distinct."""
     if rows.shape[0] == 0 or storage.shape[1] == 0:
         return
-    src, dst = as_words(rows), as_words(storage)
+    src, dst = as_words(rows, storage)
     E = dst.shape[1]
     grid = (rows.shape[0], triton.cdiv(E, BLOCK))
     _append_kernel[grid](src, dst, dst_rows, E, BLOCK=BLOCK)
@@ -123,7 +126,7 @@ def gather_frames(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, ma
     rows = meta.shape[1]
     if rows == 0 or storage.shape[1] == 0:
         return
-    src, dst = as_words(storage), as_words(out.view(rows * n, -1))
+    src, dst = as_words(storage, out.view(rows * n, -1))
     E = src.shape[1]
     grid = (rows * n, triton.cdiv(E, BLOCK))
     _gather_frames_kernel[grid](src, dst, meta, rows, n, ab, max_len, src.shape[0] // max_len, E, BLOCK=BLOCK)

@@ -42,7 +42,7 @@ def gather(storage: torch.Tensor, starts: torch.Tensor, n: int, E: int, M: int, 
     B = starts.shape[0]
     if B == 0 or storage.shape[1] == 0:
         return
-    src, dst = as_words(storage), as_words(out.view(B * n, -1))
+    src, dst = as_words(storage, out.view(B * n, -1))
     D = src.shape[1]
     grid = (B * n, triton.cdiv(D, BLOCK))
     _gather_kernel[grid](src, dst, starts, n, E, M, shift, D, BLOCK=BLOCK)

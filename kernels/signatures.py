@@ -24,7 +24,7 @@ from triton.runtime.jit import JITFunction
 
 from gpubuf.prefix_tree import FANOUT
 
-WORDS = ("i64", "i32", "i16", "u8", "i8")  # what reference.as_words makes of any storage row (pure copies)
+WORDS = ("i64", "i32", "i16", "u8")  # what reference.as_words makes of any storage row (pure copies)
 FLOATS = ("fp16", "bf16", "fp32", "fp64")  # action blocks keep their dtype (NaN/inf handling)
 INTS = ("u8", "i8", "i16", "i32", "i64")  # bool blocks travel as u8
 INDEX = ("i32", "i64")  # Triton passes a Python int as i32, or i64 from 2**31 on
@@ -73,7 +73,8 @@ def variants() -> list[Variant]:
             out.append(Variant("history.pack_blocks", history._pack_blocks_kernel,
                                {**_sig("src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D fmax_ptr",
                                        {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64",
-                                        "fmax_ptr": p if is_float else "*i64"}, idx),
+                                        "fmax_ptr": ("*fp64" if dtype == "fp64" else "*fp32") if is_float
+                                        else "*i64"}, idx),
                                 "IS_FLOAT": "constexpr", "BLOCK": "constexpr"},
                                {"IS_FLOAT": is_float, "BLOCK": history.BLOCK}))
         out.append(Variant("prefix_tree.write_leaves", prefix_tree._write_leaves_kernel,

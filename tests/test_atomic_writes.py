@@ -95,3 +95,76 @@ def test_get_with_an_impossible_n_names_n(device):
     buf = full_history(device)
     with pytest.raises(MemoryError, match=r"n: get\(n=1125899906842624\) needs \d+ bytes of output on cpu"):
         buf.get(2**50)
+
+
+def lazy_views(t: torch.Tensor) -> list[torch.Tensor]:
+    """Inputs whose values are fine but whose memory is not what it seems: conjugate and negative views,
+    a contiguous slice at an odd byte offset, a size-1 axis with stride 0, a tensor that requires grad."""
+    odd = torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+    out = [odd, t.expand(t.shape).as_strided(t.shape, t.stride()), t.clone().requires_grad_(t.is_floating_point())]
+    if t.is_complex():
+        out += [t.conj(), torch._neg_view(t)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.complex64, torch.bfloat16, torch.float8_e4m3fn])
+def test_history_append_stores_any_memory_layout_by_value(dtype, backend, device):
+    """Views that share memory oddly are copied by value in phase 1; a new key is fixed only on success."""
+    buf = HistoryBuffer(3, 4, device=device)
+    base = torch.arange(3 * 5, dtype=torch.float32).view(3, 1, 5).to(dtype)
+    for x in lazy_views(base):
+        buf.append({"x": x})
+        assert torch.equal(buf.get(1)["x"].view(torch.uint8), x.detach().resolve_conj().resolve_neg()
+                           .reshape(3, 1, 5).to(device).view(torch.uint8))
+        assert not buf.state_dict()["data"]["x"].requires_grad
+
+
+def test_inputs_that_are_the_buffers_own_storage_are_copied_first(backend, device):
+    """Writing the buffer's own state back into it (which overlaps the rows being written) is by value."""
+    buf = HistoryBuffer(2, 2, device=device)
+    buf.append({"x": torch.tensor([[1], [2]], dtype=torch.int32)})
+    buf.append({"x": torch.tensor([[3], [4]], dtype=torch.int32)})
+    storage = buf.state_dict()["data"]["x"]  # rows: slot 0 (envs 0, 1), slot 1 (envs 0, 1)
+    buf.append({"x": storage[:2]})  # overwrites slot 0 with slot 0's own values
+    buf.append({"x": storage[2:].flip(0)})  # slot 1 <- slot 1 reversed, read before being written
+    assert buf.get(2)["x"].tolist() == [[1, 4], [2, 3]]
+
+    rb = TransitionBuffer(16, 2, make_transition(0, 1, 2), device=device, seed=0)  # 8 rows of 2 envs
+    rb.insert(make_transition(0, 4, 2))
+    own = rb.state_dict()["data"]["observation"]
+    again = make_transition(4, 3, 2)
+    again.observation = own[3:6]  # rows 3..5 written to rows 4..6: the source overlaps the rows written
+    want = own[3:6].clone()
+    rb.insert(again)
+    assert torch.equal(rb.state_dict()["data"]["observation"][4:7].cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_replay_insert_does_not_join_the_autograd_graph(prioritized, backend, device):
+    cls = PrioritizedTransitionBuffer if prioritized else TransitionBuffer
+    buf = cls(30, 4, make_transition(0, 1, 3), device=device, seed=0)
+    tr = make_transition(0, 5, 3)
+    tr.reward = torch.as_tensor(tr.reward, device=device).float().requires_grad_()
+    buf.insert(tr)
+    assert not any(t.requires_grad for t in buf.state_dict()["data"].values())
+    batch = buf.sample()
+    assert not (batch[0] if prioritized else batch).reward.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2, torch.complex32])
+def test_replay_on_cpu_stores_dtypes_numpy_lacks(dtype, backend):
+    sample = make_transition(0, 1, 3)
+    sample.reward = torch.zeros(1, 3).to(dtype)
+    buf = TransitionBuffer(30, 4, sample, device="cpu", seed=0)
+    tr = make_transition(0, 4, 3)
+    tr.reward = torch.arange(12.0).view(4, 3).to(dtype)
+    buf.insert(tr)
+    assert torch.equal(buf.state_dict()["data"]["reward"][:4].view(torch.uint8), tr.reward.view(torch.uint8))
+
+
+def test_block_keys_reject_dtypes_they_cannot_clean(device):
+    for dtype in (torch.complex64, torch.float8_e4m3fn, torch.uint16):
+        buf = HistoryBuffer(2, 3, 1, ("action",), device=device)
+        with pytest.raises(TypeError, match=rf"info_dict\['action'\]: a block key holds .* got {dtype}"):
+            buf.append({"action": torch.zeros(2, 1, 2).to(dtype), "obs": torch.zeros(2, 1)})
+        assert buf.keys == () and buf.get(1) is None  # nothing was fixed by the failed first append

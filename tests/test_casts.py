@@ -32,7 +32,7 @@ def test_int_overflow_raises_and_fitting_values_pass(src, dst, backend, device):
 def test_float_narrowing_overflow_raises_rounding_passes(backend, device):
     buf = history(torch.float32, device)
     before = snapshot(buf)
-    with pytest.raises(TypeError, match=r"x: cannot store torch.float64 .* \(a finite value overflows torch.float32"):
+    with pytest.raises(TypeError, match=r"x: cannot store torch.float64 .* \(a finite value exceeds the largest"):
         buf.append({"x": np.array([[0.5], [1e300]])})
     assert_unchanged(buf, before)
     buf.append({"x": np.array([[0.1], [np.inf]])})  # rounding and inf -> inf keep the values' meaning
@@ -67,7 +67,7 @@ def test_replay_insert_checks_values_too(device):
                           reward=reward, terminated=np.zeros((1, 2), bool), truncated=np.zeros((1, 2), bool))
     buf = TransitionBuffer(8, 2, tr(np.zeros((1, 2), np.float32)), device=device)
     before = snapshot(buf)
-    with pytest.raises(TypeError, match="reward: cannot store torch.float64 .* overflows torch.float32"):
+    with pytest.raises(TypeError, match="reward: cannot store torch.float64 .* exceeds the largest torch.float32"):
         buf.insert(tr(np.array([[1.0, 1e39]])))
     assert_unchanged(buf, before)
     buf.insert(tr(np.array([[0.25, -1.0]])))  # float64 rewards, as numpy makes them: rounded to float32
@@ -87,3 +87,55 @@ def test_device_narrowing_is_not_checked_but_rejected():
     t = torch.zeros(3, dtype=torch.float64, device="meta")  # any non-host tensor: checking would read it
     with pytest.raises(TypeError, match=r"narrowing cast of a meta tensor is not checked .* \.to\(torch.float32\)"):
         check_cast(t, torch.float32, "x")
+
+
+def test_python_floats_keep_their_value_and_their_default_dtype():
+    buf = HistoryBuffer(2, 3, device="cpu")
+    buf.append({"x": 0.1, "y": np.zeros(2, np.float64)})
+    assert buf.get(1)["x"].dtype == torch.get_default_dtype()  # a new key from a Python float, as torch.tensor(0.1)
+    buf.append({"x": 0.25, "y": 0.1})
+    assert buf.get(1)["y"][0, 0].item() == 0.1  # exactly: the Python float is not rounded through float32 first
+    before = snapshot(buf)
+    with pytest.raises(TypeError, match=r"x: cannot store torch.float64 .* exceeds the largest torch.float32"):
+        buf.append({"x": 1e300, "y": 0.0})
+    with pytest.raises(TypeError, match="x: the integer 1180591620717411303424 does not fit int64"):
+        buf.append({"x": 2**70, "y": 0.0})
+    assert_unchanged(buf, before)
+    with pytest.raises(TypeError, match=r"z: cannot store torch.float64 .* exceeds the largest torch.float32"):
+        HistoryBuffer(2, 3, device="cpu").append({"z": 1e300})  # also when the key is new
+
+
+@pytest.mark.parametrize("src, dst, good, bad", [
+    (torch.uint32, torch.int16, [1, 7], [1, 70000]),
+    (torch.uint64, torch.int64, [0, 2**62], [0, 2**63 + 5]),
+    (torch.uint16, torch.uint8, [0, 255], [0, 256]),
+    (torch.int64, torch.complex64, [3, -2**24], [3, 2**30 + 1]),
+    (torch.complex128, torch.complex64, [1 + 2j, -3j], [1 + 2j, 1e300 + 0j]),
+    (torch.float32, torch.float8_e4m3fn, [1.0, -448.0], [1.0, 500.0]),
+    (torch.float64, torch.bfloat16, [1.0, 3e38], [1.0, 1e300]),
+])
+def test_unsigned_complex_and_float8_narrowing_is_checked_on_values(src, dst, good, bad):
+    """Sources and targets that torch's own reductions do not cover are still checked by value."""
+    def tensor(values):
+        if src in (torch.uint16, torch.uint32, torch.uint64):
+            return torch.from_numpy(np.array(values, dtype=str(src).removeprefix("torch.")))
+        return torch.tensor(values, dtype=src if src.is_complex else torch.float64 if src.is_floating_point
+                            else None).to(src)
+    check_cast(tensor(good), dst, "x")
+    with pytest.raises(TypeError, match=rf"x: cannot store {src} in the stored dtype {dst} without changing values"):
+        check_cast(tensor(bad), dst, "x")
+
+
+@pytest.mark.parametrize("src, dst, why", [(torch.complex64, torch.int32, "complex into an integer dtype"),
+                                           (torch.complex64, torch.float64, "complex into a real dtype"),
+                                           (torch.float8_e5m2, torch.int8, "float into an integer dtype")])
+def test_kind_changes_are_rejected_with_the_right_reason(src, dst, why):
+    with pytest.raises(TypeError, match=rf"x: .*\({why}\)"):
+        check_cast(torch.ones(2).to(src), dst, "x")
+
+
+def test_float8_and_half_types_widen_without_a_value_check():
+    assert lossless(torch.float8_e4m3fn, torch.float16) and lossless(torch.float8_e5m2, torch.float16)
+    assert lossless(torch.bfloat16, torch.float32) and lossless(torch.complex32, torch.complex64)
+    assert not lossless(torch.float16, torch.bfloat16) and not lossless(torch.bfloat16, torch.float16)
+    assert lossless(torch.int16, torch.complex64) and not lossless(torch.int64, torch.complex64)

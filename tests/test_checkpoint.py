@@ -168,6 +168,15 @@ BROKEN = {
     "prioritized: max_priority below 1": ("prioritized", lambda s: _with(s, "max_priority", 0.5), ValueError,
                                           r"state_dict\['max_priority'\]"),
     "not a dict": ("replay", lambda s: [1, 2], TypeError, "state_dict: expected a dict"),
+    "history: meta data tensor": ("history", lambda s: {**s, "data": {**s["data"], "action": torch.empty(
+        s["data"]["action"].shape, device="meta")}}, ValueError,
+        r"state_dict\['data'\]\['action'\]: expected a dense tensor with data, got a torch.strided tensor on meta"),
+    "replay: sparse data tensor": ("replay", lambda s: {**s, "data": {**s["data"], "reward": s["data"][
+        "reward"].to_sparse()}}, ValueError, r"state_dict\['data'\]\['reward'\]: expected a dense tensor"),
+    "replay: trunc disagrees with the data": ("replay", lambda s: _with(s, "trunc", ~s["trunc"]), ValueError,
+                                              r"state_dict\['trunc'\]: does not match the stored `truncated` rows"),
+    "replay: other leaf shapes": ("replay", lambda s: _with(s, "shapes", {**s["shapes"], "reward": (2,)}),
+                                  ValueError, r"state_dict: shapes is"),
 }
 
 
@@ -194,7 +203,78 @@ def test_an_empty_history_takes_the_state_keys():
     assert_same_outputs(outputs(other), outputs(buf))
 
 
+@pytest.mark.parametrize("breaks, match", [
+    (lambda s: {**s, "counts": torch.ones_like(s["counts"]), "shapes": {}, "data": {}},
+     r"state_dict\['counts'\]: a state without keys holds no entries"),
+    (lambda s: {**s, "shapes": {1: (2,)}, "data": {1: s["data"]["pixels"]}},
+     r"state_dict\['shapes'\]: expected str keys"),
+    (lambda s: {**s, "shapes": {**s["shapes"], "pixels": (True, 1)}},
+     r"state_dict\['shapes'\]\['pixels'\]: expected a shape, got \(True, 1\)"),
+    (lambda s: {**s, "data": {**s["data"], "action": s["data"]["action"].to(torch.complex64)}},
+     r"state_dict\['data'\]\['action'\]: a block key holds .* got torch.complex64"),
+])
+def test_an_empty_history_rejects_a_state_it_cannot_take(breaks, match):
+    state = snapshot(history())
+    buf = HistoryBuffer(3, 5, 2, ("action",))
+    with pytest.raises(ValueError, match=match):
+        buf.load_state_dict(breaks(state))
+    assert buf.keys == () and buf.get(1) is None
+
+
 # ------------------------------------------------------------------ checkpoint files
+
+
+def _header(raw: bytes) -> tuple[int, int]:
+    import struct
+    at, length, _, _ = struct.unpack("<QQI4x16s", raw[-40:])
+    return at, length
+
+
+def test_an_edited_header_is_rejected_before_any_write(tmp_path):
+    """The header carries the configuration and the tensor table: it has its own CRC-32."""
+    buf = replay(True)
+    buf.save(tmp_path / "ckpt")
+    raw = (tmp_path / "ckpt").read_bytes()
+    at, length = _header(raw)
+    header = raw[at:at + length]
+    target = replay(True, n_rows=12)
+    before = snapshot(target)
+    edited = header.replace(b'"beta": 0.4', b'"beta": 0.9')
+    assert edited != header and len(edited) == len(header)
+    (tmp_path / "bad").write_bytes(raw[:at] + edited + raw[at + length:])
+    with pytest.raises(CheckpointError, match="the header fails its CRC-32"):
+        target.load(tmp_path / "bad")
+    assert_unchanged(target, before)
+
+
+def test_a_header_pointing_past_its_tensor_table_is_a_checkpoint_error(tmp_path):
+    import json
+    import struct
+    import zlib
+    buf = history()
+    buf.save(tmp_path / "ckpt")
+    raw = (tmp_path / "ckpt").read_bytes()
+    at, length = _header(raw)
+    header = json.loads(raw[at:at + length])
+    header["state"]["counts"] = {"__tensor__": 99}
+    new = json.dumps(header).encode()
+    footer = struct.pack("<QQI4x16s", at, len(new), zlib.crc32(new), raw[-16:])
+    (tmp_path / "bad").write_bytes(raw[:at] + new + footer)
+    with pytest.raises(CheckpointError, match="refers to a tensor it does not list"):
+        HistoryBuffer(3, 5, 2, ("action",)).load(tmp_path / "bad")
+
+
+def test_a_checkpoint_gets_the_mode_open_would_give_it(tmp_path):
+    buf = history()
+    old = os.umask(0o022)
+    try:
+        buf.save(tmp_path / "ckpt")
+        assert os.stat(tmp_path / "ckpt").st_mode & 0o777 == 0o644
+        os.chmod(tmp_path / "ckpt", 0o600)
+        buf.save(tmp_path / "ckpt")  # replacing a file keeps its mode
+        assert os.stat(tmp_path / "ckpt").st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
 
 
 def test_a_corrupt_or_truncated_file_is_rejected_before_any_write(tmp_path):

@@ -243,3 +243,13 @@ def test_discrete_env_rejects_non_integral_or_out_of_range_actions(actions, mess
     step = src.step(np.array([1.0, 0.0, 1.0, 1.0]))  # integral floats are fine
     obs, *_ = twin.step(np.array([1, 0, 1, 1], np.int32))
     np.testing.assert_array_equal(step.info["observation"][:, 0].numpy(), obs)
+
+
+def test_send_rejects_duplicate_env_ids_before_sending():
+    src = EnvPoolSource(make(), device="cpu")
+    src.reset()
+    with pytest.raises(ValueError, match=r"env_ids: each env takes one action per send, got duplicates \[1\]"):
+        src.send(np.array([0, 1]), env_ids=[1, 1])
+    with pytest.raises(TypeError, match="env_ids: expected a 1-D sequence of ints"):
+        src.send(np.zeros((0,)), env_ids=np.zeros((0, 2), np.int64))
+    src.step(np.array([1, 0, 1, 1]))  # the env is still in step with its sends

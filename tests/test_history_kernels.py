@@ -57,7 +57,7 @@ def test_gather_frames_matches_reference(dtype, n, ab):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("n,ab", [(2, 1), (3, 2), (4, 3)])
 def test_pack_blocks_matches_reference(dtype, n, ab):
     g = torch.Generator().manual_seed(n * 10 + ab)
@@ -79,6 +79,17 @@ def test_pack_blocks_matches_reference(dtype, n, ab):
 def test_word_views_cover_odd_row_bytes():
     for E in [1, 3, 6, 12]:
         t = torch.zeros(4, E, dtype=torch.uint8)
-        w = reference.as_words(t)
+        (w,) = reference.as_words(t)
         assert w.shape[1] * w.element_size() == E and w.data_ptr() == t.data_ptr()
-    assert np.all([reference.as_words(torch.zeros(2, 3, dtype=d)).shape[0] == 2 for d in DTYPES])
+    assert np.all([reference.as_words(torch.zeros(2, 3, dtype=d))[0].shape[0] == 2 for d in DTYPES])
+
+
+def test_word_views_share_one_word_across_offsets_and_size_one_strides():
+    storage = torch.zeros(4, 16, dtype=torch.uint8)
+    rows = torch.zeros(100, dtype=torch.uint8)[3:3 + 32].view(2, 16)  # contiguous, byte offset 3
+    a, b = reference.as_words(storage, rows)
+    assert a.dtype == b.dtype == torch.uint8 and a.shape[1] == b.shape[1] == 16
+    a, b = reference.as_words(storage, torch.zeros(100, dtype=torch.uint8)[8:40].view(2, 16))
+    assert a.dtype == b.dtype == torch.int64
+    (c,) = reference.as_words(torch.zeros(3, dtype=torch.float32).as_strided((3, 1), (1, 0)))  # any stride on size 1
+    assert c.shape == (3, 1) and c.dtype == torch.int32

@@ -170,6 +170,9 @@ def test_planner_rejects_a_first_mask_of_the_wrong_shape():
     ({"low": float("-inf")}, "low: expected a finite number, got -inf"),
     ({"high": float("nan")}, "high: expected a finite number, got nan"),
     ({"low": 1.0, "high": 1.0}, "low, high: expected low < high"),
+    ({"seed": -1}, r"seed: expected an int in \[0, 2\*\*64\), got -1"),
+    ({"seed": 1.5}, "seed: expected an int"),
+    ({"seed": True}, "seed: expected an int"),
 ])
 def test_cem_rejects_non_finite_parameters(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -117,6 +117,8 @@ def test_keys_generator_int_none(backend, device):
     buf.sample()  # own generator
     with pytest.raises(TypeError, match="key"):
         buf.sample(key="seed")
+    with pytest.raises(ValueError, match=r"key: an int seed must lie in \[-2\*\*63, 2\*\*64\), got 1844674"):
+        buf.sample(key=2**64)
 
 
 def test_state_dict_round_trip(backend, device):
