@@ -94,11 +94,12 @@ def tree_update(backend, tree, offsets, fanout, idx, values):
     return reference.tree_update(tree, offsets, fanout, idx, values)
 
 
-def sequence_gather(backend, storage, starts, n, E, M, shift, out):
-    """out (B, n, D) = windows of n time-major rows of storage (M*E, D) from flat starts (B,), shifted."""
+def sequence_gather(backend, jobs, starts, n, E, M):
+    """For each (storage (M*E, D), out (B, n, D), shift) in jobs: windows of n time-major rows from flat
+    starts (B,), shifted."""
     if backend == "triton":
-        return _kernels("sequence").gather(storage, starts, n, E, M, shift, out)
-    return reference.sequence_gather(storage, starts, n, E, M, shift, out)
+        return _kernels("sequence").gather(jobs, starts, n, E, M)
+    return reference.sequence_gather(jobs, starts, n, E, M)
 
 
 def tree_update_range(backend, tree, offsets, fanout, lo, values):

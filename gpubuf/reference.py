@@ -18,7 +18,7 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     row_bytes = tensors[0].shape[1] * tensors[0].element_size()
     for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1)):
         if row_bytes % size == 0 and all(t.storage_offset() * t.element_size() % size == 0 for t in tensors):
-            return tuple(_canonical(t).view(torch.uint8).view(word) for t in tensors)
+            return tuple((t if t.stride(-1) == 1 else _canonical(t)).view(torch.uint8).view(word) for t in tensors)
     raise AssertionError("unreachable: every row divides into bytes")
 
 
@@ -165,19 +165,23 @@ def tree_update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.
         tree[p0:p0 + n].index_copy_(0, node, children.index_select(0, node).sum(1))
 
 
-def sequence_gather(storage: torch.Tensor, starts: torch.Tensor, n: int, E: int, M: int, shift: int,
-                    out: torch.Tensor) -> None:
-    """out (B, n, D) = storage (M*E, D) rows ``((start//E + j + shift) % M) * E + start % E``, j < n."""
+def sequence_gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
+    """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
+    ``((start//E + j + shift) % M) * E + start % E``, j < n, for flat starts (B,). Rows are computed once
+    per distinct shift."""
     B = starts.shape[0]
     if B == 0:
         return
-    if n == 1 and shift == 0:
-        rows = starts  # row of start s = step * E + env is s itself
-    else:  # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
-        j = torch.arange(shift * E, (n + shift) * E, E, device=starts.device)
-        rows = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)  # (B * n,)
-    src, dst = as_words(storage, out.view(B * n, storage.shape[1]))
-    torch.index_select(src, 0, rows, out=dst)
+    rows = {}
+    for storage, out, shift in jobs:
+        if shift not in rows:
+            if n == 1 and shift == 0:
+                rows[shift] = starts  # row of start s = step * E + env is s itself
+            else:  # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
+                j = torch.arange(shift * E, (n + shift) * E, E, device=starts.device)
+                rows[shift] = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)  # (B * n,)
+        src, dst = as_words(storage, out.view(B * n, storage.shape[1]))
+        torch.index_select(src, 0, rows[shift], out=dst)
 
 
 def tree_update_range(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:

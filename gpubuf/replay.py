@@ -463,14 +463,14 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     def _gather(self, starts: torch.Tensor, jobs: dict, out: Transition | None = None) -> Transition:
         B, n = starts.shape[0], self.n_steps
-        result = {}
+        result, work = {}, []
         for d, (dst, s, shift, shape) in jobs.items():
             src = self._flat[s]
             if dst is None:
                 dst = torch.empty(shape, dtype=src.dtype, device=self.device)
-            ops.sequence_gather(self.backend, src, starts, n, self.n_envs, self.max_rows, shift,
-                                dst.view(B, n, src.shape[1]))
+            work.append((src, dst.view(B, n, src.shape[1]), shift))
             result[d] = dst
+        ops.sequence_gather(self.backend, work, starts, n, self.n_envs, self.max_rows)
         if out is None:
             return _unflatten(result)
         return out

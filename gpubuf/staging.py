@@ -58,10 +58,12 @@ class Staging:
         ``untyped_storage().data_ptr()`` is in ``owned`` (a buffer's own tensors are copied first).
         """
         try:
-            out = self.to_device(t.detach(), key)
+            out = self.to_device(t.detach() if t.requires_grad else t, key)
             if out.dtype != dtype:
                 out = out.to(dtype)
-            out = out.resolve_conj().resolve_neg().contiguous()
+            if out.is_conj() or out.is_neg():
+                out = out.resolve_conj().resolve_neg()
+            out = out.contiguous()
             if out.storage_offset() * out.element_size() % 16 or (owned and out.untyped_storage().data_ptr() in owned):
                 out = out.clone()
             return out

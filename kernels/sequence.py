@@ -37,12 +37,14 @@ def _gather_kernel(
     tl.store(dst_ptr + bj.to(tl.int64) * D + offs, x, mask=mask)
 
 
-def gather(storage: torch.Tensor, starts: torch.Tensor, n: int, E: int, M: int, shift: int, out: torch.Tensor) -> None:
-    """out (B, n, D) = the n-row windows of storage (M*E, D) at flat starts (B,) int64, shifted by ``shift``."""
+def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
+    """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = the n-row windows of storage
+    at flat starts (B,) int64, shifted by ``shift``. One launch per job."""
     B = starts.shape[0]
-    if B == 0 or storage.shape[1] == 0:
-        return
-    src, dst = as_words(storage, out.view(B * n, -1))
-    D = src.shape[1]
-    grid = (B * n, triton.cdiv(D, BLOCK))
-    _gather_kernel[grid](src, dst, starts, n, E, M, shift, D, BLOCK=BLOCK)
+    for storage, out, shift in jobs:
+        if B == 0 or storage.shape[1] == 0:
+            continue
+        src, dst = as_words(storage, out.view(B * n, -1))
+        D = src.shape[1]
+        grid = (B * n, triton.cdiv(D, BLOCK))
+        _gather_kernel[grid](src, dst, starts, n, E, M, shift, D, BLOCK=BLOCK)
