@@ -163,8 +163,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         if not self._data:
             self._allocate(values, dtypes)
         # phase 2: commit
-        for key, rows in staged.items():
-            ops.history_append(self.backend, self._data[key], rows, dst)
+        ops.history_append(self.backend, [(self._data[key], rows) for key, rows in staged.items()], dst)
         self._heads, self._counts = heads, counts
 
     def _check_value(self, key, value, R: int) -> torch.Tensor:
@@ -243,16 +242,16 @@ class HistoryBuffer(checkpoint.Checkpointable):
             out = self._new_outputs(shapes, n)
         else:
             self._check_out(out, shapes)
-        result = {}
         meta = self._upload(np.stack([ids, newest, k]), "__meta__")
+        frames = []
         for key in shapes:
             storage, dst = self._data[key], out[key]
             if key in self.block_keys:
                 ops.history_pack_blocks(self.backend, storage, meta, n, ab, self.max_len, dst)
             else:
-                ops.history_gather_frames(self.backend, storage, meta, n, ab, self.max_len, dst)
-            result[key] = dst
-        return result
+                frames.append((storage, dst))
+        ops.history_gather_frames(self.backend, frames, meta, n, ab, self.max_len)
+        return {key: out[key] for key in shapes}
 
     def _output_shapes(self, rows: int, n: int) -> dict[str, tuple]:
         shapes = {}

@@ -56,18 +56,19 @@ def _kernels(name: str):
     return importlib.import_module(f"gpubuf.kernels.{name}")
 
 
-def history_append(backend, storage, rows, dst_rows):
-    """storage (max_len*n_envs, E)[dst_rows (R,)] = rows (R, E)."""
+def history_append(backend, pairs, dst_rows):
+    """For each (storage (max_len*n_envs, E), rows (R, E)) in pairs: storage[dst_rows (R,)] = rows."""
     if backend == "triton":
-        return _kernels("history").append(storage, rows, dst_rows)
-    return reference.history_append(storage, rows, dst_rows)
+        return _kernels("history").append(pairs, dst_rows)
+    return reference.history_append(pairs, dst_rows)
 
 
-def history_gather_frames(backend, storage, meta, n, ab, max_len, out):
-    """out (rows, n, E) = strided frames; meta (3, rows) int64 = (env, newest slot, k)."""
+def history_gather_frames(backend, pairs, meta, n, ab, max_len):
+    """For each (storage, out (rows, n, E)) in pairs: strided frames; meta (3, rows) int64 = (env, newest
+    slot, k)."""
     if backend == "triton":
-        return _kernels("history").gather_frames(storage, meta, n, ab, max_len, out)
-    return reference.history_gather_frames(storage, meta, n, ab, max_len, out)
+        return _kernels("history").gather_frames(pairs, meta, n, ab, max_len)
+    return reference.history_gather_frames(pairs, meta, n, ab, max_len)
 
 
 def history_pack_blocks(backend, storage, meta, n, ab, max_len, out):

@@ -42,11 +42,15 @@ def _countdown(n: int, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------- HistoryBuffer (kernels/history.py)
 
 
-def history_append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """storage (max_len*n_envs, E)[dst_rows (R,)] = rows (R, E); dst_rows distinct."""
-    if rows.shape[0] and storage.shape[1]:
-        dst, src = as_words(storage, rows)
-        dst.index_copy_(0, dst_rows, src)
+def history_append(pairs: list, dst_rows: torch.Tensor) -> None:
+    """For each ``(storage (max_len*n_envs, E), rows (R, E))`` in ``pairs``: storage[dst_rows (R,)] = rows;
+    dst_rows distinct."""
+    if dst_rows.shape[0] == 0:
+        return
+    for storage, rows in pairs:
+        if storage.shape[1]:
+            dst, src = as_words(storage, rows)
+            dst.index_copy_(0, dst_rows, src)
 
 
 def _frame_back(meta: torch.Tensor, n: int, ab: int) -> torch.Tensor:
@@ -54,16 +58,19 @@ def _frame_back(meta: torch.Tensor, n: int, ab: int) -> torch.Tensor:
     return torch.minimum(_countdown(n, meta.device), meta[2].unsqueeze(1) - 1) * ab
 
 
-def history_gather_frames(storage, meta, n, ab, max_len, out) -> None:
-    """out (rows, n, E) = strided frames, left-padded with the oldest strided entry."""
+def history_gather_frames(pairs: list, meta, n, ab, max_len) -> None:
+    """For each ``(storage, out (rows, n, E))`` in ``pairs``: strided frames, left-padded with the oldest
+    strided entry. The source rows are computed once for all pairs."""
     rows = meta.shape[1]
-    if rows == 0 or storage.shape[1] == 0:
+    if rows == 0 or not pairs:
         return
     env, newest = meta[0].unsqueeze(1), meta[1].unsqueeze(1)
     slot = (newest - _frame_back(meta, n, ab)) % max_len  # (rows, n)
-    src_rows = (slot * (storage.shape[0] // max_len) + env).reshape(-1)
-    src, dst = as_words(storage, out.view(rows * n, storage.shape[1]))
-    torch.index_select(src, 0, src_rows, out=dst)
+    src_rows = (slot * (pairs[0][0].shape[0] // max_len) + env).reshape(-1)
+    for storage, out in pairs:
+        if storage.shape[1]:
+            src, dst = as_words(storage, out.view(rows * n, storage.shape[1]))
+            torch.index_select(src, 0, src_rows, out=dst)
 
 
 def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:

@@ -11,52 +11,58 @@ import torch
 import triton
 import triton.language as tl
 
-from gpubuf.reference import as_words
+from gpubuf.kernels import upload, word_groups
 
 BLOCK = 1024
 
 
 @triton.jit
 def _append_kernel(
-    src_ptr,  # (R, E) rows to append, contiguous
-    dst_ptr,  # (max_len * n_envs, E) storage, contiguous
+    table_ptr,  # (G, 3) int64 per key: source address (R, E) rows, storage address, E words per row
     dst_row_ptr,  # (R,) int64 storage row of each input row: slot * n_envs + env
-    E,  # elements per entry
+    like_ptr,  # any tensor of the group's word type (its pointer type types the table's addresses)
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < E  # last chunk of the entry is partial
+    g = tl.program_id(1)  # key
+    src = tl.load(table_ptr + 3 * g).to(like_ptr.dtype)
+    dst = tl.load(table_ptr + 3 * g + 1).to(like_ptr.dtype)
+    E = tl.load(table_ptr + 3 * g + 2)
+    offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < E  # last chunk of the entry is partial; keys narrower than the widest skip whole chunks
     dst_row = tl.load(dst_row_ptr + row)
-    x = tl.load(src_ptr + row.to(tl.int64) * E + offs, mask=mask)
-    tl.store(dst_ptr + dst_row * E + offs, x, mask=mask)
+    x = tl.load(src + row.to(tl.int64) * E + offs, mask=mask)
+    tl.store(dst + dst_row * E + offs, x, mask=mask)
 
 
 @triton.jit
 def _gather_frames_kernel(
-    src_ptr,  # (max_len * n_envs, E) storage
-    dst_ptr,  # (rows, n, E) output
+    table_ptr,  # (G, 3) int64 per key: storage address (max_len * n_envs, E), output address (rows, n, E), E
     meta_ptr,  # (3, rows) int64: env id, newest slot, k = strided frames used
+    like_ptr,  # any tensor of the group's word type
     rows,
     n,  # frames per row
     ab,  # action_block (stride between frames)
     max_len,
     n_envs,
-    E,
     BLOCK: tl.constexpr,
 ):
     rf = tl.program_id(0)  # row * n + frame
+    g = tl.program_id(1)  # key
     row = rf // n
     j = rf % n
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src = tl.load(table_ptr + 3 * g).to(like_ptr.dtype)
+    dst = tl.load(table_ptr + 3 * g + 1).to(like_ptr.dtype)
+    E = tl.load(table_ptr + 3 * g + 2)
+    offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < E
     env = tl.load(meta_ptr + row)
     newest = tl.load(meta_ptr + rows + row)
     k = tl.load(meta_ptr + 2 * rows + row)
     back = tl.minimum(n - 1 - j, k - 1) * ab  # warm-up clamps to the oldest strided entry
     slot = (newest - back + max_len) % max_len
-    x = tl.load(src_ptr + (slot * n_envs + env) * E + offs, mask=mask)
-    tl.store(dst_ptr + rf.to(tl.int64) * E + offs, x, mask=mask)
+    x = tl.load(src + (slot * n_envs + env) * E + offs, mask=mask)
+    tl.store(dst + rf.to(tl.int64) * E + offs, x, mask=mask)
 
 
 @triton.jit
@@ -110,26 +116,29 @@ def _finite_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _LIMITS[key]
 
 
-def append(storage: torch.Tensor, rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-    """storage (max_len*n_envs, E)[dst_rows] = rows (R, E); dst_rows int64 (R,), distinct."""
-    if rows.shape[0] == 0 or storage.shape[1] == 0:
+def append(pairs: list, dst_rows: torch.Tensor) -> None:
+    """For each ``(storage (max_len*n_envs, E), rows (R, E))`` in ``pairs``: storage[dst_rows] = rows;
+    dst_rows int64 (R,), distinct. One launch per word type."""
+    R = dst_rows.shape[0]
+    if R == 0:
         return
-    src, dst = as_words(rows, storage)
-    E = dst.shape[1]
-    grid = (rows.shape[0], triton.cdiv(E, BLOCK))
-    _append_kernel[grid](src, dst, dst_rows, E, BLOCK=BLOCK)
+    for like, table, most in word_groups([(rows, storage) for storage, rows in pairs]):
+        grid = (R, table.shape[0], triton.cdiv(most, BLOCK))
+        _append_kernel[grid](upload(table, dst_rows.device, "__append__"), dst_rows, like, BLOCK=BLOCK)
 
 
-def gather_frames(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_len: int,
-                  out: torch.Tensor) -> None:
-    """out (rows, n, E) = the strided frames of each row; meta (3, rows) int64 (env, newest slot, k)."""
+def gather_frames(pairs: list, meta: torch.Tensor, n: int, ab: int, max_len: int) -> None:
+    """For each ``(storage (max_len*n_envs, E), out (rows, n, E))`` in ``pairs``: the strided frames of each
+    row; meta (3, rows) int64 (env, newest slot, k). One launch per word type."""
     rows = meta.shape[1]
-    if rows == 0 or storage.shape[1] == 0:
+    if rows == 0:
         return
-    src, dst = as_words(storage, out.view(rows * n, -1))
-    E = src.shape[1]
-    grid = (rows * n, triton.cdiv(E, BLOCK))
-    _gather_frames_kernel[grid](src, dst, meta, rows, n, ab, max_len, src.shape[0] // max_len, E, BLOCK=BLOCK)
+    groups = word_groups([(storage, out.view(rows * n, -1)) for storage, out in pairs])
+    for like, table, most in groups:
+        n_envs = pairs[0][0].shape[0] // max_len
+        grid = (rows * n, table.shape[0], triton.cdiv(most, BLOCK))
+        _gather_frames_kernel[grid](upload(table, meta.device, "__frames__"), meta, like, rows, n, ab, max_len,
+                                    n_envs, BLOCK=BLOCK)
 
 
 def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_len: int,

@@ -9,42 +9,44 @@ import torch
 import triton
 import triton.language as tl
 
-from gpubuf.reference import as_words
+from gpubuf.kernels import upload, word_groups
 
 BLOCK = 1024
 
 
 @triton.jit
 def _gather_kernel(
-    src_ptr,  # (M * E, D) storage, contiguous
-    dst_ptr,  # (B, n, D) output, contiguous
+    table_ptr,  # (G, 4) int64 per leaf: storage address (M * E, D), output address (B, n, D), D words, shift
     start_ptr,  # (B,) int64 flat starts step * E + env
+    like_ptr,  # any tensor of the group's word type
     n,  # window length
     E,  # envs
     M,  # rows per env
-    shift,  # 0, or 1 for next observations
-    D,  # words per row
     BLOCK: tl.constexpr,
 ):
     bj = tl.program_id(0)  # b * n + j
+    g = tl.program_id(1)  # leaf
     b = bj // n
     j = bj % n
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src = tl.load(table_ptr + 4 * g).to(like_ptr.dtype)
+    dst = tl.load(table_ptr + 4 * g + 1).to(like_ptr.dtype)
+    D = tl.load(table_ptr + 4 * g + 2)
+    shift = tl.load(table_ptr + 4 * g + 3)  # 0, or 1 for next observations
+    offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D  # last chunk of the row is partial
     s = tl.load(start_ptr + b)
     row = ((s // E + j + shift) % M) * E + s % E
-    x = tl.load(src_ptr + row * D + offs, mask=mask)
-    tl.store(dst_ptr + bj.to(tl.int64) * D + offs, x, mask=mask)
+    x = tl.load(src + row * D + offs, mask=mask)
+    tl.store(dst + bj.to(tl.int64) * D + offs, x, mask=mask)
 
 
 def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = the n-row windows of storage
-    at flat starts (B,) int64, shifted by ``shift``. One launch per job."""
+    at flat starts (B,) int64, shifted by ``shift``. One launch per word type."""
     B = starts.shape[0]
-    for storage, out, shift in jobs:
-        if B == 0 or storage.shape[1] == 0:
-            continue
-        src, dst = as_words(storage, out.view(B * n, -1))
-        D = src.shape[1]
-        grid = (B * n, triton.cdiv(D, BLOCK))
-        _gather_kernel[grid](src, dst, starts, n, E, M, shift, D, BLOCK=BLOCK)
+    if B == 0:
+        return
+    groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs], [(s,) for _, _, s in jobs])
+    for like, table, most in groups:
+        grid = (B * n, table.shape[0], triton.cdiv(most, BLOCK))
+        _gather_kernel[grid](upload(table, starts.device, "__windows__"), starts, like, n, E, M, BLOCK=BLOCK)

@@ -17,11 +17,11 @@ import tempfile
 from dataclasses import dataclass
 
 import triton
-from gpubuf.kernels import history, prefix_tree, sequence
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from gpubuf.kernels import history, prefix_tree, sequence
 from gpubuf.prefix_tree import FANOUT
 
 WORDS = ("i64", "i32", "i16", "u8")  # what reference.as_words makes of any storage row (pure copies)
@@ -56,16 +56,16 @@ def variants() -> list[Variant]:
         for w in WORDS:
             p = f"*{w}"
             out.append(Variant("history.append", history._append_kernel,
-                               {**_sig("src_ptr dst_ptr dst_row_ptr E", {"src_ptr": p, "dst_ptr": p,
-                                                                          "dst_row_ptr": "*i64"}, idx),
+                               {**_sig("table_ptr dst_row_ptr like_ptr", {"table_ptr": "*i64", "dst_row_ptr": "*i64",
+                                                                          "like_ptr": p}, idx),
                                 "BLOCK": "constexpr"}, {"BLOCK": history.BLOCK}))
             out.append(Variant("history.gather_frames", history._gather_frames_kernel,
-                               {**_sig("src_ptr dst_ptr meta_ptr rows n ab max_len n_envs E",
-                                       {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64"}, idx),
+                               {**_sig("table_ptr meta_ptr like_ptr rows n ab max_len n_envs",
+                                       {"table_ptr": "*i64", "meta_ptr": "*i64", "like_ptr": p}, idx),
                                 "BLOCK": "constexpr"}, {"BLOCK": history.BLOCK}))
             out.append(Variant("sequence.gather", sequence._gather_kernel,
-                               {**_sig("src_ptr dst_ptr start_ptr n E M shift D",
-                                       {"src_ptr": p, "dst_ptr": p, "start_ptr": "*i64"}, idx),
+                               {**_sig("table_ptr start_ptr like_ptr n E M",
+                                       {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": p}, idx),
                                 "BLOCK": "constexpr"}, {"BLOCK": sequence.BLOCK}))
         for dtype in FLOATS + INTS:
             is_float = dtype in FLOATS

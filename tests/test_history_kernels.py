@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from gpubuf.kernels import history as kernels
 
 from gpubuf import reference
+from gpubuf.kernels import history as kernels
 
 DTYPES = [torch.uint8, torch.int32, torch.float16, torch.float32, torch.float64, torch.bool]
 
@@ -36,11 +36,15 @@ def test_append_matches_reference(dtype, seed):
     g = torch.Generator().manual_seed(seed)
     n_envs, max_len, E = 5, 3, int(torch.randint(1, 40, (1,), generator=g))
     dst_rows = torch.randperm(n_envs * max_len, generator=g)[:7]
-    rows = index_storage(7, E, dtype)
-    a, b = torch.zeros(n_envs * max_len, E, dtype=dtype), torch.zeros(n_envs * max_len, E, dtype=dtype)
-    kernels.append(a, rows, dst_rows)
-    reference.history_append(b, rows, dst_rows)
-    assert torch.equal(a, b)
+    # keys of one call: this dtype at two widths (one launch group), bytes of odd width, an empty key
+    keys = [(dtype, E), (dtype, 2 * E + 1), (torch.uint8, 3), (torch.float32, 0)]
+    rows = [index_storage(7, w, d) for d, w in keys]
+    a = [torch.zeros(n_envs * max_len, w, dtype=d) for d, w in keys]
+    b = [t.clone() for t in a]
+    kernels.append(list(zip(a, rows, strict=True)), dst_rows)
+    reference.history_append(list(zip(b, rows, strict=True)), dst_rows)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert all(torch.equal(x[dst_rows], r) for x, r in zip(b, rows, strict=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,11 +54,12 @@ def test_gather_frames_matches_reference(dtype, n, ab):
     n_envs, max_len, rows, E = 4, 7, 5, 13
     storage = index_storage(n_envs * max_len, E, dtype)
     meta = random_meta(g, n_envs, max_len, rows, n, ab)
-    a = torch.empty(rows, n, E, dtype=dtype)
-    b = torch.empty(rows, n, E, dtype=dtype)
-    kernels.gather_frames(storage, meta, n, ab, max_len, a)
-    reference.history_gather_frames(storage, meta, n, ab, max_len, b)
-    assert torch.equal(a, b)
+    wide = index_storage(n_envs * max_len, 2 * E + 3, dtype)  # a second key of another width, same call
+    a = [torch.empty(rows, n, E, dtype=dtype), torch.empty(rows, n, 2 * E + 3, dtype=dtype)]
+    b = [torch.empty_like(t) for t in a]
+    kernels.gather_frames([(storage, a[0]), (wide, a[1])], meta, n, ab, max_len)
+    reference.history_gather_frames([(storage, b[0]), (wide, b[1])], meta, n, ab, max_len)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.bfloat16, torch.int8])
