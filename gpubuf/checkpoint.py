@@ -146,12 +146,14 @@ def _mode_for(path: str) -> int:
 
 
 def _strip(value, tensors: list):
-    """The state with every tensor replaced by ``{"__tensor__": i}`` (appended to ``tensors``)."""
+    """The state as JSON: every tensor becomes ``{"__tensor__": i}`` (appended to ``tensors``) and every dict
+    ``{"__dict__": [[key, value], ...]}``, so no key of the state (a user's key may be ``"__tensor__"``) can
+    be mistaken for a placeholder, and keys keep their type."""
     if isinstance(value, torch.Tensor):
         tensors.append(value.detach())
         return {"__tensor__": len(tensors) - 1}
     if isinstance(value, dict):
-        return {k: _strip(v, tensors) for k, v in value.items()}
+        return {"__dict__": [[k, _strip(v, tensors)] for k, v in value.items()]}
     if isinstance(value, (list, tuple)):
         return [_strip(v, tensors) for v in value]
     return value
@@ -215,7 +217,7 @@ def _read_checked(fd: int, size: int, path: str, chunk: int) -> dict:
             fail(f"tensor {i} fails its CRC-32")
     try:
         return _fill(skeleton, [t for t, _ in files])
-    except (IndexError, TypeError) as err:
+    except (IndexError, TypeError, ValueError) as err:
         fail(f"the header refers to a tensor it does not list ({err})")
 
 
@@ -226,7 +228,9 @@ def _fill(value, tensors: list):
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tensors):
                 raise IndexError(f"tensor {i!r} of {len(tensors)}")
             return tensors[i]
-        return {k: _fill(v, tensors) for k, v in value.items()}
+        if set(value) == {"__dict__"}:
+            return {k: _fill(v, tensors) for k, v in value["__dict__"]}
+        raise TypeError(f"an object that is neither a tensor nor a dict: {sorted(value)!r:.80}")
     if isinstance(value, list):
         return [_fill(v, tensors) for v in value]
     return value

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from gpubuf import checkpoint, ops
-from gpubuf.inputs import as_index_array, as_tensor, check_cast, positive_int
-from gpubuf.staging import Staging
+from gpubuf.inputs import STORABLE, as_index_array, as_tensor, check_cast, check_storable, positive_int
+from gpubuf.interrupts import signals_held
+from gpubuf.staging import Staging, check_disjoint, memory_ranges
 from gpubuf.state import check_state, check_tensor, copy_into, host_tensor
 
 BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
@@ -67,7 +68,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         self._all_ids = np.arange(self.n_envs, dtype=np.int64)
         self._shapes: dict[str, tuple] = {}  # per-entry shape of each key, fixed by the first append
         self._data: dict[str, torch.Tensor] = {}  # key -> (max_len * n_envs, E)
-        self._owned = frozenset()  # data_ptr of every storage: inputs sharing one are copied before a write
+        self._owned = ()  # byte ranges of the storage: inputs reading them are copied before a write
         self._staging = Staging(self.device)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -143,6 +144,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         else:
             dtypes = {k: _new_storage_dtype(info_dict[k], t) for k, t in values.items()}
             for key, t in values.items():
+                check_storable(dtypes[key], key)
                 check_cast(t, dtypes[key], key)
             self._check_block_dtypes(dtypes, "info_dict")
         if R == 0:
@@ -162,9 +164,9 @@ class HistoryBuffer(checkpoint.Checkpointable):
         dst = self._upload(dst_rows, "__dst_rows__")
         if not self._data:
             self._allocate(values, dtypes)
-        # phase 2: commit
-        ops.history_append(self.backend, [(self._data[key], rows) for key, rows in staged.items()], dst)
-        self._heads, self._counts = heads, counts
+        with signals_held():  # phase 2: commit
+            ops.history_append(self.backend, [(self._data[key], rows) for key, rows in staged.items()], dst)
+            self._heads, self._counts = heads, counts
 
     def _check_value(self, key, value, R: int) -> torch.Tensor:
         if not isinstance(key, str):
@@ -196,7 +198,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     def _set_storage(self, data: dict, shapes: dict) -> None:
         self._data, self._shapes = data, shapes
-        self._owned = frozenset(t.untyped_storage().data_ptr() for t in data.values())
+        self._owned = memory_ranges(data.values())
 
     def _plan_append(self, ids: np.ndarray):
         """Storage rows for each input row, which rows to keep (None = all), and the mirror's next heads
@@ -285,6 +287,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
                     f"out[{key!r}]: expected a contiguous {dtype} tensor of shape {shape} on {self.device}, "
                     f"got {t.dtype} {tuple(t.shape)} on {t.device}"
                 )
+        check_disjoint({f"out[{k!r}]": out[k] for k in shapes}, self._owned)
 
     # ------------------------------------------------------------------ state
 
@@ -310,7 +313,9 @@ class HistoryBuffer(checkpoint.Checkpointable):
     def load_state_dict(self, state) -> None:
         """Restore a :meth:`state_dict` (saved on any device). The whole state is validated first (buffer
         type, configuration, keys, shapes, dtypes, counters in range): a mismatch raises naming the key and
-        leaves the buffer as it was. A buffer that has not stored anything yet takes the state's keys."""
+        leaves the buffer as it was. A buffer that has not stored anything yet takes the state's keys. The
+        copy runs with Ctrl-C and timer signals held; should reading the data itself fail after validation
+        (an I/O error on a checkpoint file), the buffer is emptied rather than left half-loaded."""
         template = self.state_dict()
         check_state(state, template, self._CONFIG + ("version",), skip=("shapes", "data"))
         shapes = self._check_state_layout(state)
@@ -330,14 +335,15 @@ class HistoryBuffer(checkpoint.Checkpointable):
                                    self.device)
         else:
             storage = self._data
-        try:
-            for key, t in storage.items():
-                copy_into(t, data[key])
-        except BaseException:
-            self._counts[:], self._heads[:] = 0, 0  # the data is half-read: forget every entry
-            raise
-        self._set_storage(storage, shapes)
-        self._counts, self._heads = counts, heads
+        with signals_held():
+            try:
+                for key, t in storage.items():
+                    copy_into(t, data[key])
+            except BaseException:
+                self._counts[:], self._heads[:] = 0, 0  # the data is half-read: forget every entry
+                raise
+            self._set_storage(storage, shapes)
+            self._counts, self._heads = counts, heads
 
     def _check_state_layout(self, state) -> dict[str, tuple]:
         """The state's per-key entry shapes, checked against this buffer's (or, before its first append,
@@ -364,5 +370,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
             want = (rows, int(np.prod(shape)))
             dtype = getattr(t, "dtype", None)
             check_tensor(f"state_dict['data'][{key!r}]", t, want, dtype if isinstance(dtype, torch.dtype) else None)
+        for key in shapes:
+            if data[key].dtype not in STORABLE:
+                raise ValueError(f"state_dict['data'][{key!r}]: buffers cannot store {data[key].dtype}")
         self._check_block_dtypes({k: data[k].dtype for k in shapes}, "state_dict['data']", ValueError)
         return shapes

@@ -100,6 +100,19 @@ def as_index_array(ids, name: str, size: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- value-preserving casts
 
+STORABLE = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32,
+            torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+            torch.float8_e5m2, torch.complex32, torch.complex64, torch.complex128)
+
+
+def check_storable(dtype: torch.dtype, name: str) -> None:
+    """Raise ``TypeError`` naming ``name`` unless buffers can store ``dtype`` (the sub-byte, exponent-only
+    and ``fnuz`` float types cannot: they have no sign, no zero or no infinity to keep values by)."""
+    if dtype not in STORABLE:
+        raise TypeError(f"{name}: buffers store bool, (u)int8 to 64, float16, bfloat16, float32, float64, "
+                        f"float8_e4m3fn, float8_e5m2 and complex values, got {dtype}")
+
+
 
 def _int_range(dtype: torch.dtype) -> tuple[int, int]:
     return (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
@@ -166,7 +179,8 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     - float -> narrower float (complex -> narrower complex): no finite value (component) larger than the
       stored type's largest finite value. Rounding to the nearest representable value is accepted, as
       every float pipeline does (``float64`` rewards stored as ``float32``), and so is a tiny value that
-      rounds to zero; ``nan`` and ``inf`` stay what they are.
+      rounds to zero; ``nan`` and ``inf`` stay what they are (``inf`` into ``float8_e4m3fn``, which has
+      no infinity, is rejected).
 
     Always rejected: float or complex -> integer or bool, complex -> real, and any cast that is not
     lossless for a tensor on a GPU (checking it would read the device; cast it yourself with ``.to``).
@@ -186,6 +200,8 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         if src.is_floating_point or src.is_complex:  # float -> narrower float
             big = torch.finfo(_real(dtype)).max
             why = f"a finite value exceeds the largest {dtype} ({big:g})" if _float_overflow(t, dtype) else None
+            if why is None and dtype == torch.float8_e4m3fn and bool(torch.isinf(t.to(torch.float32)).any()):
+                why = f"{dtype} has no infinity (it would store {big:g})"
         else:
             vmin, vmax = _int_extremes(t)
             if dtype.is_floating_point or dtype.is_complex:  # integer -> float

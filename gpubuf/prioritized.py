@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from gpubuf.inputs import as_tensor, finite_float
+from gpubuf.interrupts import signals_held
 from gpubuf.replay import Transition, TransitionBuffer
 from gpubuf.state import check_tensor, chunks, copy_into
 
@@ -107,11 +108,14 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors, "td_errors")
         if idx.numel() == 0 and td.numel() == 0 and idx.dim() <= 1 and td.dim() <= 1:
             return self
-        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        if idx.dim() != 1 or (idx.numel() and (idx.dtype.is_floating_point or idx.dtype.is_complex
+                                                or idx.dtype == torch.bool)):
             raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
         if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex or td.dtype == torch.bool:
             raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per index), "
                              f"got {td.dtype} of shape {tuple(td.shape)}")
+        if idx.numel() == 0:
+            idx = idx.to(torch.int64)  # an empty list reads as float64
         on_host = idx.device.type == "cpu" and td.device.type == "cpu"
         if on_host and idx.dtype != torch.int64:  # unsigned and narrow ints: checked and widened on the host
             idx = torch.from_numpy(self._host_indices(idx.numpy()))
@@ -123,10 +127,11 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         if not on_host:  # device inputs: one read-back of (min index, max index, max value)
             top = self._check_update(idx, td, new)
         # ---- all checks passed: write
-        self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
-        self._max_p = max(self._max_p, top)
-        for kind in self._active:
-            self._trees[kind].update(idx, self._mass(idx, self._valid_dev[kind][idx], False))
+        with signals_held():
+            self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
+            self._max_p = max(self._max_p, top)
+            for kind in self._active:
+                self._trees[kind].update(idx, self._mass(idx, self._valid_dev[kind][idx], False))
         return self
 
     def _host_indices(self, arr: np.ndarray) -> np.ndarray:
@@ -177,12 +182,12 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         check_tensor("state_dict['priority']", prio, tuple(self._priority.shape), torch.float32)
         written = (state["count"] if state["count"] < self.max_rows else self.max_rows) * self.n_envs
         at = 0
-        for piece in chunks(prio):  # written starts: priorities in [eps, max_priority]; all: finite
+        for piece in chunks(prio):  # written starts: priorities in [eps, max_priority]; all: in [0, max_priority]
             lo = piece[:max(0, written - at)]
-            if not bool(torch.isfinite(piece).all()) or (lo.numel() and not (
-                    float(lo.min()) >= _f32(self.eps) and float(lo.max()) <= top)):
+            if not bool(torch.isfinite(piece).all()) or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
+                    or (lo.numel() and float(lo.min()) < _f32(self.eps)):
                 raise ValueError(f"state_dict['priority']: expected priorities of written starts in "
-                                 f"[{_f32(self.eps):g}, max_priority {top:g}], finite everywhere")
+                                 f"[{_f32(self.eps):g}, max_priority {top:g}] and of the others in [0, max_priority]")
             at += piece.numel()
         return beta, top
 

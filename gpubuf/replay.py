@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from gpubuf import checkpoint, ops
-from gpubuf.inputs import as_tensor, check_cast, positive_int
+from gpubuf.inputs import as_tensor, check_cast, check_storable, positive_int
+from gpubuf.interrupts import signals_held
 from gpubuf.prefix_tree import PrefixSumTree
-from gpubuf.staging import Staging
+from gpubuf.staging import Staging, check_disjoint, memory_ranges
 from gpubuf.state import check_range, check_state, copy_into, host_tensor
 
 _ARRAYS = (torch.Tensor, np.ndarray)
@@ -131,6 +132,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         samples = {p: as_tensor(v, _leaf_name(p)) for p, v in _flatten(data_sample, "data_sample").items()}
         if not samples:
             raise ValueError("data_sample: expected at least one non-None field")
+        for p, t in samples.items():
+            check_storable(t.dtype, f"data_sample.{_leaf_name(p)}")
         lead = 2 if self.vectorized_env else 1
         for p, t in samples.items():
             if t.dim() < lead:
@@ -186,7 +189,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._priority = storage.pop("__priority__", None)
         self._data = {p: storage[_leaf_name(p)] for p in samples}
         self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
-        self._owned = frozenset(t.untyped_storage().data_ptr() for t in self._data.values())
+        self._owned = memory_ranges(self._data.values())  # inputs reading these bytes are copied first
         # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
         # slice assignment
         self._host = {p: t.numpy() for p, t in self._data.items()
@@ -278,28 +281,29 @@ class TransitionBuffer(checkpoint.Checkpointable):
         staged = {}
         for p, t in values.items():
             v = leaves[p]
-            if p in self._host and type(v) is np.ndarray and t.dtype == self._dtypes[p]:
+            if (p in self._host and type(v) is np.ndarray and t.dtype == self._dtypes[p]
+                    and not np.may_share_memory(v, self._host[p])):
                 staged[p] = v  # CPU storage, same dtype: one numpy slice assignment, which cannot fail
             else:
                 staged[p] = self._staging.stage(t, self._names[p], self._dtypes[p], self._owned)
-        # ---- phase 2: commit
-        pos = self._pos
-        first = min(T, M - pos)  # rows before the ring wraps
-        for p, src in staged.items():
-            dst = self._host[p] if isinstance(src, np.ndarray) else self._data[p]
-            if first == T:
-                dst[pos:pos + T] = src
-            else:
-                dst[pos:] = src[:first]
-                dst[:T - first] = src[first:]
-        if trunc is not None:
-            self._trunc[pos:pos + first] = trunc[:first]
-            if first < T:
-                self._trunc[:T - first] = trunc[first:]
-        self._on_rows_written(pos, first, T)
-        self._pos = (pos + T) % M
-        self._count = min(self._count + T, M)
-        self._refresh_validity(pos, T)
+        with signals_held():  # ---- phase 2: commit
+            pos = self._pos
+            first = min(T, M - pos)  # rows before the ring wraps
+            for p, src in staged.items():
+                dst = self._host[p] if isinstance(src, np.ndarray) else self._data[p]
+                if first == T:
+                    dst[pos:pos + T] = src
+                else:
+                    dst[pos:] = src[:first]
+                    dst[:T - first] = src[first:]
+            if trunc is not None:
+                self._trunc[pos:pos + first] = trunc[:first]
+                if first < T:
+                    self._trunc[:T - first] = trunc[first:]
+            self._on_rows_written(pos, first, T)
+            self._pos = (pos + T) % M
+            self._count = min(self._count + T, M)
+            self._refresh_validity(pos, T)
         return self
 
     def _truncation(self, leaves: dict, T: int) -> np.ndarray | None:
@@ -402,20 +406,27 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if with_replacement:
             idx = tree.sample(self._uniform(g, B))
             return idx, tree.leaves(idx)
+        # Drawn starts are zeroed between rounds, so later rounds draw among the rest; they are restored
+        # whatever happens: an exception restores them, and asynchronous signals (Ctrl-C, alarms) are held
+        # until the tree is whole again, so their handlers never run half-way.
         chosen, masses = [], []
         need = B
-        while need > 0:
-            draws = tree.sample(self._uniform(g, max(2 * need, 16)))
-            uniq, inv = torch.unique(draws, return_inverse=True)
-            first = torch.full_like(uniq, draws.numel()).scatter_reduce_(
-                0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
-            new = uniq[torch.argsort(first)][:need]  # distinct draws in order of first appearance
-            chosen.append(new)
-            masses.append(tree.leaves(new))
-            tree.update(new, torch.zeros(new.shape, dtype=torch.float64, device=self.device))
-            need -= new.numel()
-        idx, mass = torch.cat(chosen), torch.cat(masses)
-        tree.update(idx, mass)  # restore: leaves as before, parents recomputed from them
+        with signals_held():
+            try:
+                while need > 0:
+                    draws = tree.sample(self._uniform(g, max(2 * need, 16)))
+                    uniq, inv = torch.unique(draws, return_inverse=True)
+                    first = torch.full_like(uniq, draws.numel()).scatter_reduce_(
+                        0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
+                    new = uniq[torch.argsort(first)][:need]  # distinct draws in order of first appearance
+                    masses.append(tree.leaves(new))
+                    chosen.append(new)
+                    tree.update(new, torch.zeros(new.shape, dtype=torch.float64, device=self.device))
+                    need -= new.numel()
+            finally:
+                if chosen:
+                    idx, mass = torch.cat(chosen), torch.cat(masses)
+                    tree.update(idx, mass)  # restore: leaves as before, parents recomputed from them
         return idx, mass
 
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
@@ -459,6 +470,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 raise ValueError(f"out.{_leaf_name(d)}: expected a contiguous {dtype} tensor of shape {shape} on "
                                  f"{self.device}, got {got}")
             result[d] = (t, s, shift, shape)
+        check_disjoint({f"out.{_leaf_name(d)}": t for d, (t, *_) in result.items()}, self._owned)
         return result
 
     def _gather(self, starts: torch.Tensor, jobs: dict, out: Transition | None = None) -> Transition:
@@ -502,6 +514,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
         The whole state is validated first (buffer type, configuration, keys, shapes, dtypes, write position
         and count in range, RNG state): a mismatch raises naming the key and leaves the buffer as it was.
+        The copy runs with Ctrl-C and timer signals held; should reading the data itself fail after
+        validation (an I/O error on a checkpoint file), the buffer is emptied rather than left half-loaded.
         """
         check_state(state, self.state_dict(), self._CONFIG + ("shapes",))
         M = self.max_rows
@@ -520,17 +534,18 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
             raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         extra = self._check_extra_state(state)
-        try:
-            for p, t in self._data.items():
-                copy_into(t, state["data"][_leaf_name(p)])
-            self._load_extra_state(state, extra)
-        except BaseException:
-            self._pos, self._count = 0, 0  # the data is half-read: forget every row
+        with signals_held():
+            try:
+                for p, t in self._data.items():
+                    copy_into(t, state["data"][_leaf_name(p)])
+                self._load_extra_state(state, extra)
+            except BaseException:
+                self._pos, self._count = 0, 0  # the data is half-read (a read error): forget every row
+                self._forget_validity()
+                raise
+            self._pos, self._count, self._trunc = pos, count, trunc
+            self._gen.set_state(rng)
             self._forget_validity()
-            raise
-        self._pos, self._count, self._trunc = pos, count, trunc
-        self._gen.set_state(rng)
-        self._forget_validity()
 
     def _forget_validity(self) -> None:
         """Drop validity and trees: each is rebuilt from the rows on its next use."""

@@ -9,6 +9,32 @@ overwrite their arrays as soon as the call returns and nothing waits on the devi
 import torch
 
 
+def memory_ranges(tensors) -> tuple[tuple[int, int], ...]:
+    """``(first byte, end byte)`` of each contiguous tensor: what :func:`overlaps` tests against."""
+    return tuple((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+
+
+def overlaps(t: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> bool:
+    """Whether contiguous ``t``'s bytes overlap any of ``ranges`` (from :func:`memory_ranges`), whatever
+    object owns the memory (a torch view, ``torch.from_numpy`` of a numpy view, a DLPack import...)."""
+    a = t.data_ptr()
+    b = a + t.numel() * t.element_size()
+    return any(a < end and start < b for start, end in ranges)
+
+
+def check_disjoint(outputs: dict, owned: tuple) -> None:
+    """Raise ``ValueError`` naming the output if a contiguous output tensor overlaps a buffer's storage
+    (byte ranges ``owned``) or another output: writing it would corrupt what is being read."""
+    seen: list[tuple[str, tuple[int, int]]] = []
+    for name, t in outputs.items():
+        if overlaps(t, owned):
+            raise ValueError(f"{name}: shares memory with the buffer's storage; pass separate output tensors")
+        for other, r in seen:
+            if t.numel() and overlaps(t, (r,)):
+                raise ValueError(f"{name}: shares memory with {other}; pass separate output tensors")
+        seen.append((name, memory_ranges([t])[0]))
+
+
 class Staging:
     """Moves host tensors onto ``device`` through reusable pinned and device buffers, one copy per key.
 
@@ -49,13 +75,13 @@ class Staging:
         event.record()
         return out
 
-    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype, owned: frozenset = frozenset()) -> torch.Tensor:
+    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype, owned: tuple = ()) -> torch.Tensor:
         """``t`` as a contiguous, 16-byte-aligned ``dtype`` tensor on the device, ready to be copied into storage.
 
         This is the first phase of every write: any conversion that can fail (device, dtype, layout, a
         lazy conjugate or negative view) fails here, before the first write, and the error names ``key``.
-        The result never requires grad and never shares memory with the storages whose
-        ``untyped_storage().data_ptr()`` is in ``owned`` (a buffer's own tensors are copied first).
+        The result never requires grad and never overlaps the byte ``owned`` ranges (:func:`memory_ranges` of a
+        buffer's storage: an input that reads the buffer's own memory is copied first).
         """
         try:
             out = self.to_device(t.detach() if t.requires_grad else t, key)
@@ -64,7 +90,7 @@ class Staging:
             if out.is_conj() or out.is_neg():
                 out = out.resolve_conj().resolve_neg()
             out = out.contiguous()
-            if out.storage_offset() * out.element_size() % 16 or (owned and out.untyped_storage().data_ptr() in owned):
+            if out.storage_offset() * out.element_size() % 16 or (owned and overlaps(out, owned)):
                 out = out.clone()
             return out
         except (RuntimeError, NotImplementedError, TypeError) as err:

@@ -168,3 +168,81 @@ def test_block_keys_reject_dtypes_they_cannot_clean(device):
         with pytest.raises(TypeError, match=rf"info_dict\['action'\]: a block key holds .* got {dtype}"):
             buf.append({"action": torch.zeros(2, 1, 2).to(dtype), "obs": torch.zeros(2, 1)})
         assert buf.keys == () and buf.get(1) is None  # nothing was fixed by the failed first append
+
+
+def test_numpy_views_of_the_storage_are_read_before_the_write(backend):
+    """An input reaching the buffer's memory through numpy (not a torch view) is copied first too."""
+    rb = TransitionBuffer(8, 2, make_transition(0, 1, 2), device="cpu", seed=0)  # 4 rows of 2 envs
+    rb.insert(make_transition(0, 3, 2))
+    own = rb.state_dict()["data"]["observation"].numpy()
+    for wrap in (lambda a: a, torch.from_numpy):
+        tr = make_transition(10, 3, 2)
+        tr.observation = wrap(own[1:4])  # rows 1..3, written at rows 3, 0, 1 (wrapping): read before written
+        want = own[1:4].copy()
+        pos = rb.state_dict()["pos"]
+        rb.insert(tr)
+        stored = rb.state_dict()["data"]["observation"].numpy()
+        np.testing.assert_array_equal(stored[[(pos + i) % 4 for i in range(3)]], want)
+
+
+def test_out_tensors_may_not_alias_the_storage_or_each_other(backend, device):
+    buf = HistoryBuffer(2, 4, device=device)
+    for t in range(3):
+        buf.append({"x": torch.full((2, 1), float(t)), "y": torch.full((2, 1), float(t))})
+    before = snapshot(buf)
+    storage = buf.state_dict()["data"]["x"]
+    with pytest.raises(ValueError, match=r"out\['x'\]: shares memory with the buffer's storage"):
+        buf.get(2, out={"x": storage[:4].view(2, 2), "y": torch.empty(2, 2, device=device)})
+    shared = torch.empty(2, 2, device=device)
+    with pytest.raises(ValueError, match=r"out\['y'\]: shares memory with out\['x'\]"):
+        buf.get(2, out={"x": shared, "y": shared})
+    assert_unchanged(buf, before)
+    rb = TransitionBuffer(30, 4, make_transition(0, 1, 3), device=device, seed=0)
+    rb.insert(make_transition(0, 5, 3))
+    out = rb.sample()
+    out.reward = rb.state_dict()["data"]["reward"].view(-1)[:4]
+    with pytest.raises(ValueError, match=r"out.reward: shares memory with the buffer's storage"):
+        rb.sample(out=out)
+
+
+def test_an_interrupt_inside_sampling_without_replacement_leaves_the_tree_whole():
+    """Ctrl-C (or a timer) arriving between the rounds of a draw without replacement is delivered after the
+    drawn starts are restored: a full draw afterwards still returns every valid start once."""
+    import signal
+
+    class Interrupt(Exception):
+        pass
+
+    def handler(*_):
+        raise Interrupt
+
+    buf = PrioritizedTransitionBuffer(64 * 4, 8, make_transition(0, 1, 4), seed=0, device="cpu")
+    buf.insert(make_transition(0, 32, 4))
+    n = buf.num_valid()
+    old = signal.signal(signal.SIGALRM, handler)
+    hits = 0
+    try:
+        for i in range(300):
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 1e-5 * (1 + i % 50))
+                for _ in range(20):
+                    buf.sample(batch_size=n - 1)
+            except Interrupt:
+                hits += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert hits > 0, "no interrupt landed: nothing was tested"
+    _, idx = buf.sample(batch_size=n)
+    assert sorted(idx.tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.uint4])
+def test_dtypes_that_cannot_keep_values_are_not_storage(dtype):
+    with pytest.raises(TypeError, match=rf"x: buffers store bool, .* got {dtype}"):
+        HistoryBuffer(2, 3, device="cpu").append({"x": torch.zeros(2, 1, dtype=torch.uint8).view(dtype)})
+    sample = make_transition(0, 1, 3)
+    sample.reward = torch.zeros(1, 3, dtype=torch.uint8).view(dtype)
+    with pytest.raises(TypeError, match=rf"data_sample.reward: buffers store bool, .* got {dtype}"):
+        TransitionBuffer(30, 4, sample, device="cpu")

@@ -139,3 +139,9 @@ def test_float8_and_half_types_widen_without_a_value_check():
     assert lossless(torch.bfloat16, torch.float32) and lossless(torch.complex32, torch.complex64)
     assert not lossless(torch.float16, torch.bfloat16) and not lossless(torch.bfloat16, torch.float16)
     assert lossless(torch.int16, torch.complex64) and not lossless(torch.int64, torch.complex64)
+
+
+def test_inf_into_float8_e4m3fn_which_has_no_infinity_is_rejected():
+    check_cast(torch.tensor([1.0, -448.0, float("nan")]), torch.float8_e4m3fn, "x")  # NaN it has
+    with pytest.raises(TypeError, match=r"x: .* \(torch.float8_e4m3fn has no infinity \(it would store 448\)\)"):
+        check_cast(torch.tensor([1.0, float("inf")]), torch.float8_e4m3fn, "x")

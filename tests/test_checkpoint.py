@@ -163,6 +163,9 @@ BROKEN = {
                                   float("nan"))), ValueError, r"state_dict\['priority'\]: expected priorities"),
     "prioritized: zero priority of a written start": ("prioritized", lambda s: _with(s, "priority", torch.zeros_like(
         s["priority"])), ValueError, r"state_dict\['priority'\]"),
+    "prioritized: negative priority of an unwritten start": ("prioritized", lambda s: _with(s, "priority", s[
+        "priority"].clone().index_fill_(0, torch.tensor([29]), -1.0)), ValueError,
+        r"state_dict\['priority'\]: .* of the others in \[0, max_priority\]"),
     "prioritized: other alpha": ("prioritized", lambda s: _with(s, "alpha", 0.7), ValueError,
                                  "state_dict: alpha is 0.7, this buffer has 0.6"),
     "prioritized: max_priority below 1": ("prioritized", lambda s: _with(s, "max_priority", 0.5), ValueError,
@@ -239,7 +242,7 @@ def test_an_edited_header_is_rejected_before_any_write(tmp_path):
     header = raw[at:at + length]
     target = replay(True, n_rows=12)
     before = snapshot(target)
-    edited = header.replace(b'"beta": 0.4', b'"beta": 0.9')
+    edited = header.replace(b'["beta", 0.4]', b'["beta", 0.9]')
     assert edited != header and len(edited) == len(header)
     (tmp_path / "bad").write_bytes(raw[:at] + edited + raw[at + length:])
     with pytest.raises(CheckpointError, match="the header fails its CRC-32"):
@@ -256,12 +259,24 @@ def test_a_header_pointing_past_its_tensor_table_is_a_checkpoint_error(tmp_path)
     raw = (tmp_path / "ckpt").read_bytes()
     at, length = _header(raw)
     header = json.loads(raw[at:at + length])
-    header["state"]["counts"] = {"__tensor__": 99}
+    pairs = header["state"]["__dict__"]
+    pairs[[k for k, _ in pairs].index("counts")][1] = {"__tensor__": 99}
     new = json.dumps(header).encode()
     footer = struct.pack("<QQI4x16s", at, len(new), zlib.crc32(new), raw[-16:])
     (tmp_path / "bad").write_bytes(raw[:at] + new + footer)
     with pytest.raises(CheckpointError, match="refers to a tensor it does not list"):
         HistoryBuffer(3, 5, 2, ("action",)).load(tmp_path / "bad")
+
+
+def test_any_key_name_round_trips_through_a_checkpoint(tmp_path):
+    buf = HistoryBuffer(2, 3, device="cpu")
+    keys = ["__tensor__", "__dict__", "a b", "é"]
+    buf.append({k: np.full((2, 1), i, np.int32) for i, k in enumerate(keys)})
+    buf.save(tmp_path / "ckpt")
+    other = HistoryBuffer(2, 3, device="cpu")
+    other.load(tmp_path / "ckpt")
+    assert other.keys == tuple(keys)
+    assert all(torch.equal(other.get(1)[k], buf.get(1)[k]) for k in keys)
 
 
 def test_a_checkpoint_gets_the_mode_open_would_give_it(tmp_path):
