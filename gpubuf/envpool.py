@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gpubuf import ops
-from gpubuf.inputs import as_index_array, as_tensor, positive_int
+from gpubuf.inputs import as_flags, as_index_array, as_tensor, check_cast, check_flags, positive_int
 from gpubuf.staging import Staging
 
 
@@ -64,12 +64,12 @@ class StepStager:
     def __call__(self, obs, action, reward, terminated, truncated, env_ids=None, first=None) -> Step:
         """Stage ``R`` rows: ``obs (R, *obs)``, ``action (R,)`` or ``(R, A)``, ``reward``/``terminated``/
         ``truncated`` ``(R,)``; ``env_ids (R,)`` host ints (all envs if ``None``); ``first (R,)`` host bools
-        marking reset frames, whose action echo becomes NaN. Every check runs before any write."""
+        marking reset frames, whose action echo becomes NaN. ``action`` and ``reward`` are stored as float32
+        and must fit it (:func:`gpubuf.inputs.check_cast`); ``terminated``/``truncated``/``first`` are bool
+        or 0/1 integers. Every check runs before any write."""
         ids = self._all_ids if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         R = len(ids)
-        first = np.zeros(R, dtype=bool) if first is None else np.asarray(first, dtype=bool)
-        if first.shape != (R,):
-            raise ValueError(f"first: expected shape ({R},), got {first.shape}")
+        first = np.zeros(R, dtype=bool) if first is None else as_flags(first, "first", (R,))
         raw = {self.obs_key: obs, "action": action, "reward": reward, "terminated": terminated,
                "truncated": truncated}
         values = {}
@@ -81,6 +81,10 @@ class StepStager:
                 t = t[:, None]
             elif key in ("reward", "terminated", "truncated") and t.dim() != 1:
                 raise ValueError(f"{key}: expected shape ({R},), got {tuple(t.shape)}")
+            if key in ("terminated", "truncated"):
+                check_flags(t, key)
+            elif key in self._dtypes:
+                check_cast(t, self._dtypes[key], key)
             values[key] = t.reshape(R, 1, *t.shape[1:])
         if not self._shapes:
             self._shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
@@ -148,6 +152,7 @@ class EnvPoolSource:
         self.action_dtype, self.action_shape = _space_layout(env.action_space)
         self.n_actions = getattr(env.action_space, "n", None)  # Discrete spaces: actions lie in [0, n)
         self._sent = np.zeros((self.n_envs, *self.action_shape), dtype=self.action_dtype)  # last sent, per env
+        self._in_flight = np.zeros(self.n_envs, dtype=bool)  # sent (or reset), not yet received
         self._prev_obs = None  # (n_envs, *obs) device copy of each env's last observation (transitions only)
         self._has_prev = None  # (n_envs,) host: whether _prev_obs holds a real observation
 
@@ -160,6 +165,7 @@ class EnvPoolSource:
             self._has_prev[:] = False
         if self.is_async:
             self.env.async_reset()
+            self._in_flight[:] = True
             return self.recv()
         obs, info = self.env.reset()
         n = len(info["env_id"])
@@ -169,16 +175,26 @@ class EnvPoolSource:
     def send(self, actions, env_ids=None) -> None:
         """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R, *shape)``.
 
-        ``env_ids`` must be distinct. A discrete env takes integers in ``[0, n)``; floats are accepted only
-        when integral (``2.0``), so a continuous planner's output must be mapped explicitly (e.g.
-        ``(plan > 0).long()``): ``ValueError`` otherwise, before anything is sent."""
+        ``env_ids`` must be distinct envs that are not in flight (sent or reset and not yet received); with a
+        vectorized ``transitions`` buffer every env steps together, so ``env_ids`` must cover all envs. A
+        discrete env takes integers in ``[0, n)``; floats are accepted only when integral (``2.0``), so a
+        continuous planner's output must be mapped explicitly (e.g. ``(plan > 0).long()``). A continuous env
+        takes finite values that fit its action dtype. ``actions`` is ``(R, *shape)`` (singleton axes may be
+        added or dropped). Anything else is a ``ValueError``/``TypeError`` before anything is sent."""
         ids = np.arange(self.n_envs) if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         if len(np.unique(ids)) != len(ids):
             dup = np.unique(ids[np.bincount(ids, minlength=self.n_envs)[ids] > 1])
             raise ValueError(f"env_ids: each env takes one action per send, got duplicates {dup[:5].tolist()}")
+        if self._in_flight[ids].any():
+            raise ValueError(f"env_ids: envs {ids[self._in_flight[ids]][:5].tolist()} are in flight (sent or reset, "
+                             "not yet received): recv() them before sending again")
+        if self.transitions is not None and self.transitions.vectorized_env and len(ids) != self.n_envs:
+            raise ValueError(f"env_ids: a vectorized transitions buffer stores one time row of all {self.n_envs} "
+                             f"envs per step; send an action to every env, got {len(ids)}")
         acts = self._host_actions(actions, len(ids))
-        self._sent[ids] = acts
         self.env.send(acts, ids.astype(np.int32))
+        self._sent[ids] = acts
+        self._in_flight[ids] = True
 
     def recv(self) -> Step:
         """Receive the next batch (``batch_size`` rows), stage it and feed the attached buffers."""
@@ -192,12 +208,22 @@ class EnvPoolSource:
 
     def _host_actions(self, actions, R: int) -> np.ndarray:
         if isinstance(actions, torch.Tensor):
-            actions = actions.detach().cpu().numpy()  # envpool steps on the host: one read per step
+            actions = actions.detach().cpu()  # envpool steps on the host: one read per step
+            if actions.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+                actions = actions.float()  # dtypes numpy lacks, widened exactly
+            actions = as_tensor(actions, "actions").resolve_conj().resolve_neg().numpy()
         arr = np.asarray(actions)
         want = (R, *self.action_shape)
-        if arr.size != int(np.prod(want)) or arr.dtype.kind not in "biuf":
-            raise ValueError(f"actions: expected {int(np.prod(want))} numbers shaped {want}, "
-                             f"got {arr.dtype} array of shape {arr.shape}")
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"actions: expected numbers shaped {want}, got a {arr.dtype} array")
+        if arr.ndim == 0 or arr.shape[0] != R or [d for d in arr.shape[1:] if d != 1] != [
+                d for d in self.action_shape if d != 1]:
+            raise ValueError(f"actions: expected shape {want}, got {arr.shape}")
+        if self.action_dtype.kind == "f":  # a continuous env: finite values its dtype holds
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise ValueError(f"actions: expected finite actions, got {arr[~np.isfinite(arr)][:5].tolist()}")
+            check_cast(torch.from_numpy(np.ascontiguousarray(arr)), torch.from_numpy(
+                np.zeros(0, self.action_dtype)).dtype, "actions")
         if self.action_dtype.kind in "iu":  # a discrete env: integral actions only, never truncated silently
             if arr.dtype.kind == "f" and not np.array_equal(arr, np.trunc(arr)):
                 bad = arr[~(arr == np.trunc(arr))][:5].tolist()
@@ -210,6 +236,7 @@ class EnvPoolSource:
 
     def _receive(self, obs, reward, terminated, truncated, info) -> Step:
         ids = np.asarray(info["env_id"], dtype=np.int64)
+        self._in_flight[ids] = False
         first = np.asarray(info["elapsed_step"]) == 0
         sent = self._sent[ids]
         step = self.stager(obs, sent.reshape(len(ids), -1).astype(np.float32), reward, terminated, truncated,

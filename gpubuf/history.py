@@ -233,6 +233,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise TypeError(f"n: expected an int, got {n!r}")
         ids = self._ids(env_ids)
+        if n >= 2**31:
+            raise ValueError(f"n: expected fewer than 2**31 frames per row, got {n}")
         if n <= 0 or not self._data or (self._counts[ids] == 0).any():
             return None
         n, ab = int(n), self.action_block

@@ -20,13 +20,17 @@ def as_tensor(value, name: str) -> torch.Tensor:
     ``TypeError`` naming ``name`` for strings, lists, other non-numeric objects, sparse and meta tensors.
     """
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.device.type == "meta":
-            raise TypeError(f"{name}: expected a dense tensor with data, got a {value.layout} tensor on "
-                            f"{value.device}")
+        if value.layout != torch.strided or value.device.type == "meta" or value.is_nested:
+            kind = "nested" if value.is_nested else value.layout
+            raise TypeError(f"{name}: expected a dense tensor with data, got a {kind} tensor on {value.device}")
         return value
+    if isinstance(value, np.ma.MaskedArray):
+        raise TypeError(f"{name}: a masked array has no values where it is masked; pass .filled(...) or .data")
     if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biufc":
-            raise TypeError(f"{name}: expected a numeric array, got a numpy array of dtype {value.dtype}")
+        if value.dtype.kind not in "biufc" or value.dtype.itemsize > 16 or value.dtype in (np.longdouble,
+                                                                                           np.clongdouble):
+            raise TypeError(f"{name}: expected a numeric array of a dtype torch has, got a numpy array of dtype "
+                            f"{value.dtype}")
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
         return torch.from_numpy(value if value.flags.c_contiguous else np.ascontiguousarray(value))
@@ -60,6 +64,33 @@ def _python_scalar(value, name: str) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64)
 
 
+def as_flags(value, name: str, shape: tuple) -> np.ndarray:
+    """Host bool flags of exactly ``shape`` from bools or integers 0/1; anything else (floats such as 0.5,
+    other integers, strings) is a ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.shape != shape:
+        raise ValueError(f"{name}: expected flags of shape {shape}, got shape {arr.shape}")
+    if arr.dtype == np.bool_:
+        return arr
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected bool flags (or integers 0/1), got {arr.dtype}")
+    if arr.size and not ((arr == 0) | (arr == 1)).all():
+        raise ValueError(f"{name}: expected flags 0 or 1, got {np.unique(arr[(arr != 0) & (arr != 1)])[:5].tolist()}")
+    return arr.astype(bool)
+
+
+def check_flags(t: torch.Tensor, name: str) -> None:
+    """Raise unless tensor ``t`` holds flags: bool, or host integers that are all 0 or 1 (a device integer
+    tensor is not read back: pass bool)."""
+    if t.dtype == torch.bool:
+        return
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.device.type != "cpu":
+        raise TypeError(f"{name}: expected bool flags (or host integers 0/1), got {t.dtype} on {t.device}")
+    as_flags(t, name, tuple(t.shape))
+
+
 def positive_int(name: str, value) -> int:
     """``value`` as an int >= 1, else ``ValueError`` naming ``name`` (bools and floats are rejected)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -85,6 +116,8 @@ def as_index_array(ids, name: str, size: int) -> np.ndarray:
     Raises ``TypeError`` for non-integer ids and ``IndexError`` for out-of-range ones.
     """
     if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{name}: expected a 1-D sequence of ints, got a {ids.dtype} tensor")
         ids = ids.detach().cpu().numpy()  # reads the device: pass host ids on the hot path
     arr = np.asarray(ids)
     if arr.size == 0 and arr.ndim == 1:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gpubuf.history import HistoryBuffer
-from gpubuf.inputs import as_index_array, as_tensor, finite_float, positive_int
+from gpubuf.inputs import as_flags, as_index_array, as_tensor, finite_float, positive_int
 from gpubuf.staging import Staging
 
 
@@ -89,17 +89,15 @@ class Planner:
         ``info`` is one step in the stacked layout (``(R, 1, ...)`` values, ``action`` echo included),
         ``env_ids`` ``(R,)`` distinct host ints (all envs if ``None``), ``first`` ``(R,)`` host bools marking
         reset frames: those envs' histories and queues are flushed before the step is appended. Planned
-        actions are queued as ``float32`` (a ``float64`` plan is rounded to it). If anything
-        fails (bad input, the solver raising or returning a wrong shape), the planner is left exactly as it
-        was before the call, so the same step can be retried.
+        actions are queued as ``float32`` (a ``float64`` plan is rounded to it) and must be finite there.
+        If anything fails (bad input, the solver raising or returning a wrong shape or non-finite actions),
+        the planner is left exactly as it was before the call, so the same step can be retried.
         """
         ids = self._ids(env_ids)
         if env_ids is not None and len(np.unique(ids)) != len(ids):
             raise ValueError(f"env_ids: expected distinct envs (one action each), got {ids.tolist()}")
         if first is not None:
-            first = np.asarray(first, dtype=bool)
-            if first.shape != ids.shape:
-                raise ValueError(f"first: expected shape {ids.shape}, got {first.shape}")
+            first = as_flags(first, "first", ids.shape)
         mirror, left = self.history._mirror(), self._left.copy()
         try:
             if first is not None and first.any():
@@ -128,10 +126,13 @@ class Planner:
         want = (len(ids), cfg.horizon, cfg.action_block * self.action_dim)
         if tuple(plan.shape) != want or not plan.dtype.is_floating_point:
             raise ValueError(f"solver: expected float actions of shape {want}, got {plan.dtype} {tuple(plan.shape)}")
-        plan = plan.to(self.device)
-        rows = self._staging.to_device(torch.from_numpy(ids), "__replan__")
         steps = plan[:, : cfg.receding_horizon].reshape(len(ids), self.queue_len, self.action_dim)
-        self._queue.index_copy_(0, rows, steps.to(self._queue.dtype))
+        steps = steps.to(self.device, self._queue.dtype)
+        if not bool(torch.isfinite(steps).all()):  # one read-back per re-plan: the env needs the actions anyway
+            raise ValueError(f"solver: planned actions must be finite in {self._queue.dtype}, got "
+                             f"{steps[~torch.isfinite(steps)][:5].tolist()} (NaN, or beyond its range)")
+        rows = self._staging.to_device(torch.from_numpy(ids), "__replan__")
+        self._queue.index_copy_(0, rows, steps)
         self._left[ids] = self.queue_len
 
     def _ids(self, env_ids) -> np.ndarray:

@@ -391,6 +391,9 @@ class TransitionBuffer(checkpoint.Checkpointable):
         B = self.sample_batch_size if batch_size is None else batch_size
         if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
             raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
+        if B * (self.n_steps + 1) >= 2**31:
+            raise ValueError(f"batch_size: expected fewer than 2**31 window rows per sample, got {B} windows of "
+                             f"{self.n_steps} rows")
         kind = self._kind(with_next_obs)
         n = self._n_valid[kind]
         if n == 0:
@@ -479,7 +482,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
         for d, (dst, s, shift, shape) in jobs.items():
             src = self._flat[s]
             if dst is None:
-                dst = torch.empty(shape, dtype=src.dtype, device=self.device)
+                try:
+                    dst = torch.empty(shape, dtype=src.dtype, device=self.device)
+                except (RuntimeError, torch.OutOfMemoryError) as err:
+                    raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} for "
+                                      f"{_leaf_name(d)}, which cannot be allocated on {self.device} "
+                                      f"({str(err).splitlines()[0]})") from None
             work.append((src, dst.view(B, n, src.shape[1]), shift))
             result[d] = dst
         ops.sequence_gather(self.backend, work, starts, n, self.n_envs, self.max_rows)

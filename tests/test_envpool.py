@@ -160,7 +160,7 @@ def test_stager_rejects_out_of_range_env_ids():
 
 
 def test_stager_rejects_bad_first_mask():
-    with pytest.raises(ValueError, match=r"first: expected shape \(2,\), got \(3,\)"):
+    with pytest.raises(ValueError, match=r"first: expected flags of shape \(2,\), got shape \(3,\)"):
         stage(StepStager(2), first=[True, False, True])
 
 
@@ -202,8 +202,11 @@ def test_source_rejects_a_vectorized_transition_buffer_in_async_mode():
 def test_source_rejects_actions_of_the_wrong_size():
     src = EnvPoolSource(make())
     src.reset()
-    with pytest.raises(ValueError, match=r"actions: expected 4 numbers shaped \(4,\), got int64 array of shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"actions: expected shape \(4,\), got \(3,\)"):
         src.step(np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"actions: expected shape \(4,\), got \(2, 2\)"):
+        src.step(np.zeros((2, 2), dtype=np.int64))  # the same count of numbers is not enough
+    src.step(np.zeros((4, 1), dtype=np.int64))  # a singleton axis may be added
 
 
 @pytest.mark.parametrize("batch_size", [4, 2], ids=["sync", "async"])
@@ -253,3 +256,63 @@ def test_send_rejects_duplicate_env_ids_before_sending():
     with pytest.raises(TypeError, match="env_ids: expected a 1-D sequence of ints"):
         src.send(np.zeros((0,)), env_ids=np.zeros((0, 2), np.int64))
     src.step(np.array([1, 0, 1, 1]))  # the env is still in step with its sends
+
+
+@pytest.mark.parametrize("kw, exc, message", [
+    ({"reward": np.array([1e300, 0.0])}, TypeError, r"reward: cannot store torch.float64 .* exceeds the largest"),
+    ({"terminated": np.array([0.5, 0.0])}, TypeError, "terminated: expected bool flags"),
+    ({"truncated": np.array([7, -3])}, ValueError, r"truncated: expected flags 0 or 1, got \[-3, 7\]"),
+    ({"first": np.array([0.2, 0.0])}, TypeError, "first: expected bool flags"),
+    ({"action": np.array([2**24 + 1, 0])}, TypeError, r"action: cannot store torch.int64 .*torch.float32"),
+])
+def test_stager_keeps_values_as_the_buffers_do(kw, exc, message):
+    args = {"obs": np.zeros((2, 3), np.float32), "action": np.zeros(2), "reward": np.zeros(2),
+            "terminated": np.zeros(2, bool), "truncated": np.zeros(2, bool), "first": None, **kw}
+    with pytest.raises(exc, match=message):
+        StepStager(2)(args["obs"], args["action"], args["reward"], args["terminated"], args["truncated"],
+                      None, args["first"])
+    StepStager(2)(args["obs"], np.zeros(2), np.zeros(2), np.array([0, 1]), np.zeros(2, np.uint8), None,
+                  np.array([1, 0]))  # 0/1 integers are flags
+
+
+def test_async_send_to_envs_in_flight_is_rejected():
+    src = EnvPoolSource(make(num_envs=4, batch_size=2))
+    step = src.reset()  # every env was reset: the two not received yet are still in flight
+    rest = np.setdiff1d(np.arange(4), step.env_ids)
+    with pytest.raises(ValueError, match=rf"env_ids: envs \{rest.tolist()}\ are in flight"):
+        src.send(np.zeros(2, np.int64), rest)
+    src.send(np.ones(2, np.int64), step.env_ids)
+    with pytest.raises(ValueError, match="are in flight"):
+        src.send(np.zeros(2, np.int64), step.env_ids)  # sent, not received: a second action would be lost
+    got = src.recv()
+    assert set(got.env_ids.tolist()) <= set(range(4))
+
+
+def test_vectorized_transitions_need_every_env_before_anything_steps(device):
+    from gpubuf import TransitionBuffer
+    hist = HistoryBuffer(2, 4, device=device)
+    src = EnvPoolSource(make(num_envs=2), history=hist, device=device)
+    src.transitions = TransitionBuffer(20, 2, src.transition_sample(), device=device)
+    src.reset()
+    src.step(np.zeros(2, np.int64))
+    counts, rows = hist.num_strided(), len(src.transitions)
+    with pytest.raises(ValueError, match="env_ids: a vectorized transitions buffer stores one time row of all 2"):
+        src.step(np.zeros(1, np.int64), env_ids=[0])
+    assert hist.num_strided() == counts and len(src.transitions) == rows
+    src.step(np.zeros(2, np.int64))  # nothing was sent: the env is still in step
+
+
+@pytest.mark.parametrize("actions, exc, message", [
+    (np.array([[np.nan], [0.0]], np.float32), ValueError, r"actions: expected finite actions, got \[nan\]"),
+    (np.array([[1e300], [0.0]]), TypeError, r"actions: cannot store torch.float64 .*torch.float32"),
+    (np.zeros((1, 2), np.float32), ValueError, r"actions: expected shape \(2, 1\), got \(1, 2\)"),
+])
+def test_continuous_env_rejects_bad_actions_before_sending(actions, exc, message):
+    src, twin = EnvPoolSource(make("Pendulum-v1", num_envs=2), device="cpu"), make("Pendulum-v1", num_envs=2)
+    src.reset()
+    twin.reset()
+    with pytest.raises(exc, match=message):
+        src.step(actions)
+    step = src.step(np.array([0.5, -0.5], np.float32))  # (R,) for a (1,)-shaped action: a singleton axis dropped
+    obs, *_ = twin.step(np.array([[0.5], [-0.5]], np.float32))
+    np.testing.assert_array_equal(step.info["observation"][:, 0].numpy(), obs)

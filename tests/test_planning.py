@@ -160,8 +160,31 @@ def test_planner_rejects_duplicate_env_ids():
 
 def test_planner_rejects_a_first_mask_of_the_wrong_shape():
     planner = Planner(PlanConfig(1, 1), RecordingSolver(1, 1), n_envs=2, action_dim=1)
-    with pytest.raises(ValueError, match=r"first: expected shape \(2,\), got \(3,\)"):
+    with pytest.raises(ValueError, match=r"first: expected flags of shape \(2,\), got shape \(3,\)"):
         planner.act(info(2, 0), first=[True, False, True])
+    with pytest.raises(TypeError, match="first: expected bool flags"):
+        planner.act(info(2, 0), first=[0.2, 0.0])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e300])
+def test_a_non_finite_plan_is_rejected_and_undone(value, device):
+    """NaN, inf, or a float64 plan beyond float32's range never reaches the action queue."""
+    cfg = PlanConfig(2, 1, history_len=2)
+    bad = {"on": False}
+
+    def solver(history, ids):
+        plan = RecordingSolver(2, 1)(history, ids).double()
+        return plan.fill_(value) if bad["on"] else plan
+
+    planner = Planner(cfg, solver, n_envs=2, action_dim=1, device=device)
+    planner.act(info(2, 0))
+    before = planner.history.get(2)
+    bad["on"] = True
+    with pytest.raises(ValueError, match=r"solver: planned actions must be finite in torch.float32"):
+        planner.act(info(2, 1))
+    assert all(torch.equal(planner.history.get(2)[k], v) for k, v in before.items())
+    bad["on"] = False
+    assert planner.act(info(2, 1)).isfinite().all()
 
 
 @pytest.mark.parametrize("kw, message", [
