@@ -92,6 +92,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         L = self._counts[ids]
         return np.where(L > 0, (L - 1) // self.action_block + 1, 0).tolist()
 
+    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def reset(self, env_ids=None) -> None:
         """Forget the listed envs' entries (all envs if ``None``; ``[]`` does nothing).
 
@@ -119,6 +120,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # ------------------------------------------------------------------ append
 
+    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def append(self, info_dict: Mapping, env_ids=None) -> None:
         """Append one entry per selected env: values ``(R, T, ...)`` or ``(R,)``, ``R = len(env_ids)``.
 
@@ -223,6 +225,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # ------------------------------------------------------------------ get
 
+    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def get(self, n: int, env_ids=None, out: dict | None = None) -> dict[str, torch.Tensor] | None:
         """The last ``n`` strided entries per selected env, oldest first; ``None`` if one is empty.
 

@@ -84,6 +84,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         mass = self._priority[starts].to(torch.float64).pow_(self.alpha)
         return mass if all_valid else mass.mul_(valid)  # invalid starts: zero mass
 
+    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
                with_next_obs: bool = False, *, out: Transition | None = None) -> tuple[Transition, torch.Tensor]:
         """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch carries
@@ -97,6 +98,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         batch.PER_weights = (mass / mass.min()).pow_(-self.beta).to(torch.float32)
         return batch, idx
 
+    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def update_priorities(self, indices, td_errors):
         """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
 

@@ -246,6 +246,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     # ------------------------------------------------------------------ insert
 
+    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def insert(self, transition: Transition):
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
 
@@ -432,6 +433,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
                     tree.update(idx, mass)  # restore: leaves as before, parents recomputed from them
         return idx, mass
 
+    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
                with_next_obs: bool = False, *, out: Transition | None = None) -> Transition:
         """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts.
