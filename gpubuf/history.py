@@ -68,6 +68,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         self._all_ids = np.arange(self.n_envs, dtype=np.int64)
         self._shapes: dict[str, tuple] = {}  # per-entry shape of each key, fixed by the first append
         self._data: dict[str, torch.Tensor] = {}  # key -> (max_len * n_envs, E)
+        self._shape_cache: tuple = (None, {})  # ((rows, n), output shapes) of the last get
         self._owned = ()  # byte ranges of the storage: inputs reading them are copied before a write
         self._staging = Staging(self.device)
 
@@ -200,6 +201,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     def _set_storage(self, data: dict, shapes: dict) -> None:
         self._data, self._shapes = data, shapes
+        self._shape_cache = (None, {})
         self._owned = memory_ranges(data.values())
 
     def _plan_append(self, ids: np.ndarray):
@@ -244,12 +246,14 @@ class HistoryBuffer(checkpoint.Checkpointable):
         L = self._counts[ids]
         k = np.minimum(n, (L - 1) // ab + 1)
         newest = (self._heads[ids] - 1) % self.max_len
-        shapes = self._output_shapes(len(ids), n)
+        shapes = self._output_shapes(len(ids), n)  # cached per (rows, n)
         if out is None:
             out = self._new_outputs(shapes, n)
         else:
             self._check_out(out, shapes)
-        meta = self._upload(np.stack([ids, newest, k]), "__meta__")
+        meta_np = np.empty((3, len(ids)), dtype=np.int64)
+        meta_np[0], meta_np[1], meta_np[2] = ids, newest, k
+        meta = self._upload(meta_np, "__meta__")
         frames = []
         for key in shapes:
             storage, dst = self._data[key], out[key]
@@ -261,6 +265,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         return {key: out[key] for key in shapes}
 
     def _output_shapes(self, rows: int, n: int) -> dict[str, tuple]:
+        if self._shape_cache[0] == (rows, n):
+            return self._shape_cache[1]
         shapes = {}
         for key, entry in self._shapes.items():
             if key in self.block_keys:
@@ -270,6 +276,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
                 shapes[key] = (rows, n)
             else:
                 shapes[key] = (rows, n * entry[0], *entry[1:])
+        self._shape_cache = ((rows, n), shapes)
         return shapes
 
     def _new_outputs(self, shapes: dict, n: int) -> dict[str, torch.Tensor]:

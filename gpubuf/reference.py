@@ -79,15 +79,20 @@ def history_pack_blocks(storage, meta, n, ab, max_len, out) -> None:
     if rows == 0 or n < 2:
         return
     env, newest, k = meta[0].view(-1, 1), meta[1].view(-1, 1), meta[2].view(-1, 1)
-    back = (_countdown(n - 1, meta.device).view(-1, 1) * ab + _countdown(ab, meta.device)).view(1, -1)
-    slot = (newest - back) % max_len  # (rows, (n-1)*ab): entries of block i end at frame i+1
+    slot = (newest - _block_back(n, ab, meta.device)) % max_len  # (rows, (n-1)*ab): block i ends at frame i+1
     src_rows = (slot * (storage.shape[0] // max_len) + env).reshape(-1)
     flat = out.view(rows * (n - 1) * ab, D)
     torch.index_select(storage, 0, src_rows, out=flat)
     if out.dtype.is_floating_point:
         torch.nan_to_num(out, nan=0.0, out=out)
-    zero = _countdown(n - 1, meta.device).view(1, -1) >= k - 1  # (rows, n-1): the first n-k blocks
-    out.masked_fill_(zero.unsqueeze(-1), 0)
+    zero = _countdown(n - 1, meta.device).view(1, -1, 1) >= k.view(-1, 1, 1) - 1  # the first n-k blocks
+    out.masked_fill_(zero, 0)
+
+
+@lru_cache(maxsize=64)
+def _block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
+    """(1, (n-1)*ab) int64: env steps before the newest entry of each entry of the n-1 action blocks."""
+    return (_countdown(n - 1, device).view(-1, 1) * ab + _countdown(ab, device)).view(1, -1)
 
 
 # ---- replay (kernels/sequence.py, kernels/prefix_tree.py)
