@@ -19,7 +19,7 @@ from gpubuf import checkpoint, ops
 from gpubuf.inputs import STORABLE, as_index_array, as_tensor, check_cast, check_storable, positive_int
 from gpubuf.interrupts import signals_held
 from gpubuf.staging import Staging, check_disjoint, memory_ranges
-from gpubuf.state import check_state, check_tensor, copy_into, host_tensor
+from gpubuf.state import check_state, check_tensor, copy_into, host_tensor, unaliased
 
 BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
                 torch.int32, torch.int64, torch.bool)  # what action blocks may hold (NaN/inf are cleaned per dtype)
@@ -347,6 +347,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
                                    self.device)
         else:
             storage = self._data
+        data = unaliased({k: data[k] for k in storage}, self._owned)
         with signals_held():
             try:
                 for key, t in storage.items():

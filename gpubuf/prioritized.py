@@ -13,7 +13,7 @@ import torch
 from gpubuf.inputs import as_tensor, finite_float
 from gpubuf.interrupts import signals_held
 from gpubuf.replay import Transition, TransitionBuffer
-from gpubuf.state import check_tensor, chunks, copy_into
+from gpubuf.state import check_tensor, chunks, copy_into, unaliased
 
 _F32 = torch.finfo(torch.float32)
 _LOG_MAX = math.log(torch.finfo(torch.float64).max)
@@ -194,7 +194,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return beta, top
 
     def _load_extra_state(self, state, extra: tuple[float, float]) -> None:
-        copy_into(self._priority, state["priority"])
+        copy_into(self._priority, unaliased({"priority": state["priority"]}, self._owned)["priority"])
         self.beta, self._max_p = extra
 
 

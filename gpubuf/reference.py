@@ -16,6 +16,8 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     for pure copies, moving int64 words instead of bytes is what makes a gather run at memcpy speed.
     """
     row_bytes = tensors[0].shape[1] * tensors[0].element_size()
+    if row_bytes == 0:  # zero-width rows: nothing to move, any view will do
+        return tuple(_canonical(t).view(torch.uint8) for t in tensors)
     for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1)):
         if row_bytes % size == 0 and all(t.storage_offset() * t.element_size() % size == 0 for t in tensors):
             return tuple((t if t.stride(-1) == 1 else _canonical(t)).view(torch.uint8).view(word) for t in tensors)

@@ -26,8 +26,8 @@ from gpubuf import checkpoint, ops
 from gpubuf.inputs import as_tensor, check_cast, check_storable, positive_int
 from gpubuf.interrupts import signals_held
 from gpubuf.prefix_tree import PrefixSumTree
-from gpubuf.staging import Staging, check_disjoint, memory_ranges
-from gpubuf.state import check_range, check_state, copy_into, host_tensor
+from gpubuf.staging import Staging, check_disjoint, memory_ranges, overlaps
+from gpubuf.state import check_range, check_state, copy_into, host_tensor, unaliased
 
 _ARRAYS = (torch.Tensor, np.ndarray)
 FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
@@ -189,7 +189,10 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._priority = storage.pop("__priority__", None)
         self._data = {p: storage[_leaf_name(p)] for p in samples}
         self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
-        self._owned = memory_ranges(self._data.values())  # inputs reading these bytes are copied first
+        own = [*self._data.values(), *self._valid_dev.values(), *(t.tree for t in self._trees.values())]
+        if self._priority is not None:
+            own.append(self._priority)
+        self._owned = memory_ranges(own)  # every device tensor held: inputs reading them are copied first
         # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
         # slice assignment
         self._host = {p: t.numpy() for p, t in self._data.items()
@@ -282,9 +285,9 @@ class TransitionBuffer(checkpoint.Checkpointable):
         staged = {}
         for p, t in values.items():
             v = leaves[p]
-            if (p in self._host and type(v) is np.ndarray and t.dtype == self._dtypes[p]
-                    and not np.may_share_memory(v, self._host[p])):
-                staged[p] = v  # CPU storage, same dtype: one numpy slice assignment, which cannot fail
+            fast = p in self._host and type(v) is np.ndarray and t.dtype == self._dtypes[p]
+            if fast and not overlaps(t, self._owned):
+                staged[p] = t.numpy()  # CPU storage, same dtype: one numpy slice assignment, which cannot fail
             else:
                 staged[p] = self._staging.stage(t, self._names[p], self._dtypes[p], self._owned)
         with signals_held():  # ---- phase 2: commit
@@ -544,10 +547,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
             raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         extra = self._check_extra_state(state)
+        sources = unaliased({_leaf_name(p): state["data"][_leaf_name(p)] for p in self._data}, self._owned)
         with signals_held():
             try:
                 for p, t in self._data.items():
-                    copy_into(t, state["data"][_leaf_name(p)])
+                    copy_into(t, sources[_leaf_name(p)])
                 self._load_extra_state(state, extra)
             except BaseException:
                 self._pos, self._count = 0, 0  # the data is half-read (a read error): forget every row

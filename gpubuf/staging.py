@@ -9,17 +9,26 @@ overwrite their arrays as soon as the call returns and nothing waits on the devi
 import torch
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``(first byte, end byte)`` of the memory a (possibly strided) tensor can reach."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    lo = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s > 0)
+    size = t.element_size()
+    return t.data_ptr() + lo * size, t.data_ptr() + (hi + 1) * size
+
+
 def memory_ranges(tensors) -> tuple[tuple[int, int], ...]:
-    """``(first byte, end byte)`` of each contiguous tensor: what :func:`overlaps` tests against."""
-    return tuple((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    """``(first byte, end byte)`` of each tensor: what :func:`overlaps` tests against."""
+    return tuple(_span(t) for t in tensors)
 
 
 def overlaps(t: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> bool:
-    """Whether contiguous ``t``'s bytes overlap any of ``ranges`` (from :func:`memory_ranges`), whatever
-    object owns the memory (a torch view, ``torch.from_numpy`` of a numpy view, a DLPack import...)."""
-    a = t.data_ptr()
-    b = a + t.numel() * t.element_size()
-    return any(a < end and start < b for start, end in ranges)
+    """Whether the memory ``t`` can reach overlaps any of ``ranges`` (from :func:`memory_ranges`), whatever
+    object owns it (a torch view, ``torch.from_numpy`` of a numpy view, a DLPack import...)."""
+    a, b = _span(t)
+    return a < b and any(a < end and start < b for start, end in ranges)
 
 
 def check_disjoint(outputs: dict, owned: tuple) -> None:
@@ -30,9 +39,9 @@ def check_disjoint(outputs: dict, owned: tuple) -> None:
         if overlaps(t, owned):
             raise ValueError(f"{name}: shares memory with the buffer's storage; pass separate output tensors")
         for other, r in seen:
-            if t.numel() and overlaps(t, (r,)):
+            if overlaps(t, (r,)):
                 raise ValueError(f"{name}: shares memory with {other}; pass separate output tensors")
-        seen.append((name, memory_ranges([t])[0]))
+        seen.append((name, _span(t)))
 
 
 class Staging:

@@ -25,6 +25,21 @@ def copy_into(dst: torch.Tensor, src) -> None:
         src.read_into(dst)
 
 
+def unaliased(sources: dict, owned: tuple) -> dict:
+    """``sources`` with every in-memory tensor that overlaps a buffer's storage (byte ranges ``owned``,
+    e.g. another key's storage from ``state_dict()``) replaced by a copy, so that copying the sources in
+    turn cannot read bytes already overwritten. Tensors that are not views of the storage stay as they are
+    (no extra memory for a state from a file or another buffer)."""
+    from gpubuf.staging import overlaps
+
+    out = {}
+    for key, src in sources.items():
+        if isinstance(src, torch.Tensor) and overlaps(src, owned):
+            src = src.detach().clone()
+        out[key] = src
+    return out
+
+
 def host_tensor(x) -> torch.Tensor:
     """A CPU copy of a (small) tensor or file-backed tensor: for counters and other bookkeeping."""
     if isinstance(x, torch.Tensor):

@@ -249,3 +249,76 @@ def test_dtypes_that_cannot_keep_values_are_not_storage(dtype):
     sample.reward = torch.zeros(1, 3, dtype=torch.uint8).view(dtype)
     with pytest.raises(TypeError, match=rf"data_sample.reward: buffers store bool, .* got {dtype}"):
         TransitionBuffer(30, 4, sample, device="cpu")
+
+
+def test_an_input_viewing_another_leafs_storage_is_read_before_the_write(backend):
+    rb = TransitionBuffer(8, 2, make_transition(0, 1, 2), device="cpu", seed=0)
+    rb.insert(make_transition(0, 2, 2))
+    obs = rb.state_dict()["data"]["observation"].numpy()  # (4, 2, 2): rows 0..1 hold steps 0..1
+    tr = make_transition(0, 2, 2)  # rewritten at rows 2..3, observation first
+    tr.observation = np.full((2, 2, 2), 7.0, np.float32)
+    tr.reward = obs[2:4, :, 0]  # reads the observation rows written in the same call
+    want = obs[2:4, :, 0].copy()
+    rb.insert(tr)
+    np.testing.assert_array_equal(rb.state_dict()["data"]["reward"][2:4].numpy(), want)
+
+
+def test_loading_a_state_whose_tensors_are_other_keys_storage_swaps_them(backend, device):
+    buf = HistoryBuffer(2, 2, device=device)
+    buf.append({"a": torch.ones(2, 1), "b": torch.full((2, 1), 2.0)})
+    state = buf.state_dict()
+    state["data"] = {"a": state["data"]["b"], "b": state["data"]["a"]}
+    buf.load_state_dict(state)
+    assert buf.get(1)["a"].flatten().tolist() == [2.0, 2.0] and buf.get(1)["b"].flatten().tolist() == [1.0, 1.0]
+    rb = TransitionBuffer(8, 2, make_transition(0, 1, 2), device=device, seed=0)
+    rb.insert(make_transition(0, 4, 2))
+    state = rb.state_dict()
+    state["data"] = {**state["data"], "action": state["data"]["reward"], "reward": state["data"]["action"]}
+    want_action, want_reward = state["data"]["action"].clone(), state["data"]["reward"].clone()
+    rb.load_state_dict(state)
+    assert torch.equal(rb.state_dict()["data"]["action"], want_action)
+    assert torch.equal(rb.state_dict()["data"]["reward"], want_reward)
+
+
+def test_sample_out_may_not_alias_the_priorities(device):
+    per = PrioritizedTransitionBuffer(32, 4, make_transition(0, 1, 2), device=device, seed=0)
+    per.insert(make_transition(0, 6, 2))
+    out, _ = per.sample()
+    out.reward = per.state_dict()["priority"][:4]
+    before = snapshot(per)
+    with pytest.raises(ValueError, match="out.reward: shares memory with the buffer's storage"):
+        per.sample(out=out)
+    assert_unchanged(per, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8, torch.int64])
+def test_zero_width_leaves_sample_as_empty_columns(dtype, backend, device):
+    sample = make_transition(0, 1, 2)
+    sample.info = {"none": torch.zeros(1, 2, 0, dtype=dtype)}
+    rb = TransitionBuffer(16, 2, sample, device=device, seed=0)
+    tr = make_transition(0, 4, 2)
+    tr.info = {"none": torch.zeros(4, 2, 0, dtype=dtype)}
+    rb.insert(tr)
+    assert rb.sample().info["none"].shape == (2, 0)
+
+
+def test_every_held_signal_handler_runs_once_even_when_one_raises():
+    """Ctrl-C and a user signal both arriving during a write: after it, KeyboardInterrupt is raised and the
+    other handler has run too (as Python would have done without the hold)."""
+    import os
+    import signal
+
+    from gpubuf.interrupts import signals_held
+
+    ran = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: ran.append(s))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signal.SIGINT)
+                assert ran == []  # held while inside
+        assert ran == [signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGUSR1, old)
