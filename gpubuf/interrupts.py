@@ -38,13 +38,15 @@ def signals_held():
         if signum not in pending:
             pending.append(signum)
 
-    for s in saved:
-        _raw.signal(s, record)
+    swapped = []
     try:
+        for s in saved:  # a signal arriving half-way through this loop still finds its handler restored below
+            swapped.append(s)  # listed first: restoring a handler that was not swapped yet is harmless
+            _raw.signal(s, record)
         yield
     finally:
-        for s, h in saved.items():
-            _raw.signal(s, h)
+        for s in swapped:
+            _raw.signal(s, saved[s])
         first = None
         for signum in pending:  # delivered again: Python runs the original handler at once
             try:
