@@ -24,6 +24,9 @@ timeout 90 python3 benchmarks/bench_history.py --device cuda --n-envs 1024 4096 
 timeout 120 python3 benchmarks/bench_replay.py --device cuda --peers "" --log2-sizes 20,24 --batch 4096 --repeats 20 \
     --out "$OUT/replay_cuda.json" > "$OUT/replay_cuda.md" 2>&1 || status=1
 
+timeout 60 python3 benchmarks/bench_overhead.py --device cuda --repeats 400 > "$OUT/overhead_cuda.md" 2>&1 || status=1
+cp benchmarks/results/overhead_cuda.json "$OUT/" 2>/dev/null || true
+
 # 3. the demo on the GPU (envpool is not installed there: reported, not fatal)
 if python3 -c "import envpool" 2>/dev/null; then
     timeout 60 python3 -m gpubuf.cli demo --env Pong-v5 --num-envs 64 --steps 300 --out "$OUT/demo_cuda.json" \
@@ -34,5 +37,6 @@ fi
 
 echo "== HistoryBuffer on CUDA =="; cat "$OUT/history_cuda.md"
 echo "== Replay on CUDA =="; tail -n 20 "$OUT/replay_cuda.md"
+echo "== host overhead on CUDA =="; tail -n 12 "$OUT/overhead_cuda.md"
 echo "== demo =="; cat "$OUT/demo_cuda.md"
 exit $status
