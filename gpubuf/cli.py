@@ -107,9 +107,15 @@ def check_args(parser, args) -> torch.device:
 
 
 def progress(done: int, total: int, env_steps: int, elapsed: float) -> None:
+    """A progress bar redrawn in place on a terminal; in a log (stderr not a terminal), one plain line at
+    the end only."""
+    rate = env_steps / max(elapsed, 1e-9)
+    if not sys.stderr.isatty():
+        if done == total:
+            sys.stderr.write(f"{done}/{total} steps  {rate:,.0f} env steps/s\n")
+        return
     width = 30
     filled = width * done // total
-    rate = env_steps / max(elapsed, 1e-9)
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  {rate:,.0f} env steps/s")
     if done == total:
         sys.stderr.write("\n")
