@@ -20,7 +20,8 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(_canonical(t).view(torch.uint8) for t in tensors)
     for word, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1)):
         if row_bytes % size == 0 and all(t.storage_offset() * t.element_size() % size == 0 for t in tensors):
-            return tuple((t if t.stride(-1) == 1 else _canonical(t)).view(torch.uint8).view(word) for t in tensors)
+            return tuple(t if t.dtype == word and t.stride(-1) == 1 else
+                         (t if t.stride(-1) == 1 else _canonical(t)).view(torch.uint8).view(word) for t in tensors)
     raise AssertionError("unreachable: every row divides into bytes")
 
 
@@ -148,11 +149,13 @@ def _positive_child(j: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``j`` (first child whose prefix sum exceeds the mass), replaced by the last child of positive mass in
     ``c`` (``(F,)`` or ``(B, F)``) wherever it is out of range or of zero mass."""
     F = c.shape[-1]
+    j = j.clamp_max(F - 1)
+    picked = c.gather(-1, j) if c.dim() == 2 else c.index_select(0, j)
+    if c.device.type == "cpu" and not bool((picked <= 0).any()):
+        return j  # the common case, checked for free on the host
     last = torch.where(c > 0, _ascending(F, c.device), -1).amax(-1, keepdim=True).clamp_min_(0)
     if c.dim() == 1:
         last = last.expand_as(j)
-    j = j.clamp_max(F - 1)
-    picked = c.gather(-1, j) if c.dim() == 2 else c.index_select(0, j)
     return torch.where(picked > 0, j, last)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpubuf import checkpoint, ops
+from gpubuf import checkpoint, ops, reference
 from gpubuf.inputs import as_tensor, check_cast, check_storable, positive_int
 from gpubuf.interrupts import signals_held
 from gpubuf.prefix_tree import PrefixSumTree
@@ -189,6 +189,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._priority = storage.pop("__priority__", None)
         self._data = {p: storage[_leaf_name(p)] for p in samples}
         self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
+        # the same rows as int words (reference.as_words): windows are gathered and allocated as words
+        self._words = {p: reference.as_words(t)[0] for p, t in self._flat.items()}
         own = [*self._data.values(), *self._valid_dev.values(), *(t.tree for t in self._trees.values())]
         if self._priority is not None:
             own.append(self._priority)
@@ -485,15 +487,24 @@ class TransitionBuffer(checkpoint.Checkpointable):
         B, n = starts.shape[0], self.n_steps
         result, work = {}, []
         for d, (dst, s, shift, shape) in jobs.items():
-            src = self._flat[s]
+            src = self._words[s]
+            if dst is None and src.shape[1] == 0:  # zero-width leaf: nothing to gather
+                dst = torch.empty(shape, dtype=self._dtypes[s], device=self.device)
+                result[d] = dst
+                continue
             if dst is None:
                 try:
-                    dst = torch.empty(shape, dtype=src.dtype, device=self.device)
+                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=self.device)
                 except (RuntimeError, torch.OutOfMemoryError) as err:
                     raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} for "
                                       f"{_leaf_name(d)}, which cannot be allocated on {self.device} "
                                       f"({str(err).splitlines()[0]})") from None
-            work.append((src, dst.view(B, n, src.shape[1]), shift))
+                dst = words.view(torch.uint8).view(self._dtypes[s]).view(shape)
+            else:  # a caller's tensor may sit at any offset: both sides get a word type they share
+                flat = self._flat[s]
+                src, words = reference.as_words(flat, dst.view(B * n, flat.shape[1]))
+                words = words.view(B, n, src.shape[1])
+            work.append((src, words, shift))
             result[d] = dst
         ops.sequence_gather(self.backend, work, starts, n, self.n_envs, self.max_rows)
         if out is None:
