@@ -13,6 +13,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """``(first byte, end byte)`` of the memory a (possibly strided) tensor can reach."""
     if t.numel() == 0:
         return t.data_ptr(), t.data_ptr()
+    if t.is_contiguous():
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     lo = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s < 0)
     hi = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s > 0)
     size = t.element_size()
@@ -99,7 +101,9 @@ class Staging:
             if out.is_conj() or out.is_neg():
                 out = out.resolve_conj().resolve_neg()
             out = out.contiguous()
-            if out.storage_offset() * out.element_size() % 16 or (owned and overlaps(out, owned)):
+            # a converted input is fresh memory; one passed through as it is may be the buffer's own
+            same = out.data_ptr() == t.data_ptr()
+            if out.storage_offset() * out.element_size() % 16 or (owned and same and overlaps(out, owned)):
                 out = out.clone()
             return out
         except (RuntimeError, NotImplementedError, TypeError) as err:
