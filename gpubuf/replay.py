@@ -316,8 +316,15 @@ class TransitionBuffer(checkpoint.Checkpointable):
         """(T, E) host bool: whether any ``truncated`` leaf of each row is nonzero (None without one)."""
         if not self._trunc_paths:
             return None
-        flags = [(leaves[p].detach().reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy() for p in self._trunc_paths]
-        return np.logical_or.reduce(flags)
+        flags = []
+        for p in self._trunc_paths:
+            t = leaves[p].detach()
+            if t.device.type == "cpu" and t.dtype in (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32):
+                a = t.numpy().reshape(T, self.n_envs, -1)  # host flags: numpy, a few microseconds
+                flags.append(a.any(2) if a.dtype == np.bool_ else (a != 0).any(2))
+            else:
+                flags.append((t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy())
+        return flags[0] if len(flags) == 1 else np.logical_or.reduce(flags)
 
     def _on_rows_written(self, pos: int, first: int, T: int) -> None:
         """Hook for new rows ``pos .. pos+first-1`` and ``0 .. T-first-1`` (the prioritized buffer gives their
