@@ -203,6 +203,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._pos = 0
         self._count = 0
         self._trunc = np.zeros((M, E), dtype=bool)
+        self._n_trunc = 0  # truncated rows stored: while 0, every kind's valid starts are one ring range of rows
         self._valid = {k: np.zeros((M, E), dtype=bool) for k in self._kinds}
         self._n_valid = dict.fromkeys(self._kinds, 0)
         self._active: set[int] = set()  # trees kept up to date; each is built on first use (one linear pass)
@@ -303,6 +304,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
                     dst[pos:] = src[:first]
                     dst[:T - first] = src[first:]
             if trunc is not None:
+                self._n_trunc += int(np.count_nonzero(trunc)) - int(np.count_nonzero(self._trunc[pos:pos + first])) \
+                    - int(np.count_nonzero(self._trunc[:T - first]))
                 self._trunc[pos:pos + first] = trunc[:first]
                 if first < T:
                     self._trunc[:T - first] = trunc[first:]
@@ -461,8 +464,22 @@ class TransitionBuffer(checkpoint.Checkpointable):
         """
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
         dst = self._check_out(out, B, with_next_obs)
-        idx, _ = self._draw(self._trees[kind], B, self._generator(key), with_replacement)
+        g = self._generator(key)
+        if with_replacement and (kind == 0 or self._n_trunc == 0):
+            idx = self._ring_starts(kind, self._uniform(g, B))  # no tree descent needed
+        else:
+            idx, _ = self._draw(self._trees[kind], B, g, with_replacement)
         return self._gather(idx, dst, out)
+
+    def _ring_starts(self, kind: int, u: torch.Tensor) -> torch.Tensor:
+        """(B,) flat starts drawn uniformly by ``u`` (B,) in [0, 1) when the valid starts of ``kind`` are exactly
+        every env's start in one ring range of rows (kind 0 always; kind 1 while no truncation is stored): the
+        ``L = count - window + 1`` rows from the oldest one."""
+        M, E = self.max_rows, self.n_envs
+        n = (self._count - self._window(kind) + 1) * E  # == num_valid(kind)
+        k = u.mul(n).long().clamp_max_(n - 1)  # uniform over the n valid (row, env) pairs
+        base = self._pos if self._count == M else 0  # row of the oldest time index
+        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(k.remainder(E))
 
     def _jobs(self, B: int, with_next_obs: bool):
         """(output path, source path, shift, output shape) of every returned leaf."""
@@ -576,6 +593,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 self._forget_validity()
                 raise
             self._pos, self._count, self._trunc = pos, count, trunc
+            self._n_trunc = int(np.count_nonzero(trunc))
             self._gen.set_state(rng)
             self._forget_validity()
 

@@ -151,6 +151,30 @@ def test_uniform_chi_square():
     assert stats.chisquare(counts[valid]).pvalue > 1e-4
 
 
+@pytest.mark.parametrize("trunc, with_next_obs, rows", [((), True, 13), ((), False, 5), ((10,), False, 13),
+                                                        ((10,), True, 13), ((), True, 30)])
+def test_uniform_chi_square_on_every_path(trunc, with_next_obs, rows, device):
+    """Exact uniform sampling whether it descends the tree (truncations stored and next observations inferred)
+    or draws from the ring range of rows directly (every other case), before and after the ring wraps. The
+    draw is backend-independent torch code (the window gather it feeds is tested per backend elsewhere)."""
+    E, M, n = 3, 9, 3
+    buf = build(E=E, M=M, n=n, device=device)
+    model = Model(M, E, n)
+    buf.insert(make_transition(0, min(rows, 7), E))
+    if rows > 7:
+        for g0 in range(7, rows, 6):
+            buf.insert(make_transition(g0, min(6, rows - g0), E, trunc_steps=trunc))
+    model.insert(rows, trunc)
+    valid = sorted(model.valid_starts(with_next_obs))
+    assert buf.num_valid(with_next_obs) == len(valid)
+    out = buf.sample(key=3, batch_size=20000, with_next_obs=with_next_obs)
+    v = out.observation[:, 0, 0].double().cpu()
+    flat = (((v // E) % M) * E + v % E).long()
+    counts = torch.bincount(flat, minlength=M * E).numpy()
+    assert counts[[i for i in range(M * E) if i not in valid]].sum() == 0
+    assert stats.chisquare(counts[valid]).pvalue > 1e-4
+
+
 def test_without_replacement_inclusion_uniform():
     E, M = 2, 8
     buf = build(E=E, M=M, n=1)
