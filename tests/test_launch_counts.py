@@ -46,17 +46,19 @@ def test_history_launches_one_kernel_per_word_type(launches, device):
     assert launches == {"gather_frames": 2, "pack_blocks": 1}  # frames per word type, one per block key
 
 
-@pytest.mark.parametrize("prioritized", [False, True])
-def test_replay_sample_launches_the_descent_and_one_gather_per_word_type(prioritized, launches, device):
+@pytest.mark.parametrize("prioritized, truncated", [(False, False), (False, True), (True, False)])
+def test_replay_sample_launches_the_descent_and_one_gather_per_word_type(prioritized, truncated, launches, device):
     cls = PrioritizedTransitionBuffer if prioritized else TransitionBuffer
     buf = cls(2**10 * 3, 8, make_transition(0, 1, 3), n_steps=2, device=device, seed=0)
-    buf.insert(make_transition(0, 40, 3))
+    buf.insert(make_transition(0, 40, 3, trunc_steps=(20,) if truncated else ()))
     buf.sample(with_replacement=True, with_next_obs=True)  # the tree is built on first use
     launches.clear()
     buf.sample(with_replacement=True, with_next_obs=True)
     # leaves: observation/action/reward float32 (8, 4, 4 bytes: int64, int32, int32 words), terminated and
-    # truncated bool (1 byte: uint8), info.step int64; next_observation joins the int64 group
-    assert launches == {"sample": 1, "gather": 3}
+    # truncated bool (1 byte: uint8), info.step int64; next_observation joins the int64 group. A uniform
+    # buffer descends its tree only when truncations make validity more than one ring range of rows.
+    descent = {"sample": 1} if prioritized or truncated else {}
+    assert launches == {**descent, "gather": 3}
 
 
 def test_priority_update_launches_one_kernel_per_tree_level(launches, device):
