@@ -1,6 +1,6 @@
 """Replay benchmarks: gpubuf TransitionBuffer / PrioritizedTransitionBuffer against their peers, same run.
 
-Cases (DESIGN.md, issue 3):
+Cases:
 - ``per``: obs float32[17], action float32[6], reward, terminated, truncated; a full buffer of N transitions,
   N in {2**17, 2**20, 2**22}; timed: insert 256, sample 256 (with importance weights), update 256 priorities.
   Peers: cpprb PrioritizedReplayBuffer, torchrl PrioritizedReplayBuffer (LazyTensorStorage), flashbax
