@@ -10,6 +10,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from gpubuf.staging import overlaps
+
 CHUNK_BYTES = 16 * 2**20  # bounded extra memory per copy or check (host staging of one chunk)
 
 
@@ -30,8 +32,6 @@ def unaliased(sources: dict, owned: tuple) -> dict:
     e.g. another key's storage from ``state_dict()``) replaced by a copy, so that copying the sources in
     turn cannot read bytes already overwritten. Tensors that are not views of the storage stay as they are
     (no extra memory for a state from a file or another buffer)."""
-    from gpubuf.staging import overlaps
-
     out = {}
     for key, src in sources.items():
         if isinstance(src, torch.Tensor) and overlaps(src, owned):
