@@ -234,6 +234,13 @@ class TransitionBuffer(checkpoint.Checkpointable):
         """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs``."""
         return self._n_valid[self._kind(with_next_obs)]
 
+    def sampling_mass(self, with_next_obs: bool = False) -> torch.Tensor:
+        """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample` with this
+        ``with_next_obs``: 0 for an invalid start, 1 for a valid one (uniform), ``priority**alpha``
+        (prioritized). A read-only diagnostic (one device copy); the sampler's own state is not exposed."""
+        kind = self._kind(with_next_obs)
+        return self._trees[kind].tree[:self.max_size].clone()
+
     def _kind(self, with_next_obs: bool) -> int:
         """The validity kind (and its tree, activated here on first use) that ``with_next_obs`` samples from."""
         kind = 0 if (not with_next_obs or self._has_next_obs) else 1

@@ -42,13 +42,13 @@ def test_replay_insert_failing_in_a_later_leaf_writes_nothing(kind, prioritized,
     buf = cls(30, 4, make_transition(0, 1, 3), n_steps=2, device=device, seed=0)
     buf.insert(make_transition(0, 10, 3)).insert(make_transition(10, 4, 3))  # full and wrapped
     buf.sample()  # the tree is built and kept up to date from here on
-    before, tree = snapshot(buf), buf._trees[0].tree.clone()
+    before, mass = snapshot(buf), buf.sampling_mass()
     bad = make_transition(14, 3, 3)
     bad.info = {"step": unreadable(kind, bad.info["step"])}  # the last leaf
     with pytest.raises(TypeError, match=r"info\['step'\]: expected a dense tensor"):
         buf.insert(bad)
     assert_unchanged(buf, before)
-    assert torch.equal(tree, buf._trees[0].tree)
+    assert torch.equal(mass, buf.sampling_mass())
 
 
 @pytest.mark.parametrize("indices, td, exc, match", [
@@ -63,11 +63,11 @@ def test_rejected_priority_update_writes_nothing(indices, td, exc, match, backen
     buf = PrioritizedTransitionBuffer(30, 4, make_transition(0, 1, 3), n_steps=2, device=device, seed=0, alpha=12.0)
     buf.insert(make_transition(0, 6, 3))
     buf.sample()
-    before, tree = snapshot(buf), buf._trees[0].tree.clone()
+    before, mass = snapshot(buf), buf.sampling_mass()
     with pytest.raises(exc, match=match):
         buf.update_priorities(indices, td)
     assert_unchanged(buf, before)
-    assert torch.equal(tree, buf._trees[0].tree)
+    assert torch.equal(mass, buf.sampling_mass())
 
 
 def test_priority_update_accepts_unsigned_and_empty_indices(backend, device):
@@ -79,7 +79,7 @@ def test_priority_update_accepts_unsigned_and_empty_indices(backend, device):
     assert_unchanged(buf, before)
     for dtype in (np.uint8, np.uint32, np.uint64, np.int16):
         buf.update_priorities(np.array([4, 2], dtype), [2.0, 3.0])
-    assert buf._priority[[2, 4]].tolist() == pytest.approx([3.0 + 1e-6, 2.0 + 1e-6])
+    assert buf.state_dict()["priority"][[2, 4]].tolist() == pytest.approx([3.0 + 1e-6, 2.0 + 1e-6])
 
 
 def test_reset_with_bad_ids_writes_nothing(device):

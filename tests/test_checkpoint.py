@@ -202,7 +202,7 @@ def test_an_empty_history_takes_the_state_keys():
     buf = history(dtype=np.int16)
     other = HistoryBuffer(3, 5, 2, ("action",))
     other.load_state_dict(buf.state_dict())
-    assert other.keys == ("pixels", "action") and other._data["pixels"].dtype == torch.int16
+    assert other.keys == ("pixels", "action") and other.state_dict()["data"]["pixels"].dtype == torch.int16
     assert_same_outputs(outputs(other), outputs(buf))
 
 

@@ -41,7 +41,7 @@ def test_sample_returns_indices_and_weights(backend, device):
     # new starts get the running max priority
     buf.insert(make_transition(6, 2, E))
     model.insert(2)
-    prio = buf._priority.cpu().numpy()
+    prio = buf.state_dict()["priority"].cpu().numpy()
     for i in range(6 * E, 8 * E):
         assert prio[i] == pytest.approx(model.prio[i])
 
@@ -50,8 +50,8 @@ def test_duplicates_resolve_to_largest(backend, device):
     buf = build(device=device)
     buf.insert(make_transition(0, 5, 3))
     buf.update_priorities(np.array([2, 2, 2, 5]), np.array([0.5, -4.0, 1.0, 0.1]))
-    assert buf._priority[2].item() == pytest.approx(4.0 + 1e-6)
-    assert buf._priority[5].item() == pytest.approx(0.1 + 1e-6)
+    assert buf.state_dict()["priority"][2].item() == pytest.approx(4.0 + 1e-6)
+    assert buf.state_dict()["priority"][5].item() == pytest.approx(0.1 + 1e-6)
     assert buf.max_priority == pytest.approx(4.0 + 1e-6)
     buf.update_priorities([2], [0.0])  # max_priority never decreases
     assert buf.max_priority == pytest.approx(4.0 + 1e-6)
@@ -64,16 +64,15 @@ def test_update_priorities_takes_strided_indices(backend, device):
     idx = torch.tensor([[2, 0], [5, 0], [7, 0]])[:, 0]  # a strided view
     buf.update_priorities(idx, torch.tensor([1.0, 2.0, 3.0]))
     want = [1.0 + 1e-6, 2.0 + 1e-6, 3.0 + 1e-6]
-    assert buf._trees[0].leaves(torch.tensor([2, 5, 7], device=buf.device)).tolist() == pytest.approx(want)
-    assert buf._trees[0].leaves(torch.tensor([0, 1], device=buf.device)).tolist() == [1.0, 1.0]
+    assert buf.sampling_mass()[[2, 5, 7]].tolist() == pytest.approx(want)
+    assert buf.sampling_mass()[[0, 1]].tolist() == [1.0, 1.0]
 
 
 def test_invalid_start_priority_keeps_zero_mass(backend, device):
     buf = build(device=device, n=3)
     buf.insert(make_transition(0, 4, 3))  # rows 2, 3 are no valid starts yet (windows of 3)
     buf.update_priorities([7, 10], [100.0, 100.0])
-    tree = buf._trees[0]
-    assert tree.leaves(torch.tensor([7, 10])).tolist() == [0.0, 0.0]
+    assert buf.sampling_mass()[[7, 10]].tolist() == [0.0, 0.0]
     _, flat = buf.sample(key=0, batch_size=50, with_replacement=True)
     assert set(flat.tolist()) <= set(range(6))
 
@@ -133,9 +132,9 @@ def test_per_without_replacement_is_plackett_luce():
     assert stats.chisquare(first, P * trials).pvalue > 1e-4
     assert stats.chisquare(second, p2 / p2.sum() * trials).pvalue > 1e-4
     # the tree is restored exactly after sampling without replacement
-    before = buf._trees[0].tree.clone()
+    before = buf.sampling_mass()
     buf.sample(key=0, batch_size=8)
-    assert torch.equal(before, buf._trees[0].tree)
+    assert torch.equal(before, buf.sampling_mass())
 
 
 # ---------------------------------------------------------------- bad input
@@ -159,10 +158,11 @@ def test_bad_constructor(kwargs, match):
 def test_bad_update_priorities_writes_nothing(indices, td, exc, match):
     buf = build()
     buf.insert(make_transition(0, 5, 3))
-    prio, tree, mx = buf._priority.clone(), buf._trees[0].tree.clone(), buf.max_priority
+    prio, mass, mx = buf.state_dict()["priority"].clone(), buf.sampling_mass(), buf.max_priority
     with pytest.raises(exc, match=match):
         buf.update_priorities(np.array(indices), np.array(td))
-    assert torch.equal(prio, buf._priority) and torch.equal(tree, buf._trees[0].tree) and mx == buf.max_priority
+    assert torch.equal(prio, buf.state_dict()["priority"]) and torch.equal(mass, buf.sampling_mass())
+    assert mx == buf.max_priority
 
 
 def test_bad_update_beta():

@@ -51,9 +51,9 @@ def test_random_sequences_match_model(E, M, n, ops, seed):
             if not replace:
                 assert len(set(idx.tolist())) == B
         # tree leaves = priority**alpha on valid starts, 0 elsewhere
-        for kind in buf._active:  # the next-obs tree is maintained once a with_next_obs call built it
-            valid = model.valid_starts(bool(kind))
+        for wno in (False, True):
+            valid = model.valid_starts(wno)
             want = torch.tensor([model.prio.get(i, 0.0) ** alpha if i in valid else 0.0 for i in range(M * E)],
                                 dtype=torch.float64)
-            torch.testing.assert_close(buf._trees[kind].tree[:M * E], want, rtol=1e-6, atol=0)
+            torch.testing.assert_close(buf.sampling_mass(wno).cpu(), want, rtol=1e-6, atol=0)
         assert buf.max_priority == pytest.approx(model.max_prio, rel=1e-6)
