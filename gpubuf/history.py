@@ -347,7 +347,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
                                    self.device)
         else:
             storage = self._data
-        data = unaliased({k: data[k] for k in storage}, self._owned)
+        data = unaliased({k: data[k] for k in storage}, storage, self._owned)
         with signals_held():
             try:
                 for key, t in storage.items():

@@ -27,8 +27,8 @@ def as_tensor(value, name: str) -> torch.Tensor:
     if isinstance(value, np.ma.MaskedArray):
         raise TypeError(f"{name}: a masked array has no values where it is masked; pass .filled(...) or .data")
     if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biufc" or value.dtype.itemsize > 16 or value.dtype in (np.longdouble,
-                                                                                           np.clongdouble):
+        wide = value.dtype.itemsize > {"f": 8, "c": 16}.get(value.dtype.kind, 8)  # long double: torch has none
+        if value.dtype.kind not in "biufc" or wide:
             raise TypeError(f"{name}: expected a numeric array of a dtype torch has, got a numpy array of dtype "
                             f"{value.dtype}")
         if not value.dtype.isnative:
@@ -144,7 +144,6 @@ def check_storable(dtype: torch.dtype, name: str) -> None:
     if dtype not in STORABLE:
         raise TypeError(f"{name}: buffers store bool, (u)int8 to 64, float16, bfloat16, float32, float64, "
                         f"float8_e4m3fn, float8_e5m2 and complex values, got {dtype}")
-
 
 
 def _int_range(dtype: torch.dtype) -> tuple[int, int]:

@@ -194,7 +194,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return beta, top
 
     def _load_extra_state(self, state, extra: tuple[float, float]) -> None:
-        copy_into(self._priority, unaliased({"priority": state["priority"]}, self._owned)["priority"])
+        copy_into(self._priority, unaliased({"priority": state["priority"]}, {"priority": self._priority},
+                                            self._owned)["priority"])
         self.beta, self._max_p = extra
 
 

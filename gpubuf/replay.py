@@ -51,8 +51,7 @@ class Transition:
     PER_weights: Any = None
 
 
-_NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
-                 torch.float8_e5m2fnuz)
+_NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2)  # storable, no numpy twin
 
 
 def _leaf_name(path: tuple) -> str:
@@ -329,7 +328,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         flags = []
         for p in self._trunc_paths:
             t = leaves[p].detach()
-            if t.device.type == "cpu" and t.dtype in (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32):
+            if t.device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY:
                 a = t.numpy().reshape(T, self.n_envs, -1)  # host flags: numpy, a few microseconds
                 flags.append(a.any(2) if a.dtype == np.bool_ else (a != 0).any(2))
             else:
@@ -589,7 +588,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
             raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         extra = self._check_extra_state(state)
-        sources = unaliased({_leaf_name(p): state["data"][_leaf_name(p)] for p in self._data}, self._owned)
+        sources = unaliased({_leaf_name(p): state["data"][_leaf_name(p)] for p in self._data},
+                            {_leaf_name(p): t for p, t in self._data.items()}, self._owned)
         with signals_held():
             try:
                 for p, t in self._data.items():

@@ -27,14 +27,18 @@ def copy_into(dst: torch.Tensor, src) -> None:
         src.read_into(dst)
 
 
-def unaliased(sources: dict, owned: tuple) -> dict:
+def unaliased(sources: dict, dests: dict, owned: tuple) -> dict:
     """``sources`` with every in-memory tensor that overlaps a buffer's storage (byte ranges ``owned``,
-    e.g. another key's storage from ``state_dict()``) replaced by a copy, so that copying the sources in
-    turn cannot read bytes already overwritten. Tensors that are not views of the storage stay as they are
-    (no extra memory for a state from a file or another buffer)."""
+    e.g. another key's storage from ``state_dict()``) replaced by a copy, so that copying the sources into
+    ``dests`` in turn cannot read bytes already overwritten. A source that is its own destination (a buffer
+    loading its own ``state_dict()``) and tensors that are not views of the storage stay as they are: no
+    extra memory for a state from a file, another buffer or the buffer itself."""
     out = {}
     for key, src in sources.items():
-        if isinstance(src, torch.Tensor) and overlaps(src, owned):
+        dst = dests[key]
+        same = (isinstance(src, torch.Tensor) and src.data_ptr() == dst.data_ptr() and src.shape == dst.shape
+                and src.stride() == dst.stride() and src.dtype == dst.dtype)
+        if isinstance(src, torch.Tensor) and not same and overlaps(src, owned):
             src = src.detach().clone()
         out[key] = src
     return out

@@ -353,10 +353,12 @@ def rss():
 buf = HistoryBuffer(64, 16, device="cpu")
 for t in range(16):
     buf.append({{"pixels": np.full((64, 1, 256, 1024), t, np.uint8)}})  # 256 MiB of storage, every page touched
-for op in ("save", "load"):
+ops = {{"save": lambda: buf.save({path!r}), "load": lambda: buf.load({path!r}),
+        "load_own_state": lambda: buf.load_state_dict(buf.state_dict())}}
+for op, run in ops.items():
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak
     now, _ = rss()
-    getattr(buf, op)({path!r})
+    run()
     print(op, rss()[1] - now)
 """
 
@@ -367,6 +369,6 @@ def test_save_and_load_stream_with_bounded_extra_memory(tmp_path):
     out = subprocess.run([sys.executable, "-c", PEAK.format(path=str(tmp_path / "ckpt"))], check=True,
                          capture_output=True, text=True).stdout
     extra = {op: int(v) for op, v in (line.split() for line in out.splitlines())}
-    assert set(extra) == {"save", "load"}
+    assert set(extra) == {"save", "load", "load_own_state"}
     for op, grew in extra.items():  # storage is 256 MiB; a clone would add as much
         assert grew < 48 * 2**20, f"{op} grew the peak RSS by {grew / 2**20:.1f} MiB"
