@@ -16,7 +16,8 @@ FANOUT = 32
 
 
 class PrefixSumTree:
-    """Wide prefix-sum tree over ``capacity`` leaves on ``device`` (storage assigned by the owner)."""
+    """Wide prefix-sum tree over ``capacity`` leaves on ``device``, zero-filled: ``tree`` is its ``(size,)``
+    float64 storage, levels leaves-first."""
 
     def __init__(self, capacity: int, device: torch.device, backend: str, fanout: int = FANOUT):
         F = fanout
@@ -28,7 +29,7 @@ class PrefixSumTree:
         for s in sizes:
             self.offsets.append(self.offsets[-1] + s)
         self.size = self.offsets[-1]
-        self.tree: torch.Tensor | None = None  # (size,) float64, levels leaves-first
+        self.tree = ops.allocate({"tree": (self.size,)}, {"tree": torch.float64}, device)["tree"]
 
     def leaves(self, idx: torch.Tensor) -> torch.Tensor:
         """(K,) float64 masses of leaves ``idx`` (K,) int64."""

@@ -1,8 +1,10 @@
-"""PrioritizedTransitionBuffer: a TransitionBuffer whose prefix-sum tree holds ``priority**alpha`` per start.
+"""PrioritizedTransitionBuffer: a TransitionBuffer composed with a :class:`~gpubuf.samplers.PrioritizedSampler`.
 
-Priorities live on the device (``(M*E,)`` float32) next to the tree (:mod:`gpubuf.prefix_tree`); new starts
-get the running maximum priority, updates rewrite only the touched leaves and their parents. The running
+The sampler keeps priorities on the device (``(M*E,)`` float32) next to its prefix-sum trees; new starts get
+the running maximum priority, updates rewrite only the touched leaves and their parents. The running
 maximum is mirrored on the host (every update already checks its values there), so inserts never read it back.
+This module adds the prioritized API: argument checks, importance-sampling weights, priority updates and
+their checkpoint state.
 """
 
 import math
@@ -13,6 +15,7 @@ import torch
 from gpubuf.inputs import as_tensor, finite_float
 from gpubuf.interrupts import signals_held
 from gpubuf.replay import Transition, TransitionBuffer
+from gpubuf.samplers import PrioritizedSampler
 from gpubuf.state import check_tensor, chunks, copy_into, unaliased
 
 _F32 = torch.finfo(torch.float32)
@@ -45,8 +48,6 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     read-back.
     """
 
-    _prioritized = True
-
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *, device=None,
                  seed: int | None = None):
@@ -60,29 +61,20 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
                              "start with a zero TD error could never be drawn; raise eps or lower alpha")
         super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps, device=device, seed=seed)
         self._check_mass("alpha", 1.0)
-        self._max_p = 1.0  # running max priority (host mirror; float32 values)
-        self._priority_rows = self._priority.view(self.max_rows, self.n_envs)
+
+    def _make_sampler(self) -> PrioritizedSampler:
+        return PrioritizedSampler(self._ring, self.device, self.backend, self.alpha)
 
     @property
     def max_priority(self) -> float:
         """The running maximum priority."""
-        return self._max_p
+        return self._sampler.max_priority
 
     def _check_mass(self, name: str, top: float) -> None:
         """Raise unless ``top**alpha`` summed over every start stays finite in float64."""
         if top > 0 and self.alpha * math.log(top) + math.log(self.max_size) >= _LOG_MAX:
             raise ValueError(f"{name}: priority {top:g} ** alpha {self.alpha:g} over {self.max_size} starts "
                              "overflows float64 sampling mass; lower alpha or scale the TD errors")
-
-    def _on_rows_written(self, pos: int, first: int, T: int) -> None:
-        prio = self._priority_rows
-        prio[pos:pos + first] = self._max_p
-        if first < T:  # wrapped
-            prio[:T - first] = self._max_p
-
-    def _mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
-        mass = self._priority[starts].to(torch.float64).pow_(self.alpha)
-        return mass if all_valid else mass.mul_(valid)  # invalid starts: zero mass
 
     @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
@@ -93,7 +85,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         ``with_replacement=False``."""
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
         dst = self._check_out(out, B, with_next_obs)
-        idx, mass = self._draw(self._trees[kind], B, self._generator(key), with_replacement)
+        idx, mass = self._sampler.draw(kind, B, self._uniforms(key), with_replacement)
         batch = self._gather(idx, dst, out)
         batch.PER_weights = (mass / mass.min()).pow_(-self.beta).to(torch.float32)
         return batch, idx
@@ -130,10 +122,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
             top = self._check_update(idx, td, new)
         # ---- all checks passed: write
         with signals_held():
-            self._priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
-            self._max_p = max(self._max_p, top)
-            for kind in self._active:
-                self._trees[kind].update(idx, self._mass(idx, self._valid_dev[kind][idx], False))
+            self._sampler.update(idx, new, top)
         return self
 
     def _host_indices(self, arr: np.ndarray) -> np.ndarray:
@@ -173,7 +162,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state.update(beta=self.beta, priority=self._priority, max_priority=self._max_p)
+        state.update(beta=self.beta, priority=self._sampler.priority, max_priority=self._sampler.max_priority)
         return state
 
     def _check_extra_state(self, state) -> tuple[float, float]:
@@ -181,7 +170,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         top = finite_float("state_dict['max_priority']", state["max_priority"], 1.0)
         self._check_mass("state_dict['max_priority']", top)
         prio = state["priority"]
-        check_tensor("state_dict['priority']", prio, tuple(self._priority.shape), torch.float32)
+        check_tensor("state_dict['priority']", prio, (self.max_size,), torch.float32)
         written = (state["count"] if state["count"] < self.max_rows else self.max_rows) * self.n_envs
         at = 0
         for piece in chunks(prio):  # written starts: priorities in [eps, max_priority]; all: in [0, max_priority]
@@ -194,9 +183,9 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return beta, top
 
     def _load_extra_state(self, state, extra: tuple[float, float]) -> None:
-        copy_into(self._priority, unaliased({"priority": state["priority"]}, {"priority": self._priority},
-                                            self._owned)["priority"])
-        self.beta, self._max_p = extra
+        priority = self._sampler.priority
+        copy_into(priority, unaliased({"priority": state["priority"]}, {"priority": priority}, self._owned)["priority"])
+        self.beta, self._sampler.max_priority = extra
 
 
 __all__ = ["PrioritizedTransitionBuffer"]

@@ -2,12 +2,13 @@
 
 Storage per leaf (every tensor of a ``Transition``, nested dicts included) is one preallocated
 ``(M, E, *shape)`` device tensor (``(M, *shape)`` when not vectorized; internally ``E = 1``). A sequence
-start is the flat index ``step * E + env``. Which starts are valid (window inside written rows, off the
-write seam, no truncation inside when next observations are inferred) is tracked on the host, where
-the write position and counts already live, and enters the device as zero mass in a wide prefix-sum
-tree (:class:`gpubuf.prefix_tree.PrefixSumTree`): an insert only rewrites the leaves of the starts whose
-windows changed and their parents. Sampling descends that tree, then gathers the ``(B, n_steps)``
-windows in one launch per leaf.
+start is the flat index ``step * E + env``. Three parts cooperate: the buffer owns the storage, staging and
+window gather; a :class:`~gpubuf.ring.StartRing` keeps the host bookkeeping (write position, counts,
+truncation flags, which starts are valid: window inside written rows, off the write seam, no truncation
+inside when next observations are inferred); a sampling policy (:mod:`gpubuf.samplers`) turns validity
+into mass in a wide prefix-sum tree and draws starts. An insert only rewrites the leaves of the starts
+whose windows changed and their parents. Sampling draws starts, then gathers the ``(B, n_steps)``
+windows in one launch per word type.
 
 Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then committed
 with copies that cannot fail on staged data. Validity is kept apart from priority: a device mask per
@@ -25,7 +26,8 @@ import torch
 from gpubuf import checkpoint, ops, reference
 from gpubuf.inputs import as_tensor, check_cast, check_storable, positive_int
 from gpubuf.interrupts import signals_held
-from gpubuf.prefix_tree import PrefixSumTree
+from gpubuf.ring import StartRing
+from gpubuf.samplers import UniformSampler
 from gpubuf.staging import Staging, check_disjoint, memory_ranges, overlaps
 from gpubuf.state import check_range, check_state, copy_into, host_tensor, unaliased
 
@@ -113,14 +115,13 @@ class TransitionBuffer(checkpoint.Checkpointable):
         seed: seed of the buffer's own generator (used when :meth:`sample` gets ``key=None``).
 
     Sampling cost is O(B * levels * fanout) for the tree descent plus the bytes of the windows: it does not
-    grow with capacity. Without replacement the draw is exact sequential sampling without replacement
-    (here: uniform over valid starts): rounds of draws with replacement from the tree, keeping first
-    appearances, with the drawn starts' mass zeroed between rounds and restored at the end. Each round
-    reads the number of distinct draws back from the device (one sync per round; typically one or two
-    rounds unless the batch is a large fraction of the valid starts).
+    grow with capacity (with replacement and no stored truncation, a uniform draw skips the tree: the valid
+    starts are then one ring range of rows). Without replacement the draw is exact sequential sampling
+    without replacement (here: uniform over valid starts): rounds of draws with replacement from the tree,
+    keeping first appearances, with the drawn starts' mass zeroed between rounds and restored at the end.
+    Each round reads the number of distinct draws back from the device (one sync per round; typically one
+    or two rounds unless the batch is a large fraction of the valid starts).
     """
-
-    _prioritized = False
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, *, device=None, seed: int | None = None):
@@ -171,41 +172,23 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._trunc_paths = [p for p in samples if p[0] == "truncated"]
         # Validity kinds: 0 = plain windows of n_steps rows; 1 = windows of n_steps+1 rows whose first
         # n_steps rows hold no truncation (next observations inferred from the following row).
-        self._kinds = (0,) if self._has_next_obs or not self._obs_paths else (0, 1)
+        kinds = (0,) if self._has_next_obs or not self._obs_paths else (0, 1)
 
         shapes = {_leaf_name(p): ((M, E) if self.vectorized_env else (M,)) + s for p, s in self._shapes.items()}
         dtypes = {_leaf_name(p): self._dtypes[p] for p in samples}
-        self._trees = {k: PrefixSumTree(M * E, self.device, self.backend) for k in self._kinds}
-        for k, tree in self._trees.items():
-            shapes[f"__tree{k}__"], dtypes[f"__tree{k}__"] = (tree.size,), torch.float64
-            shapes[f"__valid{k}__"], dtypes[f"__valid{k}__"] = (M * E,), torch.bool
-        if self._prioritized:
-            shapes["__priority__"], dtypes["__priority__"] = (M * E,), torch.float32
         storage = ops.allocate(shapes, dtypes, self.device)
-        for k, tree in self._trees.items():
-            tree.tree = storage.pop(f"__tree{k}__")
-        self._valid_dev = {k: storage.pop(f"__valid{k}__") for k in self._kinds}  # (M*E,) device validity masks
-        self._priority = storage.pop("__priority__", None)
+        self._ring = StartRing(M, E, self.n_steps, kinds)  # host bookkeeping
+        self._sampler = self._make_sampler()  # trees, validity masks (and priorities) on the device
         self._data = {p: storage[_leaf_name(p)] for p in samples}
         self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
         # the same rows as int words (reference.as_words): windows are gathered and allocated as words
         self._words = {p: reference.as_words(t)[0] for p, t in self._flat.items()}
-        own = [*self._data.values(), *self._valid_dev.values(), *(t.tree for t in self._trees.values())]
-        if self._priority is not None:
-            own.append(self._priority)
-        self._owned = memory_ranges(own)  # every device tensor held: inputs reading them are copied first
+        # every device tensor held: inputs reading them are copied first
+        self._owned = memory_ranges([*self._data.values(), *self._sampler.tensors()])
         # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
         # slice assignment
         self._host = {p: t.numpy() for p, t in self._data.items()
                       if self.device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY}
-        # host mirrors: write position, rows written, truncation flags, per-start validity and counts
-        self._pos = 0
-        self._count = 0
-        self._trunc = np.zeros((M, E), dtype=bool)
-        self._n_trunc = 0  # truncated rows stored: while 0, every kind's valid starts are one ring range of rows
-        self._valid = {k: np.zeros((M, E), dtype=bool) for k in self._kinds}
-        self._n_valid = dict.fromkeys(self._kinds, 0)
-        self._active: set[int] = set()  # trees kept up to date; each is built on first use (one linear pass)
         self._staging = Staging(self.device)
         # uniforms come from a host generator and travel through pinned staging: the same seed samples the
         # same starts on every device, and the RNG state round-trips exactly across devices
@@ -215,46 +198,42 @@ class TransitionBuffer(checkpoint.Checkpointable):
         else:
             self._gen.seed()
 
+    def _make_sampler(self) -> UniformSampler:
+        """The sampling policy composed into this buffer."""
+        return UniformSampler(self._ring, self.device, self.backend)
+
     # ------------------------------------------------------------------ bookkeeping
 
     def __len__(self) -> int:
         """Transitions stored (rows written times envs)."""
-        return self._count * self.n_envs
+        return self._ring.count * self.n_envs
 
     @property
     def nbytes(self) -> int:
         """Device bytes held: storage, prefix-sum trees, validity masks and priorities."""
-        ts = list(self._data.values()) + [t.tree for t in self._trees.values()] + list(self._valid_dev.values())
-        if self._priority is not None:
-            ts.append(self._priority)
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in [*self._data.values(), *self._sampler.tensors()])
 
     def num_valid(self, with_next_obs: bool = False) -> int:
         """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs``."""
-        return self._n_valid[self._kind(with_next_obs)]
+        kind = self._kind(with_next_obs)
+        return self._ring.range_starts(kind)[1] if self._ring.one_range(kind) else self._active_valid(kind)
+
+    def _active_valid(self, kind: int) -> int:
+        self._sampler.activate(kind)
+        return self._ring.n_valid[kind]
 
     def sampling_mass(self, with_next_obs: bool = False) -> torch.Tensor:
         """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample` with this
         ``with_next_obs``: 0 for an invalid start, 1 for a valid one (uniform), ``priority**alpha``
         (prioritized). A read-only diagnostic (one device copy); the sampler's own state is not exposed."""
-        kind = self._kind(with_next_obs)
-        return self._trees[kind].tree[:self.max_size].clone()
+        return self._sampler.sampling_mass(self._kind(with_next_obs))
 
     def _kind(self, with_next_obs: bool) -> int:
-        """The validity kind (and its tree, activated here on first use) that ``with_next_obs`` samples from."""
+        """The validity kind that ``with_next_obs`` samples from."""
         kind = 0 if (not with_next_obs or self._has_next_obs) else 1
-        if kind not in self._kinds:
+        if kind not in self._ring.kinds:
             raise ValueError("with_next_obs: the buffer stores neither next_observation nor observation")
-        if kind not in self._active:
-            self._active.add(kind)
-            self._set_rows(kind, 0, self.max_rows)
         return kind
-
-    def _window(self, kind: int) -> int:
-        return self.n_steps + kind
-
-    def _upload(self, arr: np.ndarray, key: str) -> torch.Tensor:
-        return self._staging.to_device(torch.from_numpy(np.ascontiguousarray(arr)), key)
 
     # ------------------------------------------------------------------ insert
 
@@ -300,8 +279,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             else:
                 staged[p] = self._staging.stage(t, self._names[p], self._dtypes[p], self._owned)
         with signals_held():  # ---- phase 2: commit
-            pos = self._pos
-            first = min(T, M - pos)  # rows before the ring wraps
+            pos, first = self._ring.write(T, trunc)  # first: rows before the ring wraps
             for p, src in staged.items():
                 dst = self._host[p] if isinstance(src, np.ndarray) else self._data[p]
                 if first == T:
@@ -309,16 +287,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 else:
                     dst[pos:] = src[:first]
                     dst[:T - first] = src[first:]
-            if trunc is not None:
-                self._n_trunc += int(np.count_nonzero(trunc)) - int(np.count_nonzero(self._trunc[pos:pos + first])) \
-                    - int(np.count_nonzero(self._trunc[:T - first]))
-                self._trunc[pos:pos + first] = trunc[:first]
-                if first < T:
-                    self._trunc[:T - first] = trunc[first:]
-            self._on_rows_written(pos, first, T)
-            self._pos = (pos + T) % M
-            self._count = min(self._count + T, M)
-            self._refresh_validity(pos, T)
+            self._sampler.rows_written(pos, first, T)
+            self._sampler.refresh_after_write(pos, T)
         return self
 
     def _truncation(self, leaves: dict, T: int) -> np.ndarray | None:
@@ -335,60 +305,6 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 flags.append((t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy())
         return flags[0] if len(flags) == 1 else np.logical_or.reduce(flags)
 
-    def _on_rows_written(self, pos: int, first: int, T: int) -> None:
-        """Hook for new rows ``pos .. pos+first-1`` and ``0 .. T-first-1`` (the prioritized buffer gives their
-        starts the running max priority)."""
-
-    def _refresh_validity(self, old_pos: int, T: int) -> None:
-        """Recompute validity (host) and tree leaves (device) of the starts whose windows changed: rows
-        ``old_pos - W + 1 .. old_pos + T - 1`` (the seam moved, rows were overwritten), at most two
-        contiguous row ranges, hence contiguous ranges of flat starts."""
-        if not self._active:
-            return
-        M = self.max_rows
-        W = max(self._window(k) for k in self._active)
-        K = min(T + W - 1, M)
-        a = (old_pos + T - K) % M
-        segments = [(a, min(a + K, M))] + ([(0, a + K - M)] if a + K > M else [])
-        for kind in sorted(self._active):
-            for r0, r1 in segments:
-                self._set_rows(kind, r0, r1)
-
-    def _validity(self, r0: int, r1: int, kind: int) -> np.ndarray:
-        """((r1 - r0) * E,) bool: is the window of this kind starting at each flat start of rows ``[r0, r1)`` valid."""
-        M, E = self.max_rows, self.n_envs
-        # rows r0 + i have time indices (t0 + i) % M (0 = oldest); valid ones are <= last: two slices of rows
-        t0 = (r0 - (self._pos if self._count == M else 0)) % M
-        last = self._count - self._window(kind)
-        ok = np.zeros(r1 - r0, dtype=bool)
-        ok[:max(last - t0 + 1, 0)] = True  # before the time index wraps past M
-        ok[M - t0:max(last - t0 + M + 1, 0)] = True  # after it
-        if kind == 1 and self._trunc_paths:
-            win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps)) % M  # (K, n)
-            return (ok[:, None] & ~self._trunc[win].any(1)).reshape(-1)
-        return ok if E == 1 else np.repeat(ok, E)
-
-    def _set_rows(self, kind: int, r0: int, r1: int) -> None:
-        """Refresh validity (host mirror and device mask) and tree leaves (then their parents) of the starts in
-        rows ``[r0, r1)``."""
-        ok = self._validity(r0, r1, kind)
-        lo, hi = r0 * self.n_envs, r1 * self.n_envs
-        valid = self._valid[kind].reshape(-1)  # (M*E,) view
-        n_ok = int(np.count_nonzero(ok))
-        self._n_valid[kind] += n_ok - int(np.count_nonzero(valid[lo:hi]))
-        valid[lo:hi] = ok
-        mask = self._valid_dev[kind][lo:hi]
-        if n_ok == hi - lo:
-            mask.fill_(True)
-        else:
-            mask.copy_(self._upload(ok, f"__valid{kind}_{r0 == 0}__"))
-        self._trees[kind].update_range(lo, self._mass(slice(lo, hi), mask, n_ok == hi - lo))
-
-    def _mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
-        """Sampling mass (float64, on the device) of flat ``starts`` (a slice or index tensor) given their device
-        validity ``valid`` (``all_valid``: all of them valid): 1 per valid start here, 0 per invalid one."""
-        return valid.to(torch.float64)
-
     # ------------------------------------------------------------------ sample
 
     def _generator(self, key) -> torch.Generator:
@@ -404,10 +320,15 @@ class TransitionBuffer(checkpoint.Checkpointable):
             return g
         raise TypeError(f"key: expected a torch.Generator, an int seed or None, got {type(key).__name__}")
 
-    def _uniform(self, g: torch.Generator, n: int) -> torch.Tensor:
-        """(n,) float64 uniforms on the buffer's device, drawn on the generator's device."""
-        u = torch.rand(n, dtype=torch.float64, generator=g, device=g.device)
-        return self._staging.to_device(u, "__uniform__")
+    def _uniforms(self, key):
+        """``n -> (n,)`` float64 uniforms on the buffer's device, drawn by the generator ``key`` names."""
+        g = self._generator(key)
+
+        def uniforms(n: int) -> torch.Tensor:
+            u = torch.rand(n, dtype=torch.float64, generator=g, device=g.device)
+            return self._staging.to_device(u, "__uniform__")
+
+        return uniforms
 
     def _check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool) -> tuple[int, int]:
         B = self.sample_batch_size if batch_size is None else batch_size
@@ -417,42 +338,14 @@ class TransitionBuffer(checkpoint.Checkpointable):
             raise ValueError(f"batch_size: expected fewer than 2**31 window rows per sample, got {B} windows of "
                              f"{self.n_steps} rows")
         kind = self._kind(with_next_obs)
-        n = self._n_valid[kind]
+        n = self.num_valid(with_next_obs)
         if n == 0:
-            raise ValueError(f"sample: no valid sequence start yet ({self._count} rows written per env, windows of "
-                             f"{self._window(kind)} rows{' without truncation' if kind else ''})")
+            raise ValueError(f"sample: no valid sequence start yet ({self._ring.count} rows written per env, windows "
+                             f"of {self._ring.window(kind)} rows{' without truncation' if kind else ''})")
         if not with_replacement and B > n:
             raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement "
                              "needs")
         return int(B), kind
-
-    def _draw(self, tree, B: int, g: torch.Generator, with_replacement: bool):
-        """(flat starts (B,) int64, their masses (B,) float64) drawn from ``tree``."""
-        if with_replacement:
-            idx = tree.sample(self._uniform(g, B))
-            return idx, tree.leaves(idx)
-        # Drawn starts are zeroed between rounds, so later rounds draw among the rest; they are restored
-        # whatever happens: an exception restores them, and asynchronous signals (Ctrl-C, alarms) are held
-        # until the tree is whole again, so their handlers never run half-way.
-        chosen, masses = [], []
-        need = B
-        with signals_held():
-            try:
-                while need > 0:
-                    draws = tree.sample(self._uniform(g, max(2 * need, 16)))
-                    uniq, inv = torch.unique(draws, return_inverse=True)
-                    first = torch.full_like(uniq, draws.numel()).scatter_reduce_(
-                        0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
-                    new = uniq[torch.argsort(first)][:need]  # distinct draws in order of first appearance
-                    masses.append(tree.leaves(new))
-                    chosen.append(new)
-                    tree.update(new, torch.zeros(new.shape, dtype=torch.float64, device=self.device))
-                    need -= new.numel()
-            finally:
-                if chosen:
-                    idx, mass = torch.cat(chosen), torch.cat(masses)
-                    tree.update(idx, mass)  # restore: leaves as before, parents recomputed from them
-        return idx, mass
 
     @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
@@ -470,22 +363,16 @@ class TransitionBuffer(checkpoint.Checkpointable):
         """
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
         dst = self._check_out(out, B, with_next_obs)
-        g = self._generator(key)
-        if with_replacement and (kind == 0 or self._n_trunc == 0):
-            idx = self._ring_starts(kind, self._uniform(g, B))  # no tree descent needed
-        else:
-            idx, _ = self._draw(self._trees[kind], B, g, with_replacement)
+        idx, _ = self._sampler.draw(kind, B, self._uniforms(key), with_replacement)
         return self._gather(idx, dst, out)
 
-    def _ring_starts(self, kind: int, u: torch.Tensor) -> torch.Tensor:
-        """(B,) flat starts drawn uniformly by ``u`` (B,) in [0, 1) when the valid starts of ``kind`` are exactly
-        every env's start in one ring range of rows (kind 0 always; kind 1 while no truncation is stored): the
-        ``L = count - window + 1`` rows from the oldest one."""
-        M, E = self.max_rows, self.n_envs
-        n = (self._count - self._window(kind) + 1) * E  # == num_valid(kind)
-        k = u.mul(n).long().clamp_max_(n - 1)  # uniform over the n valid (row, env) pairs
-        base = self._pos if self._count == M else 0  # row of the oldest time index
-        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(k.remainder(E))
+    def graph_sampler(self, batch_size: int | None = None, with_next_obs: bool = False, generator=None):
+        """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with device-side
+        random numbers and no host sync, for capture in a CUDA graph. ``batch_size`` and ``with_next_obs`` are
+        fixed at construction; ``generator`` is a device ``torch.Generator`` (``None``: the device default)."""
+        from gpubuf.graph_sampling import GraphSampler
+
+        return GraphSampler(self, batch_size, with_next_obs, generator)
 
     def _jobs(self, B: int, with_next_obs: bool):
         """(output path, source path, shift, output shape) of every returned leaf."""
@@ -514,7 +401,14 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return result
 
     def _gather(self, starts: torch.Tensor, jobs: dict, out: Transition | None = None) -> Transition:
-        B, n = starts.shape[0], self.n_steps
+        result, work = self._outputs(starts.shape[0], jobs)
+        ops.sequence_gather(self.backend, work, starts, self.n_steps, self.n_envs, self.max_rows)
+        return _unflatten(result) if out is None else out
+
+    def _outputs(self, B: int, jobs: dict) -> tuple[dict, list]:
+        """``({output path: tensor}, [(source words, output words (B, n, D), shift)])`` for :meth:`_check_out`'s
+        ``jobs``: the given output tensors, or fresh ones."""
+        n = self.n_steps
         result, work = {}, []
         for d, (dst, s, shift, shape) in jobs.items():
             src = self._words[s]
@@ -536,10 +430,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 words = words.view(B, n, src.shape[1])
             work.append((src, words, shift))
             result[d] = dst
-        ops.sequence_gather(self.backend, work, starts, n, self.n_envs, self.max_rows)
-        if out is None:
-            return _unflatten(result)
-        return out
+        return result, work
 
     # ------------------------------------------------------------------ state
 
@@ -555,9 +446,9 @@ class TransitionBuffer(checkpoint.Checkpointable):
         state.update(
             shapes={_leaf_name(p): s for p, s in self._shapes.items()},
             data={_leaf_name(p): t for p, t in self._data.items()},
-            pos=self._pos,
-            count=self._count,
-            trunc=torch.from_numpy(self._trunc.copy()),
+            pos=self._ring.pos,
+            count=self._ring.count,
+            trunc=torch.from_numpy(self._ring.trunc.copy()),
             rng=self._gen.get_state(),
         )
         return state
@@ -596,20 +487,13 @@ class TransitionBuffer(checkpoint.Checkpointable):
                     copy_into(t, sources[_leaf_name(p)])
                 self._load_extra_state(state, extra)
             except BaseException:
-                self._pos, self._count = 0, 0  # the data is half-read (a read error): forget every row
-                self._forget_validity()
+                # the data is half-read (a read error): forget every row
+                self._ring.restore(0, 0, np.zeros_like(self._ring.trunc))
+                self._sampler.forget()
                 raise
-            self._pos, self._count, self._trunc = pos, count, trunc
-            self._n_trunc = int(np.count_nonzero(trunc))
+            self._ring.restore(pos, count, trunc)  # validity and trees are rebuilt from the rows on next use
+            self._sampler.forget()
             self._gen.set_state(rng)
-            self._forget_validity()
-
-    def _forget_validity(self) -> None:
-        """Drop validity and trees: each is rebuilt from the rows on its next use."""
-        for kind in self._kinds:
-            self._valid[kind][:] = False
-            self._n_valid[kind] = 0
-        self._active = set()
 
     def _check_extra_state(self, state):
         """Hook: validate the subclass's own state entries (before any write); returns what to load."""
