@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 256
+BLOCK = 1024  # leaves written per step of the update kernel
+PARENTS = 32  # parents recomputed per step (PARENTS * fanout children)
 _BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
 
 
@@ -48,32 +49,54 @@ def _sample_kernel(
 
 
 @triton.jit
-def _write_leaves_kernel(
-    tree_ptr,  # (size,) float64; leaves are its first entries
-    idx_ptr,  # (K,) int64 leaf indices (duplicates carry equal values)
-    val_ptr,  # (K,) float64 new leaf values
-    K,
-    BLOCK: tl.constexpr,
+def _update_kernel(
+    tree_ptr,  # (size,) float64 levels, leaves first
+    off_ptr,  # (K+1,) int64 level bounds
+    idx_ptr,  # (n,) int64 leaf indices (duplicates carry equal values); unused when RANGE
+    val_ptr,  # (n,) float64 new leaf values
+    n,  # leaves written
+    lo,  # first leaf when RANGE: leaves [lo, lo + n)
+    n_levels,  # K
+    F: tl.constexpr,  # fan-out
+    RANGE: tl.constexpr,  # leaves are the contiguous range [lo, lo + n) instead of idx
+    BLOCK: tl.constexpr,  # leaves written per step
+    P: tl.constexpr,  # parents recomputed per step (P * F children loaded)
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    i = tl.load(idx_ptr + offs, mask=mask, other=0)
-    v = tl.load(val_ptr + offs, mask=mask)
-    tl.store(tree_ptr + i, v, mask=mask)
-
-
-@triton.jit
-def _update_parents_kernel(
-    tree_ptr,  # (size,) float64
-    idx_ptr,  # (K,) int64 touched leaf indices
-    child_off,  # start of the child level
-    parent_off,  # start of the parent level
-    div,  # F**level: leaf index // div = parent index
-    F: tl.constexpr,
-):
-    parent = tl.load(idx_ptr + tl.program_id(0)) // div
-    c = tl.load(tree_ptr + child_off + parent * F + tl.arange(0, F))  # (F,) children
-    tl.store(tree_ptr + parent_off + parent, tl.sum(c, 0))
+    # One program does it all, level after level, with a block-wide barrier between levels: parents are
+    # recomputed from their children (no atomics, so the tree stays a deterministic function of its leaves)
+    ar = tl.arange(0, BLOCK)
+    for s in range(0, n, BLOCK):
+        offs = s + ar
+        mask = offs < n
+        if RANGE:
+            i = lo + offs
+        else:
+            i = tl.load(idx_ptr + offs, mask=mask, other=0)
+        tl.store(tree_ptr + i, tl.load(val_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()
+    ap = tl.arange(0, P)
+    af = tl.arange(0, F)
+    div = tl.load(off_ptr) * 0 + 1  # int64 F**level: leaf // div = its ancestor on that level
+    for k in range(1, n_levels):
+        div = div * F
+        child_off = tl.load(off_ptr + k - 1)
+        parent_off = tl.load(off_ptr + k)
+        if RANGE:  # the touched parents are one contiguous range
+            first = lo // div
+            count = (lo + n - 1) // div - first + 1
+        else:
+            first = div * 0
+            count = div * 0 + n
+        for q in range(0, count, P):
+            offs = q + ap
+            mask = offs < count
+            if RANGE:
+                parent = first + offs
+            else:
+                parent = tl.load(idx_ptr + offs, mask=mask, other=0) // div
+            c = tl.load(tree_ptr + child_off + parent[:, None] * F + af[None, :], mask=mask[:, None], other=0.0)
+            tl.store(tree_ptr + parent_off + parent, tl.sum(c, 1), mask=mask)
+        tl.debug_barrier()
 
 
 def sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
@@ -86,13 +109,17 @@ def sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
 
 
 def update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
-    """Leaves ``tree[idx] = values``, then one launch per level recomputing the touched parents."""
-    K = idx.shape[0]
-    if K == 0:
-        return
-    _write_leaves_kernel[(triton.cdiv(K, BLOCK),)](tree, idx, values, K, BLOCK=BLOCK)
-    for k in range(1, len(offsets) - 1):
-        _update_parents_kernel[(K,)](tree, idx, offsets[k - 1], offsets[k], fanout**k, F=fanout)
+    """Leaves ``tree[idx] = values``, then every touched parent: one launch."""
+    if idx.shape[0]:
+        _update_kernel[(1,)](tree, _offsets(offsets, tree.device), idx, values, idx.shape[0], 0, len(offsets) - 1,
+                             F=fanout, RANGE=False, BLOCK=BLOCK, P=PARENTS)
+
+
+def update_range(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:
+    """Leaves ``tree[lo:lo + len(values)] = values``, then their (contiguous) parents: one launch."""
+    if values.shape[0]:
+        _update_kernel[(1,)](tree, _offsets(offsets, tree.device), values, values, values.shape[0], lo,
+                             len(offsets) - 1, F=fanout, RANGE=True, BLOCK=BLOCK, P=PARENTS)
 
 
 _OFFSETS: dict[tuple, torch.Tensor] = {}

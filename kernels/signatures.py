@@ -77,14 +77,14 @@ def variants() -> list[Variant]:
                                         else "*i64"}, idx),
                                 "IS_FLOAT": "constexpr", "BLOCK": "constexpr"},
                                {"IS_FLOAT": is_float, "BLOCK": history.BLOCK}))
-        out.append(Variant("prefix_tree.write_leaves", prefix_tree._write_leaves_kernel,
-                           {**_sig("tree_ptr idx_ptr val_ptr K", {"tree_ptr": "*fp64", "idx_ptr": "*i64",
-                                                                    "val_ptr": "*fp64"}, idx),
-                            "BLOCK": "constexpr"}, {"BLOCK": prefix_tree.BLOCK}))
-        out.append(Variant("prefix_tree.update_parents", prefix_tree._update_parents_kernel,
-                           {**_sig("tree_ptr idx_ptr child_off parent_off div", {"tree_ptr": "*fp64",
-                                                                                 "idx_ptr": "*i64"}, idx),
-                            "F": "constexpr"}, {"F": FANOUT}))
+        for is_range in (False, True):
+            out.append(Variant("prefix_tree.update", prefix_tree._update_kernel,
+                               {**_sig("tree_ptr off_ptr idx_ptr val_ptr n lo n_levels",
+                                       {"tree_ptr": "*fp64", "off_ptr": "*i64",
+                                        "idx_ptr": "*fp64" if is_range else "*i64", "val_ptr": "*fp64"}, idx),
+                                "F": "constexpr", "RANGE": "constexpr", "BLOCK": "constexpr", "P": "constexpr"},
+                               {"F": FANOUT, "RANGE": is_range, "BLOCK": prefix_tree.BLOCK,
+                                "P": prefix_tree.PARENTS}))
         out.append(Variant("prefix_tree.sample", prefix_tree._sample_kernel,
                            {**_sig("tree_ptr off_ptr u_ptr out_ptr n_levels", {"tree_ptr": "*fp64", "off_ptr": "*i64",
                                                                                 "u_ptr": "*fp64", "out_ptr": "*i64"},
@@ -98,7 +98,8 @@ _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
 def compile_variant(v: Variant, arch: int) -> dict:
-    """Compile ``v`` for ``sm_<arch>``; returns registers, stack, shared and local (spill) bytes per thread."""
+    """Compile ``v`` for ``sm_<arch>``; returns registers, stack, shared and local (spill) bytes per thread, and
+    the block-wide barriers (``bar.sync``) in its PTX."""
     if not isinstance(v.fn, JITFunction):
         raise RuntimeError("kernels are interpreted here (TRITON_INTERPRET=1): compile them in a process without it, "
                            "e.g. `python -m gpubuf.kernels.signatures 80 90`")
@@ -111,7 +112,7 @@ def compile_variant(v: Variant, arch: int) -> dict:
                                 capture_output=True, text=True, check=True).stdout
     regs, stack, shared, local = map(int, _USAGE.search(report).groups())
     return {"kernel": v.label, "arch": f"sm_{arch}", "registers": regs, "stack": stack, "shared": shared,
-            "local": local, "num_warps": kernel.metadata.num_warps}
+            "local": local, "num_warps": kernel.metadata.num_warps, "barriers": kernel.asm["ptx"].count("bar.sync")}
 
 
 def main(archs: list[int]) -> list[dict]:

@@ -15,8 +15,8 @@ signatures = pytest.importorskip("gpubuf.kernels.signatures")
 def test_every_launcher_dtype_is_covered():
     variants = signatures.variants()
     assert {v.name for v in variants} == {"history.append", "history.gather_frames", "history.pack_blocks",
-                                          "sequence.gather", "prefix_tree.write_leaves",
-                                          "prefix_tree.update_parents", "prefix_tree.sample"}
+                                          "sequence.gather", "prefix_tree.update",
+                                          "prefix_tree.sample"}
     per_index_width = 3 * len(signatures.WORDS) + len(signatures.FLOATS) + len(signatures.INTS) + 3
     assert len(variants) == len(signatures.INDEX) * per_index_width
 
@@ -32,3 +32,5 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills():
                  for r in rows if "error" not in r and (r["local"] or r["stack"])]
     assert not failures, "\n".join(failures)
     assert {r["arch"] for r in rows} == {"sm_80", "sm_90"}
+    # the one-launch tree update relies on a block-wide barrier after the leaves and after each level
+    assert all(r["barriers"] >= 2 for r in rows if r["kernel"].startswith("prefix_tree.update"))

@@ -11,8 +11,7 @@ from gpubuf.kernels import history, prefix_tree, sequence
 
 KERNELS = {"append": history._append_kernel, "gather_frames": history._gather_frames_kernel,
            "pack_blocks": history._pack_blocks_kernel, "gather": sequence._gather_kernel,
-           "sample": prefix_tree._sample_kernel, "write_leaves": prefix_tree._write_leaves_kernel,
-           "update_parents": prefix_tree._update_parents_kernel}
+           "sample": prefix_tree._sample_kernel, "update": prefix_tree._update_kernel}
 
 
 @pytest.fixture
@@ -61,11 +60,11 @@ def test_replay_sample_launches_the_descent_and_one_gather_per_word_type(priorit
     assert launches == {**descent, "gather": 3}
 
 
-def test_priority_update_launches_one_kernel_per_tree_level(launches, device):
+def test_priority_update_launches_one_kernel(launches, device):
     buf = PrioritizedTransitionBuffer(2**10 * 3, 8, make_transition(0, 1, 3), n_steps=2, device=device, seed=0)
     buf.insert(make_transition(0, 40, 3))
     buf.sample()
     launches.clear()
     buf.update_priorities(torch.arange(5), torch.ones(5))
-    # 3072 starts, fanout 32: 3 levels (3072 leaves, 96 -> 128 nodes, one top node of 32)
-    assert launches == {"write_leaves": 1, "update_parents": 2}
+    # 3072 starts, fanout 32: 3 levels (3072 leaves, 96 -> 128 nodes, one top node of 32), all in one launch
+    assert launches == {"update": 1}
