@@ -1,8 +1,14 @@
-"""One function per device operation, dispatching to the Triton kernel or its pure-torch twin.
+"""The device operations, registered as ``torch.library`` ops ``torch.ops.gpubuf.*``.
 
-The backend is chosen once per buffer: ``GPUBUF_BACKEND=torch|triton`` forces one, else CUDA tensors
-use Triton and everything else uses :mod:`gpubuf.reference`. Triton is imported only when used, so
-``import gpubuf`` works without a GPU or driver (set ``TRITON_INTERPRET=1`` to run kernels on CPU).
+Each op has a CUDA implementation (its Triton kernel, :mod:`gpubuf.kernels`), a CPU implementation (its
+pure-torch twin, :mod:`gpubuf.reference`) and a fake implementation, so the dispatcher picks the kernel by
+device and ``torch.compile`` traces the ops without graph breaks. Every op writes into tensors it is given
+(declared mutable in its schema) and returns nothing. ``GPUBUF_BACKEND=torch|triton`` forces one backend
+for the buffers built while it is set (the Triton kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
+Triton is imported only when a kernel runs, so ``import gpubuf`` works without a GPU or driver.
+
+The buffers call the functions below, which take the buffer's backend and Python containers and call
+the op (or, when the backend is forced away from the device's own, the other implementation directly).
 """
 
 import importlib
@@ -56,26 +62,76 @@ def _kernels(name: str):
     return importlib.import_module(f"gpubuf.kernels.{name}")
 
 
+def _zip(*lists) -> list:
+    return list(zip(*lists, strict=True))
+
+
+# op name -> (schema, pure-torch twin, Triton kernel launcher), both taking the schema's arguments
+OPS = {
+    "history_append": (
+        "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()",
+        lambda storages, rows, dst: reference.history_append(_zip(storages, rows), dst),
+        lambda storages, rows, dst: _kernels("history").append(_zip(storages, rows), dst)),
+    "history_gather_frames": (
+        "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int max_len) -> ()",
+        lambda storages, outs, *rest: reference.history_gather_frames(_zip(storages, outs), *rest),
+        lambda storages, outs, *rest: _kernels("history").gather_frames(_zip(storages, outs), *rest)),
+    "history_pack_blocks": (
+        "(Tensor storage, Tensor(a!) out, Tensor meta, int n, int ab, int max_len) -> ()",
+        lambda storage, out, *rest: reference.history_pack_blocks(storage, *rest, out),
+        lambda storage, out, *rest: _kernels("history").pack_blocks(storage, *rest, out)),
+    "tree_sample": (
+        "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()",
+        lambda *args: reference.tree_sample(*args),
+        lambda *args: _kernels("prefix_tree").sample(*args)),
+    "tree_update": (
+        "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()",
+        lambda *args: reference.tree_update(*args),
+        lambda *args: _kernels("prefix_tree").update(*args)),
+    "tree_update_range": (
+        "(Tensor(a!) tree, int[] offsets, int fanout, int lo, Tensor values) -> ()",
+        lambda *args: reference.tree_update_range(*args),
+        lambda *args: _kernels("prefix_tree").update_range(*args)),
+    "sequence_gather": (
+        "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, int n, int E, int M) -> ()",
+        lambda storages, outs, shifts, *rest: reference.sequence_gather(_zip(storages, outs, shifts), *rest),
+        lambda storages, outs, shifts, *rest: _kernels("sequence").gather(_zip(storages, outs, shifts), *rest)),
+}
+
+_LIB = torch.library.Library("gpubuf", "DEF")
+for _name, (_schema, _twin, _kernel) in OPS.items():
+    _LIB.define(_name + _schema)
+    _LIB.impl(_name, _twin, "CPU")
+    _LIB.impl(_name, _kernel, "CUDA")
+    _LIB.impl(_name, lambda *args: None, "Meta")
+    torch.library.register_fake(f"gpubuf::{_name}", lambda *args: None, lib=_LIB)
+
+_NATIVE = {"cuda": "triton"}  # the backend each device type's registered implementation uses (else torch)
+
+
+def _run(backend: str, device: torch.device, name: str, *args) -> None:
+    """Call op ``name``: through the dispatcher when ``backend`` is the device's own, else the forced one."""
+    if backend == _NATIVE.get(device.type, "torch"):
+        getattr(torch.ops.gpubuf, name).default(*args)
+    else:
+        OPS[name][2 if backend == "triton" else 1](*args)
+
+
 def history_append(backend, pairs, dst_rows):
     """For each (storage (max_len*n_envs, E), rows (R, E)) in pairs: storage[dst_rows (R,)] = rows."""
-    if backend == "triton":
-        return _kernels("history").append(pairs, dst_rows)
-    return reference.history_append(pairs, dst_rows)
+    _run(backend, dst_rows.device, "history_append", [p[0] for p in pairs], [p[1] for p in pairs], dst_rows)
 
 
 def history_gather_frames(backend, pairs, meta, n, ab, max_len):
     """For each (storage, out (rows, n, E)) in pairs: strided frames; meta (3, rows) int64 = (env, newest
     slot, k)."""
-    if backend == "triton":
-        return _kernels("history").gather_frames(pairs, meta, n, ab, max_len)
-    return reference.history_gather_frames(pairs, meta, n, ab, max_len)
+    _run(backend, meta.device, "history_gather_frames", [p[0] for p in pairs], [p[1] for p in pairs], meta, int(n),
+         int(ab), int(max_len))
 
 
 def history_pack_blocks(backend, storage, meta, n, ab, max_len, out):
     """out (rows, n-1, ab*D) = action blocks between strided frames, NaN zeroed, zero-padded."""
-    if backend == "triton":
-        return _kernels("history").pack_blocks(storage, meta, n, ab, max_len, out)
-    return reference.history_pack_blocks(storage, meta, n, ab, max_len, out)
+    _run(backend, meta.device, "history_pack_blocks", storage, out, meta, int(n), int(ab), int(max_len))
 
 
 # ---- replay (kernels/sequence.py, kernels/prefix_tree.py)
@@ -83,29 +139,21 @@ def history_pack_blocks(backend, storage, meta, n, ab, max_len, out):
 
 def tree_sample(backend, tree, offsets, fanout, u, out):
     """out (B,) int64 = leaves of the wide prefix-sum tree picked by uniforms u (B,) float64."""
-    if backend == "triton":
-        return _kernels("prefix_tree").sample(tree, offsets, fanout, u, out)
-    return reference.tree_sample(tree, offsets, fanout, u, out)
+    _run(backend, tree.device, "tree_sample", tree, offsets, fanout, u, out)
 
 
 def tree_update(backend, tree, offsets, fanout, idx, values):
     """tree leaves [idx (K,)] = values (K,) float64, then touched parents recomputed from their children."""
-    if backend == "triton":
-        return _kernels("prefix_tree").update(tree, offsets, fanout, idx, values)
-    return reference.tree_update(tree, offsets, fanout, idx, values)
+    _run(backend, tree.device, "tree_update", tree, offsets, fanout, idx, values)
+
+
+def tree_update_range(backend, tree, offsets, fanout, lo, values):
+    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their children."""
+    _run(backend, tree.device, "tree_update_range", tree, offsets, fanout, int(lo), values)
 
 
 def sequence_gather(backend, jobs, starts, n, E, M):
     """For each (storage (M*E, D), out (B, n, D), shift) in jobs: windows of n time-major rows from flat
     starts (B,), shifted."""
-    if backend == "triton":
-        return _kernels("sequence").gather(jobs, starts, n, E, M)
-    return reference.sequence_gather(jobs, starts, n, E, M)
-
-
-def tree_update_range(backend, tree, offsets, fanout, lo, values):
-    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their children."""
-    if backend == "triton":
-        idx = torch.arange(lo, lo + values.shape[0], device=tree.device)
-        return _kernels("prefix_tree").update(tree, offsets, fanout, idx, values)
-    return reference.tree_update_range(tree, offsets, fanout, lo, values)
+    _run(backend, starts.device, "sequence_gather", [j[0] for j in jobs], [j[1] for j in jobs],
+         [int(j[2]) for j in jobs], starts, int(n), int(E), int(M))
