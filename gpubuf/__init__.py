@@ -2,13 +2,14 @@
 
 from gpubuf.checkpoint import CheckpointError
 from gpubuf.envpool import EnvPoolSource, Step, StepStager
+from gpubuf.graph_sampling import GraphSampler
 from gpubuf.history import HistoryBuffer
 from gpubuf.planning import CEMSolver, PlanConfig, Planner
 from gpubuf.prioritized import PrioritizedTransitionBuffer
 from gpubuf.replay import Transition, TransitionBuffer
 
 __all__ = [
-    "CEMSolver", "CheckpointError", "EnvPoolSource", "HistoryBuffer", "PlanConfig", "Planner",
+    "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig", "Planner",
     "PrioritizedTransitionBuffer", "Step", "StepStager", "Transition", "TransitionBuffer",
 ]
 __version__ = "0.1.0"

@@ -40,6 +40,22 @@ def _gather_kernel(
     tl.store(dst + bj.to(tl.int64) * D + offs, x, mask=mask)
 
 
+def plan(jobs: list, B: int, n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``(word-typed anchor, device table, most words per row)`` per word type for :func:`gather_planned`:
+    the tables live in their own device tensors, so a plan can be launched again (or captured in a CUDA
+    graph) while the ``jobs`` tensors stay where they are."""
+    groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs], [(s,) for _, _, s in jobs])
+    return [(like, torch.from_numpy(table).to(device), most) for like, table, most in groups]
+
+
+def gather_planned(groups: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
+    """Launch the gather of a :func:`plan` (or of uploaded groups) for flat starts (B,) int64."""
+    B = starts.shape[0]
+    for like, table, most in groups:
+        grid = (B * n, table.shape[0], triton.cdiv(most, BLOCK))
+        _gather_kernel[grid](table, starts, like, n, E, M, BLOCK=BLOCK)
+
+
 def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = the n-row windows of storage
     at flat starts (B,) int64, shifted by ``shift``. One launch per word type."""
@@ -47,6 +63,5 @@ def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     if B == 0:
         return
     groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs], [(s,) for _, _, s in jobs])
-    for like, table, most in groups:
-        grid = (B * n, table.shape[0], triton.cdiv(most, BLOCK))
-        _gather_kernel[grid](upload(table, starts.device, "__windows__"), starts, like, n, E, M, BLOCK=BLOCK)
+    gather_planned([(like, upload(table, starts.device, "__windows__"), most) for like, table, most in groups],
+                   starts, n, E, M)

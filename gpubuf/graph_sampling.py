@@ -1,0 +1,85 @@
+"""GraphSampler: replay sampling with fixed tensors, device-side random numbers and no host sync, so that
+a learner step calling it can be captured in a CUDA graph (``torch.cuda.graph``) and replayed.
+
+Everything one draw touches is allocated once, at construction: the uniforms ``(B,)`` float64, the flat
+starts ``(B,)`` int64, the output windows (a :class:`~gpubuf.Transition` of ``(B, n_steps, ...)`` tensors),
+and for a prioritized buffer the masses and ``PER_weights``. The Triton gather launches from tables
+uploaded once. :meth:`GraphSampler.sample` then does, on the device only: ``torch.rand`` into the
+uniforms, the prefix-sum tree descent, the window gather, and the importance weights. Nothing reads the
+device, nothing allocates, and the host decides nothing that depends on the buffer's fill: the tree the
+descent walks is the buffer's own, kept current by every insert and priority update, so a graph replayed
+after more inserts samples the buffer as it is then.
+"""
+
+import torch
+
+from gpubuf import ops
+from gpubuf.inputs import finite_float
+from gpubuf.replay import Transition, _unflatten
+
+
+class GraphSampler:
+    """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or prioritized one).
+
+    Built by :meth:`TransitionBuffer.graph_sampler`. Draws are exact: starts with probability proportional to
+    their mass (uniform over valid starts, or ``priority**alpha``), as :meth:`TransitionBuffer.sample` with
+    ``with_replacement=True``, but from a device generator: ``generator`` (a ``torch.Generator`` on the
+    buffer's device; register it with the graph, ``CUDAGraph.register_generator_state``) or, when ``None``,
+    the device's default generator (``torch.manual_seed`` seeds it; CUDA graphs handle it by themselves).
+
+    ``beta`` (prioritized) lives in a device tensor: a captured graph reads it at every replay, so
+    :meth:`set_beta` works between replays. A draw needs at least one valid start; the buffer must not be
+    emptied (``load_state_dict`` of an empty state) while a captured graph is replayed.
+    """
+
+    def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
+                 generator: torch.Generator | None = None):
+        B, kind = buffer._check_sample_args(batch_size, True, with_next_obs)
+        if generator is not None and (not isinstance(generator, torch.Generator)
+                                      or generator.device.type != buffer.device.type):
+            got = generator.device if isinstance(generator, torch.Generator) else type(generator).__name__
+            raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, got {got}")
+        buffer._sampler.activate(kind)  # the tree is kept current from now on
+        self.buffer, self.batch_size, self.generator = buffer, B, generator
+        self._tree = buffer._sampler.trees[kind]
+        dev = buffer.device
+        self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
+        self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
+        result, self._work = buffer._outputs(B, buffer._check_out(None, B, with_next_obs))
+        self.out: Transition = _unflatten(result)
+        self._plan = None
+        if buffer.backend == "triton":
+            from gpubuf.kernels import sequence
+
+            self._plan = sequence.plan(self._work, B, buffer.n_steps, dev)
+        self.prioritized = buffer._sampler.prioritized
+        if self.prioritized:
+            self._mass = torch.empty(B, dtype=torch.float64, device=dev)
+            self._min = torch.empty((), dtype=torch.float64, device=dev)
+            self._neg_beta = torch.full((), -buffer.beta, dtype=torch.float64, device=dev)
+            self.out.PER_weights = torch.empty(B, dtype=torch.float32, device=dev)
+
+    def set_beta(self, beta: float) -> "GraphSampler":
+        """Set the importance-sampling exponent read by every later draw (and graph replay); returns ``self``."""
+        self._neg_beta.fill_(-finite_float("beta", beta, 0.0))
+        return self
+
+    def sample(self) -> tuple[Transition, torch.Tensor]:
+        """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when prioritized) and
+        ``indices`` (B,) int64 their flat starts; both are the same tensors at every call."""
+        buf, tree = self.buffer, self._tree
+        torch.rand(self.u.shape, dtype=torch.float64, generator=self.generator, out=self.u)
+        ops.tree_sample(buf.backend, tree.tree, tree.offsets, tree.fanout, self.u, self.indices)
+        if self._plan is not None:
+            from gpubuf.kernels import sequence
+
+            sequence.gather_planned(self._plan, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
+        else:
+            ops.sequence_gather(buf.backend, self._work, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
+        if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
+            torch.index_select(tree.tree, 0, self.indices, out=self._mass)
+            torch.amin(self._mass, 0, out=self._min)
+            self._mass.div_(self._min).pow_(self._neg_beta)
+            self.out.PER_weights.copy_(self._mass)
+        return self.out, self.indices
+
