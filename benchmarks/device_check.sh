@@ -24,6 +24,8 @@ timeout 90 python3 benchmarks/bench_history.py --device cuda --n-envs 1024 4096 
 timeout 120 python3 benchmarks/bench_replay.py --device cuda --peers "" --log2-sizes 20,24 --batch 4096 --repeats 20 \
     --out "$OUT/replay_cuda.json" > "$OUT/replay_cuda.md" 2>&1 || status=1
 
+timeout 60 python3 benchmarks/bench_graph.py --device cuda --repeats 60 --out "$OUT/graph_cuda.json" \
+    > "$OUT/graph_cuda.md" 2>&1 || status=1
 timeout 60 python3 benchmarks/bench_overhead.py --device cuda --repeats 400 > "$OUT/overhead_cuda.md" 2>&1 || status=1
 cp benchmarks/results/overhead_cuda.json "$OUT/" 2>/dev/null || true
 
@@ -37,6 +39,7 @@ fi
 
 echo "== HistoryBuffer on CUDA =="; cat "$OUT/history_cuda.md"
 echo "== Replay on CUDA =="; tail -n 20 "$OUT/replay_cuda.md"
+echo "== GraphSampler: eager vs CUDA-graph replay =="; cat "$OUT/graph_cuda.md"
 echo "== host overhead on CUDA =="; tail -n 12 "$OUT/overhead_cuda.md"
 echo "== demo =="; cat "$OUT/demo_cuda.md"
 exit $status

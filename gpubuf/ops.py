@@ -103,7 +103,6 @@ for _name, (_schema, _twin, _kernel) in OPS.items():
     _LIB.define(_name + _schema)
     _LIB.impl(_name, _twin, "CPU")
     _LIB.impl(_name, _kernel, "CUDA")
-    _LIB.impl(_name, lambda *args: None, "Meta")
     torch.library.register_fake(f"gpubuf::{_name}", lambda *args: None, lib=_LIB)
 
 _NATIVE = {"cuda": "triton"}  # the backend each device type's registered implementation uses (else torch)
