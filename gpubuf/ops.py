@@ -7,8 +7,8 @@ device and ``torch.compile`` traces the ops without graph breaks. Every op write
 for the buffers built while it is set (the Triton kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
 Triton is imported only when a kernel runs, so ``import gpubuf`` works without a GPU or driver.
 
-The buffers call the functions below, which take the buffer's backend and Python containers and call
-the op (or, when the backend is forced away from the device's own, the other implementation directly).
+The buffers call the functions below, which take the buffer's backend and Python containers; eager calls
+run the implementation directly (see :func:`_run`), traced ones the op.
 """
 
 import importlib
@@ -109,8 +109,11 @@ _NATIVE = {"cuda": "triton"}  # the backend each device type's registered implem
 
 
 def _run(backend: str, device: torch.device, name: str, *args) -> None:
-    """Call op ``name``: through the dispatcher when ``backend`` is the device's own, else the forced one."""
-    if backend == _NATIVE.get(device.type, "torch"):
+    """Run op ``name`` with ``backend``'s implementation. Under ``torch.compile`` the call goes through
+    ``torch.ops.gpubuf`` (the dispatcher picks the implementation by device and Dynamo traces the op);
+    eager calls go straight to the implementation the dispatcher would pick, or to the forced one: boxing
+    tensor lists through the dispatcher costs about 50 us per call on a small CPU, more than the work."""
+    if torch.compiler.is_compiling() and backend == _NATIVE.get(device.type, "torch"):
         getattr(torch.ops.gpubuf, name).default(*args)
     else:
         OPS[name][2 if backend == "triton" else 1](*args)

@@ -85,7 +85,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         ``with_replacement=False``."""
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
         dst = self._check_out(out, B, with_next_obs)
-        idx, mass = self._sampler.draw(kind, B, self._uniforms(key), with_replacement)
+        idx, mass = self._sampler.draw(kind, B, self._generator(key), with_replacement)
         batch = self._gather(idx, dst, out)
         batch.PER_weights = (mass / mass.min()).pow_(-self.beta).to(torch.float32)
         return batch, idx

@@ -15,6 +15,8 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     The widest of int64/int32/int16/uint8 that divides the row's bytes and every tensor's byte offset;
     for pure copies, moving int64 words instead of bytes is what makes a gather run at memcpy speed.
     """
+    if all(t.dtype == torch.int64 and t.stride(-1) == 1 for t in tensors):
+        return tensors  # already rows of the widest word (the buffers' own word views)
     row_bytes = tensors[0].shape[1] * tensors[0].element_size()
     if row_bytes == 0:  # zero-width rows: nothing to move, any view will do
         return tuple(_canonical(t).view(torch.uint8) for t in tensors)

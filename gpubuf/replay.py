@@ -190,8 +190,9 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._host = {p: t.numpy() for p, t in self._data.items()
                       if self.device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY}
         self._staging = Staging(self.device)
-        # uniforms come from a host generator and travel through pinned staging: the same seed samples the
-        # same starts on every device, and the RNG state round-trips exactly across devices
+        # draws come from a host generator (uniforms, or starts drawn on the host) and travel through pinned
+        # staging: the same seed samples the same starts on every device, and the RNG state round-trips
+        # exactly across devices
         self._gen = torch.Generator()
         if seed is not None:
             self._gen.manual_seed(int(seed))
@@ -320,16 +321,6 @@ class TransitionBuffer(checkpoint.Checkpointable):
             return g
         raise TypeError(f"key: expected a torch.Generator, an int seed or None, got {type(key).__name__}")
 
-    def _uniforms(self, key):
-        """``n -> (n,)`` float64 uniforms on the buffer's device, drawn by the generator ``key`` names."""
-        g = self._generator(key)
-
-        def uniforms(n: int) -> torch.Tensor:
-            u = torch.rand(n, dtype=torch.float64, generator=g, device=g.device)
-            return self._staging.to_device(u, "__uniform__")
-
-        return uniforms
-
     def _check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool) -> tuple[int, int]:
         B = self.sample_batch_size if batch_size is None else batch_size
         if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
@@ -363,7 +354,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         """
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
         dst = self._check_out(out, B, with_next_obs)
-        idx, _ = self._sampler.draw(kind, B, self._uniforms(key), with_replacement)
+        idx, _ = self._sampler.draw(kind, B, self._generator(key), with_replacement)
         return self._gather(idx, dst, out)
 
     def graph_sampler(self, batch_size: int | None = None, with_next_obs: bool = False, generator=None):

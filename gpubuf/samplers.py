@@ -7,8 +7,7 @@ which starts are valid; the policy turns that into mass: 1 per valid start (:cla
 ``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A valid start's mass is never zero.
 """
 
-from collections.abc import Callable
-
+import numpy as np
 import torch
 
 from gpubuf import ops
@@ -16,8 +15,6 @@ from gpubuf.interrupts import signals_held
 from gpubuf.prefix_tree import PrefixSumTree
 from gpubuf.ring import StartRing
 from gpubuf.staging import Staging
-
-Uniforms = Callable[[int], torch.Tensor]  # n -> (n,) float64 uniforms in [0, 1) on the device
 
 
 class UniformSampler:
@@ -83,27 +80,38 @@ class UniformSampler:
         self.activate(kind)
         return self.trees[kind].tree[:self.trees[kind].capacity].clone()
 
-    def draw(self, kind: int, B: int, uniforms: Uniforms, with_replacement: bool):
-        """``(flat starts (B,) int64, their masses (B,) float64 or None)``. With replacement, while the valid
-        starts are one ring range of rows, they are drawn from the range directly (no tree descent, no
-        masses); otherwise the tree is descended."""
+    def uniforms(self, g: torch.Generator, n: int) -> torch.Tensor:
+        """(n,) float64 uniforms in [0, 1) on the device, drawn by ``g`` on its own device."""
+        u = torch.rand(n, dtype=torch.float64, generator=g, device=g.device)
+        return self._staging.to_device(u, "__uniform__")
+
+    def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
+        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator ``g``. With
+        replacement, while the valid starts are one ring range of rows, they are drawn from the range
+        directly (no tree descent, no masses); otherwise the tree is descended."""
         if with_replacement and not self.prioritized and self.ring.one_range(kind):
-            return self._range_draw(kind, uniforms(B)), None
+            return self._range_draw(kind, B, g), None
         self.activate(kind)
         tree = self.trees[kind]
         if with_replacement:
-            idx = tree.sample(uniforms(B))
+            idx = tree.sample(self.uniforms(g, B))
             return idx, tree.leaves(idx)
-        return self._draw_without_replacement(tree, B, uniforms)
+        return self._draw_without_replacement(tree, B, g)
 
-    def _range_draw(self, kind: int, u: torch.Tensor) -> torch.Tensor:
-        """(B,) flat starts drawn uniformly by ``u`` (B,) among the ring range of valid starts."""
+    def _range_draw(self, kind: int, B: int, g: torch.Generator) -> torch.Tensor:
+        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where ``g`` draws
+        (for a host generator, on the host, so one copy of the starts reaches the device)."""
         M, E = self.ring.max_rows, self.ring.n_envs
         base, n = self.ring.range_starts(kind)
-        k = u.mul(n).long().clamp_max_(n - 1)  # uniform over the n valid (row, env) pairs
-        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(k.remainder(E))
+        u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
+        if g.device.type == "cpu":
+            k = np.minimum((u.numpy() * n).astype(np.int64), n - 1)  # uniform over the n valid (row, env) pairs
+            idx = (k // E + base) % M * E + k % E
+            return self._staging.to_device(torch.from_numpy(idx), "__starts__")
+        k = u.mul(n).long().clamp_max_(n - 1)
+        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(k.remainder(E)).to(self.device)
 
-    def _draw_without_replacement(self, tree: PrefixSumTree, B: int, uniforms: Uniforms):
+    def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
         """Exact sequential sampling without replacement: rounds of draws with replacement, keeping first
         appearances, with the drawn starts' mass zeroed between rounds and restored at the end (one device
         read per round). The tree is restored whatever happens: an exception restores it, and asynchronous
@@ -113,7 +121,7 @@ class UniformSampler:
         with signals_held():
             try:
                 while need > 0:
-                    draws = tree.sample(uniforms(max(2 * need, 16)))
+                    draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
                     uniq, inv = torch.unique(draws, return_inverse=True)
                     first = torch.full_like(uniq, draws.numel()).scatter_reduce_(
                         0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
