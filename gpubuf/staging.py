@@ -6,6 +6,8 @@ pinned slot is reused only after the copy that read it has finished (a CUDA even
 overwrite their arrays as soon as the call returns and nothing waits on the device in steady state.
 """
 
+import bisect
+
 import torch
 
 
@@ -22,15 +24,26 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def memory_ranges(tensors) -> tuple[tuple[int, int], ...]:
-    """``(first byte, end byte)`` of each tensor: what :func:`overlaps` tests against."""
-    return tuple(_span(t) for t in tensors)
+    """The memory of ``tensors`` as sorted, disjoint ``(first byte, end byte)`` ranges: what :func:`overlaps`
+    tests against."""
+    merged: list[list[int]] = []
+    for a, b in sorted(_span(t) for t in tensors):
+        if a == b:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return tuple((a, b) for a, b in merged)
 
 
 def overlaps(t: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> bool:
-    """Whether the memory ``t`` can reach overlaps any of ``ranges`` (from :func:`memory_ranges`), whatever
-    object owns it (a torch view, ``torch.from_numpy`` of a numpy view, a DLPack import...)."""
+    """Whether the memory ``t`` can reach overlaps any of ``ranges`` (sorted and disjoint, from
+    :func:`memory_ranges`), whatever object owns it (a torch view, ``torch.from_numpy`` of a numpy view, a
+    DLPack import...). One binary search."""
     a, b = _span(t)
-    return a < b and any(a < end and start < b for start, end in ranges)
+    i = bisect.bisect_left(ranges, (b,)) - 1  # the last range starting before b
+    return a < b and i >= 0 and ranges[i][1] > a
 
 
 def check_disjoint(outputs: dict, owned: tuple) -> None:
