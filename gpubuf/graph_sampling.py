@@ -27,14 +27,20 @@ class GraphSampler:
     buffer's device; register it with the graph, ``CUDAGraph.register_generator_state``) or, when ``None``,
     the device's default generator (``torch.manual_seed`` seeds it; CUDA graphs handle it by themselves).
 
+    ``boundaries`` may be ``"allow"`` or ``"forbid"`` (as in :meth:`TransitionBuffer.sample`; ``"forbid"``
+    sets the constant ``is_first`` / ``mask`` flags once); ``"mask"`` derives its flags from each batch and
+    is not offered here.
+
     ``beta`` (prioritized) lives in a device tensor: a captured graph reads it at every replay, so
     :meth:`set_beta` works between replays. A draw needs at least one valid start; the buffer must not be
     emptied (``load_state_dict`` of an empty state) while a captured graph is replayed.
     """
 
     def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
-                 generator: torch.Generator | None = None):
-        B, kind = buffer._check_sample_args(batch_size, True, with_next_obs)
+                 generator: torch.Generator | None = None, boundaries: str = "allow"):
+        if boundaries not in ("allow", "forbid"):
+            raise ValueError(f"boundaries: expected 'allow' or 'forbid' for a GraphSampler, got {boundaries!r}")
+        B, kind = buffer._check_sample_args(batch_size, True, with_next_obs, boundaries)
         if generator is not None and (not isinstance(generator, torch.Generator)
                                       or generator.device.type != buffer.device.type):
             got = generator.device if isinstance(generator, torch.Generator) else type(generator).__name__
@@ -46,7 +52,7 @@ class GraphSampler:
         self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
         self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
         result, self._work = buffer._outputs(B, buffer._check_out(None, B, with_next_obs))
-        self.out: Transition = _unflatten(result)
+        self.out: Transition = buffer._with_flags(_unflatten(result), boundaries)  # forbid: constant flags
         self._plan = None
         if buffer.backend == "triton":
             from gpubuf.kernels import sequence

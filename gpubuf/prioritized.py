@@ -78,15 +78,16 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
-               with_next_obs: bool = False, *, out: Transition | None = None) -> tuple[Transition, torch.Tensor]:
+               with_next_obs: bool = False, boundaries: str = "allow", *,
+               out: Transition | None = None) -> tuple[Transition, torch.Tensor]:
         """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch carries
-        ``PER_weights`` (B,) float32. Shapes, ``key``, ``with_next_obs`` and ``out`` as in
+        ``PER_weights`` (B,) float32. Shapes, ``key``, ``with_next_obs``, ``boundaries`` and ``out`` as in
         :meth:`TransitionBuffer.sample` (``out.PER_weights`` is replaced by a fresh tensor). Note the default
         ``with_replacement=False``."""
-        B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
+        B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs, boundaries)
         dst = self._check_out(out, B, with_next_obs)
         idx, mass = self._sampler.draw(kind, B, self._generator(key), with_replacement)
-        batch = self._gather(idx, dst, out)
+        batch = self._with_flags(self._gather(idx, dst, out), boundaries)
         batch.PER_weights = (mass / mass.min()).pow_(-self.beta).to(torch.float32)
         return batch, idx
 

@@ -26,7 +26,7 @@ import torch
 from gpubuf import checkpoint, ops, reference
 from gpubuf.inputs import as_tensor, check_cast, check_storable, positive_int
 from gpubuf.interrupts import signals_held
-from gpubuf.ring import StartRing
+from gpubuf.ring import IN_EPISODE, NEXT_OBS, StartRing
 from gpubuf.samplers import UniformSampler
 from gpubuf.staging import Staging, check_disjoint, memory_ranges, overlaps
 from gpubuf.state import check_range, check_state, copy_into, host_tensor, unaliased
@@ -40,7 +40,8 @@ class Transition:
     """One batch of transitions; every field may be a tensor, a (nested) dict of tensors, or ``None``.
 
     ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled
-    from a :class:`~gpubuf.PrioritizedTransitionBuffer` and is never stored.
+    from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first`` and ``mask`` only on batches sampled
+    with ``boundaries="mask"`` or ``"forbid"``. None of the three is ever stored.
     """
 
     observation: Any
@@ -51,8 +52,11 @@ class Transition:
     next_observation: Any = None
     info: dict = dataclasses.field(default_factory=dict)
     PER_weights: Any = None
+    is_first: Any = None
+    mask: Any = None
 
 
+BOUNDARIES = ("allow", "mask", "forbid")
 _NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2)  # storable, no numpy twin
 
 
@@ -170,9 +174,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._has_next_obs = any(p[0] == "next_observation" for p in samples)
         self._obs_paths = [p for p in samples if p[0] == "observation"]
         self._trunc_paths = [p for p in samples if p[0] == "truncated"]
-        # Validity kinds: 0 = plain windows of n_steps rows; 1 = windows of n_steps+1 rows whose first
-        # n_steps rows hold no truncation (next observations inferred from the following row).
-        kinds = (0,) if self._has_next_obs or not self._obs_paths else (0, 1)
+        self._end_paths = [p for p in samples if p[0] in ("terminated", "truncated")]
+        # Validity kinds (gpubuf.ring): NEXT_OBS when next observations are inferred from the following row,
+        # IN_EPISODE when windows may not cross an episode end
+        kinds = (0,) if self._has_next_obs or not self._obs_paths else (0, NEXT_OBS)
+        if self._end_paths:
+            kinds += tuple(k | IN_EPISODE for k in kinds)
 
         shapes = {_leaf_name(p): ((M, E) if self.vectorized_env else (M,)) + s for p, s in self._shapes.items()}
         dtypes = {_leaf_name(p): self._dtypes[p] for p in samples}
@@ -183,8 +190,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._flat = {p: t.view(M * E, -1) for p, t in self._data.items()}  # (M*E, D) views
         # the same rows as int words (reference.as_words): windows are gathered and allocated as words
         self._words = {p: reference.as_words(t)[0] for p, t in self._flat.items()}
-        # every device tensor held: inputs reading them are copied first
-        self._owned = memory_ranges([*self._data.values(), *self._sampler.tensors()])
+        self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
         # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
         # slice assignment
         self._host = {p: t.numpy() for p, t in self._data.items()
@@ -199,6 +205,14 @@ class TransitionBuffer(checkpoint.Checkpointable):
         else:
             self._gen.seed()
 
+    @property
+    def _owned(self) -> tuple:
+        """Memory ranges of every device tensor held: inputs reading them are copied before a write."""
+        if self._owned_at[0] != self._sampler.allocations:
+            self._owned_at = (self._sampler.allocations,
+                              memory_ranges([*self._data.values(), *self._sampler.tensors()]))
+        return self._owned_at[1]
+
     def _make_sampler(self) -> UniformSampler:
         """The sampling policy composed into this buffer."""
         return UniformSampler(self._ring, self.device, self.backend)
@@ -211,27 +225,35 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held: storage, prefix-sum trees, validity masks and priorities."""
+        """Device bytes held: storage, priorities, and the prefix-sum tree and validity mask of each sampling
+        kind used so far (allocated on the first draw that needs them)."""
         return sum(t.numel() * t.element_size() for t in [*self._data.values(), *self._sampler.tensors()])
 
-    def num_valid(self, with_next_obs: bool = False) -> int:
-        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs``."""
-        kind = self._kind(with_next_obs)
+    def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
+        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and ``boundaries``."""
+        kind = self._kind(with_next_obs, boundaries)
         return self._ring.range_starts(kind)[1] if self._ring.one_range(kind) else self._active_valid(kind)
 
     def _active_valid(self, kind: int) -> int:
         self._sampler.activate(kind)
         return self._ring.n_valid[kind]
 
-    def sampling_mass(self, with_next_obs: bool = False) -> torch.Tensor:
+    def sampling_mass(self, with_next_obs: bool = False, boundaries: str = "allow") -> torch.Tensor:
         """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample` with this
-        ``with_next_obs``: 0 for an invalid start, 1 for a valid one (uniform), ``priority**alpha``
-        (prioritized). A read-only diagnostic (one device copy); the sampler's own state is not exposed."""
-        return self._sampler.sampling_mass(self._kind(with_next_obs))
+        ``with_next_obs`` and ``boundaries``: 0 for an invalid start, 1 for a valid one (uniform),
+        ``priority**alpha`` (prioritized). A read-only diagnostic (one device copy); the sampler's own state
+        is not exposed."""
+        return self._sampler.sampling_mass(self._kind(with_next_obs, boundaries))
 
-    def _kind(self, with_next_obs: bool) -> int:
-        """The validity kind that ``with_next_obs`` samples from."""
-        kind = 0 if (not with_next_obs or self._has_next_obs) else 1
+    def _kind(self, with_next_obs: bool, boundaries: str = "allow") -> int:
+        """The validity kind that ``with_next_obs`` and ``boundaries`` sample from."""
+        if boundaries not in BOUNDARIES:
+            raise ValueError(f"boundaries: expected one of {BOUNDARIES}, got {boundaries!r}")
+        if boundaries != "allow" and not self._end_paths:
+            raise ValueError(f"boundaries: {boundaries!r} needs episode ends, but the buffer stores neither "
+                             "terminated nor truncated")
+        kind = (0 if (not with_next_obs or self._has_next_obs) else NEXT_OBS) | \
+            (IN_EPISODE if boundaries == "forbid" else 0)
         if kind not in self._ring.kinds:
             raise ValueError("with_next_obs: the buffer stores neither next_observation nor observation")
         return kind
@@ -269,7 +291,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if not 1 <= T <= M:
             raise ValueError(f"transition: expected 1 <= T <= {M} rows per insert, got T = {T}")
         # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
-        trunc = self._truncation(values, T)
+        trunc, ends = self._any_set(values, self._trunc_paths, T), self._any_set(values, self._end_paths, T)
         # ---- phase 1: stage every leaf (any conversion error happens here, before the first write)
         staged = {}
         for p, t in values.items():
@@ -280,7 +302,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             else:
                 staged[p] = self._staging.stage(t, self._names[p], self._dtypes[p], self._owned)
         with signals_held():  # ---- phase 2: commit
-            pos, first = self._ring.write(T, trunc)  # first: rows before the ring wraps
+            pos, first = self._ring.write(T, trunc, ends)  # first: rows before the ring wraps
             for p, src in staged.items():
                 dst = self._host[p] if isinstance(src, np.ndarray) else self._data[p]
                 if first == T:
@@ -292,12 +314,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self._sampler.refresh_after_write(pos, T)
         return self
 
-    def _truncation(self, leaves: dict, T: int) -> np.ndarray | None:
-        """(T, E) host bool: whether any ``truncated`` leaf of each row is nonzero (None without one)."""
-        if not self._trunc_paths:
+    def _any_set(self, leaves: dict, paths: list, T: int) -> np.ndarray | None:
+        """(T, E) host bool: whether any of the leaves ``paths`` is nonzero in each row (None without one)."""
+        if not paths:
             return None
         flags = []
-        for p in self._trunc_paths:
+        for p in paths:
             t = leaves[p].detach()
             if t.device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY:
                 a = t.numpy().reshape(T, self.n_envs, -1)  # host flags: numpy, a few microseconds
@@ -321,18 +343,21 @@ class TransitionBuffer(checkpoint.Checkpointable):
             return g
         raise TypeError(f"key: expected a torch.Generator, an int seed or None, got {type(key).__name__}")
 
-    def _check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool) -> tuple[int, int]:
+    def _check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
+                           boundaries: str = "allow") -> tuple[int, int]:
         B = self.sample_batch_size if batch_size is None else batch_size
         if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
             raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
         if B * (self.n_steps + 1) >= 2**31:
             raise ValueError(f"batch_size: expected fewer than 2**31 window rows per sample, got {B} windows of "
                              f"{self.n_steps} rows")
-        kind = self._kind(with_next_obs)
-        n = self.num_valid(with_next_obs)
+        kind = self._kind(with_next_obs, boundaries)
+        n = self.num_valid(with_next_obs, boundaries)
         if n == 0:
+            what = (" without truncation" if kind & NEXT_OBS else "") + (" inside one episode" if kind & IN_EPISODE
+                                                                          else "")
             raise ValueError(f"sample: no valid sequence start yet ({self._ring.count} rows written per env, windows "
-                             f"of {self._ring.window(kind)} rows{' without truncation' if kind else ''})")
+                             f"of {self._ring.window(kind)} rows{what})")
         if not with_replacement and B > n:
             raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement "
                              "needs")
@@ -340,7 +365,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
-               with_next_obs: bool = False, *, out: Transition | None = None) -> Transition:
+               with_next_obs: bool = False, boundaries: str = "allow", *, out: Transition | None = None) -> Transition:
         """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts.
 
         Leaves come back ``(B, n_steps, ...)`` (``(B, ...)`` when ``n_steps == 1``). ``with_next_obs`` fills
@@ -348,22 +373,63 @@ class TransitionBuffer(checkpoint.Checkpointable):
         samples a window whose first ``n_steps`` rows hold a truncation. Raises ``ValueError`` when there
         is no valid start, or fewer valid starts than ``batch_size`` without replacement.
 
+        ``boundaries`` says what a window may do at an episode end (a row whose ``terminated`` or ``truncated``
+        is set; needs one of those leaves):
+
+        - ``"allow"`` (default): windows run on into the next episode, unmarked;
+        - ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and ``mask``
+          ``(B, n_steps)`` bool: ``is_first[:, j]`` is set where row ``j - 1`` ended an episode (and at
+          ``j = 0``: a window starts its own sequence), ``mask[:, j]`` while no earlier row of the window
+          ended one (the steps of the start's episode);
+        - ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are
+          drawn (the last row may end one; episodes shorter than the window are never drawn); the batch
+          carries ``is_first`` and ``mask`` too (first step only, and all set).
+
+        With ``n_steps == 1`` the flags are ``(B,)`` and all set.
+
         ``out`` may be a :class:`Transition` of preallocated tensors of exactly the returned shapes and dtypes
         on the buffer's device: the windows are written there and ``out`` is returned (no allocation; large
         fresh CPU outputs otherwise pay page faults on every call).
         """
-        B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs)
+        B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs, boundaries)
         dst = self._check_out(out, B, with_next_obs)
         idx, _ = self._sampler.draw(kind, B, self._generator(key), with_replacement)
-        return self._gather(idx, dst, out)
+        return self._with_flags(self._gather(idx, dst, out), boundaries)
 
-    def graph_sampler(self, batch_size: int | None = None, with_next_obs: bool = False, generator=None):
+    def _with_flags(self, batch: Transition, boundaries: str) -> Transition:
+        """``batch`` with ``is_first`` and ``mask`` (B, n_steps) bool set from its sampled episode ends, unless
+        ``boundaries == "allow"``."""
+        if boundaries == "allow":
+            return batch
+        leaves = _flatten(batch, "out")
+        B, n = leaves[self._end_paths[0]].shape[0], self.n_steps
+        if n == 1:
+            batch.is_first = torch.ones(B, dtype=torch.bool, device=self.device)
+            batch.mask = torch.ones(B, dtype=torch.bool, device=self.device)
+            return batch
+        if boundaries == "forbid":  # no episode end before a window's last row: constant flags
+            batch.mask = torch.ones(B, n, dtype=torch.bool, device=self.device)
+            batch.is_first = torch.zeros(B, n, dtype=torch.bool, device=self.device)
+            batch.is_first[:, 0] = True
+            return batch
+        done = torch.zeros(B, n, dtype=torch.bool, device=self.device)
+        for p in self._end_paths:
+            done |= (leaves[p] != 0).reshape(B, n, -1).any(2)
+        ended = done[:, :-1]  # (B, n-1): row j ended an episode
+        first = torch.ones(B, 1, dtype=torch.bool, device=self.device)
+        batch.is_first = torch.cat([first, ended], 1)
+        batch.mask = torch.cat([first, (~ended).cumprod(1).bool()], 1)
+        return batch
+
+    def graph_sampler(self, batch_size: int | None = None, with_next_obs: bool = False, generator=None,
+                      boundaries: str = "allow"):
         """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with device-side
-        random numbers and no host sync, for capture in a CUDA graph. ``batch_size`` and ``with_next_obs`` are
-        fixed at construction; ``generator`` is a device ``torch.Generator`` (``None``: the device default)."""
+        random numbers and no host sync, for capture in a CUDA graph. ``batch_size``, ``with_next_obs`` and
+        ``boundaries`` (``"allow"`` or ``"forbid"``) are fixed at construction; ``generator`` is a device
+        ``torch.Generator`` (``None``: the device default)."""
         from gpubuf.graph_sampling import GraphSampler
 
-        return GraphSampler(self, batch_size, with_next_obs, generator)
+        return GraphSampler(self, batch_size, with_next_obs, generator, boundaries)
 
     def _jobs(self, B: int, with_next_obs: bool):
         """(output path, source path, shift, output shape) of every returned leaf."""
@@ -466,7 +532,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         except RuntimeError as err:
             raise ValueError(f"state_dict['rng']: not a generator state ({err})") from None
         trunc = host_tensor(state["trunc"]).numpy().copy()
-        stored = self._truncation({p: host_tensor(state["data"][self._names[p]]) for p in self._trunc_paths}, M)
+        flags = {p: host_tensor(state["data"][self._names[p]]) for p in self._end_paths}
+        stored, ends = self._any_set(flags, self._trunc_paths, M), self._any_set(flags, self._end_paths, M)
         if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
             raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         extra = self._check_extra_state(state)
@@ -479,10 +546,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 self._load_extra_state(state, extra)
             except BaseException:
                 # the data is half-read (a read error): forget every row
-                self._ring.restore(0, 0, np.zeros_like(self._ring.trunc))
+                self._ring.restore(0, 0, np.zeros_like(self._ring.trunc), np.zeros_like(self._ring.ends))
                 self._sampler.forget()
                 raise
-            self._ring.restore(pos, count, trunc)  # validity and trees are rebuilt from the rows on next use
+            # validity and trees are rebuilt from the rows on next use
+            self._ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends)
             self._sampler.forget()
             self._gen.set_state(rng)
 

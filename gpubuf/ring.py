@@ -1,18 +1,23 @@
 """StartRing: the host-side bookkeeping of a time-major replay ring (no tensors, no device).
 
 A ring holds ``M`` rows per env for ``E`` envs; a sequence start is the flat index ``row * E + env``. The
-ring knows the write position, how many rows are written, which rows carry a truncation, and, per
-validity kind, which starts may begin a window:
+ring knows the write position, how many rows are written, which rows carry a truncation or end an episode
+(terminated or truncated), and, per validity kind, which starts may begin a window. A kind is two bits:
 
-- kind 0: windows of ``n_steps`` rows inside the written rows, not across the write seam;
-- kind 1: windows of ``n_steps + 1`` rows (next observations are read from the following row) whose first
-  ``n_steps`` rows hold no truncation.
+- bit 0 (``NEXT_OBS``): windows of ``n_steps + 1`` rows (next observations are read from the following
+  row) whose first ``n_steps`` rows hold no truncation; else windows of ``n_steps`` rows;
+- bit 1 (``IN_EPISODE``): no episode ends in the window's first ``n_steps - 1`` rows (its last row may end
+  one), so the window never crosses into the next episode.
+
+Every kind's windows lie inside the written rows and never cross the write seam.
 
 Everything here is numpy on the host: the replay buffer turns the validity it computes into device masks
 and sampling mass.
 """
 
 import numpy as np
+
+NEXT_OBS, IN_EPISODE = 1, 2  # validity kind bits
 
 
 class StartRing:
@@ -30,28 +35,38 @@ class StartRing:
         self.pos = 0  # next row written
         self.count = 0  # rows written, at most M
         self.trunc = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows holding a truncation
-        self.n_trunc = 0  # truncated rows stored: while 0, every kind's valid starts are one ring range of rows
+        self.n_trunc = 0  # truncated rows stored
+        self.ends = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows ending an episode
+        self.n_ends = 0  # rows ending an episode stored (while both counts are 0, every kind is one ring range)
         self.valid = {k: np.zeros((max_rows, n_envs), dtype=bool) for k in self.kinds}  # (M, E) per kind
         self.n_valid = dict.fromkeys(self.kinds, 0)
 
     def window(self, kind: int) -> int:
         """Rows a window of this kind reads."""
-        return self.n_steps + kind
+        return self.n_steps + (kind & NEXT_OBS)
 
-    def write(self, T: int, trunc: np.ndarray | None) -> tuple[int, int]:
-        """Account for ``T`` rows written at the write position with truncation flags ``trunc`` (T, E) (or
-        None: no ``truncated`` leaf); returns ``(old position, rows before the ring wraps)``."""
+    def write(self, T: int, trunc: np.ndarray | None, ends: np.ndarray | None) -> tuple[int, int]:
+        """Account for ``T`` rows written at the write position with truncation flags ``trunc`` (T, E) and
+        episode ends ``ends`` (T, E) (None: no such leaf); returns ``(old position, rows before the wrap)``."""
         M, pos = self.max_rows, self.pos
         first = min(T, M - pos)
-        if trunc is not None:
-            old = int(np.count_nonzero(self.trunc[pos:pos + first])) + int(np.count_nonzero(self.trunc[:T - first]))
-            self.n_trunc += int(np.count_nonzero(trunc)) - old
-            self.trunc[pos:pos + first] = trunc[:first]
-            if first < T:
-                self.trunc[:T - first] = trunc[first:]
+        self.n_trunc += self._put(self.trunc, trunc, pos, first, T)
+        self.n_ends += self._put(self.ends, ends, pos, first, T)
         self.pos = (pos + T) % M
         self.count = min(self.count + T, M)
         return pos, first
+
+    @staticmethod
+    def _put(flags: np.ndarray, new: np.ndarray | None, pos: int, first: int, T: int) -> int:
+        """Write ``new`` (T, E) into ``flags`` at ``pos`` (wrapping after ``first`` rows); returns the change in
+        set flags."""
+        if new is None:
+            return 0
+        old = int(np.count_nonzero(flags[pos:pos + first])) + int(np.count_nonzero(flags[:T - first]))
+        flags[pos:pos + first] = new[:first]
+        if first < T:
+            flags[:T - first] = new[first:]
+        return int(np.count_nonzero(new)) - old
 
     def changed_rows(self, old_pos: int, T: int, kinds) -> list[tuple[int, int]]:
         """Row ranges ``[r0, r1)`` (at most two) whose starts' windows changed after writing ``T`` rows at
@@ -71,9 +86,15 @@ class StartRing:
         ok = np.zeros(r1 - r0, dtype=bool)
         ok[:max(last - t0 + 1, 0)] = True  # before the time index wraps past M
         ok[M - t0:max(last - t0 + M + 1, 0)] = True  # after it
-        if kind == 1 and self.n_trunc:
-            win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps)) % M  # (K, n)
-            return (ok[:, None] & ~self.trunc[win].any(1)).reshape(-1)
+        bad = None  # (K, E) starts whose window holds a forbidden flag
+        if kind & NEXT_OBS and self.n_trunc:
+            win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps)) % M  # (K, n) rows
+            bad = self.trunc[win].any(1)
+        if kind & IN_EPISODE and self.n_ends and self.n_steps > 1:
+            win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps - 1)) % M  # (K, n-1) rows
+            bad = self.ends[win].any(1) if bad is None else bad | self.ends[win].any(1)
+        if bad is not None:
+            return (ok[:, None] & ~bad).reshape(-1)
         return ok if E == 1 else np.repeat(ok, E)
 
     def refresh(self, kind: int, r0: int, r1: int) -> tuple[np.ndarray, int]:
@@ -88,9 +109,11 @@ class StartRing:
         return ok, n_ok
 
     def one_range(self, kind: int) -> bool:
-        """Whether the valid starts of ``kind`` are every env's start in one ring range of rows (kind 0 always,
-        kind 1 while no truncation is stored)."""
-        return kind == 0 or self.n_trunc == 0
+        """Whether the valid starts of ``kind`` are every env's start in one ring range of rows: always for kind
+        0; with ``NEXT_OBS`` while no truncation is stored, with ``IN_EPISODE`` while no episode end is (or
+        windows are single rows)."""
+        return (not kind & NEXT_OBS or self.n_trunc == 0) and \
+            (not kind & IN_EPISODE or self.n_ends == 0 or self.n_steps == 1)
 
     def range_starts(self, kind: int) -> tuple[int, int]:
         """``(oldest row, number of valid starts)`` when :meth:`one_range`: starts ``(oldest + t) % M`` for
@@ -104,8 +127,8 @@ class StartRing:
             self.valid[kind][:] = False
             self.n_valid[kind] = 0
 
-    def restore(self, pos: int, count: int, trunc: np.ndarray) -> None:
-        """Set the write position, row count and truncation flags (validity forgotten)."""
-        self.pos, self.count, self.trunc = pos, count, trunc
-        self.n_trunc = int(np.count_nonzero(trunc))
+    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray) -> None:
+        """Set the write position, row count, truncation flags and episode ends (validity forgotten)."""
+        self.pos, self.count, self.trunc, self.ends = pos, count, trunc, ends
+        self.n_trunc, self.n_ends = int(np.count_nonzero(trunc)), int(np.count_nonzero(ends))
         self.forget_validity()

@@ -23,21 +23,27 @@ class UniformSampler:
     prioritized = False
 
     def __init__(self, ring: StartRing, device: torch.device, backend: str):
-        self.ring, self.device = ring, device
-        L = ring.max_rows * ring.n_envs
-        self.trees = {k: PrefixSumTree(L, device, backend) for k in ring.kinds}
-        self.valid = ops.allocate({k: (L,) for k in ring.kinds}, dict.fromkeys(ring.kinds, torch.bool), device)
+        self.ring, self.device, self.backend = ring, device, backend
+        self.trees: dict[int, PrefixSumTree] = {}  # per kind, allocated on first use
+        self.valid: dict[int, torch.Tensor] = {}  # (M*E,) bool device validity mask per kind, likewise
         self.active: set[int] = set()  # kinds whose tree and mask are kept up to date
+        self.allocations = 0  # bumped whenever tensors() grows
         self._staging = Staging(device)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every device tensor the policy holds."""
+        """Every device tensor the policy holds (trees and masks exist once their kind was first used)."""
         return [*(t.tree for t in self.trees.values()), *self.valid.values()]
 
     def activate(self, kind: int) -> None:
-        """Build the tree and mask of ``kind`` (one pass over every row) unless they are kept already; signals
-        are held meanwhile, and the kind counts as kept only once built."""
+        """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every row) unless
+        they are kept already; signals are held meanwhile, and the kind counts as kept only once built."""
         if kind not in self.active:
+            if kind not in self.trees:
+                L = self.ring.max_rows * self.ring.n_envs
+                tree = PrefixSumTree(L, self.device, self.backend)
+                self.valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool}, self.device)["valid"]
+                self.trees[kind] = tree
+                self.allocations += 1
             with signals_held():
                 self.refresh_rows(kind, 0, self.ring.max_rows)
                 self.active.add(kind)

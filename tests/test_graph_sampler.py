@@ -93,6 +93,20 @@ def test_set_beta_reaches_later_draws_and_bad_arguments_are_named():
         buf.graph_sampler(generator=3)
     with pytest.raises(ValueError, match="batch_size"):
         buf.graph_sampler(batch_size=0)
+    with pytest.raises(ValueError, match="boundaries: expected 'allow' or 'forbid'"):
+        buf.graph_sampler(boundaries="mask")
+
+
+def test_forbid_draws_windows_inside_one_episode(backend, device):
+    E, M, n = 2, 20, 3
+    buf = TransitionBuffer(E * M, 8, make_transition(0, 1, E), n_steps=n, device=device, seed=0)
+    buf.insert(make_transition(0, 18, E, trunc_steps=(5, 11)))
+    gs = buf.graph_sampler(batch_size=32, boundaries="forbid", generator=torch.Generator(device).manual_seed(0))
+    for _ in range(3):
+        out, idx = gs.sample()
+        _check_windows(out, idx, E, M, n)
+        assert not out.truncated[:, :-1].any()  # no episode end before the last row
+        assert out.is_first[:, 0].all() and not out.is_first[:, 1:].any() and out.mask.all()
 
 
 @pytest.mark.cuda

@@ -1,0 +1,151 @@
+"""Episode-aware sequence sampling: ``boundaries="allow" | "mask" | "forbid"`` on stored terminated and
+truncated flags, with index-valued data (observation = step * E + env) so every window shows its rows."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
+
+E, M = 3, 24
+
+
+def episodes(T: int, seed: int, t0: int = 0):
+    """T rows of E envs; (terminated, truncated) set at random, including one-step episodes."""
+    rng = np.random.default_rng(seed)
+    term = rng.random((T, E)) < 0.15
+    trunc = (rng.random((T, E)) < 0.08) & ~term
+    if T > 4 and t0 == 0:
+        term[3, 0] = term[4, 0] = True  # env 0: a one-step episode at row 4
+    v = (np.arange(t0, t0 + T)[:, None] * E + np.arange(E)).astype(np.float32)
+    tr = Transition(observation=np.repeat(v[..., None], 2, -1), action=v.copy(), reward=v.copy(),
+                    terminated=term, truncated=trunc)
+    return tr, term | trunc, trunc
+
+
+def build(cls, n, device, T=20, seed=0):
+    buf = cls(E * M, 16, episodes(1, 0)[0], n_steps=n, device=device, seed=seed)
+    tr, ends, trunc = episodes(T, seed)
+    buf.insert(tr)
+    return buf, ends, trunc
+
+
+def brute_valid(ends, trunc, T, n, next_obs, forbid):
+    """(T*E,) bool over flat starts (step * E + env) of rows 0..T-1 (no wrap)."""
+    W = n + int(next_obs)
+    ok = np.zeros((T, E), dtype=bool)
+    for t in range(T - W + 1):
+        row = np.ones(E, dtype=bool)
+        if next_obs:
+            row &= ~trunc[t:t + n].any(0)
+        if forbid and n > 1:
+            row &= ~ends[t:t + n - 1].any(0)
+        ok[t] = row
+    return ok.reshape(-1)
+
+
+def rows_of(batch, n):
+    steps = batch.observation[..., 0].cpu().numpy().astype(np.int64)  # (B, n) values
+    return steps // E, steps % E
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+@pytest.mark.parametrize("next_obs", [False, True])
+def test_forbid_draws_exactly_the_windows_inside_one_episode(backend, device, prioritized, next_obs):
+    n, T = 4, 20
+    buf, ends, trunc = build(PrioritizedTransitionBuffer if prioritized else TransitionBuffer, n, device, T)
+    want = brute_valid(ends, trunc, T, n, next_obs, forbid=True)
+    mass = buf.sampling_mass(next_obs, boundaries="forbid").cpu().numpy()[:T * E]
+    np.testing.assert_array_equal(mass > 0, want)
+    assert buf.num_valid(next_obs, boundaries="forbid") == want.sum()
+    out = buf.sample(batch_size=64, with_replacement=True, with_next_obs=next_obs, boundaries="forbid")
+    batch = out[0] if prioritized else out
+    steps, envs = rows_of(batch, n)
+    assert (envs == envs[:, :1]).all() and (np.diff(steps, axis=1) == 1).all()
+    assert not ends[steps[:, :-1], envs[:, :-1]].any()  # no episode end before the last row
+    assert batch.is_first.shape == (64, n) and batch.is_first[:, 0].all() and not batch.is_first[:, 1:].any()
+    assert batch.mask.all()
+
+
+def test_mask_marks_where_each_window_crosses_an_episode_end(backend, device):
+    n, T = 5, 20
+    buf, ends, _ = build(TransitionBuffer, n, device, T)
+    assert buf.num_valid(boundaries="mask") == buf.num_valid() == (T - n + 1) * E  # crossing is allowed
+    batch = buf.sample(batch_size=200, boundaries="mask", key=1)
+    steps, envs = rows_of(batch, n)
+    done = ends[steps, envs]  # (B, n) episode end per sampled row
+    is_first, mask = batch.is_first.cpu().numpy(), batch.mask.cpu().numpy()
+    assert is_first[:, 0].all() and (is_first[:, 1:] == done[:, :-1]).all()
+    want_mask = np.concatenate([np.ones((200, 1), bool), np.cumprod(~done[:, :-1], axis=1).astype(bool)], 1)
+    assert (mask == want_mask).all()
+    assert (~mask).any() and mask.any(1).all()  # some windows cross, every window keeps its first step
+    # the one-step episode of env 0 at row 4 can start a window here, never under "forbid"
+    flat = 4 * E + 0
+    assert buf.sampling_mass(boundaries="mask")[flat] > 0 and buf.sampling_mass(boundaries="forbid")[flat] == 0
+
+
+def test_forbid_is_uniform_over_its_valid_starts():
+    n, T = 3, 20
+    buf, ends, trunc = build(TransitionBuffer, n, "cpu", T)
+    want = brute_valid(ends, trunc, T, n, False, forbid=True)
+    counts = np.zeros(E * M)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        batch = buf.sample(key=g, batch_size=100, boundaries="forbid")
+        steps, envs = rows_of(batch, n)
+        np.add.at(counts, steps[:, 0] * E + envs[:, 0], 1)
+    assert counts[:T * E][~want].sum() == 0 and counts[T * E:].sum() == 0
+    assert stats.chisquare(counts[:T * E][want]).pvalue > 1e-4
+
+
+def test_prioritized_forbid_follows_priorities_among_its_starts():
+    n, T = 3, 20
+    buf, ends, trunc = build(PrioritizedTransitionBuffer, n, "cpu", T)
+    g = torch.Generator().manual_seed(1)
+    buf.update_priorities(torch.arange(E * M), torch.rand(E * M, generator=g) * 3)
+    p = buf.sampling_mass(boundaries="forbid").numpy()
+    assert ((p > 0)[:T * E] == brute_valid(ends, trunc, T, n, False, forbid=True)).all()
+    counts = np.zeros(E * M)
+    for _ in range(60):
+        _, idx = buf.sample(key=g, batch_size=100, with_replacement=True, boundaries="forbid")
+        np.add.at(counts, idx.numpy(), 1)
+    keep = p > 0
+    assert counts[~keep].sum() == 0
+    assert stats.chisquare(counts[keep], p[keep] / p[keep].sum() * counts.sum()).pvalue > 1e-4
+
+
+def test_validity_follows_wrapping_and_checkpoints(tmp_path):
+    n = 3
+    buf, _, _ = build(TransitionBuffer, n, "cpu", T=20)
+    buf.insert(episodes(15, 5, t0=20)[0])  # wraps: rows 20..34 overwrite the oldest
+    before = buf.sampling_mass(boundaries="forbid")
+    buf.save(tmp_path / "b.ckpt")
+    other = TransitionBuffer(E * M, 16, episodes(1, 0)[0], n_steps=n, device="cpu")
+    other.load(tmp_path / "b.ckpt")
+    assert torch.equal(other.sampling_mass(boundaries="forbid"), before)
+    batch = other.sample(batch_size=50, boundaries="forbid")
+    assert (batch.observation[:, 1:, 0] - batch.observation[:, :-1, 0] == E).all()  # never across the seam
+
+
+def test_single_step_windows_carry_flat_flags():
+    buf, _, _ = build(TransitionBuffer, 1, "cpu")
+    batch = buf.sample(batch_size=7, boundaries="mask")
+    assert batch.is_first.shape == (7,) and batch.is_first.all() and batch.mask.all()
+    assert buf.num_valid(boundaries="forbid") == buf.num_valid()
+
+
+def test_bad_boundaries_are_named_and_need_episode_flags():
+    buf, _, _ = build(TransitionBuffer, 2, "cpu")
+    with pytest.raises(ValueError, match="boundaries: expected one of"):
+        buf.sample(boundaries="never")
+    with pytest.raises(ValueError, match="boundaries: expected one of"):
+        buf.num_valid(boundaries=None)
+    plain = TransitionBuffer(40, 4, Transition(observation=np.zeros((1, 2, 3), np.float32), action=None,
+                                                reward=np.zeros((1, 2), np.float32), terminated=None,
+                                                truncated=None), n_steps=2, device="cpu")
+    plain.insert(Transition(observation=np.zeros((5, 2, 3), np.float32), action=None,
+                            reward=np.zeros((5, 2), np.float32), terminated=None, truncated=None))
+    with pytest.raises(ValueError, match="boundaries: 'forbid' needs episode ends"):
+        plain.sample(boundaries="forbid")
+    assert plain.sample(boundaries="allow").is_first is None
