@@ -40,6 +40,9 @@ class GraphSampler:
                  generator: torch.Generator | None = None, boundaries: str = "allow"):
         if boundaries not in ("allow", "forbid"):
             raise ValueError(f"boundaries: expected 'allow' or 'forbid' for a GraphSampler, got {boundaries!r}")
+        if buffer.storage_device != buffer.device:
+            raise ValueError(f"buffer: a GraphSampler gathers on the sampling device; this buffer's storage is on "
+                             f"{buffer.storage_device}, not {buffer.device}")
         B, kind = buffer._check_sample_args(batch_size, True, with_next_obs, boundaries)
         if generator is not None and (not isinstance(generator, torch.Generator)
                                       or generator.device.type != buffer.device.type):
@@ -81,7 +84,7 @@ class GraphSampler:
 
             sequence.gather_planned(self._plan, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
         else:
-            ops.sequence_gather(buf.backend, self._work, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
+            ops.sequence_gather(buf._storage_backend, self._work, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
         if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
             torch.index_select(tree.tree, 0, self.indices, out=self._mass)
             torch.amin(self._mass, 0, out=self._min)

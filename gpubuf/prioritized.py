@@ -32,7 +32,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     """A :class:`TransitionBuffer` with prioritized experience replay over sequence starts.
 
     Extra args: ``alpha`` (priority exponent; 0 is uniform), ``beta`` (importance-sampling exponent, see
-    :meth:`update_beta`), ``eps`` (> 0, added to ``|td|`` so no start gets zero probability).
+    :meth:`update_beta`), ``eps`` (> 0, added to ``|td|`` so no start gets zero probability). Storage tiers
+    (``storage_device``, ``storage_dir``) as in :class:`TransitionBuffer`; priorities stay on ``device``.
 
     Each start has a raw priority (float32); newly inserted starts get the running ``max_priority``
     (initially 1, never decreasing). ``P_i = p_i**alpha / sum over valid starts``. :meth:`sample` returns
@@ -50,7 +51,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *, device=None,
-                 seed: int | None = None):
+                 seed: int | None = None, storage_device=None, storage_dir=None):
         self.alpha = finite_float("alpha", alpha, 0.0)
         self.beta = finite_float("beta", beta, 0.0)
         self.eps = finite_float("eps", eps, 0.0, low_open=True)
@@ -59,7 +60,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         if self.alpha * math.log(_f32(self.eps)) < _LOG_TINY:
             raise ValueError(f"eps, alpha: eps**alpha = {_f32(self.eps):g}**{self.alpha:g} underflows float64, so a "
                              "start with a zero TD error could never be drawn; raise eps or lower alpha")
-        super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps, device=device, seed=seed)
+        super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps, device=device, seed=seed,
+                         storage_device=storage_device, storage_dir=storage_dir)
         self._check_mass("alpha", 1.0)
 
     def _make_sampler(self) -> PrioritizedSampler:
@@ -182,6 +184,23 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
                                  f"[{_f32(self.eps):g}, max_priority {top:g}] and of the others in [0, max_priority]")
             at += piece.numel()
         return beta, top
+
+    def _flush_extra(self) -> dict:
+        return {"priority": self._sampler.priority.cpu(), "max_priority": self._sampler.max_priority,
+                "beta": self.beta}
+
+    def _reopen_extra(self, state: dict | None, since: int) -> None:
+        sampler = self._sampler
+        if state is not None:
+            check_tensor("storage_dir state priority", state["priority"], (self.max_size,), torch.float32)
+            sampler.priority.copy_(state["priority"])
+            sampler.max_priority = finite_float("storage_dir state max_priority", state["max_priority"], 1.0)
+            self.beta = finite_float("storage_dir state beta", state["beta"], 0.0)
+        if since:  # rows written after the flush: new starts take the running max priority
+            M = self.max_rows
+            first_row = (self._ring.pos - since) % M
+            first = min(since, M - first_row)
+            sampler.rows_written(first_row, first, since)
 
     def _load_extra_state(self, state, extra: tuple[float, float]) -> None:
         priority = self._sampler.priority

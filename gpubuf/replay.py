@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpubuf import checkpoint, ops, reference
+from gpubuf import checkpoint, ops, reference, tiers
 from gpubuf.inputs import as_tensor, check_cast, check_storable, positive_int
 from gpubuf.interrupts import signals_held
 from gpubuf.ring import IN_EPISODE, NEXT_OBS, StartRing
@@ -115,8 +115,17 @@ class TransitionBuffer(checkpoint.Checkpointable):
             ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and dtypes.
         vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch on sampling.
         n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else ``(B, n_steps, ...)``.
-        device: storage device; ``None`` -> ``cuda`` when available, else ``cpu``.
+        device: sampling device (validity, prefix-sum trees, priorities, returned batches); ``None`` ->
+            ``cuda`` when available, else ``cpu``.
         seed: seed of the buffer's own generator (used when :meth:`sample` gets ``key=None``).
+        storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host memory: a
+            CUDA buffer then gathers sampled windows on the host, reading the starts back once per sample,
+            and moves them to the device through pinned memory with non-blocking copies).
+        storage_dir: a directory for memory-mapped storage (host memory backed by one file per leaf). If it
+            already holds a buffer of this configuration (any mismatch raises, naming the field), that buffer
+            is re-opened: its rows, write position and counts as of its last insert, and what its last
+            :meth:`flush` saved (sampling RNG; priorities for a prioritized buffer, with rows inserted after
+            that flush at ``max_priority``). One process at a time.
 
     Sampling cost is O(B * levels * fanout) for the tree descent plus the bytes of the windows: it does not
     grow with capacity (with replacement and no stored truncation, a uniform draw skips the tree: the valid
@@ -128,7 +137,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
     """
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
-                 n_steps: int = 1, *, device=None, seed: int | None = None):
+                 n_steps: int = 1, *, device=None, seed: int | None = None, storage_device=None, storage_dir=None):
         max_size = positive_int("max_size", max_size)
         self.sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
         self.n_steps = positive_int("n_steps", n_steps)
@@ -167,6 +176,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
                              f"got {self.sample_batch_size}")
         self.device = ops.resolve_device(device)
         self.backend = ops.backend_for(self.device)
+        self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
+        self._storage_backend = ops.backend_for(self.storage_device)
         self._shapes = {p: tuple(t.shape[lead:]) for p, t in samples.items()}
         self._want = {p: ((E,) if self.vectorized_env else ()) + s for p, s in self._shapes.items()}  # per-row
         self._names = {p: _leaf_name(p) for p in samples}
@@ -183,7 +194,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
         shapes = {_leaf_name(p): ((M, E) if self.vectorized_env else (M,)) + s for p, s in self._shapes.items()}
         dtypes = {_leaf_name(p): self._dtypes[p] for p in samples}
-        storage = ops.allocate(shapes, dtypes, self.device)
+        self._dir = None if storage_dir is None else tiers.StorageDir(storage_dir, self._dir_config(), shapes, dtypes)
+        storage = ops.allocate(shapes, dtypes, self.storage_device) if self._dir is None else self._dir.tensors
         self._ring = StartRing(M, E, self.n_steps, kinds)  # host bookkeeping
         self._sampler = self._make_sampler()  # trees, validity masks (and priorities) on the device
         self._data = {p: storage[_leaf_name(p)] for p in samples}
@@ -194,8 +206,9 @@ class TransitionBuffer(checkpoint.Checkpointable):
         # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
         # slice assignment
         self._host = {p: t.numpy() for p, t in self._data.items()
-                      if self.device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY}
-        self._staging = Staging(self.device)
+                      if self.storage_device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY}
+        self._staging = Staging(self.device)  # inputs bound for the sampling device
+        self._store_staging = Staging(self.storage_device)  # inputs bound for the storage
         # draws come from a host generator (uniforms, or starts drawn on the host) and travel through pinned
         # staging: the same seed samples the same starts on every device, and the RNG state round-trips
         # exactly across devices
@@ -204,6 +217,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self._gen.manual_seed(int(seed))
         else:
             self._gen.seed()
+        if self._dir is not None and self._dir.reopened:
+            self._reopen()
 
     @property
     def _owned(self) -> tuple:
@@ -300,7 +315,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             if fast and not overlaps(t, self._owned):
                 staged[p] = t.numpy()  # CPU storage, same dtype: one numpy slice assignment, which cannot fail
             else:
-                staged[p] = self._staging.stage(t, self._names[p], self._dtypes[p], self._owned)
+                staged[p] = self._store_staging.stage(t, self._names[p], self._dtypes[p], self._owned)
         with signals_held():  # ---- phase 2: commit
             pos, first = self._ring.write(T, trunc, ends)  # first: rows before the ring wraps
             for p, src in staged.items():
@@ -312,6 +327,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
                     dst[:T - first] = src[first:]
             self._sampler.rows_written(pos, first, T)
             self._sampler.refresh_after_write(pos, T)
+            if self._dir is not None:
+                self._dir.set_counters(self._ring.pos, self._ring.count, self._ring.total)
         return self
 
     def _any_set(self, leaves: dict, paths: list, T: int) -> np.ndarray | None:
@@ -458,27 +475,39 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return result
 
     def _gather(self, starts: torch.Tensor, jobs: dict, out: Transition | None = None) -> Transition:
-        result, work = self._outputs(starts.shape[0], jobs)
-        ops.sequence_gather(self.backend, work, starts, self.n_steps, self.n_envs, self.max_rows)
+        B, args = starts.shape[0], (self.n_steps, self.n_envs, self.max_rows)
+        if self.storage_device == self.device:
+            result, work = self._outputs(B, jobs)
+            ops.sequence_gather(self._storage_backend, work, starts, *args)
+            return _unflatten(result) if out is None else out
+        # host storage: gather on the host (into pinned memory for CUDA), then one non-blocking copy per leaf
+        host, work = self._outputs(B, {d: (None, *rest) for d, (_, *rest) in jobs.items()},
+                                   self.storage_device, pin=self.device.type == "cuda")
+        ops.sequence_gather(self._storage_backend, work, starts.to(self.storage_device), *args)
+        result = {}
+        for d, t in host.items():
+            dst = jobs[d][0]
+            result[d] = t.to(self.device, non_blocking=True) if dst is None else dst.copy_(t, non_blocking=True)
         return _unflatten(result) if out is None else out
 
-    def _outputs(self, B: int, jobs: dict) -> tuple[dict, list]:
+    def _outputs(self, B: int, jobs: dict, device=None, pin: bool = False) -> tuple[dict, list]:
         """``({output path: tensor}, [(source words, output words (B, n, D), shift)])`` for :meth:`_check_out`'s
-        ``jobs``: the given output tensors, or fresh ones."""
-        n = self.n_steps
+        ``jobs``: the given output tensors, or fresh ones on ``device`` (default: the buffer's; ``pin``:
+        in pinned host memory)."""
+        n, device = self.n_steps, self.device if device is None else device
         result, work = {}, []
         for d, (dst, s, shift, shape) in jobs.items():
             src = self._words[s]
             if dst is None and src.shape[1] == 0:  # zero-width leaf: nothing to gather
-                dst = torch.empty(shape, dtype=self._dtypes[s], device=self.device)
+                dst = torch.empty(shape, dtype=self._dtypes[s], device=device)
                 result[d] = dst
                 continue
             if dst is None:
                 try:
-                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=self.device)
+                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device, pin_memory=pin)
                 except (RuntimeError, torch.OutOfMemoryError) as err:
                     raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} for "
-                                      f"{_leaf_name(d)}, which cannot be allocated on {self.device} "
+                                      f"{_leaf_name(d)}, which cannot be allocated on {device} "
                                       f"({str(err).splitlines()[0]})") from None
                 dst = words.view(torch.uint8).view(self._dtypes[s]).view(shape)
             else:  # a caller's tensor may sit at any offset: both sides get a word type they share
@@ -553,6 +582,50 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self._ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends)
             self._sampler.forget()
             self._gen.set_state(rng)
+        if self._dir is not None:  # the directory now holds the loaded state
+            self._dir.set_counters(pos, count, count)
+            self.flush()
+
+    # ------------------------------------------------------------------ storage_dir
+
+    def _dir_config(self) -> dict:
+        """The configuration a storage directory must match to be re-opened by this buffer."""
+        config = {"buffer": type(self).__name__, "version": 1}
+        config.update({name: getattr(self, name) for name in self._CONFIG[1:] if name != "sample_batch_size"})
+        return config
+
+    def flush(self):
+        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``, ``beta`` when
+        prioritized) beside the storage and write every file back to disk, so that a later process re-opens
+        this buffer as it is now. Without one: nothing to do. Returns ``self``."""
+        if self._dir is not None:
+            with signals_held():
+                self._dir.save_state({"total": self._ring.total, "rng": self._gen.get_state(), **self._flush_extra()})
+        return self
+
+    def _flush_extra(self) -> dict:
+        """Hook: the subclass's own entries of a :meth:`flush`."""
+        return {}
+
+    def _reopen(self) -> None:
+        """Take the rows, counters and last flushed state of a re-opened storage directory."""
+        M = self.max_rows
+        pos, count, total = (int(v) for v in self._dir.counters.tolist())
+        if not (0 <= count <= M and 0 <= pos < M and (count == M or pos == count) and total >= count):
+            raise ValueError(f"storage_dir: counters (position {pos}, rows {count}, total {total}) do not fit a "
+                             f"buffer of {M} rows per env")
+        flags = {p: self._data[p] for p in self._end_paths}
+        trunc, ends = self._any_set(flags, self._trunc_paths, M), self._any_set(flags, self._end_paths, M)
+        zeros = np.zeros((M, self.n_envs), dtype=bool)
+        self._ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total)
+        state = self._dir.load_state()
+        if state is not None:
+            self._gen.set_state(host_tensor(state["rng"]))
+        since = count if state is None else min(total - int(state["total"]), count)  # rows after the flush
+        self._reopen_extra(state, since)
+
+    def _reopen_extra(self, state: dict | None, since: int) -> None:
+        """Hook: restore the subclass's flushed entries; ``since`` rows (the newest) were written after it."""
 
     def _check_extra_state(self, state):
         """Hook: validate the subclass's own state entries (before any write); returns what to load."""

@@ -34,6 +34,7 @@ class StartRing:
         self.max_rows, self.n_envs, self.n_steps, self.kinds = max_rows, n_envs, n_steps, tuple(kinds)
         self.pos = 0  # next row written
         self.count = 0  # rows written, at most M
+        self.total = 0  # rows ever written
         self.trunc = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows holding a truncation
         self.n_trunc = 0  # truncated rows stored
         self.ends = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows ending an episode
@@ -54,6 +55,7 @@ class StartRing:
         self.n_ends += self._put(self.ends, ends, pos, first, T)
         self.pos = (pos + T) % M
         self.count = min(self.count + T, M)
+        self.total += T
         return pos, first
 
     @staticmethod
@@ -127,8 +129,10 @@ class StartRing:
             self.valid[kind][:] = False
             self.n_valid[kind] = 0
 
-    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray) -> None:
-        """Set the write position, row count, truncation flags and episode ends (validity forgotten)."""
+    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray, total: int | None = None) -> None:
+        """Set the write position, row count, truncation flags, episode ends and (default: ``count``) rows ever
+        written; validity is forgotten."""
         self.pos, self.count, self.trunc, self.ends = pos, count, trunc, ends
+        self.total = count if total is None else total
         self.n_trunc, self.n_ends = int(np.count_nonzero(trunc)), int(np.count_nonzero(ends))
         self.forget_validity()

@@ -1,0 +1,114 @@
+"""Storage tiers of the replay buffers: where the transitions live, apart from where sampling runs.
+
+A buffer samples on its ``device`` (validity masks, prefix-sum trees, priorities). Its storage may live
+there too (the default), in host memory (``storage_device="cpu"``: pinned staging carries the sampled
+windows to a CUDA device), or in memory-mapped files of a directory (``storage_dir``), which a later
+process re-opens. :class:`StorageDir` owns such a directory:
+
+- ``gpubuf.json``: the buffer's configuration (type, sizes, leaf shapes and dtypes);
+- ``leaf<i>.bin``: one raw file per leaf (named in ``gpubuf.json``), ``(M, E, *shape)`` row-major, mapped
+  shared (writes land in the file);
+- ``counters.bin``: int64 ``(write position, rows written, total rows ever written)``, updated by every insert;
+- ``state.pt``: what :meth:`flush` saves (sampling RNG state, and for prioritized buffers the priorities,
+  ``max_priority`` and ``beta``), with the total rows at that moment.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpubuf.ops import resolve_device
+
+
+def storage_device_for(device: torch.device, storage_device, storage_dir) -> torch.device:
+    """The device the storage lives on: ``device`` unless ``storage_device`` says ``"cpu"`` or a
+    ``storage_dir`` is given (memory-mapped files are host memory)."""
+    if storage_dir is not None:
+        if storage_device is not None and resolve_device(storage_device).type != "cpu":
+            raise ValueError(f"storage_device: a storage_dir maps files into host memory; expected None or 'cpu', "
+                             f"got {storage_device!r}")
+        return torch.device("cpu")
+    if storage_device is None:
+        return device
+    resolved = resolve_device(storage_device)
+    if resolved != device and resolved.type != "cpu":
+        raise ValueError(f"storage_device: expected None, 'cpu' or the buffer's device {device}, got "
+                         f"{storage_device!r}")
+    return resolved
+
+
+class StorageDir:
+    """A directory of memory-mapped leaf files plus the bookkeeping to re-open them.
+
+    Args:
+        path: the directory (created when missing).
+        config: the buffer's configuration (JSON values): must equal the one stored when re-opening.
+        shapes, dtypes: ``{leaf name: (M, E, *shape)}`` and ``{leaf name: dtype}``.
+
+    ``reopened`` says whether the directory already held this buffer (its files are then mapped as they are).
+    """
+
+    META, COUNTERS, STATE = "gpubuf.json", "counters.bin", "state.pt"
+
+    def __init__(self, path, config: dict, shapes: dict, dtypes: dict):
+        try:
+            self.path = Path(os.fspath(path))
+        except TypeError:
+            raise TypeError(f"storage_dir: expected a path, got {type(path).__name__}") from None
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"storage_dir: {str(self.path)!r} exists and is not a directory")
+        meta = {"config": config, "leaves": {name: {"shape": list(shapes[name]), "dtype": str(dtypes[name]),
+                                                    "file": f"leaf{i}.bin"} for i, name in enumerate(shapes)}}
+        meta_file = self.path / self.META
+        self.reopened = meta_file.exists()
+        if self.reopened:
+            try:
+                stored = json.loads(meta_file.read_text())
+            except (OSError, ValueError) as err:
+                raise ValueError(f"storage_dir: cannot read {meta_file} ({err})") from None
+            for key in ("config", "leaves"):
+                theirs = stored.get(key, {})
+                for field in [*meta[key], *sorted(set(theirs) - set(meta[key]))]:  # the buffer type first
+                    if theirs.get(field) != meta[key].get(field):
+                        raise ValueError(f"storage_dir: {str(self.path)!r} holds a buffer whose {key} '{field}' is "
+                                         f"{theirs.get(field)!r}, not {meta[key].get(field)!r}")
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self.tensors = {}
+        for name, shape in shapes.items():
+            file = self.path / meta["leaves"][name]["file"]
+            numel = int(np.prod(shape))
+            if self.reopened and file.stat().st_size != numel * torch.empty((), dtype=dtypes[name]).element_size():
+                raise ValueError(f"storage_dir: {file} does not hold {numel} values of {dtypes[name]}")
+            flat = torch.from_file(str(file), shared=True, size=max(numel, 1), dtype=dtypes[name])
+            self.tensors[name] = flat[:numel].view(shape)
+        self.counters = torch.from_file(str(self.path / self.COUNTERS), shared=True, size=3, dtype=torch.int64)
+        if not self.reopened:  # written last: a directory without it is not a buffer yet
+            tmp = meta_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, meta_file)
+
+    def set_counters(self, pos: int, count: int, total: int) -> None:
+        """Record the write position, rows written and total rows ever written (three int64 stores)."""
+        self.counters.numpy()[:] = (pos, count, total)
+
+    def save_state(self, state: dict) -> None:
+        """Write ``state`` (tensors and plain values) to ``state.pt`` atomically, then flush every file."""
+        tmp = self.path / (self.STATE + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.path / self.STATE)
+        for file in self.path.iterdir():
+            if file.suffix in (".bin", ".pt"):
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # also writes back pages dirtied through the shared mappings
+                finally:
+                    os.close(fd)
+
+    def load_state(self) -> dict | None:
+        """What the last :meth:`save_state` wrote, or None."""
+        file = self.path / self.STATE
+        return torch.load(file, weights_only=True) if file.exists() else None
