@@ -70,6 +70,8 @@ class GraphSampler:
 
     def set_beta(self, beta: float) -> "GraphSampler":
         """Set the importance-sampling exponent read by every later draw (and graph replay); returns ``self``."""
+        if not self.prioritized:
+            raise ValueError("set_beta: the buffer is not prioritized (its batches carry no PER_weights)")
         self._neg_beta.fill_(-finite_float("beta", beta, 0.0))
         return self
 

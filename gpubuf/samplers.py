@@ -49,9 +49,11 @@ class UniformSampler:
                 self.active.add(kind)
 
     def forget(self) -> None:
-        """Drop every kind's validity; each is rebuilt on its next use."""
-        self.active = set()
+        """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in use now, so
+        tensors handed out earlier (a GraphSampler's tree) stay current."""
         self.ring.forget_validity()
+        for kind in sorted(self.active):
+            self.refresh_rows(kind, 0, self.ring.max_rows)
 
     def rows_written(self, pos: int, first: int, T: int) -> None:
         """New rows ``pos .. pos+first-1`` and ``0 .. T-first-1`` were written (before validity is refreshed)."""

@@ -137,3 +137,20 @@ def test_a_cuda_graph_replays_the_sampler(prioritized):
         assert bool((buf.sampling_mass()[idx] > 0).all())
         seen.add(tuple(idx.tolist()))
     assert len(seen) == 5  # fresh random numbers at every replay
+
+
+def test_a_load_keeps_the_samplers_tree_current(backend, device):
+    E, M, n = 2, 8, 1
+    buf = PrioritizedTransitionBuffer(E * M, 4, make_transition(0, 1, E), n_steps=n, device=device, seed=0)
+    buf.insert(make_transition(0, 8, E))
+    small = PrioritizedTransitionBuffer(E * M, 4, make_transition(0, 1, E), n_steps=n, device=device, seed=0)
+    small.insert(make_transition(0, 3, E))
+    gs = buf.graph_sampler(batch_size=64, generator=torch.Generator(device).manual_seed(0))
+    buf.load_state_dict(small.state_dict())
+    assert set(gs.sample()[1].tolist()) <= set(range(3 * E))  # only the loaded rows
+    buf.insert(make_transition(3, 2, E))
+    assert set(gs.sample()[1].tolist()) <= set(range(5 * E))
+    uniform = TransitionBuffer(E * M, 4, make_transition(0, 1, E), device=device)
+    uniform.insert(make_transition(0, 3, E))
+    with pytest.raises(ValueError, match="set_beta: the buffer is not prioritized"):
+        uniform.graph_sampler().set_beta(0.5)
