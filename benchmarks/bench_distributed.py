@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "distributed_cpu.json"))
     args = parser.parse_args()
     N, B = 2**args.log2_size, args.batch
+    load_start = os.getloadavg()[0]  # other work sharing the cores
     multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.distributed"])
     per_world = {}
     for W in map(int, args.ranks.split(",")):
@@ -126,13 +127,14 @@ def main() -> None:
     for r in rows:
         if r["impl"] == "sharded" and r["case"] in base:
             r["efficiency"] = r["windows_per_s"] / (r["ranks"] * base[r["case"]])
-    meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
+    meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_1min": [load_start, os.getloadavg()[0]],
             "torch": torch.__version__, "backend": "gloo", "threads_per_rank": 1, "shard_size": N, "batch": B,
             "iters": args.iters}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(f"\nShard of 2**{args.log2_size} transitions per rank, B = {B} per rank; {os.cpu_count()} CPU cores, "
-          f"gloo, 1 thread per rank\n")
+    print(f"\nShard of 2**{args.log2_size} transitions per rank, B = {B} per rank; {os.cpu_count()} CPU cores "
+          f"(1-min load average {meta['load_avg_1min'][0]:.1f} before, {meta['load_avg_1min'][1]:.1f} after), gloo, "
+          "1 thread per rank\n")
     print("| case | impl | ranks | us / iteration | global windows/s | scaling efficiency |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -10,7 +10,6 @@ shard, step and env it came from. Shard 1 truncates env 0 at step 4.
 """
 
 import os
-import traceback
 import warnings
 from datetime import timedelta
 
@@ -57,7 +56,8 @@ def caught(fn) -> tuple[str, str] | None:
 
 
 def windows(batch: Transition) -> dict:
-    out = {"obs": batch.observation.clone(), "step": batch.info["step"].clone()}
+    out = {"obs": batch.observation.clone(), "step": batch.info["step"].clone(), "action": batch.action.clone(),
+           "reward": batch.reward.clone(), "terminated": batch.terminated.clone(), "truncated": batch.truncated.clone()}
     if batch.next_observation is not None:
         out["next_obs"] = batch.next_observation.clone()
     return out
@@ -167,9 +167,5 @@ def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             results[name] = scenarios(group, tmp)
             results[name]["few"] = few_starts(group)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
+    finally:  # an exception reaches the test process with its traceback (torch.multiprocessing)
         dist.destroy_process_group()

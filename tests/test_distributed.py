@@ -70,7 +70,13 @@ def check_windows(w: dict, mass: np.ndarray) -> np.ndarray:
     offsets = np.broadcast_to(np.arange(dw.N_STEPS), v.shape)
     np.testing.assert_array_equal(v - v[:, :1], offsets * dw.E)
     shard, step, env = decode(obs)
-    np.testing.assert_array_equal(w["step"].numpy(), step[:, None] + offsets)
+    steps = step[:, None] + offsets
+    np.testing.assert_array_equal(w["step"].numpy(), steps)
+    np.testing.assert_array_equal(w["action"].numpy(), steps % 100)
+    assert w["action"].dtype == torch.int16 and w["reward"].dtype == torch.float32
+    np.testing.assert_array_equal(w["reward"].numpy(), v)
+    assert not w["terminated"].any()
+    np.testing.assert_array_equal(w["truncated"].numpy(), (shard == 1)[:, None] & (steps == 4) & (env == 0)[:, None])
     if "next_obs" in w:
         np.testing.assert_array_equal(w["next_obs"][:, :, 0].numpy(), v + dw.E)
     g = global_start(obs)
@@ -114,6 +120,8 @@ def test_uniform_with_replacement_matches_union(runs, name, which, kind):
     mass = masses(res, "mass_uniform", kind)
     starts = np.concatenate([check_windows(r[which], mass) for r in res])
     assert chi2_p(starts, mass / mass.sum()) > P_MIN
+    # shard 1's truncated row is drawn inside plain windows, never inside windows that infer next observations
+    assert any(bool(r[which]["truncated"].any()) for r in res) == (kind == 0)
     assert len({tuple(global_start(r[which]["obs"])[:20]) for r in res}) == len(res)  # one key, distinct batches
 
 
