@@ -1,0 +1,147 @@
+"""Sharded replay benchmark: ShardedBuffer sample + update throughput with 1, 2 and 4 ranks (gloo, CPU).
+
+Weak scaling: every rank holds a full shard of ``2**log2_size`` transitions (the ``per`` case of
+bench_replay.py: obs float32[17], action float32[6], reward float32, terminated, truncated) and, per
+iteration, samples ``B`` windows and updates their ``B`` priorities (both collective). Cases:
+
+- ``per``: PrioritizedTransitionBuffer shards, sample with replacement + update_priorities;
+- ``per no-repl``: the same, sampling without replacement (the prioritized default);
+- ``uniform``: TransitionBuffer shards, sample with replacement only.
+
+``local`` rows time the same calls on the unwrapped buffer in one process (no communication). Each rank times
+``--iters`` iterations one by one after a barrier; a row reports the slowest rank's median iteration.
+Scaling efficiency = global windows/s with W ranks / (W x global windows/s with 1 rank). Processes get
+``torch.set_num_threads(1)``; ranks beyond the machine's cores share them (say so when quoting numbers).
+
+    python benchmarks/bench_distributed.py            # writes benchmarks/results/distributed_cpu.json
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf.distributed import ShardedBuffer
+
+OBS, ACT = 17, 6
+ROW_BYTES = (OBS + ACT + 1) * 4 + 2  # bytes of one window (n_steps = 1)
+
+
+def transitions(n: int, rng: np.random.Generator) -> Transition:
+    return Transition(observation=rng.standard_normal((n, OBS), dtype=np.float32),
+                      action=rng.standard_normal((n, ACT), dtype=np.float32),
+                      reward=rng.standard_normal(n, dtype=np.float32), terminated=np.zeros(n, bool),
+                      truncated=np.zeros(n, bool))
+
+
+def shard(cls, N: int, B: int, rank: int):
+    rng = np.random.default_rng(rank)
+    buf = cls(N, B, transitions(1, rng), vectorized_env=False, device="cpu", seed=rank)
+    for _ in range(0, N, 2**16):
+        buf.insert(transitions(min(N, 2**16), rng))
+    return buf
+
+
+def timed(step, iters: int, barrier) -> float:
+    """Median seconds of one ``step`` over ``iters`` calls (after warm-up calls and a barrier)."""
+    for _ in range(5):
+        step()
+    barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cases(N: int, B: int, rank: int, sharded: bool):
+    """{case: one iteration}; ``sharded``: through ShardedBuffer (collective), else on the local buffer."""
+    per, uni = shard(PrioritizedTransitionBuffer, N, B, rank), shard(TransitionBuffer, N, B, rank)
+    if sharded:
+        per, uni = ShardedBuffer(per), ShardedBuffer(uni)
+    g = torch.Generator().manual_seed(100 + rank)
+
+    def per_step(replace: bool):
+        _, idx = per.sample(key=g, with_replacement=replace)
+        per.update_priorities(idx, torch.rand(B, generator=g) * 2)
+
+    return {"per": lambda: per_step(True), "per no-repl": lambda: per_step(False),
+            "uniform": lambda: uni.sample(key=g)}
+
+
+def worker(rank: int, world: int, init: str, out: str, N: int, B: int, iters: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        res = {name: timed(step, iters, dist.barrier) for name, step in cases(N, B, rank, True).items()}
+        if world == 1:
+            res.update({f"{name} local": timed(step, iters, lambda: None)
+                        for name, step in cases(N, B, rank, False).items()})
+        everyone = [None] * world
+        dist.all_gather_object(everyone, res)
+        if rank == 0:
+            Path(out).write_text(json.dumps(everyone))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--log2-size", type=int, default=17, help="transitions per shard: 2**log2_size")
+    parser.add_argument("--batch", type=int, default=256, help="windows sampled (and priorities updated) per rank")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "distributed_cpu.json"))
+    args = parser.parse_args()
+    N, B = 2**args.log2_size, args.batch
+    load_start = os.getloadavg()[0]  # other work sharing the cores
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.distributed"])
+    per_world = {}
+    for W in map(int, args.ranks.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(worker, args=(W, f"{tmp}/init", f"{tmp}/res.json", N, B, args.iters), nprocs=W,
+                               start_method="forkserver")
+            per_world[W] = json.loads(Path(f"{tmp}/res.json").read_text())
+        print(f"{W} rank(s) done", file=sys.stderr, flush=True)
+    rows = []
+    for W, ranks in per_world.items():
+        for name in ranks[0]:
+            sec = max(r[name] for r in ranks)  # the slowest rank's median iteration
+            rows.append({"case": name.removesuffix(" local"), "impl": "local" if name.endswith("local") else "sharded",
+                         "ranks": W, "us_per_iter": sec * 1e6, "windows_per_s": W * B / sec,
+                         "MB_per_s": W * B * ROW_BYTES / sec / 1e6})
+    base = {r["case"]: r["windows_per_s"] for r in rows if r["ranks"] == 1 and r["impl"] == "sharded"}
+    for r in rows:
+        if r["impl"] == "sharded" and r["case"] in base:
+            r["efficiency"] = r["windows_per_s"] / (r["ranks"] * base[r["case"]])
+    meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_1min": [load_start, os.getloadavg()[0]],
+            "torch": torch.__version__, "backend": "gloo", "threads_per_rank": 1, "shard_size": N, "batch": B,
+            "iters": args.iters}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"\nShard of 2**{args.log2_size} transitions per rank, B = {B} per rank; {os.cpu_count()} CPU cores "
+          f"(1-min load average {meta['load_avg_1min'][0]:.1f} before, {meta['load_avg_1min'][1]:.1f} after), gloo, "
+          "1 thread per rank\n")
+    print("| case | impl | ranks | us / iteration | global windows/s | scaling efficiency |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        eff = f"{r['efficiency']:.2f}" if "efficiency" in r else "-"
+        print(f"| {r['case']} | {r['impl']} | {r['ranks']} | {r['us_per_iter']:.0f} | {r['windows_per_s']:.0f} | "
+              f"{eff} |")
+
+
+if __name__ == "__main__":
+    main()
