@@ -251,6 +251,9 @@ class CEMSolver:
             call the solver without ``init``.
         terminated: ``terminated(next_state (N, ...)) -> (N,) bool``, or ``None`` (nothing terminates). The
             step into a terminal state still pays its cost; nothing after it does (the return is frozen).
+        terminal_cost: ``terminal_cost(last_state (N, ...)) -> (N,)``, or ``None``: the cost of where a rollout
+            ends (e.g. minus a learned value), added with weight ``discount**horizon`` to rollouts that did
+            not terminate.
         discount: factor in ``(0, 1]`` on each later step's cost.
         encode: ``encode(history) -> state (R, ...)``; default: the last frame of ``history[state_key]``.
         num_samples, num_elites, iterations: CEM sizes.
@@ -265,14 +268,16 @@ class CEMSolver:
     """
 
     def __init__(self, dynamics: Callable, cost: Callable, horizon: int | None = None, action_dim: int | None = None,
-                 *, terminated: Callable | None = None, discount: float = 1.0, encode: Callable | None = None,
+                 *, terminated: Callable | None = None, terminal_cost: Callable | None = None, discount: float = 1.0,
+                 encode: Callable | None = None,
                  state_key: str = "observation", num_samples: int = 64, num_elites: int = 8, iterations: int = 3,
                  init_std: float = 1.0, low: float = -1.0, high: float = 1.0, seed: int = 0):
-        for name, fn in (("dynamics", dynamics), ("cost", cost), ("terminated", terminated), ("encode", encode)):
+        for name, fn in (("dynamics", dynamics), ("cost", cost), ("terminated", terminated),
+                         ("terminal_cost", terminal_cost), ("encode", encode)):
             required = name in ("dynamics", "cost")
             if (fn is not None or required) and not callable(fn):
                 raise TypeError(f"{name}: expected a callable, got {type(fn).__name__}")
-        self.dynamics, self.cost, self.terminated = dynamics, cost, terminated
+        self.dynamics, self.cost, self.terminated, self.terminal_cost = dynamics, cost, terminated, terminal_cost
         self.horizon = None if horizon is None else positive_int("horizon", horizon)
         self.action_dim = None if action_dim is None else positive_int("action_dim", action_dim)
         self.num_samples = positive_int("num_samples", num_samples)
@@ -330,9 +335,15 @@ class CEMSolver:
         init = init.to(device, torch.float32)
         return torch.where(init.isnan(), middle, init)
 
+    @staticmethod
+    def _checked(cost: torch.Tensor, name: str, N: int) -> torch.Tensor:
+        if tuple(cost.shape) != (N,):
+            raise ValueError(f"{name}: expected shape ({N},), got {tuple(cost.shape)}")
+        return cost
+
     def _returns(self, s: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """``(N,)`` discounted cost of each rollout of ``actions (N, H, A)`` from ``s (N, ...)``, frozen at
-        termination."""
+        termination, plus the discounted terminal cost of the rollouts still alive at the end."""
         N, H = actions.shape[:2]
         total = torch.zeros(N, device=s.device)
         alive = None if self.terminated is None else torch.ones(N, dtype=torch.bool, device=s.device)
@@ -340,9 +351,7 @@ class CEMSolver:
         for t in range(H):
             a = actions[:, t]
             s = self.dynamics(s, a)
-            cost = self.cost(s, a)
-            if tuple(cost.shape) != (N,):
-                raise ValueError(f"cost: expected shape ({N},), got {tuple(cost.shape)}")
+            cost = self._checked(self.cost(s, a), "cost", N)
             total = total + weight * (cost if alive is None else torch.where(alive, cost, 0.0))
             if alive is not None:
                 done = self.terminated(s)
@@ -351,6 +360,9 @@ class CEMSolver:
                                      f"{tuple(done.shape)}")
                 alive = alive & ~done
             weight *= self.discount
+        if self.terminal_cost is not None:
+            end = self._checked(self.terminal_cost(s), "terminal_cost", N)
+            total = total + weight * (end if alive is None else torch.where(alive, end, 0.0))
         return total
 
 
@@ -374,5 +386,5 @@ def cartpole_dynamics(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor
 
 
 def cartpole_cost(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-    """Pole angle and cart offset, squared: ``(N,)``."""
+    """Pole angle and cart offset, squared: ``(N,)`` (at most 0.1 before the episode ends)."""
     return state[:, 2] ** 2 + 0.01 * state[:, 0] ** 2
