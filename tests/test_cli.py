@@ -22,12 +22,12 @@ def run(*args, timeout=120):
 def test_demo_learning_run_writes_json_and_png_and_no_progress_frames_to_a_log(tmp_path):
     """A short learning run (no timing asserts). Its stderr is a pipe, not a terminal: no progress bar frames."""
     out, plot = tmp_path / "demo.json", tmp_path / "curve.png"
-    proc = run("demo", "--env-steps", "160", "--num-envs", "4", "--out", str(out), "--plot", str(plot))
+    proc = run("demo", "--env-steps", "320", "--num-envs", "4", "--out", str(out), "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr
     numbers = json.loads(out.read_text())
-    assert numbers["env_steps"] == 160 and numbers["device"] in ("cpu", "cuda") and numbers["env"] == "CartPole-v1"
+    assert numbers["env_steps"] == 320 and numbers["device"] in ("cpu", "cuda") and numbers["env"] == "CartPole-v1"
     assert numbers["mode"] == "learned model + CEM planning" and numbers["reward_threshold"] == 475
-    assert all(0 < s <= 160 and r > 0 for s, r in numbers["episodes"])  # [env steps at its end, return]
+    assert all(0 < s <= 320 and r > 0 for s, r in numbers["episodes"])  # [env steps at its end, return]
     for op in ("env", "source step", "append", "get", "insert", "sample", "update", "train", "plan"):
         assert numbers["median_us"][op] > 0, op
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
