@@ -207,7 +207,8 @@ def summary_table(r: dict, env_id: str) -> str:
         ("mode", r["mode"]),
         ("device", r["device"]),
         ("env steps/s", f"{r['env_steps_per_s']:,.0f}  ({r['env_steps']} env steps in {r['wall_s']:.1f} s)"),
-        ("return, last 10 episodes", f"{r['last10_mean']:.1f} ({len(r['episodes'])} episodes{threshold})"),
+        ("return, last 10 episodes", f"{r['last10_mean']:.1f} ({len(r['episodes'])} episodes{threshold})"
+                                     if r["episodes"] else "no episode ended"),
         ("env step (send+recv) median us", f"{m['env']:.0f}"),
         ("EnvPoolSource.step median us", f"{m['source step']:.0f}  (env + staging + history append + insert)"),
         ("history append median us", f"{m['append']:.0f}"),
@@ -225,7 +226,8 @@ def summary_table(r: dict, env_id: str) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += ["", "learning curve:  env steps  episodes ended  their mean return  last-10 mean"]
-    lines += [f"{'':16} {s:>10,} {n:>15} {mean:>18.1f} {last:>13.1f}" for s, n, mean, last in curve_rows(r)]
+    number = lambda x, width: f"{'-' if np.isnan(x) else f'{x:.1f}':>{width}}"  # "-": no episode ended yet
+    lines += [f"{'':16} {s:>10,} {n:>15} {number(mean, 18)} {number(last, 13)}" for s, n, mean, last in curve_rows(r)]
     return "\n".join(lines)
 
 
