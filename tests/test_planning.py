@@ -291,6 +291,19 @@ def test_discount_weighs_later_costs():
     assert run_cem(cost, dynamics, 2, discount=0.25)[0] < -0.9
 
 
+def test_terminal_cost_is_discounted_and_skipped_after_termination():
+    """Each unit of action costs its step's weight and earns 3 where the rollout ends (weight discount**2): worth it
+    undiscounted; with discount 0.5 the first step (1 vs 0.75) is not, the second (0.5 vs 0.75) is. With
+    termination past 1.5, a rollout that crosses earns nothing at the end: it stops at 1.5."""
+    dynamics = lambda s, a: s + torch.cat([a, a], 1)
+    cost, end = (lambda s, a: a[:, 0]), (lambda s: -3 * s[:, 0])
+    assert run_cem(cost, dynamics, 2, terminal_cost=end).tolist() == pytest.approx([1, 1], abs=0.05)
+    assert run_cem(cost, dynamics, 2, terminal_cost=end, discount=0.5).tolist() == pytest.approx([-1, 1], abs=0.05)
+    plan = run_cem(lambda s, a: 0 * s[:, 0], dynamics, 2, terminal_cost=lambda s: -s[:, 0],
+                   terminated=lambda s: s[:, 0] > 1.5)
+    assert float(plan.sum()) == pytest.approx(1.5, abs=0.1)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_shared_history_is_appended_once_per_step(device):
     env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=3, seed=0)
@@ -349,6 +362,7 @@ def test_planner_over_an_empty_shared_history_says_who_must_append():
     ({"discount": 0.0}, ValueError, "discount: expected a finite number > 0, got 0.0"),
     ({"discount": 1.5}, ValueError, r"discount: expected a number in \(0, 1\], got 1.5"),
     ({"terminated": 3}, TypeError, "terminated: expected a callable, got int"),
+    ({"terminal_cost": 1.0}, TypeError, "terminal_cost: expected a callable, got float"),
     ({"encode": "last"}, TypeError, "encode: expected a callable, got str"),
     ({"dynamics": None}, TypeError, "dynamics: expected a callable, got NoneType"),
     ({"cost": None}, TypeError, "cost: expected a callable, got NoneType"),
@@ -367,6 +381,8 @@ def test_cem_rejects_bad_functions_and_sizes(kw, error, message):
     ({}, {"init": torch.zeros(3, 3, 1)}, r"init: expected float \(R=2, horizon, action_dim\)"),
     ({"horizon": 4}, {"init": torch.zeros(2, 3, 1)}, r"init: expected horizon 4 \(the solver's\), got 3"),
     ({"cost": lambda s, a: s}, {"init": torch.zeros(2, 3, 1)}, r"cost: expected shape \(128,\), got \(128, 4\)"),
+    ({"terminal_cost": lambda s: s[:, :1]}, {"init": torch.zeros(2, 3, 1)},
+     r"terminal_cost: expected shape \(128,\), got \(128, 1\)"),
     ({"terminated": lambda s: s[:, 0]}, {"init": torch.zeros(2, 3, 1)},
      r"terminated: expected a bool tensor of shape \(128,\), got torch.float32 \(128,\)"),
 ])
