@@ -95,9 +95,9 @@ class EnsembleDynamics(nn.Module):
         delta = (next_obs - obs).reshape(-1, self.obs_dim)
         obs, reward = obs.reshape(-1, self.obs_dim), reward.reshape(-1, 1)
         m = 1.0 if int(self.seen) == 0 else momentum
-        for stat, value in ((self.obs_mean, obs.mean(0)), (self.obs_std, obs.std(0) + 1e-6),
-                            (self.delta_mean, delta.mean(0)), (self.delta_std, delta.std(0) + 1e-6),
-                            (self.reward_mean, reward.mean(0)), (self.reward_std, reward.std(0) + 1e-6)):
+        for stat, value in ((self.obs_mean, obs.mean(0)), (self.obs_std, obs.std(0, correction=0) + 1e-6),
+                            (self.delta_mean, delta.mean(0)), (self.delta_std, delta.std(0, correction=0) + 1e-6),
+                            (self.reward_mean, reward.mean(0)), (self.reward_std, reward.std(0, correction=0) + 1e-6)):
             stat.lerp_(value, m)
         self.seen += 1
 
@@ -166,9 +166,14 @@ def train_step(buffer: TransitionBuffer, model: EnsembleDynamics, optimizer: tor
     windows. Over the rows up to a window's first termination, the loss sums: the squared normalised error of
     each next observation predicted open-loop from the window's first observation through its actions; the
     reward's squared error and the termination's cross-entropy, predicted from the true next observations.
-    A prioritized buffer weighs each window by its
-    ``PER_weights`` and gets the window's error back as its priority.
+    A prioritized buffer weighs each window by its ``PER_weights`` and gets the window's error back as its
+    priority.
     """
+    if not isinstance(buffer, TransitionBuffer):
+        raise TypeError(f"buffer: expected a gpubuf TransitionBuffer, got {type(buffer).__name__}")
+    if not isinstance(model, EnsembleDynamics):
+        raise TypeError(f"model: expected an EnsembleDynamics, got {type(model).__name__}")
+    batch_size = positive_int("batch_size", batch_size)
     K, n = model.members, buffer.n_steps
     sampled = buffer.sample(batch_size=K * batch_size, with_next_obs=True)
     batch, idx = sampled if isinstance(buffer, PrioritizedTransitionBuffer) else (sampled, None)

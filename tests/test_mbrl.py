@@ -81,6 +81,19 @@ def test_train_step_learns_a_known_system_and_feeds_priorities_back(prioritized)
     torch.testing.assert_close(nxt, torch.tensor([[[1.4, -0.4]]]).expand(3, 1, 2), atol=0.15, rtol=0)
 
 
+def test_train_step_rejects_bad_arguments():
+    model = EnsembleDynamics(2, 2)
+    gen = torch.Generator().manual_seed(0)
+    buffer = TransitionBuffer(80, 6, linear_rollout(1, 8, gen), device="cpu")
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(TypeError, match="buffer: expected a gpubuf TransitionBuffer, got list"):
+        train_step([], model, opt)
+    with pytest.raises(TypeError, match="model: expected an EnsembleDynamics, got Linear"):
+        train_step(buffer, torch.nn.Linear(1, 1), opt)
+    with pytest.raises(ValueError, match="batch_size: expected a positive int, got 0"):
+        train_step(buffer, model, opt, batch_size=0)
+
+
 def fake_step(ids, reward, terminated, truncated=None):
     R = len(ids)
     truncated = torch.zeros(R, dtype=torch.bool) if truncated is None else torch.tensor(truncated)
