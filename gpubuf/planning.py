@@ -67,10 +67,10 @@ class Planner:
             len(env_ids)``; ``history`` is :meth:`HistoryBuffer.get`'s dict for those envs with ``n =
             min(history_len, max(num_strided(env_ids)))`` frames. Its tensors are reused by the next re-plan of
             the same shape (zero allocation): copy what the solver keeps beyond its call. A solver whose call
-            takes an ``init`` keyword gets the warm start ``init (R, horizon, action_block * action_dim)``
-            float32: each env's previous plan shifted by the ``receding_horizon`` steps it executed since, NaN
-            where there is nothing to shift in (the tail, and every step of an env that was reset or never
-            planned): the solver puts its default there. A solver with a ``horizon`` or ``action_dim``
+            takes an ``init`` keyword (or ``**kwargs``) gets the warm start ``init (R, horizon, action_block *
+            action_dim)`` float32: each env's previous plan shifted by the ``receding_horizon`` steps it executed
+            since, NaN where there is nothing to shift in (the tail, and every step of an env that was reset or
+            never planned): the solver puts its default there. A solver with a ``horizon`` or ``action_dim``
             attribute (not ``None``) must agree with ``config`` and ``action_dim``.
         n_envs: number of envs.
         action_dim: size of one env action (``1`` for a discrete or scalar action).
