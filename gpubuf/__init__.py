@@ -1,5 +1,7 @@
 """gpubuf: GPU-resident history and replay buffers for reinforcement learning."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from gpubuf.checkpoint import CheckpointError
 from gpubuf.envpool import EnvPoolSource, Step, StepStager
 from gpubuf.graph_sampling import GraphSampler
@@ -12,4 +14,7 @@ __all__ = [
     "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig", "Planner",
     "PrioritizedTransitionBuffer", "Step", "StepStager", "Transition", "TransitionBuffer",
 ]
-__version__ = "0.1.0"
+try:
+    __version__ = version("gpubuf")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"

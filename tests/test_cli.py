@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -18,26 +19,38 @@ def run(*args, timeout=120):
     return subprocess.run([GPUBUF, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_demo_runs_end_to_end_in_seconds(tmp_path):
-    out = tmp_path / "demo.json"
-    proc = run("demo", "--steps", "200", "--num-envs", "8", "--out", str(out))
+def test_demo_learning_run_writes_json_and_png_and_no_progress_frames_to_a_log(tmp_path):
+    """A short learning run (no timing asserts). Its stderr is a pipe, not a terminal: no progress bar frames."""
+    out, plot = tmp_path / "demo.json", tmp_path / "curve.png"
+    proc = run("demo", "--env-steps", "320", "--num-envs", "4", "--out", str(out), "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr
     numbers = json.loads(out.read_text())
-    assert numbers["env_steps"] == 200 * 8 and numbers["device"] in ("cpu", "cuda")
-    for op in ("env", "append", "get", "sample", "update"):
+    assert numbers["env_steps"] == 320 and numbers["device"] in ("cpu", "cuda") and numbers["env"] == "CartPole-v1"
+    assert numbers["mode"] == "learned model + CEM planning" and numbers["reward_threshold"] == 475
+    assert all(0 < s <= 320 and r > 0 for s, r in numbers["episodes"])  # [env steps at its end, return]
+    for op in ("env", "source step", "append", "get", "insert", "sample", "update", "train", "plan"):
         assert numbers["median_us"][op] > 0, op
-    for row in ("env steps/s", "history append median us", "history get median us", "PER sample median us",
-                "PER update median us", "device", "sizes"):
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for row in ("env steps/s", "return, last 10 episodes", "history append median us", "replay sample median us",
+                "priority update median us", "Planner.act median us", "learning curve:", "device", "sizes"):
         assert row in proc.stdout
-    assert "200/200 steps" in proc.stderr  # the progress bar
+    assert "\r" not in proc.stderr + proc.stdout and "it/s" not in proc.stderr
+    assert str(plot) in proc.stdout
 
 
 def test_demo_async_pixels(tmp_path):
+    """Pixel tasks run the timing variant; --steps counts env batches (half the envs each, async)."""
     out = tmp_path / "demo.json"
     proc = run("demo", "--env", "Pong-v5", "--steps", "30", "--num-envs", "4", "--async", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     numbers = json.loads(out.read_text())
     assert numbers["async"] and numbers["env_steps"] == 30 * 2 and numbers["sizes"]["obs_shape"] == [4, 84, 84]
+    assert numbers["mode"].startswith("random plans") and (tmp_path / "demo.png").exists()
+
+
+def test_version_comes_from_the_package_metadata():
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout == f"gpubuf {version('gpubuf')}\n"
 
 
 def test_bad_env_name_is_one_line_with_exit_code_2():
@@ -53,6 +66,12 @@ def test_bad_env_name_is_one_line_with_exit_code_2():
     (["demo", "--num-envs", "0"], "gpubuf demo: error: --num-envs: expected at least 1, got 0"),
     (["demo", "--async", "--num-envs", "1"], "gpubuf demo: error: --num-envs: expected at least 2, got 1"),
     (["demo", "--steps", "-3"], "gpubuf demo: error: --steps: expected a positive int, got -3"),
+    (["demo", "--env-steps", "0"], "gpubuf demo: error: --env-steps: expected a positive int, got 0"),
+    (["demo", "--threads", "0"], "gpubuf demo: error: --threads: expected a positive int, got 0"),
+    (["demo", "--steps", "3", "--env-steps", "9"], "gpubuf demo: error: argument --env-steps: not allowed with "
+                                                   "argument --steps"),
+    (["demo", "--async"], "gpubuf demo: error: --async: the learning run on CartPole-v1 needs sync envs"),
+    (["demo", "--plot", "/no/such/dir/x.png"], "gpubuf demo: error: --plot: cannot write '/no/such/dir/x.png'"),
     (["demo", "--device", "tpu9"], "gpubuf demo: error: --device: cannot use 'tpu9'"),
     (["demo", "--out", "/no/such/dir/x.json"], "gpubuf demo: error: --out: cannot write '/no/such/dir/x.json'"),
     ([], "gpubuf: error: the following arguments are required: command"),

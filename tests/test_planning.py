@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpubuf import CEMSolver, EnvPoolSource, PlanConfig, Planner
+from gpubuf import CEMSolver, EnvPoolSource, HistoryBuffer, PlanConfig, Planner
 from gpubuf.planning import cartpole_cost, cartpole_dynamics
 
 envpool = pytest.importorskip("envpool")  # absent on the GPU machine, which has no registry
@@ -67,7 +67,7 @@ def test_reset_frames_flush_history_and_queue(device):
 def test_cem_solver_finds_the_minimum_of_a_known_cost():
     target = torch.tensor([[0.5], [-0.25]])
     solver = CEMSolver(lambda s, a: s + a, lambda s, a: ((s - target.repeat_interleave(128, 0)) ** 2).sum(1),
-                       horizon=1, action_dim=1, num_samples=128, num_elites=16, iterations=6)
+                       horizon=1, action_dim=1, num_samples=128, num_elites=16, iterations=6)  # no Planner: sizes here
     plan = solver({"observation": torch.zeros(2, 1, 1)}, [0, 1])
     assert plan.shape == (2, 1, 1)
     torch.testing.assert_close(plan[:, 0], target, atol=0.05, rtol=0)
@@ -78,7 +78,7 @@ def test_cem_planner_balances_real_cartpole(device):
     """Planner + CEM over CartPole's equations on EnvPool: no episode ends in 150 steps."""
     env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=4, seed=3)
     src = EnvPoolSource(env, device=device)
-    planner = Planner(PlanConfig(horizon=10, receding_horizon=2), CEMSolver(cartpole_dynamics, cartpole_cost, 10, 1),
+    planner = Planner(PlanConfig(horizon=10, receding_horizon=2), CEMSolver(cartpole_dynamics, cartpole_cost),
                       n_envs=4, action_dim=1, device=device)
     step = src.reset()
     for _ in range(150):
@@ -205,3 +205,188 @@ def test_cem_rejects_non_finite_parameters(kw, message):
 def test_cem_rejects_more_elites_than_samples():
     with pytest.raises(ValueError, match=r"num_elites: expected <= num_samples \(4\), got 8"):
         CEMSolver(cartpole_dynamics, cartpole_cost, 2, 1, num_samples=4, num_elites=8)
+
+
+# ------------------------------------------------------------------ warm start, cost contract, shared history
+
+
+class InitRecorder(RecordingSolver):
+    """A RecordingSolver that takes ``init`` (so the planner warm-starts it) and records it."""
+
+    def __init__(self, horizon, dim):
+        super().__init__(horizon, dim)
+        self.inits = []
+
+    def __call__(self, history, env_ids, init):
+        self.inits.append(init.clone())
+        return super().__call__(history, env_ids)
+
+
+def test_planner_warm_starts_from_the_shifted_plan_and_resets_fresh(device):
+    solver = InitRecorder(4, 1)
+    planner = Planner(PlanConfig(horizon=4, receding_horizon=2), solver, n_envs=2, action_dim=1, device=device)
+    planner.act(info(2, 0))
+    assert solver.inits[0].shape == (2, 4, 1) and solver.inits[0].isnan().all()  # nothing planned yet
+    planner.act(info(2, 1))
+    planner.act(info(2, 2), first=[False, True])  # both queues empty: re-plan; env 1 was reset
+    init = solver.inits[1].cpu()
+    # env 0: the first plan (1000 + 10 * env + step) shifted by the 2 executed steps, NaN tail
+    assert init[0, :2, 0].tolist() == [1002.0, 1003.0] and init[0, 2:].isnan().all()
+    assert init[1].isnan().all()  # a reset env starts from the solver's default
+    assert len(solver.calls) == 2
+
+
+def test_a_solver_without_init_is_called_as_before(device):
+    solver = RecordingSolver(3, 1)
+    planner = Planner(PlanConfig(3, 1), solver, n_envs=2, action_dim=1, device=device)
+    planner.act(info(2, 0))
+    planner.act(info(2, 1))
+    assert len(solver.calls) == 2
+
+
+def test_cem_starts_from_init_and_fills_nan_with_the_middle_of_the_bounds():
+    solver = CEMSolver(lambda s, a: s, lambda s, a: s[:, 0] * 0, num_samples=4, num_elites=4, iterations=1,
+                       init_std=1e-6, low=0.0, high=2.0)
+    init = torch.tensor([[[0.25], [float("nan")]], [[float("nan")], [1.5]]])
+    plan = solver({"observation": torch.zeros(2, 1, 1)}, [0, 1], init=init)
+    torch.testing.assert_close(plan, torch.tensor([[[0.25], [1.0]], [[1.0], [1.5]]]), atol=1e-4, rtol=0)
+
+
+def test_cem_runs_models_without_autograd():
+    layer = torch.nn.Linear(1, 1)
+
+    def dynamics(s, a):
+        assert not torch.is_grad_enabled()
+        return layer(s) + a
+
+    solver = CEMSolver(dynamics, lambda s, a: s[:, 0] ** 2, horizon=2, action_dim=1)
+    plan = solver({"observation": torch.zeros(3, 1, 1)}, [0, 1, 2])
+    assert not plan.requires_grad and layer.weight.grad is None
+
+
+def run_cem(cost, dynamics, horizon, **kw):
+    solver = CEMSolver(dynamics, cost, horizon=horizon, action_dim=1, num_samples=512, num_elites=32, iterations=8,
+                       **kw)
+    return solver({"observation": torch.zeros(1, 1, 2)}, [0])[0, :, 0]
+
+
+def test_termination_freezes_the_return_after_the_terminal_step():
+    """Reward = position (cost -x), x' = x + a, terminal once x' > 1.5. Without termination: a = (1, 1, 1). With it:
+    reach 1.5 without crossing, then cross on the last step, which still pays its cost: a = (1, 0.5, 1)."""
+    dynamics = lambda s, a: s + torch.cat([a, a], 1)
+    cost = lambda s, a: -s[:, 0]
+    assert run_cem(cost, dynamics, 3).tolist() == pytest.approx([1, 1, 1], abs=0.05)
+    plan = run_cem(cost, dynamics, 3, terminated=lambda s: s[:, 0] > 1.5)
+    assert plan.tolist() == pytest.approx([1, 0.5, 1], abs=0.1)
+
+
+def test_discount_weighs_later_costs():
+    """Step 0 costs a0, step 1 pays back 2 * a0: worth it (a0 = 1) undiscounted, not with discount 0.25."""
+
+    def dynamics(s, a):  # state (x, t): x keeps the first action, t counts steps
+        return torch.stack([torch.where(s[:, 1] == 0, a[:, 0], s[:, 0]), s[:, 1] + 1], 1)
+
+    cost = lambda s, a: torch.where(s[:, 1] == 1, a[:, 0], -2 * s[:, 0])
+    assert run_cem(cost, dynamics, 2)[0] > 0.9
+    assert run_cem(cost, dynamics, 2, discount=0.25)[0] < -0.9
+
+
+def test_terminal_cost_is_discounted_and_skipped_after_termination():
+    """Each unit of action costs its step's weight and earns 3 where the rollout ends (weight discount**2): worth it
+    undiscounted; with discount 0.5 the first step (1 vs 0.75) is not, the second (0.5 vs 0.75) is. With
+    termination past 1.5, a rollout that crosses earns nothing at the end: it stops at 1.5."""
+    dynamics = lambda s, a: s + torch.cat([a, a], 1)
+    cost, end = (lambda s, a: a[:, 0]), (lambda s: -3 * s[:, 0])
+    assert run_cem(cost, dynamics, 2, terminal_cost=end).tolist() == pytest.approx([1, 1], abs=0.05)
+    assert run_cem(cost, dynamics, 2, terminal_cost=end, discount=0.5).tolist() == pytest.approx([-1, 1], abs=0.05)
+    plan = run_cem(lambda s, a: 0 * s[:, 0], dynamics, 2, terminal_cost=lambda s: -s[:, 0],
+                   terminated=lambda s: s[:, 0] > 1.5)
+    assert float(plan.sum()) == pytest.approx(1.5, abs=0.1)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_shared_history_is_appended_once_per_step(device):
+    env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=3, seed=0)
+    history = HistoryBuffer(3, 50, 1, ("action",), device=device)
+    src = EnvPoolSource(env, device=device, history=history)
+    planner = Planner(PlanConfig(4, 2, history_len=2), RecordingSolver(4, 1), 3, 1, history=history)
+    step = src.reset()
+    with pytest.raises(ValueError, match=r"info: expected None: this planner reads the history it was given"):
+        planner.act(step.info, step.env_ids, step.first)
+    for t in range(5):
+        a = planner.act(None, step.env_ids, step.first)
+        assert history.num_strided() == [t + 1] * 3  # the source's append only
+        step = src.step(np.zeros(3, np.int32))
+    assert a.shape == (3, 1) and planner.solver.calls[-1][1]["observation"] == (3, 2, 4)
+
+
+@pytest.mark.parametrize(("kw", "error", "message"), [
+    ({"history": {}}, TypeError, "history: expected a gpubuf.HistoryBuffer, got dict"),
+    ({"history": HistoryBuffer(3, 5, device="cpu")}, ValueError,
+     r"history: expected n_envs=2 \(the planner's\), got a HistoryBuffer with n_envs=3"),
+    ({"history": HistoryBuffer(2, 5, 2, device="cpu")}, ValueError,
+     r"history: expected action_block=1 \(config.action_block\), got a HistoryBuffer with action_block=2"),
+    ({"history": HistoryBuffer(2, 2, device="cpu")}, ValueError,
+     r"history: expected max_len >= 3 .* got a HistoryBuffer with max_len=2"),
+    ({"history": HistoryBuffer(2, 3, device="cpu"), "device": "meta"}, ValueError,
+     r"device: expected the history's device \(cpu\) or None, got 'meta'"),
+    ({"solver": CEMSolver(cartpole_dynamics, cartpole_cost, 5)}, ValueError,
+     r"solver: its horizon \(5\) differs from config.horizon \(4\); state it once"),
+    ({"solver": CEMSolver(cartpole_dynamics, cartpole_cost, 4, 2)}, ValueError,
+     r"solver: its action_dim \(2\) differs from action_block \* action_dim \(1\)"),
+])
+def test_planner_rejects_mismatched_history_and_solver(kw, error, message):
+    solver = kw.pop("solver", RecordingSolver(4, 1))
+    with pytest.raises(error, match=message):
+        Planner(PlanConfig(4, 2, history_len=3), solver, n_envs=2, action_dim=1, **kw)
+
+
+def test_a_solver_stating_the_same_horizon_is_accepted():
+    planner = Planner(PlanConfig(4, 2), CEMSolver(cartpole_dynamics, cartpole_cost, 4, 1), n_envs=2, action_dim=1)
+    assert planner.act({"observation": torch.zeros(2, 1, 4), "action": torch.zeros(2, 1, 1)}).shape == (2, 1)
+
+
+def test_planner_with_its_own_history_needs_info():
+    planner = Planner(PlanConfig(1, 1), RecordingSolver(1, 1), n_envs=2, action_dim=1)
+    with pytest.raises(ValueError, match=r"info: expected the step's info dict .*, got None"):
+        planner.act(None)
+
+
+def test_planner_over_an_empty_shared_history_says_who_must_append():
+    planner = Planner(PlanConfig(1, 1), RecordingSolver(1, 1), 2, 1, history=HistoryBuffer(2, 1, device="cpu"))
+    with pytest.raises(ValueError, match=r"history: envs \[0, 1\] hold no entry; the history's owner must append"):
+        planner.act(None)
+
+
+@pytest.mark.parametrize(("kw", "error", "message"), [
+    ({"discount": 0.0}, ValueError, "discount: expected a finite number > 0, got 0.0"),
+    ({"discount": 1.5}, ValueError, r"discount: expected a number in \(0, 1\], got 1.5"),
+    ({"terminated": 3}, TypeError, "terminated: expected a callable, got int"),
+    ({"terminal_cost": 1.0}, TypeError, "terminal_cost: expected a callable, got float"),
+    ({"encode": "last"}, TypeError, "encode: expected a callable, got str"),
+    ({"dynamics": None}, TypeError, "dynamics: expected a callable, got NoneType"),
+    ({"cost": None}, TypeError, "cost: expected a callable, got NoneType"),
+    ({"horizon": 0}, ValueError, "horizon: expected a positive int, got 0"),
+    ({"action_dim": 1.0}, ValueError, "action_dim: expected a positive int, got 1.0"),
+])
+def test_cem_rejects_bad_functions_and_sizes(kw, error, message):
+    args = {"dynamics": cartpole_dynamics, "cost": cartpole_cost, **kw}
+    with pytest.raises(error, match=message):
+        CEMSolver(**args)
+
+
+@pytest.mark.parametrize(("kw", "call", "message"), [
+    ({}, {}, r"horizon: a CEMSolver called without init \(outside a Planner\) needs horizon= and action_dim="),
+    ({}, {"init": torch.zeros(2, 3)}, r"init: expected float \(R=2, horizon, action_dim\), got torch.float32 \(2, 3\)"),
+    ({}, {"init": torch.zeros(3, 3, 1)}, r"init: expected float \(R=2, horizon, action_dim\)"),
+    ({"horizon": 4}, {"init": torch.zeros(2, 3, 1)}, r"init: expected horizon 4 \(the solver's\), got 3"),
+    ({"cost": lambda s, a: s}, {"init": torch.zeros(2, 3, 1)}, r"cost: expected shape \(128,\), got \(128, 4\)"),
+    ({"terminal_cost": lambda s: s[:, :1]}, {"init": torch.zeros(2, 3, 1)},
+     r"terminal_cost: expected shape \(128,\), got \(128, 1\)"),
+    ({"terminated": lambda s: s[:, 0]}, {"init": torch.zeros(2, 3, 1)},
+     r"terminated: expected a bool tensor of shape \(128,\), got torch.float32 \(128,\)"),
+])
+def test_cem_rejects_bad_calls_and_model_outputs(kw, call, message):
+    solver = CEMSolver(**{"dynamics": cartpole_dynamics, "cost": cartpole_cost, **kw})
+    with pytest.raises(ValueError, match=message):
+        solver({"observation": torch.zeros(2, 1, 4)}, [0, 1], **call)
