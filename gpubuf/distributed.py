@@ -325,7 +325,10 @@ class ShardedBuffer:
         head = []
         if n:
             on_local = got.to(self.local.device)
-            idx, mass = self.local._sampler.draw(kind, n, lambda _: on_local, True)
+            self.local._sampler.activate(kind)
+            tree = self.local._sampler.trees[kind]
+            idx = tree.sample(on_local)  # the owner's descent with the requesters' uniforms
+            mass = tree.leaves(idx)
             if self.prioritized:
                 head = [idx.view(torch.uint8).view(n, 8), mass.view(torch.uint8).view(n, 8)]
         else:
