@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from gpubuf.checkpoint import CheckpointError
+from gpubuf.distributed import ShardedBuffer
 from gpubuf.envpool import EnvPoolSource, Step, StepStager
 from gpubuf.graph_sampling import GraphSampler
 from gpubuf.history import HistoryBuffer
@@ -12,7 +13,7 @@ from gpubuf.replay import Transition, TransitionBuffer
 
 __all__ = [
     "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig", "Planner",
-    "PrioritizedTransitionBuffer", "Step", "StepStager", "Transition", "TransitionBuffer",
+    "PrioritizedTransitionBuffer", "ShardedBuffer", "Step", "StepStager", "Transition", "TransitionBuffer",
 ]
 try:
     __version__ = version("gpubuf")

@@ -55,6 +55,37 @@ class Transition:
     is_first: Any = None
     mask: Any = None
 
+    def to(self, device, non_blocking: bool = False) -> "Transition":
+        """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy leaves become
+        tensors, ``None`` fields stay ``None``, a leaf already there is not copied. ``self`` is unchanged."""
+        from gpubuf import transition_tools
+
+        return transition_tools.to(self, device, non_blocking)
+
+    def __iter__(self):
+        """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in field
+        order, so ``dict(batch)`` holds what a buffer stores plus the sampled ``PER_weights`` / ``is_first`` /
+        ``mask``."""
+        from gpubuf import transition_tools
+
+        return transition_tools.items(self)
+
+    def to_tensordict(self, batch_dims: int | None = None):
+        """A ``tensordict.TensorDict`` of the set fields (no copy; nested dicts become nested TensorDicts).
+        ``batch_dims``: leading dims that form its batch size; ``None``: the longest leading shape all leaves
+        share, e.g. ``(B, n_steps)``. Needs the optional ``tensordict`` package."""
+        from gpubuf import transition_tools
+
+        return transition_tools.to_tensordict(self, batch_dims)
+
+    @classmethod
+    def from_tensordict(cls, td) -> "Transition":
+        """The Transition of a ``TensorDict`` whose keys are Transition fields; missing fields are ``None``,
+        an unknown key raises ``ValueError`` naming it. Needs the optional ``tensordict`` package."""
+        from gpubuf import transition_tools
+
+        return transition_tools.from_tensordict(td)
+
 
 BOUNDARIES = ("allow", "mask", "forbid")
 _NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2)  # storable, no numpy twin

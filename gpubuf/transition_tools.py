@@ -12,7 +12,7 @@ import torch
 from gpubuf.inputs import as_tensor
 from gpubuf.replay import FIELDS, Transition
 
-ALL_FIELDS = FIELDS + ("PER_weights",)  # the stored fields, then the sampled importance weights
+ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask")  # the stored fields, then those only sampling sets
 
 
 def _check(transition) -> Transition:
@@ -28,8 +28,8 @@ def _is_set(value) -> bool:
 
 def items(transition: Transition) -> Iterator[tuple[str, Any]]:
     """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in field order:
-    ``observation, action, reward, terminated, truncated, next_observation, info, PER_weights``. So
-    ``dict(transition)`` holds exactly the fields a buffer stores (plus ``PER_weights`` on a sampled batch)."""
+    ``observation, action, reward, terminated, truncated, next_observation, info, PER_weights, is_first,
+    mask``. So ``dict(transition)`` holds exactly the fields a buffer stores, plus those sampling sets."""
     _check(transition)
     for name in ALL_FIELDS:
         value = getattr(transition, name)

@@ -7,6 +7,9 @@ subgroups of 2 (ranks 0-1 and 2-3) at the same time, which also exercises the ``
 Data: shard ``r`` writes ``8 + 5 r`` rows per env (shard 3 wraps around); observation ``[v, -v]`` with
 ``v = r * 1e6 + t * E + e`` (``t``: the shard's step counter, ``e``: the env), so every window says which
 shard, step and env it came from. Shard 1 truncates env 0 at step 4.
+
+``GPUBUF_TEST_DIST_DEVICE=cuda`` puts every shard on the GPU (benchmarks/device_check.sh runs it so); the
+results are saved as CPU tensors either way.
 """
 
 import os
@@ -21,6 +24,7 @@ from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
 from gpubuf.distributed import ShardedBuffer
 
 E, M, N_STEPS = 3, 20, 3
+DEVICE = os.environ.get("GPUBUF_TEST_DIST_DEVICE", "cpu")  # "cuda": every shard on the GPU (gloo stages via host)
 S = E * M  # start slots per shard
 BIG = 1_000_000
 
@@ -38,7 +42,7 @@ def rows(rank: int, t0: int, T: int) -> Transition:
 
 
 def filled(cls, rank: int, seed: int, **kw):
-    buf = cls(S, 4, rows(rank, 0, 1), n_steps=N_STEPS, device="cpu", seed=seed, **kw)
+    buf = cls(S, 4, rows(rank, 0, 1), n_steps=N_STEPS, device=DEVICE, seed=seed, **kw)
     total, t0 = 8 + 5 * rank, 0
     while t0 < total:
         T = min(12, total - t0)
@@ -118,20 +122,20 @@ def scenarios(group, tmp: str) -> dict:
 
     # configurations that disagree
     res["bad_n_steps"] = caught(lambda: ShardedBuffer(TransitionBuffer(
-        S, 4, rows(rank, 0, 1), n_steps=2 if rank == last else N_STEPS, device="cpu"), group))
+        S, 4, rows(rank, 0, 1), n_steps=2 if rank == last else N_STEPS, device=DEVICE), group))
     res["bad_alpha"] = caught(lambda: ShardedBuffer(PrioritizedTransitionBuffer(
-        S, 4, rows(rank, 0, 1), alpha=0.5 if rank == last else 0.7, device="cpu"), group))
+        S, 4, rows(rank, 0, 1), alpha=0.5 if rank == last else 0.7, device=DEVICE), group))
     res["bad_local"] = caught(lambda: ShardedBuffer(object() if rank == 0 else uni.local, group))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        ShardedBuffer(TransitionBuffer(S, 4, rows(rank, 0, 1), device="cpu", seed=5), group)
+        ShardedBuffer(TransitionBuffer(S, 4, rows(rank, 0, 1), device=DEVICE, seed=5), group)
     res["same_seed_warning"] = [str(w.message) for w in seen]
 
     # save / load per rank
     path = os.path.join(tmp, "shard{rank}.ckpt")
     per.save(path)
     fresh = ShardedBuffer(PrioritizedTransitionBuffer(S, 4, rows(rank, 0, 1), n_steps=N_STEPS, alpha=0.7,
-                                                      device="cpu", seed=rank), group)
+                                                      device=DEVICE, seed=rank), group)
     fresh.load(path)
     res["reloaded"] = (bool(torch.equal(fresh.local._sampler.priority, per.local._sampler.priority)),
                        bool(torch.equal(fresh.local.state_dict()["data"]["observation"],
@@ -146,7 +150,7 @@ def few_starts(group) -> dict:
     rank = dist.get_rank(group)
     obs = np.float64(rank * BIG) + np.arange(3.0)[:, None]
     local = PrioritizedTransitionBuffer(3, 3, Transition(obs, None, None, None, None), vectorized_env=False,
-                                        alpha=1.0, device="cpu", seed=rank)
+                                        alpha=1.0, device=DEVICE, seed=rank)
     sharded = ShardedBuffer(local.insert(Transition(obs, None, None, None, None)), group)
     sharded.update_priorities(rank * 3 + np.arange(3), [60.0, 1.0, 2.0] if rank == 0 else [rank, 2.0, 3.0])
     draws = [sharded.sample(key=5000 + i, batch_size=4)[1] for i in range(200)]
@@ -166,6 +170,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             os.makedirs(tmp, exist_ok=True)
             results[name] = scenarios(group, tmp)
             results[name]["few"] = few_starts(group)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        cpu = torch.utils._pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, results)
+        torch.save(cpu, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:  # an exception reaches the test process with its traceback (torch.multiprocessing)
         dist.destroy_process_group()

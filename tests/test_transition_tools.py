@@ -107,3 +107,45 @@ def test_tensordict_bad_input_names_the_argument():
         from_tensordict({})
     with pytest.raises(ValueError, match="transition: expected at least one field that is set"):
         to_tensordict(Transition(None, None, None, None, None))
+
+
+# ------------------------------------------------------------------ the same, as Transition methods
+
+def sampled_with_flags():
+    """A prioritized batch sampled with boundaries="mask": every field a sampler can set is set."""
+    from gpubuf import PrioritizedTransitionBuffer
+
+    T, E = 6, 2
+    step = torch.arange(T * E, dtype=torch.float32).view(T, E)
+    rollout = Transition(observation=step.unsqueeze(-1), action=step.long(), reward=step,
+                         terminated=(step == 4), truncated=torch.zeros(T, E, dtype=torch.bool))
+    buf = PrioritizedTransitionBuffer(T * E, 4, rollout, n_steps=3, device="cpu", seed=0)
+    buf.insert(rollout)
+    return buf.sample(key=0, boundaries="mask")[0]  # (batch, indices)
+
+
+def test_methods_are_the_functions():
+    t = sampled_with_flags()
+    assert [k for k, _ in t] == ["observation", "action", "reward", "terminated", "truncated",
+                                 "PER_weights", "is_first", "mask"]
+    assert list(dict(t)) == [k for k, _ in items(t)]
+    moved = t.to("cpu", non_blocking=True)
+    assert moved is not t and moved.is_first is t.is_first and moved.mask is t.mask  # nothing is dropped
+    np_batch = batch()
+    assert isinstance(np_batch.to("cpu").action, torch.Tensor) and isinstance(np_batch.action, np.ndarray)
+    with pytest.raises(ValueError, match="device: expected a torch device or its name, got 'gpu9'"):
+        np_batch.to("gpu9")
+
+
+def test_methods_round_trip_a_sampled_batch_through_a_tensordict():
+    tensordict = pytest.importorskip("tensordict", reason="optional dependency tensordict is not installed")
+    t = sampled_with_flags()
+    td = t.to_tensordict()
+    assert isinstance(td, tensordict.TensorDict) and list(td.batch_size) == [4]  # PER_weights is (B,)
+    assert list(t.to_tensordict(batch_dims=0).batch_size) == []
+    back = Transition.from_tensordict(td)
+    assert isinstance(back, Transition) and [k for k, _ in back] == [k for k, _ in t]
+    for (_, v), (_, v2) in zip(t, back, strict=True):
+        torch.testing.assert_close(v, v2)
+    with pytest.raises(ValueError, match=r"td: unknown keys \['obs'\]"):
+        Transition.from_tensordict(tensordict.TensorDict({"obs": torch.zeros(2)}, batch_size=[2]))
