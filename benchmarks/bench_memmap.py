@@ -1,10 +1,11 @@
 """Memory-mapped replay: 64x64x3 uint8 frames in files on disk, sampled as 32 windows of 16 frames and as
 256 single frames; gpubuf's ``storage_dir`` against torchrl's ``LazyMemmapStorage`` in the same run.
 
-Both write the same frames (64 envs, time-major for gpubuf, env-major trajectories for torchrl's
-``SliceSampler``), then sampling alternates between them. ``--log2-frames`` sets the size; each copy takes
-``2**n * 12288`` bytes of disk (2**21 frames: 25.8 GB per copy). Run it in the peers' venv
-(``bash benchmarks/setup_peers.sh``):
+Both write the same frames (64 envs), env-major on disk: gpubuf's ``storage_dir`` files hold each env's
+steps adjacent (``(E, M, *shape)``), torchrl's ``SliceSampler`` reads env-major trajectories; then sampling
+alternates between them. ``--log2-frames`` sets the size; each copy takes ``2**n * 12288`` bytes of disk
+(2**21 frames: 25.8 GB per copy; the four copies must exceed RAM for a disk-bound run). Run it in the
+peers' venv (``bash benchmarks/setup_peers.sh``):
 
     /work/bench-venv/bin/python benchmarks/bench_memmap.py --log2-frames 21 --dir /var/tmp/gpubuf-memmap
 """
