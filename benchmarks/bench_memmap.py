@@ -1,10 +1,11 @@
 """Memory-mapped replay: 64x64x3 uint8 frames in files on disk, sampled as 32 windows of 16 frames and as
 256 single frames; gpubuf's ``storage_dir`` against torchrl's ``LazyMemmapStorage`` in the same run.
 
-Both write the same frames (64 envs, time-major for gpubuf, env-major trajectories for torchrl's
-``SliceSampler``), then sampling alternates between them. ``--log2-frames`` sets the size; each copy takes
-``2**n * 12288`` bytes of disk (2**21 frames: 25.8 GB per copy). Run it in the peers' venv
-(``bash benchmarks/setup_peers.sh``):
+Both write the same frames (64 envs), env-major on disk: gpubuf's ``storage_dir`` files hold each env's
+steps adjacent (``(E, M, *shape)``), torchrl's ``SliceSampler`` reads env-major trajectories; then sampling
+alternates between them. ``--log2-frames`` sets the size; each copy takes ``2**n * 12288`` bytes of disk
+(2**21 frames: 25.8 GB per copy; the four copies must exceed RAM for a disk-bound run). Run it in the
+peers' venv (``bash benchmarks/setup_peers.sh``):
 
     /work/bench-venv/bin/python benchmarks/bench_memmap.py --log2-frames 21 --dir /var/tmp/gpubuf-memmap
 """
@@ -34,12 +35,19 @@ def frames_at(t0: int, T: int, envs=slice(None)) -> np.ndarray:
     return f
 
 
-def timed(fn, repeats: int) -> list[float]:
+def read_bytes() -> int:
+    """Bytes this process has had read from storage so far (Linux ``/proc/self/io``; page faults included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def timed(fn, repeats: int) -> list[tuple[float, int]]:
+    """(seconds, bytes read from disk) of each of ``repeats`` calls."""
     out = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        r, t = read_bytes(), time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t)
+        out.append((time.perf_counter() - t, read_bytes() - r))
     return out
 
 
@@ -102,15 +110,18 @@ def main():
     for _ in range(3):  # interleaved rounds
         for k, fn in fns.items():
             times[k] += timed(fn, max(1, args.repeats // 3))
-    rows = [{"case": c, "impl": impl, "us": statistics.median(v) * 1e6,
-             "MB/s": (SB * SL if c.startswith("32") else B1) * H * W * C / statistics.median(v) / 1e6}
-            for (c, impl), v in times.items()]
+    rows = []
+    for (c, impl), v in times.items():
+        sec = statistics.median(t for t, _ in v)
+        frames = SB * SL if c.startswith("32") else B1
+        rows.append({"case": c, "impl": impl, "us": sec * 1e6, "MB/s": frames * H * W * C / sec / 1e6,
+                     "disk MB read": statistics.median(b for _, b in v) / 1e6})
     disk = shutil.disk_usage(root)
     print(f"memmap sampling, {N} frames of {H}x{W}x{C} per buffer on disk ({N * H * W * C / 1e9:.1f} GB each), "
           f"{os.cpu_count()} CPUs, 1 thread; fill seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in fill.items()))
-    print("| case | impl | median us | MB/s |\n|---|---|---:|---:|")
+    print("| case | impl | median us | MB/s | disk MB read |\n|---|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['case']} | {r['impl']} | {r['us']:.0f} | {r['MB/s']:.0f} |")
+        print(f"| {r['case']} | {r['impl']} | {r['us']:.0f} | {r['MB/s']:.0f} | {r['disk MB read']:.1f} |")
     result = {"frames": N, "frame_bytes": H * W * C, "fill_s": fill, "rows": rows, "disk_free_after": disk.free,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "torch": torch.__version__}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "memmap_cpu.json")

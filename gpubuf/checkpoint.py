@@ -6,11 +6,12 @@ tensor its dtype, shape, offset, size and CRC-32), then a 40-byte footer (header
 magic).
 
 - Saving streams each tensor in chunks of at most ``CHUNK_BYTES`` (16 MiB): CPU storage is written from
-  its own memory, CUDA storage through one pinned host chunk. Extra memory is bounded by one chunk, never a
-  clone of the storage. The file is written beside ``path`` under a temporary name, flushed to disk and
-  renamed over ``path`` (atomic on POSIX): a crash mid-save leaves the previous checkpoint intact (and at
-  worst a stale ``<name>.*.partial`` file). The new file gets the mode of the file it replaces, or
-  ``0o666`` less the umask (as ``open`` would create it).
+  its own memory (the transposed views of env-major ``storage_dir`` files in row-major copies of whole
+  leading rows), CUDA storage through one pinned host chunk. Extra memory is bounded by one chunk (or one
+  leading row), never a clone of the storage. The file is written beside ``path`` under a temporary name,
+  flushed to disk and renamed over ``path`` (atomic on POSIX): a crash mid-save leaves the previous
+  checkpoint intact (and at worst a stale ``<name>.*.partial`` file). The new file gets the mode of the
+  file it replaces, or ``0o666`` less the umask (as ``open`` would create it).
 - Loading checks the whole file first (magic, header CRC, sizes, every tensor's CRC, reading chunk by chunk), then hands
   the buffer's ``load_state_dict`` a state of file-backed tensors, which validates configuration, keys,
   shapes, dtypes and counters before its first write and then streams the bytes into storage on any device.
@@ -24,7 +25,7 @@ import zlib
 
 import torch
 
-from gpubuf.state import CHUNK_BYTES
+from gpubuf.state import CHUNK_BYTES, chunks
 
 MAGIC = b"GPUBUF-CKPT-v1\x00\n"
 _FOOTER = struct.Struct("<QQI4x16s")  # header offset, header length, header CRC-32, magic
@@ -56,7 +57,17 @@ class FileTensor:
         self.nbytes = self.shape.numel() * torch.empty((), dtype=dtype).element_size()
 
     def read_into(self, dst: torch.Tensor, chunk: int = CHUNK_BYTES) -> None:
-        """``dst`` (contiguous, this shape and dtype, any device) = the stored bytes, one chunk at a time."""
+        """``dst`` (this shape and dtype, any device; strided only on the host) = the stored bytes, one chunk
+        at a time."""
+        if not dst.is_contiguous():  # a strided host view (an env-major file seen time-major): whole leading rows
+            row = self.nbytes // self.shape[0]
+            rows = max(1, chunk // max(row, 1))
+            host = torch.empty((min(rows, self.shape[0]), *self.shape[1:]), dtype=self.dtype)
+            for a in range(0, self.shape[0], rows):
+                part = host[:min(rows, self.shape[0] - a)]
+                self._read(part.view(-1).view(torch.uint8).numpy(), a * row)
+                dst[a:a + part.shape[0]].copy_(part)
+            return
         flat = dst.view(-1).view(torch.uint8) if dst.numel() else dst.new_empty(0, dtype=torch.uint8)
         if dst.device.type == "cpu":
             view = flat.numpy()
@@ -160,16 +171,16 @@ def _strip(value, tensors: list):
 
 
 def _write_tensor(f, t: torch.Tensor, chunk: int) -> int:
-    """Write ``t``'s bytes to ``f`` in chunks; returns their CRC-32."""
+    """Write ``t``'s bytes (row-major) to ``f`` in chunks; returns their CRC-32."""
+    crc = 0
+    if t.device.type == "cpu":  # views of contiguous memory; bounded copies of a strided view (env-major files)
+        for piece in chunks(t, chunk):
+            view = piece.view(torch.uint8).numpy()
+            f.write(view)
+            crc = zlib.crc32(view, crc)
+        return crc
     flat = t.contiguous().reshape(-1)
     flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    crc = 0
-    if flat.device.type == "cpu":
-        view = flat.numpy()
-        for a in range(0, len(view), chunk):
-            f.write(view[a:a + chunk])
-            crc = zlib.crc32(view[a:a + chunk], crc)
-        return crc
     host = torch.empty(min(chunk, flat.numel()), dtype=torch.uint8, pin_memory=True)
     for a in range(0, flat.numel(), chunk):
         n = min(chunk, flat.numel() - a)

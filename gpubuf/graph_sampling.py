@@ -57,7 +57,7 @@ class GraphSampler:
         result, self._work = buffer._outputs(B, buffer._check_out(None, B, with_next_obs))
         self.out: Transition = buffer._with_flags(_unflatten(result), boundaries)  # forbid: constant flags
         self._plan = None
-        if buffer.backend == "triton":
+        if buffer.backend == "triton" and buffer._dir is None:  # the kernel reads time-major storage
             from gpubuf.kernels import sequence
 
             self._plan = sequence.plan(self._work, B, buffer.n_steps, dev)
@@ -86,7 +86,7 @@ class GraphSampler:
 
             sequence.gather_planned(self._plan, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
         else:
-            ops.sequence_gather(buf._storage_backend, self._work, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
+            buf._gather_windows(self._work, self.indices)
         if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
             torch.index_select(tree.tree, 0, self.indices, out=self._mass)
             torch.amin(self._mass, 0, out=self._min)

@@ -20,7 +20,7 @@ def is_tensor(x) -> bool:
 
 
 def copy_into(dst: torch.Tensor, src) -> None:
-    """``dst`` (contiguous) = ``src`` (a tensor on any device, or a file-backed tensor of the same shape)."""
+    """``dst`` = ``src`` (a tensor on any device, or a file-backed tensor of the same shape)."""
     if isinstance(src, torch.Tensor):
         dst.copy_(src.detach())
     else:
@@ -54,8 +54,14 @@ def host_tensor(x) -> torch.Tensor:
 
 
 def chunks(x, nbytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
-    """Flat pieces of ``x`` of at most ``nbytes`` each (views for in-memory tensors, reads for files)."""
-    if isinstance(x, torch.Tensor):
+    """Flat pieces of ``x`` in row-major order, of at most ``nbytes`` each (views of contiguous in-memory
+    tensors; copies of whole leading rows of strided ones, at least one row; reads for files)."""
+    if isinstance(x, torch.Tensor) and not x.is_contiguous():  # e.g. a transposed view of an env-major file
+        x = x.detach()
+        rows = max(1, nbytes // max(x[0].numel() * x.element_size(), 1))
+        for a in range(0, x.shape[0], rows):
+            yield x[a:a + rows].contiguous().view(-1)
+    elif isinstance(x, torch.Tensor):
         flat = x.detach().reshape(-1)
         step = max(1, nbytes // max(flat.element_size(), 1))
         for a in range(0, flat.numel(), step):

@@ -6,11 +6,19 @@ windows to a CUDA device), or in memory-mapped files of a directory (``storage_d
 process re-opens. :class:`StorageDir` owns such a directory:
 
 - ``gpubuf.json``: the buffer's configuration (type, sizes, leaf shapes and dtypes);
-- ``leaf<i>.bin``: one raw file per leaf (named in ``gpubuf.json``), ``(M, E, *shape)`` row-major, mapped
-  shared (writes land in the file);
+- ``leaf<i>.bin``: one raw file per leaf (named in ``gpubuf.json``), ``(E, M, *shape)`` row-major, mapped
+  shared (writes land in the file). Env-major (``"layout": "env-major"`` in the configuration): one env's
+  consecutive steps are adjacent, so a sampled window is one contiguous read. The buffer writes through a
+  transposed ``(M, E, *shape)`` view and gathers with :func:`env_major_gather`; flat starts stay
+  ``step * E + env`` as in every other tier;
 - ``counters.bin``: int64 ``(write position, rows written, total rows ever written)``, updated by every insert;
 - ``state.pt``: what :meth:`flush` saves (sampling RNG state, and for prioritized buffers the priorities,
   ``max_priority`` and ``beta``), with the total rows at that moment.
+
+The host RAM tier (``storage_device="cpu"``) stays time-major ``(M, E, *shape)`` like device storage: in
+RAM, 32 windows of 16 12-KiB frames gathered 16 % faster env-major, while a float leaf gathered 2.3x
+slower (the env-major row index costs a division and a modulo more), and every insert of ``T`` rows
+scatters into ``E`` places instead of one.
 """
 
 import json
@@ -21,6 +29,9 @@ import numpy as np
 import torch
 
 from gpubuf.ops import resolve_device
+from gpubuf.reference import as_words
+
+LAYOUT = "env-major"  # of the leaf files: recorded in the configuration, checked on re-opening
 
 
 def storage_device_for(device: torch.device, storage_device, storage_dir) -> torch.device:
@@ -45,8 +56,10 @@ class StorageDir:
 
     Args:
         path: the directory (created when missing).
-        config: the buffer's configuration (JSON values): must equal the one stored when re-opening.
-        shapes, dtypes: ``{leaf name: (M, E, *shape)}`` and ``{leaf name: dtype}``.
+        config: the buffer's configuration (JSON values): must equal the one stored when re-opening (the
+            file layout is added to it).
+        shapes, dtypes: ``{leaf name: (E, M, *shape)}`` and ``{leaf name: dtype}``: ``tensors`` holds
+            contiguous ``(E, M, *shape)`` views of the files.
 
     ``reopened`` says whether the directory already held this buffer (its files are then mapped as they are).
     """
@@ -60,8 +73,9 @@ class StorageDir:
             raise TypeError(f"storage_dir: expected a path, got {type(path).__name__}") from None
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"storage_dir: {str(self.path)!r} exists and is not a directory")
-        meta = {"config": config, "leaves": {name: {"shape": list(shapes[name]), "dtype": str(dtypes[name]),
-                                                    "file": f"leaf{i}.bin"} for i, name in enumerate(shapes)}}
+        leaves = {name: {"shape": list(shapes[name]), "dtype": str(dtypes[name]), "file": f"leaf{i}.bin"}
+                  for i, name in enumerate(shapes)}
+        meta = {"config": {**config, "layout": LAYOUT}, "leaves": leaves}
         meta_file = self.path / self.META
         self.reopened = meta_file.exists()
         if self.reopened:
@@ -112,3 +126,21 @@ class StorageDir:
         """What the last :meth:`save_state` wrote, or None."""
         file = self.path / self.STATE
         return torch.load(file, weights_only=True) if file.exists() else None
+
+
+def env_major_gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
+    """For each ``(storage (E*M, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
+    ``(start % E) * M + (start // E + j + shift) % M``, j < n, for flat starts ``step * E + env`` (B,): the
+    windows of :func:`gpubuf.reference.sequence_gather` from env-major storage. Host tensors; rows are
+    computed once per distinct shift."""
+    B = starts.shape[0]
+    if B == 0:
+        return
+    env_row, step = (starts % E).mul_(M).unsqueeze_(1), (starts // E).unsqueeze_(1)  # (B, 1) each
+    rows = {}
+    for storage, out, shift in jobs:
+        if shift not in rows:
+            j = torch.arange(shift, n + shift, device=starts.device)
+            rows[shift] = (step + j).remainder_(M).add_(env_row).view(-1)  # (B * n,)
+        src, dst = as_words(storage, out.view(B * n, storage.shape[1]))
+        torch.index_select(src, 0, rows[shift], out=dst)

@@ -1,6 +1,7 @@
 """Storage tiers: host storage apart from the sampling device, and memory-mapped storage directories that
 a fresh process re-opens (rows, counters, flushed priorities and RNG)."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpubuf import GraphSampler, PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf import GraphSampler, PrioritizedTransitionBuffer, Transition, TransitionBuffer, checkpoint
 
 E = 2
 
@@ -141,3 +142,133 @@ def test_host_storage_serves_cuda_batches():
     assert (v[:, 1:] - v[:, :-1] == E).all()
     with pytest.raises(ValueError, match="buffer: a GraphSampler gathers on the sampling device"):
         GraphSampler(buf)
+
+
+# ---- env-major leaf files: (E, M, *shape) on disk, the same starts, windows and state as in memory
+
+E3, M7, N3 = 3, 7, 3  # odd sizes: an env/step mix-up shows in the values
+
+
+def indexed(T, t0=0):
+    """T rows of E3 envs; every leaf holds value = global step * E3 + env (obs: 3 copies, action: int64)."""
+    v = (np.arange(t0, t0 + T)[:, None] * E3 + np.arange(E3)).astype(np.float32)
+    done = (v % 5 == 4)  # a few episode ends, so boundaries="mask" has flags to mark
+    return Transition(observation=v[..., None].repeat(3, -1), action=v.astype(np.int64), reward=v.copy(),
+                      terminated=done, truncated=np.zeros((T, E3), bool))
+
+
+def make3(cls, path=None):
+    return cls(E3 * M7, 4, indexed(1), n_steps=N3, device="cpu", seed=7, storage_dir=path)
+
+
+def fill3(buf):
+    """Global steps 0..18 into 7 rows per env: rows 5, 6, 0, ... hold steps 12..18 (windows wrap the ring)."""
+    for t0 in (0, 5, 10, 15):
+        buf.insert(indexed(min(5, 19 - t0), t0))
+        if t0 == 5 and isinstance(buf, PrioritizedTransitionBuffer):
+            buf.update_priorities(np.arange(E3 * M7), np.linspace(0.5, 4, E3 * M7))
+    return buf
+
+
+def check_windows(obs, idx=None):
+    """obs (B, n, 3): each window is one env's consecutive steps, starting at flat index idx (B,)."""
+    v = obs[..., 0].to(torch.int64)
+    assert (v[:, 1:] - v[:, :-1] == E3).all() and (obs == obs[..., :1]).all()
+    if idx is not None:
+        assert torch.equal(idx, (v[:, 0] // E3 % M7) * E3 + v[:, 0] % E3)
+
+
+@pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
+def test_env_major_windows_match_memory_index_for_index(backend, cls, tmp_path):
+    mapped, plain = fill3(make3(cls, tmp_path / "b")), fill3(make3(cls))
+    for name, t in plain.state_dict()["data"].items():
+        assert torch.equal(mapped.state_dict()["data"][name], t), name
+    for kw in ({}, {"with_next_obs": True}, {"boundaries": "mask"}, {"with_replacement": False, "batch_size": 12}):
+        kw = {"batch_size": 64, "with_replacement": True, **kw}
+        a, b = mapped.sample(key=11, **kw), plain.sample(key=11, **kw)
+        (a, ia), (b, ib) = (a, b) if isinstance(a, tuple) else ((a, None), (b, None))
+        assert ia is None or torch.equal(ia, ib)
+        for f in ("observation", "action", "reward", "terminated", "next_observation", "is_first", "mask",
+                  "PER_weights"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert (x is None and y is None) or torch.equal(x, y), (kw, f)
+        check_windows(a.observation, ia)
+        assert torch.equal(a.action, a.observation[..., 0].to(torch.int64))
+        if kw.get("with_next_obs"):
+            assert torch.equal(a.next_observation, a.observation + E3)
+    wraps = mapped.sample(key=2, batch_size=64, with_replacement=True)
+    obs = (wraps[0] if isinstance(wraps, tuple) else wraps).observation
+    assert ((obs[:, 0, 0].to(torch.int64) // E3 % M7) > M7 - N3).any()  # some windows run past ring row M-1
+
+
+def test_the_leaf_files_are_env_major(tmp_path):
+    buf = fill3(make3(TransitionBuffer, tmp_path / "b"))
+    meta = json.loads((tmp_path / "b" / "gpubuf.json").read_text())
+    assert meta["config"]["layout"] == "env-major"
+    leaf = meta["leaves"]["observation"]
+    assert leaf["shape"] == [E3, M7, 3] and leaf["dtype"] == "torch.float32"
+    raw = np.fromfile(tmp_path / "b" / leaf["file"], dtype=np.float32)
+    assert raw.size == E3 * M7 * 3
+    steps = np.array([14, 15, 16, 17, 18, 12, 13])  # global step held by ring rows 0..6
+    for e in range(E3):  # env e's rows are one stretch of the file, in ring order
+        assert np.array_equal(raw[e * M7 * 3:(e + 1) * M7 * 3].reshape(M7, 3)[:, 0], steps * E3 + e)
+    assert np.array_equal(raw.reshape(E3, M7, 3), buf.state_dict()["data"]["observation"].numpy().swapaxes(0, 1))
+
+
+def test_a_directory_of_another_layout_is_rejected(tmp_path):
+    make3(TransitionBuffer, tmp_path / "b").insert(indexed(2))
+    meta_file = tmp_path / "b" / "gpubuf.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["layout"] = "time-major"
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="storage_dir: .* config 'layout' is 'time-major', not 'env-major'"):
+        make3(TransitionBuffer, tmp_path / "b")
+    del meta["config"]["layout"]  # written before the layout was recorded: time-major
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="storage_dir: .* config 'layout' is None, not 'env-major'"):
+        make3(TransitionBuffer, tmp_path / "b")
+
+
+_REOPEN = textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_storage_tiers import TransitionBuffer, make3
+    buf = make3(TransitionBuffer, {path!r})
+    torch.save([buf.sample(key=5, batch_size=32, with_next_obs=True).__dict__, buf.sample(batch_size=8).reward,
+                len(buf)], {out!r})
+""")
+
+
+def test_a_fresh_process_reopens_the_same_windows(tmp_path):
+    path, out = tmp_path / "b", tmp_path / "out.pt"
+    buf = fill3(make3(TransitionBuffer, path)).flush()
+    code = _REOPEN.format(tests=str(__import__("pathlib").Path(__file__).parent), path=str(path), out=str(out))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    theirs, reward, n = torch.load(out, weights_only=True)
+    ours = buf.sample(key=5, batch_size=32, with_next_obs=True)
+    assert n == len(buf) == E3 * M7 and torch.equal(reward, buf.sample(batch_size=8).reward)  # flushed RNG
+    for f in ("observation", "action", "reward", "terminated", "next_observation"):
+        assert torch.equal(theirs[f], getattr(ours, f)), f
+    check_windows(theirs["observation"])
+
+
+def test_graph_sampling_and_checkpoints_of_env_major_storage(backend, tmp_path):
+    mapped, plain = fill3(make3(TransitionBuffer, tmp_path / "b")), fill3(make3(TransitionBuffer))
+    outs = []
+    for buf in (mapped, plain):
+        g = torch.Generator().manual_seed(3)
+        outs.append(buf.graph_sampler(16, with_next_obs=True, generator=g).sample())
+    (a, ia), (b, ib) = outs
+    assert torch.equal(ia, ib) and torch.equal(a.observation, b.observation)
+    assert torch.equal(a.next_observation, b.next_observation)
+    check_windows(a.observation, ia)
+    # a checkpoint does not depend on the layout; tiny chunks stream the strided storage row block by row block
+    checkpoint.save(mapped, tmp_path / "m.ckpt", chunk=40)
+    checkpoint.save(plain, tmp_path / "p.ckpt")
+    assert (tmp_path / "m.ckpt").read_bytes() == (tmp_path / "p.ckpt").read_bytes()
+    target = make3(TransitionBuffer, tmp_path / "t")
+    checkpoint.load(target, tmp_path / "p.ckpt", chunk=40)
+    for name, t in plain.state_dict()["data"].items():
+        assert torch.equal(target.state_dict()["data"][name], t), name
+    assert torch.equal(target.sample(key=4, batch_size=16).observation, plain.sample(key=4, batch_size=16).observation)
