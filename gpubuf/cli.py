@@ -7,6 +7,7 @@ demo's progress bar on a terminal (nothing when stderr is a log file), prints th
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -147,6 +148,8 @@ def check_bench_args(parser, args):
     if not args.out.endswith(".md"):
         parser.error(f"--out: expected a markdown path ending in .md, got {args.out!r}")
     check_writable(parser, "--out", args.out)
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("--out: the PNG chart needs matplotlib (pip install matplotlib)")
     return suites, sizes, check_device(parser, args.device), peers
 
 

@@ -86,7 +86,7 @@ def write(result: dict, md_path: str) -> tuple[str, str, str]:
     stem = os.path.splitext(md_path)[0]
     png, js = stem + ".png", stem + ".json"
     write_json(result, js)
-    write_chart(result["rows"], png)
     with open(md_path, "w") as f:
         f.write(markdown(result, chart=os.path.basename(png)))
+    write_chart(result["rows"], png)
     return md_path, png, js
