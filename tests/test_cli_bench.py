@@ -84,3 +84,13 @@ def test_bad_options_are_one_line_with_exit_code_2_before_any_work(args, message
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"gpubuf bench: error: {message}"), lines
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
+
+
+def test_without_matplotlib_the_table_and_numbers_are_still_written(tmp_path, monkeypatch, capsys):
+    """A source tree on a bare machine (the GPU box): no chart, said so, the rest written."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    out = tmp_path / "b.md"
+    assert main([*TINY, "--suite", "history", "--out", str(out)]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["rows"] and not out.with_suffix(".png").exists()
+    assert "![" not in out.read_text() and "no chart (matplotlib is not installed" in capsys.readouterr().out

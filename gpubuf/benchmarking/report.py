@@ -4,6 +4,7 @@ A result is ``{"machine", "versions", "settings", "missing", "failed", "rows"}``
 :mod:`gpubuf.benchmarking`. "gpubuf speedup" is a contender's median over gpubuf's on the same case and op.
 """
 
+import importlib.util
 import json
 import os
 
@@ -81,12 +82,17 @@ def write_json(result: dict, path: str) -> None:
         json.dump(result, f, indent=1)
 
 
-def write(result: dict, md_path: str) -> tuple[str, str, str]:
-    """Writes ``md_path``, the chart and the JSON beside it (same stem); returns the three paths."""
+def write(result: dict, md_path: str) -> tuple[str, str | None, str]:
+    """Writes ``md_path``, the chart and the JSON beside it (same stem); returns the three paths.
+
+    Without matplotlib (a source tree on a bare machine) there is no chart: its path is None.
+    """
     stem = os.path.splitext(md_path)[0]
-    png, js = stem + ".png", stem + ".json"
+    png = stem + ".png" if importlib.util.find_spec("matplotlib") else None
+    js = stem + ".json"
     write_json(result, js)
     with open(md_path, "w") as f:
-        f.write(markdown(result, chart=os.path.basename(png)))
-    write_chart(result["rows"], png)
+        f.write(markdown(result, chart=png and os.path.basename(png)))
+    if png:
+        write_chart(result["rows"], png)
     return md_path, png, js

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import gpubuf
 from gpubuf.benchmarking import history, per, sequences
 from gpubuf.benchmarking.peers import PEERS, Peers
 from gpubuf.benchmarking.timing import machine, versions
@@ -58,6 +59,6 @@ def run(suites, sizes: Sizes, device: torch.device, threads: int = 1, peers=tupl
         progress(new)
         rows += new
     return {"machine": machine(device), "settings": asdict(sizes) | {"suites": list(suites), "threads": threads},
-            "versions": versions(["gpubuf", "torch", "numpy", *[p for p in PEERS if p != "deque"], "tensordict",
-                                  "jax"]),
+            "versions": {"gpubuf": gpubuf.__version__} | versions(["torch", "numpy", "cpprb", "torchrl", "tensordict",
+                                                                   "flashbax", "jax", "jaxnasium"]),
             "missing": found.missing, "failed": found.failed, "rows": rows}
