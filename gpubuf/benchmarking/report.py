@@ -7,6 +7,7 @@ A result is ``{"machine", "versions", "settings", "missing", "failed", "rows"}``
 import importlib.util
 import json
 import os
+from textwrap import wrap
 
 SUITES = {"history": "HistoryBuffer: per step and env pixels (1, 64, 64, 3) uint8 and action (1, 2) float32, "
                      "action_block 5, max_len 11",
@@ -58,7 +59,8 @@ def write_chart(rows: list[dict], path: str) -> None:
     suites = [s for s in SUITES if any(r["suite"] == s for r in rows)]
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     colors = {name: f"C{i % 10}" for i, name in enumerate(impls)}
-    fig = Figure(figsize=(12, 4.5 * len(suites)), layout="constrained")
+    widest = max(len({(r["case"], r["op"]) for r in rows if r["suite"] == s}) for s in suites)
+    fig = Figure(figsize=(max(12, 1.4 * widest), 4.5 * len(suites)), layout="constrained")
     FigureCanvasAgg(fig)
     for ax, suite in zip(fig.subplots(len(suites), 1, squeeze=False)[:, 0], suites, strict=True):
         sub = [r for r in rows if r["suite"] == suite]
@@ -70,7 +72,7 @@ def write_chart(rows: list[dict], path: str) -> None:
                 ax.bar(x - 0.4 + (j + 0.5) * width, r["us"], width, color=colors[r["impl"]])
         ax.legend(handles=[Patch(color=colors[n], label=n) for n in dict.fromkeys(r["impl"] for r in sub)],
                   fontsize=8, ncols=4)
-        ax.set_xticks(range(len(groups)), [f"{case}\n{op}" for case, op in groups], fontsize=8)
+        ax.set_xticks(range(len(groups)), ["\n".join(wrap(case, 16) + wrap(op, 16)) for case, op in groups], fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("median us per call (log)")
         ax.set_title(f"gpubuf bench: {suite}")
