@@ -37,6 +37,33 @@ def jax_block(x):
     return jax.block_until_ready(x)
 
 
+def jax_contender(state, insert_fn, sample_fn, update_fn, batch, n: int, index_of) -> dict:
+    """insert / sample / update of a functional JAX buffer: each call replaces ``state`` and blocks until ready.
+
+    ``insert_fn(state, batch)``, ``sample_fn(state, key)``, ``update_fn(state, indices, priorities)`` are jitted;
+    ``batch`` holds ``n`` transitions; ``index_of(sample)`` -> the sampled indices the next update re-prioritises.
+    """
+    import jax
+
+    box = {"state": state, "key": jax.random.PRNGKey(0)}
+
+    def insert():
+        box["state"] = jax_block(insert_fn(box["state"], batch))
+
+    def sample():
+        box["key"], k = jax.random.split(box["key"])
+        out = jax_block(sample_fn(box["state"], k))
+        box["idx"] = index_of(out)
+        return out
+
+    def update():
+        box["key"], k = jax.random.split(box["key"])
+        box["state"] = jax_block(update_fn(box["state"], box["idx"], jax.random.uniform(k, (n,)) * 2 + 1e-6))
+
+    sample()
+    return {"insert": insert, "sample": sample, "update": update}
+
+
 def gpubuf_per(fill: dict, batch: dict, device: torch.device) -> dict:
     def tr(d):
         return Transition(observation=d["obs"], action=d["act"], reward=d["rew"], terminated=d["term"],
@@ -123,24 +150,8 @@ def flashbax_per(fill: dict, batch: dict) -> dict:
     set_priorities = jax.jit(buf.set_priorities, donate_argnums=0)
     for c in chunks(fill):
         state = add(state, {k: jnp.asarray(v) for k, v in c.items()})
-    batch_j = {k: jnp.asarray(v) for k, v in batch.items()}
-    box = {"state": state, "key": jax.random.PRNGKey(0)}
-
-    def insert():
-        box["state"] = jax_block(add(box["state"], batch_j))
-
-    def sample():
-        box["key"], k = jax.random.split(box["key"])
-        out = jax_block(sample_fn(box["state"], k))
-        box["idx"] = out.indices
-        return out
-
-    def update():
-        box["key"], k = jax.random.split(box["key"])
-        box["state"] = jax_block(set_priorities(box["state"], box["idx"], jax.random.uniform(k, (B,)) * 2 + 1e-6))
-
-    sample()
-    return {"insert": insert, "sample": sample, "update": update}
+    return jax_contender(state, add, sample_fn, set_priorities, {k: jnp.asarray(v) for k, v in batch.items()}, B,
+                         lambda out: out.indices)
 
 
 def jaxnasium_per(fill: dict, batch: dict) -> dict:
@@ -160,24 +171,7 @@ def jaxnasium_per(fill: dict, batch: dict) -> dict:
     upd = jax.jit(lambda b, i, td: b.update_priorities(i, td))
     for c in chunks(fill):
         buf = ins(buf, tr(c))
-    batch_j = tr(batch)
-    box = {"buf": buf, "key": jax.random.PRNGKey(0)}
-
-    def insert():
-        box["buf"] = jax_block(ins(box["buf"], batch_j))
-
-    def sample():
-        box["key"], k = jax.random.split(box["key"])
-        out = jax_block(smp(box["buf"], k))
-        box["idx"] = out.PER_index  # the installed jaxnasium carries the indices on the batch
-        return out
-
-    def update():
-        box["key"], k = jax.random.split(box["key"])
-        box["buf"] = jax_block(upd(box["buf"], box["idx"], jax.random.uniform(k, (B,)) * 2))
-
-    sample()
-    return {"insert": insert, "sample": sample, "update": update}
+    return jax_contender(buf, ins, smp, upd, tr(batch), B, lambda out: out.PER_index)  # indices ride on the batch
 
 
 PEER_BUILDERS = {"cpprb": cpprb_per, "torchrl": torchrl_per, "flashbax": flashbax_per, "jaxnasium": jaxnasium_per}
