@@ -58,6 +58,9 @@ if python3 -c "import envpool" 2>/dev/null; then
 else
     echo "envpool missing on this machine: demo skipped" > "$OUT/demo_cuda.md"
 fi
+# gpubuf bench --quick on CUDA: the command's markdown, PNG chart and JSON (peers missing there are listed)
+timeout 60 python3 -m gpubuf.cli bench --quick --device cuda --out "$OUT/bench_cuda.md" > "$OUT/bench_cuda.log" 2>&1 \
+    || status=1
 fi
 
 show() { [ -f "$OUT/$2" ] && { echo "== $1 =="; tail -n "$3" "$OUT/$2"; }; }
@@ -69,4 +72,5 @@ show "sharded replay: NCCL" distributed_nccl.md 8
 show "sharded replay: gloo, CUDA shards" distributed_gloo_cuda.md 8
 show "distributed tests, CUDA shards" distributed_tests_cuda.txt 3
 show "demo" demo_cuda.md 30
+show "gpubuf bench --quick on CUDA" bench_cuda.md 60
 exit $status

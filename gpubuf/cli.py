@@ -1,8 +1,9 @@
 """The ``gpubuf`` command. ``gpubuf demo``: EnvPool envs -> replay and histories -> a learned model planned through.
+``gpubuf bench``: gpubuf against the installed peers, written as markdown, JSON and a PNG chart.
 
-The demo itself lives in :mod:`gpubuf.demo` (the learner in :mod:`gpubuf.mbrl`); this module parses the
-options, shows a progress bar on a terminal (nothing when stderr is a log file), prints the report and writes
-the numbers as JSON and the learning curve with the timings as a PNG.
+The demo itself lives in :mod:`gpubuf.demo` (the learner in :mod:`gpubuf.mbrl`), the benchmarks in
+:mod:`gpubuf.benchmarking`; this module parses and validates the options (before any work), shows the
+demo's progress bar on a terminal (nothing when stderr is a log file), prints the reports and writes the files.
 """
 
 import argparse
@@ -12,6 +13,9 @@ import platform
 import sys
 import warnings
 from importlib.metadata import version
+
+from gpubuf import __version__
+from gpubuf.benchmarking.peers import PEERS
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -23,7 +27,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="gpubuf", description="GPU-resident history and replay buffers for RL.")
-    parser.add_argument("--version", action="version", version=f"gpubuf {version('gpubuf')}")
+    parser.add_argument("--version", action="version", version=f"gpubuf {__version__}")  # also from a source tree
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     demo = commands.add_parser("demo", help="EnvPool envs -> replay and histories -> learned model + CEM, timed")
     demo.add_argument("--env", default="CartPole-v1",
@@ -41,14 +45,43 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=1,
                       help="torch CPU threads (default: 1; the demo's small models run fastest on one)")
     demo.add_argument("--seed", type=int, default=0)
-    parser.demo = demo  # check_args reports through it
+    bench = commands.add_parser("bench", help="gpubuf vs the installed peers: markdown table, JSON, PNG chart")
+    bench.add_argument("--suite", default="history,replay", help="comma-separated: history, replay (default: both)")
+    bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 CPUs)")
+    bench.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    bench.add_argument("--repeats", type=int, help="timing repeats of every suite (default: 31 history, 20 replay)")
+    bench.add_argument("--n-envs", help="history env counts, comma-separated (default: 16,256,1024)")
+    bench.add_argument("--log2-sizes", help="PER capacities as powers of 2, comma-separated (default: 17,20,22)")
+    bench.add_argument("--batch", type=int, help="PER insert/sample/update batch (default: 256)")
+    bench.add_argument("--peers", default=",".join(PEERS),
+                       help=f"peers to run when installed, comma-separated (default: {','.join(PEERS)})")
+    bench.add_argument("--threads", type=int, default=1, help="torch (and XLA) CPU threads (default: 1)")
+    bench.add_argument("--out", default="gpubuf_bench.md",
+                       help="markdown path; the PNG chart and the JSON go beside it (default: gpubuf_bench.md)")
+    parser.demo, parser.bench = demo, bench  # the checks report through them
     return parser
+
+
+def check_device(parser, name):
+    """The torch device ``name`` names (None: cuda when available, else cpu), if a tensor can live there."""
+    import torch
+
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as err:
+        parser.error(f"--device: cannot use {name!r} ({str(err).splitlines()[0]})")
+    return device
+
+
+def check_writable(parser, flag, path):
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        parser.error(f"{flag}: cannot write {path!r} (no writable directory {out_dir!r})")
 
 
 def check_args(parser, args):
     """Validate what argparse cannot, before any work; returns the torch device."""
-    import torch
-
     try:
         import envpool
     except ImportError as err:
@@ -66,17 +99,72 @@ def check_args(parser, args):
     if args.async_ and len(envpool.make_spec(args.env).observation_space.shape) == 1:
         parser.error(f"--async: the learning run on {args.env} needs sync envs (its model trains on per-env windows "
                      "of consecutive steps); --async is for pixel tasks such as Pong-v5")
-    try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as err:
-        parser.error(f"--device: cannot use {args.device!r} ({str(err).splitlines()[0]})")
+    device = check_device(parser, args.device)
     args.plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        out_dir = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
-            parser.error(f"{flag}: cannot write {path!r} (no writable directory {out_dir!r})")
+        check_writable(parser, flag, path)
     return device
+
+
+def int_list(parser, flag, text, low):
+    """``"16,256"`` -> (16, 256), each at least ``low``; anything else is an error naming ``flag``."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated ints, got {text!r}")
+    if any(v < low for v in values):
+        parser.error(f"{flag}: expected ints of at least {low}, got {text!r}")
+    return values
+
+
+def check_bench_args(parser, args):
+    """Validate ``gpubuf bench`` options before any work; returns (suites, sizes, device, peers)."""
+    from dataclasses import replace
+
+    from gpubuf.benchmarking.suites import QUICK, SUITE_NAMES, Sizes
+
+    parser = parser.bench
+    suites = args.suite.split(",")
+    if not set(suites) <= set(SUITE_NAMES):
+        parser.error(f"--suite: expected a comma-separated subset of {','.join(SUITE_NAMES)}, got {args.suite!r}")
+    peers = [p for p in args.peers.split(",") if p]
+    if not set(peers) <= set(PEERS):
+        parser.error(f"--peers: expected a comma-separated subset of {','.join(PEERS)}, got {args.peers!r}")
+    for flag, value in (("--repeats", args.repeats), ("--batch", args.batch), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            parser.error(f"{flag}: expected a positive int, got {value}")
+    sizes = QUICK if args.quick else Sizes()
+    if args.repeats:
+        sizes = replace(sizes, history_repeats=args.repeats, replay_repeats=args.repeats)
+    if args.n_envs:
+        sizes = replace(sizes, n_envs=int_list(parser, "--n-envs", args.n_envs, 1))
+    sizes = replace(sizes, batch=args.batch or sizes.batch)
+    if args.log2_sizes:
+        sizes = replace(sizes, log2_sizes=int_list(parser, "--log2-sizes", args.log2_sizes, 1))
+    if 2 ** min(sizes.log2_sizes) < sizes.batch:
+        parser.error(f"--log2-sizes: every capacity must hold a batch of {sizes.batch}, got {sizes.log2_sizes}")
+    if max(sizes.log2_sizes) > 30:
+        parser.error(f"--log2-sizes: expected at most 30, got {max(sizes.log2_sizes)}")
+    if not args.out.endswith(".md"):
+        parser.error(f"--out: expected a markdown path ending in .md, got {args.out!r}")
+    check_writable(parser, "--out", args.out)
+    return suites, sizes, check_device(parser, args.device), peers
+
+
+def run_bench(parser, args) -> int:
+    """``gpubuf bench``: run the suites, print the markdown, write it with the chart and the JSON."""
+    from gpubuf.benchmarking import report, suites
+
+    names, sizes, device, peers = check_bench_args(parser, args)
+    result = suites.run(names, sizes, device, threads=args.threads, peers=peers)
+    try:
+        md, png, js = report.write(result, args.out)
+    except OSError as err:
+        parser.bench.error(f"--out: cannot write {err.filename!r} ({err.strerror})")
+    print(report.markdown(result))
+    chart = f"chart to {png}" if png else "no chart (matplotlib is not installed: pip install matplotlib)"
+    print(f"table written to {md}, {chart}, numbers to {js}")
+    return 0
 
 
 def run_demo(args, device) -> dict:
@@ -113,6 +201,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*precision lowered by casting.*")  # envpool's Box spaces
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_bench(parser, args)
     device = check_args(parser, args)
     result = run_demo(args, device)
 
