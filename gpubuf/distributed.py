@@ -57,6 +57,12 @@ def _config(local: TransitionBuffer) -> dict:
     return cfg
 
 
+def _bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``columns`` (n, k) uint8, a slice of packed rows, as ``dtype`` values: copied into a fresh tensor first
+    (``contiguous()`` does not copy a one-row slice, whose stride and offset need not fit ``dtype``)."""
+    return torch.empty(columns.shape, dtype=torch.uint8, device=columns.device).copy_(columns).view(dtype)
+
+
 class ShardedBuffer:
     """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``: the default
     group). Construction is collective: every rank checks that all shards share class, ``max_size``,
@@ -169,13 +175,13 @@ class ShardedBuffer:
         inv[order] = torch.arange(order.numel(), device=order.device)
         return back[inv]
 
-    def _fail(self, call: str, bad_ranks: list[int], error: Exception | None) -> None:
-        """Raise on every rank when any rank's arguments failed: the rank's own error, else a RuntimeError."""
+    def _fail(self, call: str, bad_ranks: list[int], error: Exception | None, what: str = "the arguments") -> None:
+        """Raise on every rank when any rank's ``what`` failed: the rank's own error, else a RuntimeError."""
         if error is not None:
             raise error
         if bad_ranks:
-            raise RuntimeError(f"{call}: the arguments of rank(s) {bad_ranks} were rejected (see the error raised "
-                               "there); every rank of the group stops with it")
+            raise RuntimeError(f"{call}: {what} of rank(s) {bad_ranks} failed (see the error raised there); every "
+                               "rank of the group stops with it")
 
     # ------------------------------------------------------------------ collective queries
 
@@ -219,10 +225,11 @@ class ShardedBuffer:
         return torch.searchsorted(cum, u * cum[-1], right=True).clamp_max_(last)
 
     def _layout(self, with_next_obs: bool) -> list[tuple]:
-        """``(output path, dtype, per-window shape, bytes)`` of every returned leaf, in row order."""
+        """``(output path, dtype, per-window shape, bytes)`` of every returned leaf, in row order: sorted by path,
+        so shards whose ``info`` dicts list the same keys in another order pack the same rows."""
         local = self.local
-        return [(d, local._dtypes[s], shape[1:], math.prod(shape[1:]) * local._dtypes[s].itemsize)
-                for d, s, _, shape in local._jobs(1, with_next_obs)]
+        return sorted(((d, local._dtypes[s], shape[1:], math.prod(shape[1:]) * local._dtypes[s].itemsize)
+                       for d, s, _, shape in local._jobs(1, with_next_obs)), key=lambda leaf: leaf[0])
 
     def _window_rows(self, idx: torch.Tensor, head: list[torch.Tensor], with_next_obs: bool) -> torch.Tensor:
         """``(n, R)`` uint8 rows: ``head`` (each ``(n, k)`` uint8), then the windows at local starts ``idx`` (n,)."""
@@ -242,12 +249,12 @@ class ShardedBuffer:
         B, device, leaves = rows.shape[0], self.local.device, {}
         for d, dtype, shape, nbytes in self._layout(with_next_obs):
             if nbytes:
-                t = rows[:, at:at + nbytes].contiguous().view(dtype).view((B,) + shape)
+                t = _bytes_as(rows[:, at:at + nbytes], dtype).view((B,) + shape)
             else:
                 t = torch.empty((B,) + shape, dtype=dtype, device=rows.device)
             leaves[d] = t.to(device)
             at += nbytes
-        return _unflatten(leaves)
+        return _unflatten({d: leaves[d] for d, *_ in self.local._jobs(1, with_next_obs)})  # the local leaf order
 
     @torch.compiler.disable  # an opaque call under torch.compile, as the local buffers' sample
     def sample(self, key=None, with_replacement: bool | None = None, batch_size: int | None = None,
@@ -266,7 +273,11 @@ class ShardedBuffer:
         union: rounds of draws with replacement from the shards' remaining masses (mass less what this rank
         already drew there), where each owner zeroes, for that requester only, the starts it already drew in
         its tree, descends and restores them; first appearances are kept (one ``all_gather`` of counts and two
-        ``all_to_all`` per round, usually one or two rounds), then the windows are fetched.
+        ``all_to_all`` per round, usually one or two rounds), then the windows are fetched. A shard's remaining
+        mass is its total less what was drawn there, in float64: when one start's mass exceeds the rest of its
+        shard by about ``2**52`` (priority ratios no TD error produces in practice), that subtraction loses the
+        rest and the shard's share after the big start is drawn is no longer exact; a local buffer has no
+        such limit (its trees sum what remains).
         """
         local = self.local
         if with_replacement is None:
@@ -338,8 +349,8 @@ class ShardedBuffer:
         rows = self._reply(self._window_rows(idx, head, with_next_obs), route)
         if not self.prioritized:
             return self._unpack(rows, 0, with_next_obs), None, owner, None
-        local_idx = rows[:, :8].contiguous().view(torch.int64).view(B)
-        drawn = rows[:, 8:16].contiguous().view(torch.float64).view(B)
+        local_idx = _bytes_as(rows[:, :8], torch.int64).view(B)
+        drawn = _bytes_as(rows[:, 8:16], torch.float64).view(B)
         return self._unpack(rows, 16, with_next_obs), local_idx, owner, drawn
 
     def _sample_without_replacement(self, kind, B, gen, masses, counts, with_next_obs):
@@ -505,7 +516,8 @@ class ShardedBuffer:
 
     def load(self, path) -> None:
         """Load every rank's shard from ``path`` with ``{rank}`` replaced by its rank (collective: the maximum
-        priority becomes global again). A rank whose load fails keeps its shard; every rank then raises."""
+        priority becomes global again). A rank whose load fails keeps its shard, the others keep what they
+        loaded, ``max_priority`` is made global either way, and every rank then raises."""
         self._load(lambda: self.local.load(self._path(path)), "load")
 
     def load_state_dict(self, state) -> None:
@@ -519,9 +531,9 @@ class ShardedBuffer:
         except Exception as err:  # re-raised below, once every rank knows
             error = err
         failed = self._all_gather(torch.tensor([error is not None], dtype=torch.int64, device=self._comm)).cpu()
-        self._fail(call, torch.nonzero(failed.view(-1)).view(-1).tolist(), error)
-        if self.prioritized:
+        if self.prioritized:  # also after a failure: new rows get the same priority on every rank
             self._sync_max_priority()
+        self._fail(call, torch.nonzero(failed.view(-1)).view(-1).tolist(), error, what="the load")
 
 
 __all__ = ["ShardedBuffer"]

@@ -7,6 +7,7 @@ functions. ``tensordict`` is an optional dependency (``pip install tensordict``)
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpubuf.inputs import as_tensor
@@ -37,13 +38,18 @@ def items(transition: Transition) -> Iterator[tuple[str, Any]]:
             yield name, value
 
 
-def _map_leaves(value, fn, path: str):
+def _map_leaves(value, fn, path: str, keep_none: bool):
+    """``fn(leaf, path)`` over the leaves of a nested dict; a ``None`` inside a dict (not stored by the buffers)
+    stays ``None`` when ``keep_none``, else its key is left out."""
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise TypeError(f"{path}: dict keys must be str, got {k!r}")
-            out[k] = _map_leaves(v, fn, f"{path}[{k!r}]")
+            if v is not None:
+                out[k] = _map_leaves(v, fn, f"{path}[{k!r}]", keep_none)
+            elif keep_none:
+                out[k] = None
         return out
     return fn(value, path)
 
@@ -51,7 +57,8 @@ def _map_leaves(value, fn, path: str):
 def to(transition: Transition, device, non_blocking: bool = False) -> Transition:
     """A new :class:`Transition` with every leaf (nested dicts included) a torch tensor on ``device``.
 
-    Numpy arrays and ``__dlpack__`` arrays become tensors; ``None`` fields stay ``None``; a leaf already on
+    Numpy arrays and ``__dlpack__`` arrays become tensors; ``None`` fields (and ``None`` values inside dicts)
+    stay ``None``; a leaf already on
     ``device`` is the same tensor (no copy), as ``Tensor.to`` does. ``transition`` itself is unchanged.
     """
     _check(transition)
@@ -59,8 +66,8 @@ def to(transition: Transition, device, non_blocking: bool = False) -> Transition
         device = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device: expected a torch device or its name, got {device!r}") from err
-    moved = {name: _map_leaves(value, lambda v, p: as_tensor(v, p).to(device, non_blocking=non_blocking), name)
-             for name, value in items(transition)}
+    moved = {name: _map_leaves(value, lambda v, p: as_tensor(v, p).to(device, non_blocking=non_blocking), name,
+                               keep_none=True) for name, value in items(transition)}
     return Transition(**{**dict.fromkeys(FIELDS[:5]), **moved})
 
 
@@ -74,7 +81,8 @@ def _tensordict():
 
 
 def to_tensordict(transition: Transition, batch_dims: int | None = None):
-    """A ``TensorDict`` with one entry per set field (nested dicts become nested TensorDicts).
+    """A ``TensorDict`` with one entry per set field (nested dicts become nested TensorDicts; ``None`` values
+    inside dicts, which the buffers do not store either, are left out).
 
     ``batch_dims``: how many leading dims are the batch (``batch_size`` of the TensorDict); they must agree
     across leaves. ``None``: the longest leading shape all leaves share, e.g. ``(B, n_steps)`` for a sampled
@@ -82,7 +90,7 @@ def to_tensordict(transition: Transition, batch_dims: int | None = None):
     """
     tensordict = _tensordict()
     leaves: dict[str, torch.Tensor] = {}
-    data = {name: _map_leaves(value, lambda v, p: leaves.setdefault(p, as_tensor(v, p)), name)
+    data = {name: _map_leaves(value, lambda v, p: leaves.setdefault(p, as_tensor(v, p)), name, keep_none=False)
             for name, value in items(transition)}
     if not leaves:
         raise ValueError("transition: expected at least one field that is set, got none")
@@ -95,8 +103,9 @@ def to_tensordict(transition: Transition, batch_dims: int | None = None):
             batch.append(dims[0])
         batch = batch[: min(len(s) for s in shapes)]
     else:
-        if isinstance(batch_dims, bool) or not isinstance(batch_dims, int) or batch_dims < 0:
+        if isinstance(batch_dims, bool) or not isinstance(batch_dims, (int, np.integer)) or batch_dims < 0:
             raise ValueError(f"batch_dims: expected an int >= 0 or None, got {batch_dims!r}")
+        batch_dims = int(batch_dims)
         batch = None
         for path, t in leaves.items():
             if t.dim() < batch_dims or (batch is not None and list(t.shape[:batch_dims]) != batch):

@@ -157,6 +157,39 @@ def few_starts(group) -> dict:
     return {"mass": local.sampling_mass(), "draws": torch.stack(draws)}
 
 
+def edge_cases(group, tmp: str) -> dict:
+    """Leaf orders that differ between shards, one-window batches of unaligned rows, a load failing on one rank."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    res = {}
+
+    def data(T):  # info keys in another order on odd ranks; a 3-byte observation puts every later leaf unaligned
+        a, b = np.full((T, E), 1.5, np.float32), np.full((T, E), 7, np.int32)
+        return Transition(observation=np.full((T, E, 3), rank, np.uint8), action=np.ones((T, E), np.float32),
+                          reward=np.ones((T, E), np.float64), terminated=np.zeros((T, E), bool),
+                          truncated=np.zeros((T, E), bool), info={"a": a, "b": b} if rank % 2 else {"b": b, "a": a})
+
+    uni = ShardedBuffer(TransitionBuffer(E * 8, 4, data(1), device=DEVICE, seed=rank).insert(data(8)), group)
+    per = ShardedBuffer(PrioritizedTransitionBuffer(E * 8, 4, data(1), device=DEVICE, seed=rank).insert(data(8)),
+                        group)
+    batch = uni.sample(key=1, batch_size=64)
+    res["info_order"] = (list(batch.info), batch.observation[:, 0].unique(), batch.info["a"].unique(),
+                         batch.info["b"].unique())
+    res["one_window"] = [uni.sample(key=2, batch_size=1), per.sample(key=3, batch_size=1, with_replacement=True),
+                         per.sample(key=4, batch_size=1, with_replacement=False)]
+
+    # a collective load that fails on the last rank: max_priority stays the same everywhere
+    path = os.path.join(tmp, "edge{rank}.ckpt")
+    per.local.update_priorities([0], [10.0 * (rank + 1)])
+    if rank == W - 1:
+        PrioritizedTransitionBuffer(E * 8 + E, 4, data(1), device=DEVICE).save(path.format(rank=rank))
+    else:
+        per.local.save(path.format(rank=rank))
+    fresh = ShardedBuffer(PrioritizedTransitionBuffer(E * 8, 4, data(1), device=DEVICE, seed=rank), group)
+    res["failed_load"] = caught(lambda: fresh.load(path))
+    res["max_after_failed_load"] = fresh.max_priority
+    return res
+
+
 def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Entry point of each spawned process."""
     torch.set_num_threads(1)
@@ -170,6 +203,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             os.makedirs(tmp, exist_ok=True)
             results[name] = scenarios(group, tmp)
             results[name]["few"] = few_starts(group)
+            results[name]["edge"] = edge_cases(group, tmp)
         cpu = torch.utils._pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, results)
         torch.save(cpu, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:  # an exception reaches the test process with its traceback (torch.multiprocessing)

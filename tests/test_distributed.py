@@ -267,3 +267,39 @@ def test_configuration_mismatch_raises_on_every_rank(runs, name):
 def test_save_and_load_per_rank(runs, name):
     for r in runs[name]:
         assert r["reloaded"] == (True, True, True)
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_shards_listing_info_keys_in_another_order_exchange_correct_windows(runs, name):
+    res = runs[name]
+    for r in res:
+        keys, shards, a, b = r["edge"]["info_order"]
+        assert keys == (["a", "b"] if r["rank"] % 2 else ["b", "a"])  # each rank keeps its own order
+        assert len(shards) == len(res)  # windows came from every shard ...
+        assert a.tolist() == [1.5] and b.tolist() == [7]  # ... and every leaf kept its values
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_one_window_batches_of_unaligned_rows(runs, name):
+    for r in runs[name]:
+        uni, (per_wr, idx_wr), (per_wor, idx_wor) = r["edge"]["one_window"]
+        for batch in (uni, per_wr, per_wor):
+            assert batch.observation.shape == (1, 3) and batch.observation.dtype == torch.uint8
+            assert batch.action.tolist() == [1.0] and batch.reward.dtype == torch.float64
+            assert batch.info["a"].tolist() == [1.5] and batch.info["b"].tolist() == [7]
+        for batch, idx in ((per_wr, idx_wr), (per_wor, idx_wor)):
+            assert int(batch.observation[0, 0]) == int(idx[0]) // (dw.E * 8)  # the window is its index's shard
+            assert batch.PER_weights.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_a_load_failing_on_one_rank_keeps_max_priority_global(runs, name):
+    res = runs[name]
+    last = len(res) - 1
+    for r in res:
+        assert r["edge"]["failed_load"] is not None  # the failing rank raises its own error, the others say who
+        if r["rank"] != last:
+            assert r["edge"]["failed_load"] == ("RuntimeError", f"load: the load of rank(s) [{last}] failed (see the "
+                                                "error raised there); every rank of the group stops with it")
+    assert len({r["edge"]["max_after_failed_load"] for r in res}) == 1
+    assert res[0]["edge"]["max_after_failed_load"] == pytest.approx(10.0 * last, rel=1e-3)  # largest loaded one

@@ -149,3 +149,12 @@ def test_methods_round_trip_a_sampled_batch_through_a_tensordict():
         torch.testing.assert_close(v, v2)
     with pytest.raises(ValueError, match=r"td: unknown keys \['obs'\]"):
         Transition.from_tensordict(tensordict.TensorDict({"obs": torch.zeros(2)}, batch_size=[2]))
+
+
+def test_a_none_inside_info_is_kept_by_to_and_left_out_of_a_tensordict():
+    t = Transition(np.zeros((2, 3)), None, None, None, None, info={"lives": np.ones(2), "final_obs": None})
+    moved = t.to("cpu")
+    assert moved.info["final_obs"] is None and isinstance(moved.info["lives"], torch.Tensor)
+    pytest.importorskip("tensordict", reason="optional dependency tensordict is not installed")
+    td = t.to_tensordict(batch_dims=np.int64(1))  # numpy ints are ints here too
+    assert list(td["info"].keys()) == ["lives"] and list(td.batch_size) == [2]
