@@ -536,7 +536,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         read in the storage's layout (env-major files, else time-major)."""
         args = (self.n_steps, self.n_envs, self.max_rows)
         if self._dir is not None:
-            tiers.env_major_gather(work, starts, *args)
+            tiers.env_major_gather(work, starts, *args, prefetch=True)
         else:
             ops.sequence_gather(self._storage_backend, work, starts, *args)
 

@@ -272,3 +272,41 @@ def test_graph_sampling_and_checkpoints_of_env_major_storage(backend, tmp_path):
     for name, t in plain.state_dict()["data"].items():
         assert torch.equal(target.state_dict()["data"][name], t), name
     assert torch.equal(target.sample(key=4, batch_size=16).observation, plain.sample(key=4, batch_size=16).observation)
+
+
+def test_mapped_leaves_are_advised_random_and_each_sampled_window_is_prefetched(tmp_path, monkeypatch):
+    import mmap
+
+    from gpubuf import tiers
+
+    if tiers._MADVISE is None:
+        pytest.skip("no madvise on this platform")
+    calls = []
+    monkeypatch.setattr(tiers, "_MADVISE", lambda addr, n, advice: calls.append((addr, n, advice)) or 0)
+    D = 1024  # float32 words per observation row: a window of 3 rows spans 3 pages
+
+    def wide(T, t0=0):
+        v = (np.arange(t0, t0 + T)[:, None] * E3 + np.arange(E3)).astype(np.float32)
+        return Transition(observation=np.repeat(v[..., None], D, -1), action=None, reward=v, terminated=None,
+                          truncated=None)
+
+    buf = TransitionBuffer(E3 * M7, 8, wide(1), n_steps=N3, device="cpu", seed=3, storage_dir=tmp_path / "b")
+    obs_file = buf._dir.tensors["observation"]
+    start, size = obs_file.data_ptr(), obs_file.numel() * 4
+    assert any(a <= start and start + size <= a + n and adv == mmap.MADV_RANDOM for a, n, adv in calls)
+    for t0 in (0, 5, 10):  # 15 steps into 7 rows per env: windows wrap the ring
+        buf.insert(wide(5, t0))
+    calls.clear()
+    batch = buf.sample(key=0, batch_size=64)
+    advised = [(a, a + n) for a, n, adv in calls if adv == mmap.MADV_WILLNEED]
+    assert advised and all(lo % mmap.PAGESIZE == 0 for lo, _ in advised)
+    assert all(hi <= start + size for _, hi in advised)
+    v = batch.observation[:, :, 0].to(torch.int64)  # (B, n) = global step * E3 + env
+    ring_row = (v // E3) % M7 + (v % E3) * M7  # where each row lies in the env-major file
+    wrapped = False
+    for window in ring_row.tolist():
+        wrapped |= window[-1] < window[0]
+        for r in window:  # every byte of every row of the window was advised
+            lo, hi = start + r * D * 4, start + (r + 1) * D * 4
+            assert any(a <= lo and hi <= b for a, b in advised), (window, r)
+    assert wrapped
