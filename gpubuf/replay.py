@@ -668,11 +668,13 @@ class TransitionBuffer(checkpoint.Checkpointable):
         trunc, ends = self._any_set(flags, self._trunc_paths, M), self._any_set(flags, self._end_paths, M)
         zeros = np.zeros((M, self.n_envs), dtype=bool)
         self._ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total)
-        state = self._dir.load_state()
-        if state is not None:
-            self._gen.set_state(host_tensor(state["rng"]))
-        since = count if state is None else min(total - int(state["total"]), count)  # rows after the flush
-        self._reopen_extra(state, since)
+        def restore(state):
+            if state is not None:
+                self._gen.set_state(host_tensor(state["rng"]))
+            since = count if state is None else min(total - int(state["total"]), count)  # rows after the flush
+            self._reopen_extra(state, since)
+
+        self._dir.load_state_checked(restore)
 
     def _reopen_extra(self, state: dict | None, since: int) -> None:
         """Hook: restore the subclass's flushed entries; ``since`` rows (the newest) were written after it."""

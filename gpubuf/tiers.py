@@ -31,6 +31,7 @@ import ctypes
 import json
 import mmap
 import os
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,8 @@ class StorageDir:
             self.path = Path(os.fspath(path))
         except TypeError:
             raise TypeError(f"storage_dir: expected a path, got {type(path).__name__}") from None
+        if not os.fspath(path):
+            raise ValueError("storage_dir: expected a directory path, got ''")
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"storage_dir: {str(self.path)!r} exists and is not a directory")
         leaves = {name: {"shape": list(shapes[name]), "dtype": str(dtypes[name]), "file": f"leaf{i}.bin"}
@@ -126,33 +129,59 @@ class StorageDir:
         meta_file = self.path / self.META
         self.reopened = meta_file.exists()
         if self.reopened:
-            try:
-                stored = json.loads(meta_file.read_text())
-            except (OSError, ValueError) as err:
-                raise ValueError(f"storage_dir: cannot read {meta_file} ({err})") from None
-            for key in ("config", "leaves"):
-                theirs = stored.get(key, {})
-                for field in [*meta[key], *sorted(set(theirs) - set(meta[key]))]:  # the buffer type first
-                    if theirs.get(field) != meta[key].get(field):
-                        raise ValueError(f"storage_dir: {str(self.path)!r} holds a buffer whose {key} '{field}' is "
-                                         f"{theirs.get(field)!r}, not {meta[key].get(field)!r}")
+            leaves = self._check_meta(meta_file, meta)  # the stored file of each leaf, whatever the key order
         else:
-            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ValueError(f"storage_dir: cannot create {str(self.path)!r} ({err.strerror})") from None
         self.tensors = {}
         for name, shape in shapes.items():
-            file = self.path / meta["leaves"][name]["file"]
+            file = self.path / leaves[name]["file"]
             numel = int(np.prod(shape))
-            if self.reopened and file.stat().st_size != numel * torch.empty((), dtype=dtypes[name]).element_size():
-                raise ValueError(f"storage_dir: {file} does not hold {numel} values of {dtypes[name]}")
+            nbytes = max(numel, 1) * torch.empty((), dtype=dtypes[name]).element_size()  # a file is never empty
+            if self.reopened and (not file.is_file() or file.stat().st_size != nbytes):
+                raise ValueError(f"storage_dir: {file} is missing or does not hold {numel} values of {dtypes[name]}")
             flat = torch.from_file(str(file), shared=True, size=max(numel, 1), dtype=dtypes[name])
             if hasattr(mmap, "MADV_RANDOM"):  # sampled windows are scattered: no readahead around page faults
                 advise(flat.data_ptr(), flat.numel() * flat.element_size(), mmap.MADV_RANDOM)
             self.tensors[name] = flat[:numel].view(shape)
-        self.counters = torch.from_file(str(self.path / self.COUNTERS), shared=True, size=3, dtype=torch.int64)
+        counters = self.path / self.COUNTERS
+        if self.reopened and (not counters.is_file() or counters.stat().st_size != 3 * 8):
+            raise ValueError(f"storage_dir: {counters} is missing or is not 3 int64 counters; the rows cannot be "
+                             "placed without it")
+        self.counters = torch.from_file(str(counters), shared=True, size=3, dtype=torch.int64)
         if not self.reopened:  # written last: a directory without it is not a buffer yet
             tmp = meta_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(meta, indent=1))
             os.replace(tmp, meta_file)
+
+    def _check_meta(self, meta_file: Path, meta: dict) -> dict:
+        """Compare the stored configuration and leaves (shapes, dtypes) with ``meta``; returns the stored leaves."""
+        try:
+            stored = json.loads(meta_file.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"storage_dir: cannot read {meta_file} ({err})") from None
+        if not (isinstance(stored, dict) and all(isinstance(stored.get(k), dict) for k in ("config", "leaves"))
+                and all(isinstance(v, dict) and isinstance(v.get("file"), str) for v in stored["leaves"].values())):
+            raise ValueError(f"storage_dir: {meta_file} is not a gpubuf buffer description")
+        for key in ("config", "leaves"):
+            ours = meta[key] if key == "config" else {n: {**v, "file": None} for n, v in meta[key].items()}
+            theirs = stored[key] if key == "config" else {n: {**v, "file": None} for n, v in stored[key].items()}
+            for field in [*ours, *sorted(set(theirs) - set(ours))]:  # the buffer type first
+                if theirs.get(field) != ours.get(field):
+                    raise ValueError(f"storage_dir: {str(self.path)!r} holds a buffer whose {key} '{field}' is "
+                                     f"{theirs.get(field)!r}, not {ours.get(field)!r}")
+        return stored["leaves"]
+
+    def load_state_checked(self, restore) -> None:
+        """``restore(state or None)`` with what the last :meth:`save_state` wrote; a state file that cannot be
+        read or restored raises ValueError naming it."""
+        file = self.path / self.STATE
+        try:
+            restore(self.load_state())
+        except (KeyError, TypeError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+            raise ValueError(f"storage_dir: {file} cannot be restored ({type(err).__name__}: {err})") from None
 
     def set_counters(self, pos: int, count: int, total: int) -> None:
         """Record the write position, rows written and total rows ever written (three int64 stores)."""

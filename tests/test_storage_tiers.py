@@ -116,7 +116,7 @@ def test_a_mismatched_or_broken_directory_is_named(tmp_path):
     counters.flush()
     with open(tmp_path / "b" / "leaf0.bin", "r+b") as f:
         f.truncate(10)
-    with pytest.raises(ValueError, match="storage_dir: .*leaf0.bin does not hold"):
+    with pytest.raises(ValueError, match="storage_dir: .*leaf0.bin is missing or does not hold"):
         make(TransitionBuffer, tmp_path / "b")
 
 
@@ -310,3 +310,52 @@ def test_mapped_leaves_are_advised_random_and_each_sampled_window_is_prefetched(
             lo, hi = start + r * D * 4, start + (r + 1) * D * 4
             assert any(a <= lo and hi <= b for a, b in advised), (window, r)
     assert wrapped
+
+
+def test_damaged_bookkeeping_is_named_not_read_as_an_empty_buffer(tmp_path):
+    buf = make(PrioritizedTransitionBuffer, tmp_path / "b").insert(rows(4))
+    buf.flush()
+    d = tmp_path / "b"
+    (d / "counters.bin").rename(tmp_path / "counters.bin")  # without it the rows cannot be placed
+    with pytest.raises(ValueError, match="storage_dir: .*counters.bin is missing or is not 3 int64 counters"):
+        make(PrioritizedTransitionBuffer, d)
+    (tmp_path / "counters.bin").rename(d / "counters.bin")
+    state = torch.load(d / "state.pt", weights_only=True)
+    for broken in (b"garbage", {k: v for k, v in state.items() if k != "priority"},
+                   {**state, "rng": torch.zeros(3, dtype=torch.uint8)}):
+        if isinstance(broken, bytes):
+            (d / "state.pt").write_bytes(broken)
+        else:
+            torch.save(broken, d / "state.pt")
+        with pytest.raises(ValueError, match="storage_dir: .*state.pt cannot be restored"):
+            make(PrioritizedTransitionBuffer, d)
+    torch.save(state, d / "state.pt")
+    assert len(make(PrioritizedTransitionBuffer, d)) == len(buf)  # repaired: it re-opens
+    meta = (d / "gpubuf.json").read_text()
+    (d / "gpubuf.json").write_text("[1]")
+    with pytest.raises(ValueError, match="storage_dir: .*gpubuf.json is not a gpubuf buffer description"):
+        make(PrioritizedTransitionBuffer, d)
+    (d / "gpubuf.json").write_text(meta)
+    (d / "leaf1.bin").unlink()
+    with pytest.raises(ValueError, match="storage_dir: .*leaf1.bin is missing"):
+        make(PrioritizedTransitionBuffer, d)
+    with pytest.raises(ValueError, match="storage_dir: expected a directory path, got ''"):
+        make(TransitionBuffer, "")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="storage_dir: cannot create"):
+        make(TransitionBuffer, tmp_path / "file" / "sub")
+
+
+def test_zero_size_leaves_and_info_key_order_re_open(tmp_path):
+    def data(T, order):
+        info = {"a": np.full((T, E), 1.5, np.float32), "b": np.full((T, E), 7, np.int32), "none": np.zeros((T, E, 0))}
+        return Transition(**{**vars(rows(T)), "info": {k: info[k] for k in order}})
+
+    buf = TransitionBuffer(E * 8, 4, data(1, ["a", "b", "none"]), device="cpu", seed=0, storage_dir=tmp_path / "b")
+    buf.insert(data(5, ["a", "b", "none"]))
+    again = TransitionBuffer(E * 8, 4, data(1, ["none", "b", "a"]), device="cpu", seed=0,
+                             storage_dir=tmp_path / "b")  # the same leaves, listed in another order
+    assert len(again) == len(buf)
+    batch = again.sample(key=1)
+    assert batch.info["a"].unique().tolist() == [1.5] and batch.info["b"].unique().tolist() == [7]
+    assert batch.info["none"].shape == (4, 0)
