@@ -71,13 +71,19 @@ def check_device(parser, name):
         torch.empty(1, device=device)
     except (RuntimeError, AssertionError) as err:
         parser.error(f"--device: cannot use {name!r} ({str(err).splitlines()[0]})")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected a cpu or cuda device, got {name!r}")
     return device
 
 
-def check_writable(parser, flag, path):
+def check_writable(parser, flag, path, *beside):
+    """``path`` and the files ``path`` with the suffixes ``beside`` can be written (before any work)."""
     out_dir = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         parser.error(f"{flag}: cannot write {path!r} (no writable directory {out_dir!r})")
+    for file in (path, *(os.path.splitext(path)[0] + suffix for suffix in beside)):
+        if os.path.isdir(file):
+            parser.error(f"{flag}: cannot write {file!r} (a directory of that name is in the way)")
 
 
 def check_args(parser, args):
@@ -117,6 +123,9 @@ def int_list(parser, flag, text, low):
     return values
 
 
+MAX_BENCH_ENVS = 8192
+
+
 def check_bench_args(parser, args):
     """Validate ``gpubuf bench`` options before any work; returns (suites, sizes, device, peers)."""
     from dataclasses import replace
@@ -136,18 +145,20 @@ def check_bench_args(parser, args):
     sizes = QUICK if args.quick else Sizes()
     if args.repeats:
         sizes = replace(sizes, history_repeats=args.repeats, replay_repeats=args.repeats)
-    if args.n_envs:
+    if args.n_envs is not None:
         sizes = replace(sizes, n_envs=int_list(parser, "--n-envs", args.n_envs, 1))
+        if max(sizes.n_envs) > MAX_BENCH_ENVS:  # 64x64x3 frames, 11 steps each, in three copies: 4.5 MB per env
+            parser.error(f"--n-envs: expected at most {MAX_BENCH_ENVS}, got {max(sizes.n_envs)}")
     sizes = replace(sizes, batch=args.batch or sizes.batch)
-    if args.log2_sizes:
+    if args.log2_sizes is not None:
         sizes = replace(sizes, log2_sizes=int_list(parser, "--log2-sizes", args.log2_sizes, 1))
     if 2 ** min(sizes.log2_sizes) < sizes.batch:
         parser.error(f"--log2-sizes: every capacity must hold a batch of {sizes.batch}, got {sizes.log2_sizes}")
-    if max(sizes.log2_sizes) > 30:
-        parser.error(f"--log2-sizes: expected at most 30, got {max(sizes.log2_sizes)}")
+    if max(sizes.log2_sizes) > 26:  # about 100 bytes per transition, in each contender: 6.7 GB each at 2**26
+        parser.error(f"--log2-sizes: expected at most 26, got {max(sizes.log2_sizes)}")
     if not args.out.endswith(".md"):
         parser.error(f"--out: expected a markdown path ending in .md, got {args.out!r}")
-    check_writable(parser, "--out", args.out)
+    check_writable(parser, "--out", args.out, ".png", ".json")
     return suites, sizes, check_device(parser, args.device), peers
 
 

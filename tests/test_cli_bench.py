@@ -70,7 +70,11 @@ def test_peers_can_be_left_out_and_a_suite_chosen(tmp_path, capsys):
     (["--n-envs", "4,x"], "--n-envs: expected comma-separated ints, got '4,x'"),
     (["--n-envs", "0"], "--n-envs: expected ints of at least 1, got '0'"),
     (["--log2-sizes", "4"], "--log2-sizes: every capacity must hold a batch of 256, got (4,)"),
-    (["--log2-sizes", "31"], "--log2-sizes: expected at most 30, got 31"),
+    (["--log2-sizes", "27"], "--log2-sizes: expected at most 26, got 27"),
+    (["--log2-sizes", ""], "--log2-sizes: expected comma-separated ints, got ''"),
+    (["--n-envs", ""], "--n-envs: expected comma-separated ints, got ''"),
+    (["--n-envs", "100000000"], "--n-envs: expected at most 8192, got 100000000"),
+    (["--device", "meta"], "--device: expected a cpu or cuda device, got 'meta'"),
     (["--peers", "cpprb,nope"], "--peers: expected a comma-separated subset of deque,cpprb,torchrl,flashbax,"),
     (["--device", "tpu9"], "--device: cannot use 'tpu9'"),
     (["--out", "/no/such/dir/b.md"], "--out: cannot write '/no/such/dir/b.md'"),
@@ -94,3 +98,16 @@ def test_without_matplotlib_the_table_and_numbers_are_still_written(tmp_path, mo
     assert main([*TINY, "--suite", "history", "--out", str(out)]) == 0
     assert json.loads(out.with_suffix(".json").read_text())["rows"] and not out.with_suffix(".png").exists()
     assert "![" not in out.read_text() and "no chart (matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_a_directory_in_the_way_of_the_json_or_png_is_named_before_any_work(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for suffix in (".json", ".png"):
+        (tmp_path / f"b{suffix}").mkdir()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "--out", "b.md"])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip() == (f"gpubuf bench: error: --out: cannot write 'b{suffix}' (a directory "
+                                                   "of that name is in the way)")
+        (tmp_path / f"b{suffix}").rmdir()
+    assert list(tmp_path.iterdir()) == []
