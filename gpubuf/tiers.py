@@ -163,7 +163,8 @@ class StorageDir:
         except (OSError, ValueError) as err:
             raise ValueError(f"storage_dir: cannot read {meta_file} ({err})") from None
         if not (isinstance(stored, dict) and all(isinstance(stored.get(k), dict) for k in ("config", "leaves"))
-                and all(isinstance(v, dict) and isinstance(v.get("file"), str) for v in stored["leaves"].values())):
+                and all(isinstance(v, dict) and isinstance(v.get("file"), str) and Path(v["file"]).name == v["file"]
+                        for v in stored["leaves"].values())):  # leaf files are plain names inside the directory
             raise ValueError(f"storage_dir: {meta_file} is not a gpubuf buffer description")
         for key in ("config", "leaves"):
             ours = meta[key] if key == "config" else {n: {**v, "file": None} for n, v in meta[key].items()}
