@@ -102,14 +102,20 @@ class HistoryBuffer(checkpoint.Checkpointable):
         ids = self._ids(env_ids)
         self._counts[ids] = 0
 
-    def _mirror(self) -> tuple[np.ndarray, np.ndarray]:
-        """A copy of the host mirror (write heads, counts), for callers that undo their own appends."""
-        return self._heads.copy(), self._counts.copy()
+    def mark(self) -> tuple:
+        """A token for :meth:`rollback`: the write heads, entry counts and (before the first append) the fact
+        that no key is fixed yet. Host state only: taking it reads nothing from the device."""
+        return self._heads.copy(), self._counts.copy(), bool(self._data)
 
-    def _restore_mirror(self, mirror: tuple[np.ndarray, np.ndarray]) -> None:
-        """Undo the appends and resets made since :meth:`_mirror`. Exact only if those appends overwrote no
-        slot that is read again: the caller keeps a spare slot per env (see :class:`gpubuf.Planner`)."""
-        self._heads, self._counts = mirror[0].copy(), mirror[1].copy()
+    def rollback(self, mark: tuple) -> None:
+        """Undo the appends and resets made since :meth:`mark` returned ``mark``. A buffer that held no key
+        then forgets the keys, shapes and dtypes its first append fixed (and frees their storage). Exact only if
+        those appends overwrote no slot that is read again: keep a spare slot per env (``max_len`` one more
+        than read, as :class:`gpubuf.Planner` does)."""
+        heads, counts, had_keys = mark
+        if not had_keys and self._data:
+            self._set_storage({}, {})
+        self._heads, self._counts = heads.copy(), counts.copy()
 
     def _ids(self, env_ids) -> np.ndarray:
         if env_ids is None:

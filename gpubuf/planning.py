@@ -139,7 +139,8 @@ class Planner:
         reset frames: those envs' queues and plans (and owned histories) are flushed first. Planned actions
         are queued as ``float32`` (a ``float64`` plan is rounded to it) and must be finite there. If anything
         fails (bad input, the solver raising or returning a wrong shape or non-finite actions), the planner
-        is left exactly as it was before the call, so the same step can be retried.
+        and its owned history are left exactly as they were before the call (a failed first call fixes no
+        key, shape or dtype of the history), so the same step, or another one, can be retried.
         """
         if self.owns_history and info is None:
             raise ValueError("info: expected the step's info dict (this planner appends each step to its own "
@@ -152,8 +153,8 @@ class Planner:
             raise ValueError(f"env_ids: expected distinct envs (one action each), got {ids.tolist()}")
         if first is not None:
             first = as_flags(first, "first", ids.shape)
-        mirror = self.history._mirror() if self.owns_history else None
-        left, has_plan = self._left.copy(), self._has_plan.copy()
+        mark = self.history.mark() if self.owns_history else None
+        left, has_plan, history_out = self._left.copy(), self._has_plan.copy(), self._history_out
         try:
             if first is not None and first.any():
                 self.reset(ids[first])
@@ -163,9 +164,9 @@ class Planner:
             if len(empty):
                 self._replan(empty)
         except BaseException:
-            if mirror is not None:
-                self.history._restore_mirror(mirror)
-            self._left, self._has_plan = left, has_plan
+            if mark is not None:
+                self.history.rollback(mark)
+            self._left, self._has_plan, self._history_out = left, has_plan, history_out
             raise
         self.replanned = empty
         pos = self.queue_len - self._left[ids]
@@ -265,6 +266,12 @@ class CEMSolver:
     iteration. ``init (R, horizon, action_dim)`` is the first iteration's mean (warm start), NaN entries
     taking the default mean; the spread always starts at ``init_std``. All envs and samples are rolled out
     together, one batched model call per horizon step, under ``torch.no_grad()``.
+
+    Non-finite returns (NaN or inf, from the model or from an overflowing sum) rank last: an env's elites
+    are its ``num_elites`` lowest finite returns, or all of its finite ones when fewer are finite. When every
+    candidate of an env is non-finite in some iteration, the call raises ``ValueError`` naming those envs and
+    the model output that first went non-finite (``encode``, ``dynamics``, ``cost``, ``terminal_cost``):
+    nothing is planned through NaN. This costs one read-back of ``(R,)`` flags per call.
     """
 
     def __init__(self, dynamics: Callable, cost: Callable, horizon: int | None = None, action_dim: int | None = None,
@@ -308,14 +315,56 @@ class CEMSolver:
         if gen is None:
             gen = self._gen[state.device] = torch.Generator(state.device).manual_seed(self.seed)
         std = torch.full((R, H, A), self.init_std, device=state.device)
+        failed = torch.zeros(R, dtype=torch.bool, device=state.device)  # envs with no finite return, any iteration
         for _ in range(self.iterations):
             noise = torch.randn(R, N, H, A, generator=gen, device=state.device)
             actions = (mean[:, None] + std[:, None] * noise).clamp(self.low, self.high)  # (R, N, H, A)
-            total = self._returns(state.repeat_interleave(N, dim=0), actions.view(R * N, H, A))
-            elite = total.view(R, N).topk(K, dim=1, largest=False).indices  # (R, K)
+            total = self._returns(state.repeat_interleave(N, dim=0), actions.view(R * N, H, A)).view(R, N)
+            finite = total.isfinite()
+            elite = torch.where(finite, total, torch.inf).topk(K, dim=1, largest=False).indices  # (R, K)
             elites = actions.gather(1, elite[:, :, None, None].expand(R, K, H, A))
-            mean, std = elites.mean(1), elites.std(1, unbiased=False) + 1e-3
+            keep = finite.gather(1, elite)  # (R, K): elites with a finite return
+            count = keep.sum(1)  # (R,)
+            failed |= count == 0
+            w = (keep / count.clamp(min=1)[:, None])[:, :, None, None]  # (R, K, 1, 1): weight 1/count on finite elites
+            new_mean = (w * elites).sum(1)
+            new_std = (w * (elites - new_mean[:, None]) ** 2).sum(1).sqrt() + 1e-3
+            stuck = (count == 0)[:, None, None]  # no finite elite: keep the old distribution (the call raises)
+            mean, std = torch.where(stuck, mean, new_mean), torch.where(stuck, std, new_std)
+        if bool(failed.any()):  # the one read-back: never plan through NaN
+            raise ValueError(self._non_finite_message(state, actions, failed, env_ids))
         return mean
+
+    def _non_finite_message(self, state: torch.Tensor, actions: torch.Tensor, failed: torch.Tensor, env_ids) -> str:
+        """Names the model output that first went non-finite for the envs with no finite return: their last
+        iteration's candidates ``actions (R, N, H, A)`` are rolled out again from ``state (R, ...)``, checking
+        each output."""
+        rows = torch.nonzero(failed).flatten()
+        R, N, H, A = actions.shape
+        ids = np.asarray(env_ids).reshape(-1)
+        envs = (ids[rows.cpu().numpy()] if len(ids) == R else rows.cpu().numpy())[:5].tolist()
+        s = state[rows].repeat_interleave(N, dim=0)
+        a = actions[rows].reshape(-1, H, A)
+        where = None
+        if not bool(s.isfinite().all()):
+            where = "encode", self.encode, "the planning state encoded from the history"
+        for t in range(H):
+            if where is not None:
+                break
+            s = self.dynamics(s, a[:, t])
+            if not bool(s.isfinite().all()):
+                where = "dynamics", self.dynamics, f"the next state at step {t}"
+            elif not bool(self.cost(s, a[:, t]).isfinite().all()):
+                where = "cost", self.cost, f"the cost at step {t}"
+        if where is None and self.terminal_cost is not None and not bool(self.terminal_cost(s).isfinite().all()):
+            where = "terminal_cost", self.terminal_cost, "the cost of the last state"
+        if where is None:
+            return (f"cost: expected a finite return for at least one of the {N} candidates of every env, got only "
+                    f"NaN/inf returns for envs {envs} (each output was finite when rolled out again: the discounted "
+                    f"sum overflows, or the model is random)")
+        name, fn, what = where
+        return (f"{name}: expected finite values, got NaN/inf in {what} from {_name(fn)}, so every one of the {N} "
+                f"candidate returns of envs {envs} is non-finite; nothing to plan with")
 
     def _initial_mean(self, R: int, init, device) -> torch.Tensor:
         """``(R, H, A)``: ``init`` with NaN replaced by the default mean, or the default mean everywhere."""
@@ -364,6 +413,11 @@ class CEMSolver:
             end = self._checked(self.terminal_cost(s), "terminal_cost", N)
             total = total + weight * (end if alive is None else torch.where(alive, end, 0.0))
         return total
+
+
+def _name(fn) -> str:
+    """A model function's qualified name (for messages)."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 # ---------------------------------------------------------------- a ready-made model for the CEM solver

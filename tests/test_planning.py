@@ -390,3 +390,66 @@ def test_cem_rejects_bad_calls_and_model_outputs(kw, call, message):
     solver = CEMSolver(**{"dynamics": cartpole_dynamics, "cost": cartpole_cost, **kw})
     with pytest.raises(ValueError, match=message):
         solver({"observation": torch.zeros(2, 1, 4)}, [0, 1], **call)
+
+
+# ------------------------------------------------------------------ non-finite rollouts, failed first act
+
+
+def test_cem_ranks_non_finite_returns_last():
+    """Candidates pushing right (a > 0) roll out -inf (as a number, the best) or NaN: the elites are the finite ones
+    (a <= 0), whose best is a = -1."""
+    cost = lambda s, a: torch.where(a[:, 0] > 0.5, float("nan"), torch.where(a[:, 0] > 0, -torch.inf, a[:, 0]))
+    solver = CEMSolver(lambda s, a: s, cost, horizon=1, action_dim=1, num_samples=64, num_elites=8, iterations=4)
+    plan = solver({"observation": torch.zeros(2, 1, 1)}, [0, 1])
+    assert plan.isfinite().all() and bool((plan <= 0).all())
+    torch.testing.assert_close(plan, torch.full((2, 1, 1), -1.0), atol=0.1, rtol=0)  # the best finite action
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"dynamics": lambda s, a: s * float("nan")}, r"dynamics: expected finite values, got NaN/inf in the next state "
+                                                  r"at step 0 from .*<lambda>"),
+    ({"cost": lambda s, a: s[:, 0] + float("inf")}, r"cost: expected finite values, got NaN/inf in the cost at step 0"),
+    ({"terminal_cost": lambda s: s[:, 0] * float("nan")}, r"terminal_cost: expected finite values"),
+    ({"encode": lambda h: h["observation"][:, -1] * float("nan")}, r"encode: expected finite values"),
+])
+def test_cem_raises_naming_the_model_output_when_every_candidate_is_non_finite(kw, message):
+    args = {"dynamics": lambda s, a: s + a, "cost": lambda s, a: s[:, 0] ** 2, **kw}
+    solver = CEMSolver(**args, horizon=2, action_dim=1, num_samples=16, num_elites=4)
+    with pytest.raises(ValueError, match=message):
+        solver({"observation": torch.zeros(2, 1, 1)}, [3, 5])
+
+
+def test_cem_names_the_envs_whose_rollouts_are_all_non_finite():
+    cost = lambda s, a: torch.where(s[:, 0] > 0, float("nan"), s[:, 0] ** 2)  # env 7 starts at 1: all NaN
+    solver = CEMSolver(lambda s, a: s, cost, horizon=2, action_dim=1, num_samples=16, num_elites=4)
+    state = {"observation": torch.tensor([[[0.0]], [[1.0]]])}
+    with pytest.raises(ValueError, match=r"cost: expected finite values, .* every one of the 16 candidate returns of "
+                                         r"envs \[7\] is non-finite"):
+        solver(state, [2, 7])
+
+
+def test_a_planner_over_a_nan_model_raises_and_is_left_as_before(device):
+    solver = CEMSolver(lambda s, a: s, lambda s, a: s[:, 0] * float("nan"), num_samples=8, num_elites=2)
+    planner = Planner(PlanConfig(2, 1), solver, n_envs=2, action_dim=1, device=device)
+    with pytest.raises(ValueError, match="cost: expected finite values"):
+        planner.act(info(2, 0))
+    assert planner.history.keys == () and planner.history.num_strided() == [0, 0]
+
+
+@pytest.mark.parametrize("how", ["raise", "shape"])
+def test_a_failed_first_act_fixes_no_key_shape_or_dtype(how, device):
+    """The first act() fails after its append: the history forgets the keys, shapes and dtypes it fixed, so a retry
+    with other ones (which a fresh planner accepts) succeeds and gives what a fresh planner gives."""
+    cfg = PlanConfig(2, 1, history_len=2)
+    flaky = Planner(cfg, FlakySolver(2, 1, fail_on={1}, how=how), n_envs=2, action_dim=1, device=device)
+    with pytest.raises((RuntimeError, ValueError)):
+        flaky.act({"pixels": torch.zeros(2, 1, 3, dtype=torch.uint8), "action": torch.zeros(2, 1, 1)})
+    assert flaky.history.keys == () and flaky.history.nbytes == 0 and flaky.history.num_strided() == [0, 0]
+    assert flaky.replanned.tolist() == []
+    fresh = Planner(cfg, RecordingSolver(2, 1), n_envs=2, action_dim=1, device=device)
+    step = {"observation": torch.ones(2, 1, 4, dtype=torch.float64), "action": torch.zeros(2, 1, 1)}
+    want = fresh.act(step)
+    flaky.solver.calls.clear()
+    assert torch.equal(flaky.act(step), want)
+    assert flaky.history.keys == ("observation", "action")
+    assert flaky.history.get(1)["observation"].dtype == torch.float64
