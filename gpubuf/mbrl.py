@@ -204,15 +204,25 @@ def train_step(buffer: TransitionBuffer, model: EnsembleDynamics, optimizer: tor
     return float(loss.detach())
 
 
+PER_EPS = 1e-6  # the prioritized buffer's eps (added to |td|): alpha must keep eps**alpha above float64's tiny
+_LOG_TINY = math.log(torch.finfo(torch.float64).tiny)
+MAX_ALPHA = _LOG_TINY / math.log(float(np.float32(PER_EPS)))  # about 51
+
+
 @dataclass(frozen=True)
 class MBRLConfig:
-    """Sizes of an :class:`MBRLAgent`.
+    """Sizes of an :class:`MBRLAgent`, each checked here (a bad one raises ``ValueError`` naming the field).
 
     Replay: ``capacity`` transitions, ``n_steps`` windows, prioritized with ``alpha``/``beta`` (``alpha=0``: a
     uniform :class:`~gpubuf.TransitionBuffer`). Model: ``members`` MLPs of width ``hidden``, Adam at ``lr``,
     ``updates`` gradient steps of ``batch_size`` windows per member after every env batch. Planning: CEM over
     ``horizon`` steps, re-planned every ``receding_horizon`` steps, ``num_samples`` candidates per env (split
     among the members), ``num_elites``, ``iterations``, warm-started from the previous plan.
+
+    Sizes are positive ints; ``alpha`` in ``[0, MAX_ALPHA]`` (about 51: beyond, ``eps**alpha`` underflows),
+    ``beta >= 0``, ``lr > 0``, all finite; ``receding_horizon <= horizon``, ``num_elites <= num_samples``, and
+    ``capacity >= members * batch_size + n_steps - 1`` (one sampled batch of windows, with one env; an
+    :class:`MBRLAgent` over ``E`` envs needs ``capacity >= E * (ceil(members * batch_size / E) + n_steps - 1)``).
     """
 
     capacity: int = 20_000
@@ -236,7 +246,29 @@ class MBRLConfig:
             positive_int(name, getattr(self, name))
         for name in ("alpha", "beta"):
             finite_float(name, getattr(self, name), 0.0)
+        if self.alpha * math.log(float(np.float32(PER_EPS))) < _LOG_TINY:  # exactly the buffer's own check
+            raise ValueError(f"alpha: expected at most {MAX_ALPHA:.4g} (eps**alpha with the buffer's eps {PER_EPS:g} "
+                             f"must not underflow), got {self.alpha!r}")
         finite_float("lr", self.lr, 0.0, low_open=True)
+        if self.receding_horizon > self.horizon:
+            raise ValueError(f"receding_horizon: expected <= horizon ({self.horizon}), got {self.receding_horizon}")
+        if self.num_elites > self.num_samples:
+            raise ValueError(f"num_elites: expected <= num_samples ({self.num_samples}), got {self.num_elites}")
+        self.check_capacity(1)
+
+    def check_capacity(self, n_envs: int) -> None:
+        """Raise ``ValueError`` naming ``capacity`` unless the replay of ``n_envs`` envs (``capacity // n_envs``
+        rows each) holds one sampled batch: ``members * batch_size`` distinct-start windows of ``n_steps`` rows."""
+        need = self.min_capacity(n_envs)
+        if self.capacity < need:
+            per_env = "" if n_envs == 1 else f" over {n_envs} envs ({need // n_envs} rows each)"
+            raise ValueError(f"capacity: expected at least {need} for members * batch_size = "
+                             f"{self.members * self.batch_size} windows of n_steps = {self.n_steps} rows{per_env}, "
+                             f"got {self.capacity}")
+
+    def min_capacity(self, n_envs: int) -> int:
+        """The smallest ``capacity`` a replay over ``n_envs`` envs can sample a batch from."""
+        return n_envs * (-(-self.members * self.batch_size // n_envs) + self.n_steps - 1)
 
 
 class EpisodeLog:
@@ -323,6 +355,7 @@ class MBRLAgent(EnvLoop):
         self.config = config
         torch.manual_seed(seed)
         n_envs = int(env.config["num_envs"])
+        config.check_capacity(n_envs)
         plan = PlanConfig(config.horizon, config.receding_horizon)
         self.history = HistoryBuffer(n_envs, plan.history_steps, device=device)
         self.source = EnvPoolSource(env, device=device, history=self.history)
@@ -331,7 +364,7 @@ class MBRLAgent(EnvLoop):
                              "windows of consecutive steps")
         cls, extra = TransitionBuffer, {}
         if config.alpha > 0:
-            cls, extra = PrioritizedTransitionBuffer, {"alpha": config.alpha, "beta": config.beta}
+            cls, extra = PrioritizedTransitionBuffer, {"alpha": config.alpha, "beta": config.beta, "eps": PER_EPS}
         self.buffer = cls(config.capacity, config.batch_size * config.members, self.source.transition_sample(),
                           n_steps=config.n_steps, device=self.source.device, seed=seed, **extra)
         self.source.transitions = self.buffer

@@ -164,3 +164,40 @@ def test_ensemble_rejects_bad_sizes(kw, error, message):
 def test_config_rejects_bad_values(kw, message):
     with pytest.raises(ValueError, match=message):
         MBRLConfig(**kw)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"capacity": 8}, r"capacity: expected at least 195 for members \* batch_size = 192 windows of n_steps = 4 rows, "
+                      r"got 8"),
+    ({"capacity": 100, "batch_size": 33}, r"capacity: expected at least 102 for members \* batch_size = 99 windows"),
+    ({"n_steps": 20_000}, r"capacity: expected at least 20191 for .* n_steps = 20000 rows, got 20000"),
+    ({"batch_size": 0}, "batch_size: expected a positive int, got 0"),
+    ({"members": True}, "members: expected a positive int, got True"),
+    ({"updates": 0}, "updates: expected a positive int, got 0"),
+    ({"hidden": None}, "hidden: expected a positive int, got None"),
+    ({"iterations": -2}, "iterations: expected a positive int, got -2"),
+    ({"num_samples": 0}, "num_samples: expected a positive int, got 0"),
+    ({"beta": float("nan")}, "beta: expected a finite number >= 0, got nan"),
+    ({"alpha": 60.0}, r"alpha: expected at most 51.28 \(eps\*\*alpha with the buffer's eps 1e-06 must not underflow\), "
+                      r"got 60.0"),
+    ({"lr": float("inf")}, "lr: expected a finite number > 0, got inf"),
+    ({"receding_horizon": 16}, r"receding_horizon: expected <= horizon \(15\), got 16"),
+    ({"num_elites": 65}, r"num_elites: expected <= num_samples \(64\), got 65"),
+])
+def test_config_names_the_field_that_is_wrong(kw, message):
+    """Every field is checked by the config itself, which names it (never a buffer's or solver's argument)."""
+    with pytest.raises(ValueError, match=message) as err:
+        MBRLConfig(**kw)
+    assert not any(word in str(err.value) for word in ("max_size", "sample_batch_size", "E*(M"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_agent_names_the_capacity_its_envs_need_before_any_work():
+    """Each env holds capacity // n_envs rows: 16 envs need 16 * (12 + 3) = 240 for 192 windows of 4 rows."""
+    config = MBRLConfig(capacity=239)
+    assert config.min_capacity(16) == 240 and config.min_capacity(1) == 195
+    env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=16)
+    with pytest.raises(ValueError, match=r"capacity: expected at least 240 for members \* batch_size = 192 windows "
+                                         r"of n_steps = 4 rows over 16 envs \(15 rows each\), got 239"):
+        MBRLAgent(env, config, device="cpu")
+    MBRLAgent(env, MBRLConfig(capacity=240), device="cpu")  # the smallest that samples
