@@ -40,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     demo.add_argument("--async", dest="async_", action="store_true",
                       help="async EnvPool: batch_size = num_envs/2 (timing variant only)")
-    demo.add_argument("--out", default="gpubuf_demo.json", help="JSON file for the numbers")
-    demo.add_argument("--plot", default=None, help="PNG file for the plot (default: --out with .png)")
+    demo.add_argument("--out", default="gpubuf_demo.json",
+                      help="JSON file for the numbers (not an image path: .png, .jpg, .jpeg, .svg, .pdf)")
+    demo.add_argument("--plot", default=None, help="PNG file for the plot, another file than --out "
+                                                   "(default: --out with .png)")
     demo.add_argument("--threads", type=int, default=1,
                       help="torch CPU threads (default: 1; the demo's small models run fastest on one)")
     demo.add_argument("--seed", type=int, default=0)
@@ -86,8 +88,24 @@ def check_writable(parser, flag, path, *beside):
             parser.error(f"{flag}: cannot write {file!r} (a directory of that name is in the way)")
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")
+
+
+def check_demo_paths(parser, args):
+    """``--out`` (JSON) and ``--plot`` (image, default: ``--out`` with ``.png``) must be two files, and ``--out``
+    must not end in an image suffix: the plot would overwrite the numbers."""
+    if args.out.lower().endswith(IMAGE_SUFFIXES):
+        parser.error(f"--out: expected a JSON path (the plot goes to --plot), got the image path {args.out!r}")
+    args.plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    out, plot = os.path.realpath(args.out), os.path.realpath(args.plot)
+    if out == plot or (os.path.exists(out) and os.path.exists(plot) and os.path.samefile(out, plot)):
+        parser.error(f"--out, --plot: expected two different files (the plot would overwrite the numbers), got "
+                     f"{args.out!r} and {args.plot!r}")
+
+
 def check_args(parser, args):
     """Validate what argparse cannot, before any work; returns the torch device."""
+    check_demo_paths(parser.demo, args)
     try:
         import envpool
     except ImportError as err:
@@ -106,7 +124,6 @@ def check_args(parser, args):
         parser.error(f"--async: the learning run on {args.env} needs sync envs (its model trains on per-env windows "
                      "of consecutive steps); --async is for pixel tasks such as Pong-v5")
     device = check_device(parser, args.device)
-    args.plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         check_writable(parser, flag, path)
     return device

@@ -82,3 +82,36 @@ def test_bad_options_are_one_line_with_exit_code_2(args, message, capsys):
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), lines
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--out", "numbers.png"], "--out: expected a JSON path (the plot goes to --plot), got the image path "),
+    (["--out", "numbers.JPEG"], "--out: expected a JSON path (the plot goes to --plot), got the image path "),
+    (["--out", "n.svg", "--plot", "p.png"], "--out: expected a JSON path"),
+    (["--out", "n.pdf"], "--out: expected a JSON path"),
+    (["--out", "n.jpg"], "--out: expected a JSON path"),
+    (["--out", "same.json", "--plot", "same.json"], "--out, --plot: expected two different files (the plot would "
+                                                   "overwrite the numbers), got "),
+    (["--out", "n.json", "--plot", "./sub/../n.json"], "--out, --plot: expected two different files"),
+    (["--plot", "gpubuf_demo.json"], "--out, --plot: expected two different files"),  # the default --out
+    (["--out", "numbers.png.json", "--plot", "numbers.png.json"], "--out, --plot: expected two different files"),
+])
+def test_out_and_plot_that_would_overwrite_each_other_are_refused_before_any_work(args, message, tmp_path, capsys,
+                                                                                  monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("gpubuf.cli.run_demo", lambda *a: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--env-steps", "16", *args])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"gpubuf demo: error: {message}"), lines
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_out_and_plot_linked_to_one_file_are_refused(tmp_path, capsys):
+    (tmp_path / "a.json").write_text("{}")
+    (tmp_path / "b.png").symlink_to(tmp_path / "a.json")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--out", str(tmp_path / "a.json"), "--plot", str(tmp_path / "b.png")])
+    assert exit_info.value.code == 2 and "--out, --plot: expected two different files" in capsys.readouterr().err
+    assert (tmp_path / "a.json").read_text() == "{}"
