@@ -85,10 +85,14 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch carries
         ``PER_weights`` (B,) float32. Shapes, ``key``, ``with_next_obs``, ``boundaries`` and ``out`` as in
         :meth:`TransitionBuffer.sample` (``out.PER_weights`` is replaced by a fresh tensor). Note the default
-        ``with_replacement=False``."""
+        ``with_replacement=False``. ``flat_indices`` (B,) int64 are flat starts ``row * n_envs + env``
+        (:meth:`~TransitionBuffer.locate` maps them to env, ring row and the env's own row count). Rows of an
+        :class:`~gpubuf.EnvPoolSource` that hold no transition (``info["is_last"]``) never start a window;
+        ``P_i`` is then taken over the other starts."""
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs, boundaries)
+        self._check_last_rows(kind, B, with_replacement)
         dst = self._check_out(out, B, with_next_obs)
-        idx, mass = self._sampler.draw(kind, B, self._generator(key), with_replacement)
+        idx, mass = self._draw(kind, B, self._generator(key), with_replacement)
         batch = self._with_flags(self._gather(idx, dst, out), boundaries)
         batch.PER_weights = (mass / mass.min()).pow_(-self.beta).to(torch.float32)
         return batch, idx
@@ -155,9 +159,33 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return top_value
 
     def update_beta(self, beta: float):
-        """Set the importance-sampling exponent; returns ``self``."""
-        self.beta = finite_float("beta", beta, 0.0)
+        """Set the importance-sampling exponent; returns ``self``. Every :class:`~gpubuf.GraphSampler` of this
+        buffer follows it, in captured graphs too (through :attr:`beta_tensor`)."""
+        self.beta = beta
         return self
+
+    _beta_tensor: torch.Tensor | None = None  # created by the first read of beta_tensor
+
+    @property
+    def beta(self) -> float:
+        """The importance-sampling exponent (``>= 0``) of ``PER_weights``; set by :meth:`update_beta`,
+        :meth:`load_state_dict` and a re-opened ``storage_dir``. A bad value raises naming ``beta``."""
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = finite_float("beta", value, 0.0)
+        if self._beta_tensor is not None:
+            self._beta_tensor.fill_(self._beta)  # in place, no host sync: captured graphs read it at replay
+
+    @property
+    def beta_tensor(self) -> torch.Tensor:
+        """``()`` float64 on ``device`` holding :attr:`beta`, refreshed in place on every change of it (the same
+        tensor for the buffer's life), for device code that reads beta when it runs, such as a CUDA graph of a
+        :class:`~gpubuf.GraphSampler`. Read it; change beta through :meth:`update_beta`."""
+        if self._beta_tensor is None:
+            self._beta_tensor = torch.full((), self._beta, dtype=torch.float64, device=self.device)
+        return self._beta_tensor
 
     # ------------------------------------------------------------------ state
 
@@ -172,18 +200,23 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         beta = finite_float("state_dict['beta']", state["beta"], 0.0)
         top = finite_float("state_dict['max_priority']", state["max_priority"], 1.0)
         self._check_mass("state_dict['max_priority']", top)
-        prio = state["priority"]
-        check_tensor("state_dict['priority']", prio, (self.max_size,), torch.float32)
-        written = (state["count"] if state["count"] < self.max_rows else self.max_rows) * self.n_envs
-        at = 0
-        for piece in chunks(prio):  # written starts: priorities in [eps, max_priority]; all: in [0, max_priority]
-            lo = piece[:max(0, written - at)]
-            if not bool(torch.isfinite(piece).all()) or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
-                    or (lo.numel() and float(lo.min()) < _f32(self.eps)):
-                raise ValueError(f"state_dict['priority']: expected priorities of written starts in "
-                                 f"[{_f32(self.eps):g}, max_priority {top:g}] and of the others in [0, max_priority]")
-            at += piece.numel()
+        self._check_priorities("state_dict['priority']", state["priority"], top, state["pos"], state["count"])
         return beta, top
+
+    def _check_priorities(self, where: str, prio, top: float, pos: int, count: int) -> None:
+        """Raise unless ``prio`` is ``(max_size,)`` float32 with every value in ``[0, top]`` and those of the starts
+        in the ``count`` rows before row ``pos`` (the rows held) at least ``eps``."""
+        check_tensor(where, prio, (self.max_size,), torch.float32)
+        M, E = self.max_rows, self.n_envs
+        oldest, at = (pos - count) % M, 0
+        for piece in chunks(prio):
+            rows = torch.arange(at, at + piece.numel()) // E
+            held = piece[(rows - oldest) % M < count]
+            if not bool(torch.isfinite(piece).all()) or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
+                    or (held.numel() and float(held.min()) < _f32(self.eps)):
+                raise ValueError(f"{where}: expected priorities of held starts in [{_f32(self.eps):g}, max_priority "
+                                 f"{top:g}] and of the others in [0, max_priority], all finite")
+            at += piece.numel()
 
     def _flush_extra(self) -> dict:
         return {"priority": self._sampler.priority.cpu(), "max_priority": self._sampler.max_priority,
@@ -191,11 +224,15 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     def _reopen_extra(self, state: dict | None, since: int) -> None:
         sampler = self._sampler
-        if state is not None:
-            check_tensor("storage_dir state priority", state["priority"], (self.max_size,), torch.float32)
+        if state is not None:  # checked as a load_state_dict would, before anything is restored
+            beta = finite_float("beta", state["beta"], 0.0)
+            top = finite_float("max_priority", state["max_priority"], 1.0)
+            self._check_mass("max_priority", top)
+            ring = self._ring  # the rows held at the flush: those held now, less the `since` newest
+            self._check_priorities("priority", state["priority"], top, (ring.pos - since) % self.max_rows,
+                                   ring.count - since)
             sampler.priority.copy_(state["priority"])
-            sampler.max_priority = finite_float("storage_dir state max_priority", state["max_priority"], 1.0)
-            self.beta = finite_float("storage_dir state beta", state["beta"], 0.0)
+            sampler.max_priority, self.beta = top, beta
         if since:  # rows written after the flush: new starts take the running max priority
             M = self.max_rows
             first_row = (self._ring.pos - since) % M

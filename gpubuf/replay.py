@@ -31,6 +31,7 @@ from gpubuf.ring import IN_EPISODE, NEXT_OBS, StartRing
 from gpubuf.samplers import UniformSampler
 from gpubuf.staging import Staging, check_disjoint, memory_ranges, overlaps
 from gpubuf.state import check_range, check_state, copy_into, host_tensor, unaliased
+from gpubuf.storage_dir import StorageDir
 
 _ARRAYS = (torch.Tensor, np.ndarray)
 FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
@@ -160,7 +161,13 @@ class TransitionBuffer(checkpoint.Checkpointable):
             holds a buffer of this configuration and layout (any mismatch raises, naming the field), that
             buffer is re-opened: its rows, write position and counts as of its last insert, and what its last
             :meth:`flush` saved (sampling RNG; priorities for a prioritized buffer, with rows inserted after
-            that flush at ``max_priority``). One process at a time.
+            that flush at ``max_priority``). One writer: the buffer holds the directory's lock until
+            :meth:`close` (or until it is garbage collected or its process ends); a second opener gets a
+            ``ValueError`` naming the holder. The files are allocated on disk up front (no room: a
+            ``ValueError`` before anything is written). Crash safety: a process killed at any instant re-opens
+            to a state the buffer has been in (rows being overwritten are dropped, a half-done
+            :meth:`load_state_dict` re-opens empty); after an operating-system crash, exact as of the last
+            :meth:`flush` when nothing was written after it, else empty (:mod:`gpubuf.storage_dir`).
 
     Sampling cost is O(B * levels * fanout) for the tree descent plus the bytes of the windows: it does not
     grow with capacity (with replacement and no stored truncation, a uniform draw skips the tree: the valid
@@ -234,7 +241,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             storage = base = ops.allocate(shapes, dtypes, self.storage_device)
         else:  # env-major files (E, M, *shape), written through (M, E, *shape) views
             shapes = {_leaf_name(p): (E, M) + s for p, s in self._shapes.items()}
-            self._dir = tiers.StorageDir(storage_dir, self._dir_config(), shapes, dtypes)
+            self._dir = StorageDir(storage_dir, self._dir_config(), shapes, dtypes)
             base = self._dir.tensors
             storage = {k: t.transpose(0, 1) if self.vectorized_env else t[0] for k, t in base.items()}
         self._ring = StartRing(M, E, self.n_steps, kinds)  # host bookkeeping
@@ -346,6 +353,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         M = self.max_rows
         if not 1 <= T <= M:
             raise ValueError(f"transition: expected 1 <= T <= {M} rows per insert, got T = {T}")
+        if self._dir is not None:
+            self._check_open()
         # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
         trunc, ends = self._any_set(values, self._trunc_paths, T), self._any_set(values, self._end_paths, T)
         # ---- phase 1: stage every leaf (any conversion error happens here, before the first write)
@@ -358,6 +367,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
             else:
                 staged[p] = self._store_staging.stage(t, self._names[p], self._dtypes[p], self._owned)
         with signals_held():  # ---- phase 2: commit
+            if self._dir is not None:  # the journal forgets the held rows about to be overwritten
+                self._dir.before_write(self._ring.pos, self._ring.count, self._ring.total, T, M)
             pos, first = self._ring.write(T, trunc, ends)  # first: rows before the ring wraps
             for p, src in staged.items():
                 dst = self._host[p] if isinstance(src, np.ndarray) else self._data[p]
@@ -369,7 +380,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self._sampler.rows_written(pos, first, T)
             self._sampler.refresh_after_write(pos, T)
             if self._dir is not None:
-                self._dir.set_counters(self._ring.pos, self._ring.count, self._ring.total)
+                self._dir.commit(self._ring.pos, self._ring.count, self._ring.total)
         return self
 
     def _any_set(self, leaves: dict, paths: list, T: int) -> np.ndarray | None:
@@ -423,8 +434,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
-               with_next_obs: bool = False, boundaries: str = "allow", *, out: Transition | None = None) -> Transition:
-        """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts.
+               with_next_obs: bool = False, boundaries: str = "allow", *, out: Transition | None = None,
+               return_indices: bool = False):
+        """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts; with
+        ``return_indices=True``, ``(batch, indices)``: the windows' flat starts ``(B,)`` int64 on the device,
+        ``row * n_envs + env`` (:meth:`locate` maps them to env, ring row and the env's own row count).
 
         Leaves come back ``(B, n_steps, ...)`` (``(B, ...)`` when ``n_steps == 1``). ``with_next_obs`` fills
         ``next_observation`` with the observation one row later (unless it is stored), and then never
@@ -445,14 +459,25 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
         With ``n_steps == 1`` the flags are ``(B,)`` and all set.
 
+        Rows of an :class:`~gpubuf.EnvPoolSource` (a buffer holding an ``info["is_last"]`` leaf, built from
+        ``transition_sample()``) follow its row convention instead: a row whose ``is_last`` is set holds the
+        last observation of its episode and no transition, and never starts a window (whatever
+        ``boundaries`` and ``with_next_obs``); with ``"mask"``, ``is_first[:, j]`` is set where row ``j - 1``
+        is such a row (row ``j`` then holds the env's reset frame) and ``mask[:, j]`` while no earlier row of
+        the window is, so the last observation stays inside its episode's mask.
+
         ``out`` may be a :class:`Transition` of preallocated tensors of exactly the returned shapes and dtypes
         on the buffer's device: the windows are written there and ``out`` is returned (no allocation; large
         fresh CPU outputs otherwise pay page faults on every call).
         """
+        if not isinstance(return_indices, bool):
+            raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs, boundaries)
+        self._check_last_rows(kind, B, with_replacement)
         dst = self._check_out(out, B, with_next_obs)
-        idx, _ = self._sampler.draw(kind, B, self._generator(key), with_replacement)
-        return self._with_flags(self._gather(idx, dst, out), boundaries)
+        idx, _ = self._draw(kind, B, self._generator(key), with_replacement)
+        batch = self._with_flags(self._gather(idx, dst, out), boundaries)
+        return (batch, idx) if return_indices else batch
 
     def _with_flags(self, batch: Transition, boundaries: str) -> Transition:
         """``batch`` with ``is_first`` and ``mask`` (B, n_steps) bool set from its sampled episode ends, unless
@@ -471,7 +496,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
             batch.is_first[:, 0] = True
             return batch
         done = torch.zeros(B, n, dtype=torch.bool, device=self.device)
-        for p in self._end_paths:
+        # the source's rows: an episode ends after its `is_last` row (which holds its last observation)
+        for p in [self._IS_LAST] if self._IS_LAST in leaves else self._end_paths:
             done |= (leaves[p] != 0).reshape(B, n, -1).any(2)
         ended = done[:, :-1]  # (B, n-1): row j ended an episode
         first = torch.ones(B, 1, dtype=torch.bool, device=self.device)
@@ -601,10 +627,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         check_state(state, self.state_dict(), self._CONFIG + ("shapes",))
         M = self.max_rows
         count = check_range("state_dict['count']", state["count"], 0, M)
-        pos = check_range("state_dict['pos']", state["pos"], 0, M - 1)
-        if count < M and pos != count:
-            raise ValueError(f"state_dict['pos']: a buffer holding {count} of {M} rows writes at row {count}, "
-                             f"got {pos}")
+        pos = check_range("state_dict['pos']", state["pos"], 0, M - 1)  # rows held: the `count` rows before it
         rng = host_tensor(state["rng"])
         try:
             torch.Generator().set_state(rng)
@@ -618,7 +641,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
         extra = self._check_extra_state(state)
         sources = unaliased({_leaf_name(p): state["data"][_leaf_name(p)] for p in self._data},
                             {_leaf_name(p): t for p, t in self._data.items()}, self._owned)
+        if self._dir is not None:
+            self._check_open()
         with signals_held():
+            if self._dir is not None:  # a load killed half-way re-opens as an empty buffer
+                self._dir.before_load(self._ring.total)
             try:
                 for p, t in self._data.items():
                     copy_into(t, sources[_leaf_name(p)])
@@ -633,7 +660,6 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self._sampler.forget()
             self._gen.set_state(rng)
         if self._dir is not None:  # the directory now holds the loaded state
-            self._dir.set_counters(pos, count, count)
             self.flush()
 
     # ------------------------------------------------------------------ storage_dir
@@ -649,9 +675,30 @@ class TransitionBuffer(checkpoint.Checkpointable):
         prioritized) beside the storage and write every file back to disk, so that a later process re-opens
         this buffer as it is now. Without one: nothing to do. Returns ``self``."""
         if self._dir is not None:
+            self._check_open()
+            ring = self._ring
             with signals_held():
-                self._dir.save_state({"total": self._ring.total, "rng": self._gen.get_state(), **self._flush_extra()})
+                self._dir.save_state({"total": ring.total, "rng": self._gen.get_state(), **self._flush_extra()},
+                                     (ring.pos, ring.count, ring.total))
         return self
+
+    def close(self) -> None:
+        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock, so another buffer (in this
+        process or another) may open it; this buffer can still be sampled but no longer written. Without one:
+        nothing to do. Closing twice is harmless; ``with TransitionBuffer(...) as buf:`` closes on exit."""
+        if self._dir is not None and not self._dir.closed:
+            self.flush()
+            self._dir.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._dir.closed:
+            raise ValueError(f"storage_dir: {str(self._dir.path)!r} was closed; open a new buffer on it to write")
 
     def _flush_extra(self) -> dict:
         """Hook: the subclass's own entries of a :meth:`flush`."""
@@ -660,19 +707,20 @@ class TransitionBuffer(checkpoint.Checkpointable):
     def _reopen(self) -> None:
         """Take the rows, counters and last flushed state of a re-opened storage directory."""
         M = self.max_rows
-        pos, count, total = (int(v) for v in self._dir.counters.tolist())
-        if not (0 <= count <= M and 0 <= pos < M and (count == M or pos == count) and total >= count):
-            raise ValueError(f"storage_dir: counters (position {pos}, rows {count}, total {total}) do not fit a "
-                             f"buffer of {M} rows per env")
+        pos, count, total = self._dir.opened_counters(M)
         flags = {p: self._data[p] for p in self._end_paths}
         trunc, ends = self._any_set(flags, self._trunc_paths, M), self._any_set(flags, self._end_paths, M)
         zeros = np.zeros((M, self.n_envs), dtype=bool)
         self._ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total)
         def restore(state):
             if state is not None:
-                self._gen.set_state(host_tensor(state["rng"]))
-            since = count if state is None else min(total - int(state["total"]), count)  # rows after the flush
+                rng = host_tensor(state["rng"])
+                torch.Generator().set_state(rng)  # checked before anything is restored
+                flushed = check_range("total", state["total"], 0, 2**63 - 1)
+            since = count if state is None else max(min(total - flushed, count), 0)  # held rows written after it
             self._reopen_extra(state, since)
+            if state is not None:
+                self._gen.set_state(rng)
 
         self._dir.load_state_checked(restore)
 
@@ -684,6 +732,125 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     def _load_extra_state(self, state, extra) -> None:
         """Hook: write the subclass's own state entries (after validation), given what the check returned."""
+
+    # ------------------------------------------------------------------ the source's rows, provenance
+
+    _IS_LAST = ("info", "is_last")  # the leaf marking an EnvPoolSource row that holds no transition
+
+    def _last_rows(self, kind: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(flat starts, range positions)`` (host int64, sorted) of the ``is_last`` rows that ``kind``'s own
+        validity lets start a window, or None when there are none. The source sets ``truncated`` on exactly
+        its ``is_last`` rows, so the ring's host copy of ``truncated`` finds them without reading the device;
+        kinds that infer next observations (no truncation in a window) or forbid episode ends before the last
+        row (``n_steps > 1``) never start at them already."""
+        ring = self._ring
+        if self._IS_LAST not in self._shapes or not ring.n_trunc or kind & NEXT_OBS or (
+                kind & IN_EPISODE and self.n_steps > 1):
+            return None
+        key = (kind, ring.total, ring.pos, ring.count, id(ring.trunc))
+        cached = getattr(self, "_last_rows_cache", None)
+        if cached is None or cached[0] != key:
+            M, E = ring.max_rows, ring.n_envs
+            oldest = (ring.pos - ring.count) % M
+            rows, envs = np.nonzero(ring.trunc)
+            t = (rows - oldest) % M  # time index, 0 = oldest row held
+            keep = t <= ring.count - ring.window(kind)
+            pos = np.sort(t[keep] * E + envs[keep])
+            flat = (pos // E + oldest) % M * E + pos % E
+            cached = self._last_rows_cache = (key, (flat, pos) if len(pos) else None)
+        return cached[1]
+
+    def _check_last_rows(self, kind: int, B: int, with_replacement: bool) -> None:
+        """Raise as :meth:`_check_sample_args` does when the starts left without ``is_last`` rows are too few."""
+        last = self._last_rows(kind)
+        if last is None:
+            return
+        n = self._ring.range_starts(kind)[1] if self._ring.one_range(kind) else self._active_valid(kind)
+        left = n - len(last[0])
+        if left == 0:
+            raise ValueError(f"sample: no valid sequence start yet ({self._ring.count} rows written per env; the "
+                             f"{len(last[0])} valid starts hold the last observation of an episode)")
+        if not with_replacement and B > left:
+            raise ValueError(f"batch_size: {B} exceeds the {left} valid starts (rows holding the last observation "
+                             "of an episode never start a window), which sampling without replacement needs")
+
+    def _draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
+        """The sampler's ``draw`` (flat starts (B,), masses or None), never starting at an ``is_last`` row: with
+        replacement from one ring range, the k-th start that is not one (exact, no rejection); otherwise
+        from the tree with those starts' mass zeroed for the draw."""
+        last = self._last_rows(kind)
+        if last is None:
+            return self._sampler.draw(kind, B, g, with_replacement)
+        ring = self._ring
+        if with_replacement and not self._sampler.prioritized and ring.one_range(kind):
+            M, E = ring.max_rows, ring.n_envs
+            oldest, n = ring.range_starts(kind)
+            pos = last[1]
+            u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
+            k = u.mul(n - len(pos)).long().clamp_max_(n - len(pos) - 1)
+            skips = torch.from_numpy(pos - np.arange(len(pos))).to(k.device)
+            q = k + torch.searchsorted(skips, k, right=True)  # the k-th range position that is not excluded
+            idx = q.div(E, rounding_mode="floor").add_(oldest).remainder_(M).mul_(E).add_(q.remainder(E))
+            if idx.device.type == "cpu":
+                return self._staging.to_device(idx, "__starts__"), None
+            return idx.to(self.device), None
+        with self._last_rows_excluded(kind):
+            return self._sampler.draw(kind, B, g, with_replacement)
+
+    def _last_rows_excluded(self, kind: int):
+        """A context in which the ``is_last`` rows that ``kind`` would let start a window have zero mass in its
+        tree (restored on exit, whatever happens); it yields how many there are."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def excluded():
+            last = self._last_rows(kind)
+            if last is None:
+                yield 0
+                return
+            self._sampler.activate(kind)
+            tree = self._sampler.trees[kind]
+            idx = self._staging.to_device(torch.from_numpy(last[0]), "__last_rows__")
+            saved = tree.leaves(idx)
+            try:
+                with signals_held():
+                    tree.update(idx, torch.zeros_like(saved))
+                yield len(last[0])
+            finally:
+                with signals_held():
+                    tree.update(idx, saved)
+
+        return excluded()
+
+    def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(env, row, step)`` of flat starts ``indices`` (any shape; the indices :meth:`sample` returns with
+        ``return_indices=True`` and a prioritized buffer's ``sample`` returns), each int64 shaped like
+        ``indices`` on their device.
+
+        A flat start is ``row * n_envs + env``: ``row`` in ``[0, M)`` is the ring row, ``env`` the env (always
+        0 when not ``vectorized_env``). ``step`` is the row's number in its env's stream of rows: 0 for the
+        first row this buffer ever wrote (overwritten rows count; a :meth:`load_state_dict` numbers the rows
+        it loads from 0). With an :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step`` holds the
+        observation its env showed after ``step`` calls of ``step()`` since the first ``reset()`` (each
+        ``reset()`` after rows were written adds one row). Raises ``IndexError`` for an index outside
+        ``[0, max_size)`` or a row not held. Device indices are read back once.
+        """
+        t = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple, int)) else indices, "indices")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"indices: expected integer flat starts, got {t.dtype}")
+        flat = t.detach().cpu().numpy().astype(np.int64)
+        ring, E = self._ring, self.n_envs
+        bad = (flat < 0) | (flat >= self.max_size)
+        if bad.any():
+            raise IndexError(f"indices: expected flat starts in [0, {self.max_size}), got {flat[bad][:5].tolist()}")
+        row, env = flat // E, flat % E
+        age = (row - (ring.pos - ring.count)) % ring.max_rows  # 0 = the oldest row held
+        bad = age >= ring.count
+        if bad.any():
+            raise IndexError(f"indices: rows {np.unique(row[bad])[:5].tolist()} are not held (the buffer holds "
+                             f"{ring.count} rows per env)")
+        step = ring.total - ring.count + age
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(t.device) for a in (env, row, step))
 
 
 __all__ = ["Transition", "TransitionBuffer"]

@@ -33,7 +33,7 @@ class StartRing:
     def __init__(self, max_rows: int, n_envs: int, n_steps: int, kinds: tuple[int, ...]):
         self.max_rows, self.n_envs, self.n_steps, self.kinds = max_rows, n_envs, n_steps, tuple(kinds)
         self.pos = 0  # next row written
-        self.count = 0  # rows written, at most M
+        self.count = 0  # rows held, at most M: the `count` rows before `pos`
         self.total = 0  # rows ever written
         self.trunc = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows holding a truncation
         self.n_trunc = 0  # truncated rows stored
@@ -83,7 +83,7 @@ class StartRing:
         """((r1 - r0) * E,) bool: whether a window of this kind may start at each flat start of rows [r0, r1)."""
         M, E = self.max_rows, self.n_envs
         # rows r0 + i have time indices (t0 + i) % M (0 = oldest); valid ones are <= last: two slices of rows
-        t0 = (r0 - (self.pos if self.count == M else 0)) % M
+        t0 = (r0 - self.oldest) % M
         last = self.count - self.window(kind)
         ok = np.zeros(r1 - r0, dtype=bool)
         ok[:max(last - t0 + 1, 0)] = True  # before the time index wraps past M
@@ -120,8 +120,17 @@ class StartRing:
     def range_starts(self, kind: int) -> tuple[int, int]:
         """``(oldest row, number of valid starts)`` when :meth:`one_range`: starts ``(oldest + t) % M`` for
         ``t < count - window + 1``, every env."""
-        base = self.pos if self.count == self.max_rows else 0
-        return base, max(self.count - self.window(kind) + 1, 0) * self.n_envs
+        return self.oldest, max(self.count - self.window(kind) + 1, 0) * self.n_envs
+
+    @property
+    def oldest(self) -> int:
+        """The oldest row held: rows held are the ``count`` rows before ``pos`` (a crash-safe storage directory
+        may re-open holding fewer rows than were written before ``pos``)."""
+        return (self.pos - self.count) % self.max_rows
+
+    def held(self, r0: int, r1: int) -> np.ndarray:
+        """(r1 - r0,) bool: whether each row of ``[r0, r1)`` is held."""
+        return (np.arange(r0, r1) - self.oldest) % self.max_rows < self.count
 
     def forget_validity(self) -> None:
         """Mark every start invalid (validity is recomputed by :meth:`refresh`)."""

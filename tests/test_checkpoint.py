@@ -94,18 +94,20 @@ FRESH_PROCESS = """
 import sys, torch
 sys.path.insert(0, {here!r})
 from test_checkpoint import fresh, outputs
-buf = fresh({name!r})
+buf = fresh({name!r}, {device!r})
 buf.load({path!r})
 torch.save(outputs(buf), {out!r})
 """
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
-def test_checkpoint_resumes_in_a_fresh_process(name, tmp_path, backend):
-    buf = BUILDERS[name]()
+def test_checkpoint_resumes_in_a_fresh_process(name, tmp_path, backend, device):
+    buf = BUILDERS[name](device=device)
     buf.save(tmp_path / "ckpt")
-    code = FRESH_PROCESS.format(here=HERE, name=name, path=str(tmp_path / "ckpt"), out=str(tmp_path / "out.pt"))
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    code = FRESH_PROCESS.format(here=HERE, name=name, device=device, path=str(tmp_path / "ckpt"),
+                                out=str(tmp_path / "out.pt"))
+    # the child inherits GPUBUF_BACKEND, and TRITON_INTERPRET=1 where conftest set it (no CUDA)
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
     theirs = torch.load(tmp_path / "out.pt", weights_only=False)
     assert_same_outputs(theirs, outputs(buf))
 
@@ -150,8 +152,8 @@ BROKEN = {
                                     r"state_dict\['data'\]: missing keys \['reward'\]"),
     "replay: count past capacity": ("replay", lambda s: _with(s, "count", 11), ValueError,
                                     r"state_dict\['count'\]: expected an int in \[0, 10\]"),
-    "replay: pos off the count": ("replay", lambda s: {**s, "count": 5, "pos": 7}, ValueError,
-                                  r"state_dict\['pos'\]: a buffer holding 5 of 10 rows writes at row 5"),
+    "replay: pos past the ring": ("replay", lambda s: {**s, "pos": 10}, ValueError,
+                                  r"state_dict\['pos'\]: expected an int in \[0, 9\]"),
     "replay: rng not a state": ("replay", lambda s: _with(s, "rng", torch.zeros_like(s["rng"])), ValueError,
                                 r"state_dict\['rng'\]: not a generator state"),
     "replay: float count": ("replay", lambda s: _with(s, "count", 3.0), ValueError, r"state_dict\['count'\]"),
@@ -164,7 +166,7 @@ BROKEN = {
     "prioritized: zero priority of a written start": ("prioritized", lambda s: _with(s, "priority", torch.zeros_like(
         s["priority"])), ValueError, r"state_dict\['priority'\]"),
     "prioritized: negative priority of an unwritten start": ("prioritized", lambda s: _with(s, "priority", s[
-        "priority"].clone().index_fill_(0, torch.tensor([29]), -1.0)), ValueError,
+        "priority"].clone().index_fill_(0, torch.tensor([29], device=s["priority"].device), -1.0)), ValueError,
         r"state_dict\['priority'\]: .* of the others in \[0, max_priority\]"),
     "prioritized: other alpha": ("prioritized", lambda s: _with(s, "alpha", 0.7), ValueError,
                                  "state_dict: alpha is 0.7, this buffer has 0.6"),
@@ -184,13 +186,13 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
-def test_load_state_dict_rejects_a_broken_state_and_writes_nothing(case, backend):
+def test_load_state_dict_rejects_a_broken_state_and_writes_nothing(case, backend, device):
     name, breaks, exc, match = BROKEN[case]
-    good = BUILDERS[name]()
-    buf = BUILDERS[name]()
+    good = BUILDERS[name](device=device)
+    buf = BUILDERS[name](device=device)
     buf.insert(make_transition(50, 3, 3)) if name != "history" else buf.append(
         {"pixels": np.full((3, 1, 2), 50, np.uint8), "action": np.full((3, 1, 2), 50, np.float32)})
-    before, reads = snapshot(buf), outputs(BUILDERS[name]())
+    before, reads = snapshot(buf), outputs(BUILDERS[name](device=device))
     with pytest.raises(exc, match=match):
         buf.load_state_dict(breaks(snapshot(good)))
     assert_unchanged(buf, before)

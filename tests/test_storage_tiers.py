@@ -23,8 +23,8 @@ def rows(T, t0=0, trunc_at=()):
                       terminated=np.zeros((T, E), bool), truncated=trunc)
 
 
-def make(cls, path=None, **kw):
-    return cls(E * 16, 4, rows(1), n_steps=3, device="cpu", seed=0, storage_dir=path, **kw)
+def make(cls, path=None, device="cpu", **kw):
+    return cls(E * 16, 4, rows(1), n_steps=3, device=device, seed=0, storage_dir=path, **kw)
 
 
 def play(buf):
@@ -37,17 +37,18 @@ def play(buf):
 
 
 @pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
-def test_a_storage_dir_buffer_behaves_like_one_in_memory(backend, cls, tmp_path):
-    mapped, plain = play(make(cls, tmp_path / "buf")), play(make(cls))
+def test_a_storage_dir_buffer_behaves_like_one_in_memory(backend, cls, tmp_path, device):
+    # sampling on ``device`` (the GPU when present: the files are host memory, the in-memory twin is on the GPU)
+    mapped, plain = play(make(cls, tmp_path / "buf", device)), play(make(cls, device=device))
     for name, t in plain.state_dict()["data"].items():
-        assert torch.equal(mapped.state_dict()["data"][name], t)
+        assert torch.equal(mapped.state_dict()["data"][name].cpu(), t.cpu())
     for boundaries in ("allow", "forbid"):
         assert torch.equal(mapped.sampling_mass(True, boundaries), plain.sampling_mass(True, boundaries))
     a, b = mapped.sample(key=3, with_next_obs=True), plain.sample(key=3, with_next_obs=True)
     a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
     assert torch.equal(a.observation, b.observation) and torch.equal(a.next_observation, b.next_observation)
     assert sorted(p.name for p in (tmp_path / "buf").iterdir()) == \
-        ["counters.bin", "gpubuf.json"] + [f"leaf{i}.bin" for i in range(5)]
+        ["counters.bin", "gpubuf.json"] + [f"leaf{i}.bin" for i in range(5)] + ["lock"]
 
 
 _CHILD = textwrap.dedent("""
@@ -108,11 +109,13 @@ def test_a_mismatched_or_broken_directory_is_named(tmp_path):
     with pytest.raises(TypeError, match="storage_dir: expected a path"):
         make(TransitionBuffer, 3.5)
     counters = np.memmap(tmp_path / "b" / "counters.bin", dtype=np.int64, mode="r+")
-    counters[:] = (5, 3, 3)  # a partly filled buffer writes at row == count
-    counters.flush()
-    with pytest.raises(ValueError, match="storage_dir: counters"):
-        make(TransitionBuffer, tmp_path / "b")
-    counters[:] = (4, 4, 4)
+    slot = 2 + 3 * int(counters[0])  # the active slot: (position, rows held, rows ever written)
+    for bad in ((16, 3, 3), (5, 17, 17), (5, 4, 3)):  # position past the ring, rows past it, total below rows
+        counters[slot:slot + 3] = bad
+        counters.flush()
+        with pytest.raises(ValueError, match="storage_dir: counters"):
+            make(TransitionBuffer, tmp_path / "b")
+    counters[slot:slot + 3] = (4, 4, 4)
     counters.flush()
     with open(tmp_path / "b" / "leaf0.bin", "r+b") as f:
         f.truncate(10)
@@ -157,8 +160,8 @@ def indexed(T, t0=0):
                       terminated=done, truncated=np.zeros((T, E3), bool))
 
 
-def make3(cls, path=None):
-    return cls(E3 * M7, 4, indexed(1), n_steps=N3, device="cpu", seed=7, storage_dir=path)
+def make3(cls, path=None, device="cpu"):
+    return cls(E3 * M7, 4, indexed(1), n_steps=N3, device=device, seed=7, storage_dir=path)
 
 
 def fill3(buf):
@@ -179,10 +182,10 @@ def check_windows(obs, idx=None):
 
 
 @pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
-def test_env_major_windows_match_memory_index_for_index(backend, cls, tmp_path):
-    mapped, plain = fill3(make3(cls, tmp_path / "b")), fill3(make3(cls))
+def test_env_major_windows_match_memory_index_for_index(backend, cls, tmp_path, device):
+    mapped, plain = fill3(make3(cls, tmp_path / "b", device)), fill3(make3(cls, device=device))
     for name, t in plain.state_dict()["data"].items():
-        assert torch.equal(mapped.state_dict()["data"][name], t), name
+        assert torch.equal(mapped.state_dict()["data"][name].cpu(), t.cpu()), name
     for kw in ({}, {"with_next_obs": True}, {"boundaries": "mask"}, {"with_replacement": False, "batch_size": 12}):
         kw = {"batch_size": 64, "with_replacement": True, **kw}
         a, b = mapped.sample(key=11, **kw), plain.sample(key=11, **kw)
@@ -242,7 +245,8 @@ _REOPEN = textwrap.dedent("""
 
 def test_a_fresh_process_reopens_the_same_windows(tmp_path):
     path, out = tmp_path / "b", tmp_path / "out.pt"
-    buf = fill3(make3(TransitionBuffer, path)).flush()
+    buf = fill3(make3(TransitionBuffer, path))
+    buf.close()  # flushes and lets the fresh process open the directory; buf can still be sampled
     code = _REOPEN.format(tests=str(__import__("pathlib").Path(__file__).parent), path=str(path), out=str(out))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     theirs, reward, n = torch.load(out, weights_only=True)
@@ -253,7 +257,8 @@ def test_a_fresh_process_reopens_the_same_windows(tmp_path):
     check_windows(theirs["observation"])
 
 
-def test_graph_sampling_and_checkpoints_of_env_major_storage(backend, tmp_path):
+def test_graph_sampling_and_checkpoints_of_env_major_storage(host_backend, tmp_path):
+    # host buffers: a GraphSampler of a CUDA buffer gathers on the GPU, which a storage_dir's files are not
     mapped, plain = fill3(make3(TransitionBuffer, tmp_path / "b")), fill3(make3(TransitionBuffer))
     outs = []
     for buf in (mapped, plain):
@@ -314,10 +319,10 @@ def test_mapped_leaves_are_advised_random_and_each_sampled_window_is_prefetched(
 
 def test_damaged_bookkeeping_is_named_not_read_as_an_empty_buffer(tmp_path):
     buf = make(PrioritizedTransitionBuffer, tmp_path / "b").insert(rows(4))
-    buf.flush()
+    buf.close()
     d = tmp_path / "b"
     (d / "counters.bin").rename(tmp_path / "counters.bin")  # without it the rows cannot be placed
-    with pytest.raises(ValueError, match="storage_dir: .*counters.bin is missing or is not 3 int64 counters"):
+    with pytest.raises(ValueError, match="storage_dir: .*counters.bin is missing or is not the row journal"):
         make(PrioritizedTransitionBuffer, d)
     (tmp_path / "counters.bin").rename(d / "counters.bin")
     state = torch.load(d / "state.pt", weights_only=True)
@@ -352,7 +357,7 @@ def test_zero_size_leaves_and_info_key_order_re_open(tmp_path):
         return Transition(**{**vars(rows(T)), "info": {k: info[k] for k in order}})
 
     buf = TransitionBuffer(E * 8, 4, data(1, ["a", "b", "none"]), device="cpu", seed=0, storage_dir=tmp_path / "b")
-    buf.insert(data(5, ["a", "b", "none"]))
+    buf.insert(data(5, ["a", "b", "none"])).close()
     again = TransitionBuffer(E * 8, 4, data(1, ["none", "b", "a"]), device="cpu", seed=0,
                              storage_dir=tmp_path / "b")  # the same leaves, listed in another order
     assert len(again) == len(buf)
