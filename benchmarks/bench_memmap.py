@@ -57,6 +57,7 @@ def main():
     p.add_argument("--dir", default="/var/tmp/gpubuf-memmap")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--gpubuf-only", action="store_true", help="skip torchrl (e.g. to compare two gpubuf versions)")
     args = p.parse_args()
     torch.set_num_threads(1)
     root = Path(args.dir)
@@ -75,35 +76,32 @@ def main():
     g = TransitionBuffer(N, SB, tr(frames_at(0, 1)), n_steps=SL, device="cpu", seed=0, storage_dir=root / "gpubuf")
     g1 = TransitionBuffer(N, B1, tr(frames_at(0, 1)), n_steps=1, device="cpu", seed=0,
                           storage_dir=root / "gpubuf-single")
+    inserts = []  # seconds per insert of `chunk` steps x ENVS frames, into both buffers
     for s in range(0, steps, chunk):
         rows = tr(frames_at(s, min(chunk, steps - s)))
+        t = time.perf_counter()
         g.insert(rows)
         g1.insert(rows)
+        inserts.append(time.perf_counter() - t)
     g.flush(), g1.flush()
     fill = {"gpubuf (2 buffers)": time.perf_counter() - t0}
-
-    from tensordict import TensorDict
-    from torchrl.data import LazyMemmapStorage, ReplayBuffer
-    from torchrl.data.replay_buffers import RandomSampler, SliceSampler
-
-    t0 = time.perf_counter()
-    storage = LazyMemmapStorage(N, scratch_dir=str(root / "torchrl"))
-    rb = ReplayBuffer(storage=storage, sampler=SliceSampler(num_slices=SB, traj_key="episode"), batch_size=SB * SL)
-    storage1 = LazyMemmapStorage(N, scratch_dir=str(root / "torchrl-single"))
-    rb1 = ReplayBuffer(storage=storage1, sampler=RandomSampler(), batch_size=B1)
-    for e in range(ENVS):  # env-major: each env's trajectory contiguous (what SliceSampler reads)
-        for s in range(0, steps, 1024):
-            T = min(1024, steps - s)
-            f = torch.from_numpy(frames_at(s, T, [e])[:, 0])
-            td = TensorDict({"obs": f, "episode": torch.full((T,), e), "reward": torch.zeros(T)}, batch_size=[T])
-            rb.extend(td)
-            rb1.extend(td)
-    fill["torchrl (2 buffers)"] = time.perf_counter() - t0
+    again, filling = tr(frames_at(steps, chunk)), len(inserts)
+    for _ in range(max(4, args.repeats // 3)):  # into a full ring: every insert overwrites held rows
+        t = time.perf_counter()
+        g.insert(again)
+        g1.insert(again)
+        inserts.append(time.perf_counter() - t)
+    if args.gpubuf_only:
+        rb = rb1 = None
+    else:
+        rb, rb1 = fill_torchrl(root, N, steps, fill)
 
     fns = {("32x16 windows", "gpubuf"): lambda: g.sample(),
            ("32x16 windows", "torchrl LazyMemmapStorage + SliceSampler"): lambda: rb.sample(),
            ("256 frames", "gpubuf"): lambda: g1.sample(),
            ("256 frames", "torchrl LazyMemmapStorage + RandomSampler"): lambda: rb1.sample()}
+    if args.gpubuf_only:
+        fns = {k: fn for k, fn in fns.items() if k[1] == "gpubuf"}
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}
@@ -122,12 +120,39 @@ def main():
     print("| case | impl | median us | MB/s | disk MB read |\n|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['case']} | {r['impl']} | {r['us']:.0f} | {r['MB/s']:.0f} | {r['disk MB read']:.1f} |")
+    insert_us = {"filling": statistics.median(inserts[:filling]) * 1e6,
+                 "full ring": statistics.median(inserts[filling:]) * 1e6}
+    print(f"gpubuf insert of {chunk} steps x {ENVS} envs into both buffers, median us: "
+          + ", ".join(f"{k} {v:.0f}" for k, v in insert_us.items()))
     result = {"frames": N, "frame_bytes": H * W * C, "fill_s": fill, "rows": rows, "disk_free_after": disk.free,
+              "insert_us": insert_us,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "torch": torch.__version__}
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "memmap_cpu.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def fill_torchrl(root: Path, N: int, steps: int, fill: dict):
+    """torchrl's two memory-mapped buffers holding the same frames (its fill time added to ``fill``)."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+    from torchrl.data.replay_buffers import RandomSampler, SliceSampler
+
+    t0 = time.perf_counter()
+    storage = LazyMemmapStorage(N, scratch_dir=str(root / "torchrl"))
+    rb = ReplayBuffer(storage=storage, sampler=SliceSampler(num_slices=SB, traj_key="episode"), batch_size=SB * SL)
+    storage1 = LazyMemmapStorage(N, scratch_dir=str(root / "torchrl-single"))
+    rb1 = ReplayBuffer(storage=storage1, sampler=RandomSampler(), batch_size=B1)
+    for e in range(ENVS):  # env-major: each env's trajectory contiguous (what SliceSampler reads)
+        for s in range(0, steps, 1024):
+            T = min(1024, steps - s)
+            f = torch.from_numpy(frames_at(s, T, [e])[:, 0])
+            td = TensorDict({"obs": f, "episode": torch.full((T,), e), "reward": torch.zeros(T)}, batch_size=[T])
+            rb.extend(td)
+            rb1.extend(td)
+    fill["torchrl (2 buffers)"] = time.perf_counter() - t0
+    return rb, rb1
 
 
 if __name__ == "__main__":
