@@ -4,7 +4,8 @@ Each op has a CUDA implementation (its Triton kernel, :mod:`gpubuf.kernels`), a 
 pure-torch twin, :mod:`gpubuf.reference`) and a fake implementation, so the dispatcher picks the kernel by
 device and ``torch.compile`` traces the ops without graph breaks. Every op writes into tensors it is given
 (declared mutable in its schema) and returns nothing. ``GPUBUF_BACKEND=torch|triton`` forces one backend
-for the buffers built while it is set (the Triton kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
+for the buffers built while it is set. Triton compiles for GPUs only: a host (CPU) tensor goes to a Triton
+kernel only while Triton's interpreter is on (``TRITON_INTERPRET=1``), never otherwise, whatever is forced.
 Triton is imported only when a kernel runs, so ``import gpubuf`` works without a GPU or driver.
 
 The buffers call the functions below, which take the buffer's backend and Python containers; eager calls
@@ -48,13 +49,25 @@ def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], dev
         raise MemoryError(f"gpubuf: cannot allocate {total} bytes of storage on {device}: {err}") from None
 
 
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET`` set to 1/true/yes/on): kernels then run on host
+    tensors."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels can take tensors on ``device``: CUDA devices, and the host under the interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
 def backend_for(device: torch.device) -> str:
-    """The backend a buffer on ``device`` uses (``GPUBUF_BACKEND`` overrides)."""
+    """The backend a buffer (or a storage tier) on ``device`` uses. ``GPUBUF_BACKEND`` overrides, except that a
+    device Triton cannot run on (host memory without the interpreter) always gets the torch twins."""
     forced = os.environ.get("GPUBUF_BACKEND", "").strip()
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"GPUBUF_BACKEND: expected one of {BACKENDS}, got {forced!r}")
-        return forced
+        return forced if forced == "torch" or triton_runs_on(device) else "torch"
     return "triton" if device.type == "cuda" else "torch"
 
 
@@ -115,8 +128,10 @@ def _run(backend: str, device: torch.device, name: str, *args) -> None:
     tensor lists through the dispatcher costs about 50 us per call on a small CPU, more than the work."""
     if torch.compiler.is_compiling() and backend == _NATIVE.get(device.type, "torch"):
         getattr(torch.ops.gpubuf, name).default(*args)
-    else:
-        OPS[name][2 if backend == "triton" else 1](*args)
+    elif backend == "triton" and triton_runs_on(device):
+        OPS[name][2](*args)
+    else:  # the torch twin, also for a "triton" request on a device Triton cannot run on
+        OPS[name][1](*args)
 
 
 def history_append(backend, pairs, dst_rows):

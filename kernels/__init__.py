@@ -4,7 +4,13 @@ Copy kernels serve many keys (leaves) per launch: the launcher views each ``(sou
 as rows of int words (:func:`gpubuf.reference.as_words`), groups pairs by word type, and uploads one int64
 table per group (``source address, destination address, words per row, extra ints...`` per pair); one
 launch per group reads its pair's row from the table with ``tl.program_id(1)``.
+
+Triton launches on the current CUDA device, not on its arguments' device: every launcher runs its
+launches under :func:`on_device` of its tensors (a buffer on ``cuda:1`` launches on ``cuda:1`` whatever the
+current device is).
 """
+
+import contextlib
 
 import numpy as np
 import torch
@@ -13,6 +19,12 @@ from gpubuf.reference import as_words
 from gpubuf.staging import Staging
 
 _STAGING: dict[torch.device, Staging] = {}
+
+
+def on_device(t: torch.Tensor):
+    """Context making ``t``'s CUDA device current while kernels launch (``torch.cuda.device``); a no-op for host
+    tensors (interpreted kernels)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def word_groups(pairs: list, extra: list | None = None) -> list[tuple[torch.Tensor, np.ndarray, int]]:

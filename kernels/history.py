@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+import gpubuf.kernels as _pkg
 from gpubuf.kernels import upload, word_groups
 
 BLOCK = 1024
@@ -122,9 +123,10 @@ def append(pairs: list, dst_rows: torch.Tensor) -> None:
     R = dst_rows.shape[0]
     if R == 0:
         return
-    for like, table, most in word_groups([(rows, storage) for storage, rows in pairs]):
-        grid = (R, table.shape[0], triton.cdiv(most, BLOCK))
-        _append_kernel[grid](upload(table, dst_rows.device, "__append__"), dst_rows, like, BLOCK=BLOCK)
+    with _pkg.on_device(dst_rows):
+        for like, table, most in word_groups([(rows, storage) for storage, rows in pairs]):
+            grid = (R, table.shape[0], triton.cdiv(most, BLOCK))
+            _append_kernel[grid](upload(table, dst_rows.device, "__append__"), dst_rows, like, BLOCK=BLOCK)
 
 
 def gather_frames(pairs: list, meta: torch.Tensor, n: int, ab: int, max_len: int) -> None:
@@ -134,11 +136,12 @@ def gather_frames(pairs: list, meta: torch.Tensor, n: int, ab: int, max_len: int
     if rows == 0:
         return
     groups = word_groups([(storage, out.view(rows * n, -1)) for storage, out in pairs])
-    for like, table, most in groups:
-        n_envs = pairs[0][0].shape[0] // max_len
-        grid = (rows * n, table.shape[0], triton.cdiv(most, BLOCK))
-        _gather_frames_kernel[grid](upload(table, meta.device, "__frames__"), meta, like, rows, n, ab, max_len,
-                                    n_envs, BLOCK=BLOCK)
+    with _pkg.on_device(meta):
+        for like, table, most in groups:
+            n_envs = pairs[0][0].shape[0] // max_len
+            grid = (rows * n, table.shape[0], triton.cdiv(most, BLOCK))
+            _gather_frames_kernel[grid](upload(table, meta.device, "__frames__"), meta, like, rows, n, ab, max_len,
+                                        n_envs, BLOCK=BLOCK)
 
 
 def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_len: int,
@@ -149,9 +152,11 @@ def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_
     if rows == 0 or D == 0 or n < 2:
         return
     is_float = storage.dtype.is_floating_point
-    fmax = _finite_max(storage.dtype, storage.device) if is_float else meta
     src = storage.view(torch.uint8) if storage.dtype == torch.bool else storage
     dst = out.view(torch.uint8) if out.dtype == torch.bool else out
     grid = (rows * (n - 1), triton.cdiv(ab * D, BLOCK))
     n_envs = src.shape[0] // max_len
-    _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, n_envs, D, fmax, IS_FLOAT=is_float, BLOCK=BLOCK)
+    with _pkg.on_device(meta):
+        fmax = _finite_max(storage.dtype, storage.device) if is_float else meta
+        _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, n_envs, D, fmax, IS_FLOAT=is_float,
+                                  BLOCK=BLOCK)

@@ -3,15 +3,24 @@
 The tree is one flat float64 tensor holding its levels leaves-first; ``offsets`` (K+1 ints) bound the K
 levels, level ``k+1`` holds the sums of consecutive groups of ``F`` (fan-out) entries of level ``k``, and
 the top level is a single node of ``F`` entries. Runtime sizes are plain arguments; only ``F`` and block
-sizes are ``tl.constexpr``. Offsets are int64.
+sizes are ``tl.constexpr``. Offsets are int64. Updates of many leaves run one many-program launch per
+level (see :data:`MANY_PROGRAMS_FROM`); smaller ones one single-program launch.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+import gpubuf.kernels as _pkg
+
 BLOCK = 1024  # leaves written per step of the update kernel
 PARENTS = 32  # parents recomputed per step (PARENTS * fanout children)
+# Updates of this many leaves or more run one launch per level, each spread over many programs: one program
+# walks each level's touched parents P at a time (dependent loads, ~1-2 us a step on a GPU), so 4,096
+# scattered priorities on 2**24 leaves cost it 4 levels * 128 steps (~0.5-1 ms) and a full rebuild ~10**4
+# steps a level, while a many-program level costs one launch (a few us) whatever its size. Below it, one
+# launch (at most 16 steps a level) beats K launches.
+MANY_PROGRAMS_FROM = 512
 _BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
 
 
@@ -56,47 +65,54 @@ def _update_kernel(
     val_ptr,  # (n,) float64 new leaf values
     n,  # leaves written
     lo,  # first leaf when RANGE: leaves [lo, lo + n)
-    n_levels,  # K
+    k0,  # first level done: 0 = the leaves, k >= 1 = the parents on level k
+    k1,  # levels [k0, k1) are done, in order
     F: tl.constexpr,  # fan-out
     RANGE: tl.constexpr,  # leaves are the contiguous range [lo, lo + n) instead of idx
     BLOCK: tl.constexpr,  # leaves written per step
     P: tl.constexpr,  # parents recomputed per step (P * F children loaded)
 ):
-    # One program does it all, level after level, with a block-wide barrier between levels: parents are
-    # recomputed from their children (no atomics, so the tree stays a deterministic function of its leaves)
+    # Levels k0 .. k1-1, level after level: parents are recomputed from their children (no atomics, so the
+    # tree stays a deterministic function of its leaves). The programs of the grid share each level's work;
+    # a block-wide barrier orders the levels of a one-program launch, and a many-program launch does one
+    # level (launches on one stream are ordered). Duplicate parents store equal values.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     ar = tl.arange(0, BLOCK)
-    for s in range(0, n, BLOCK):
-        offs = s + ar
-        mask = offs < n
-        if RANGE:
-            i = lo + offs
-        else:
-            i = tl.load(idx_ptr + offs, mask=mask, other=0)
-        tl.store(tree_ptr + i, tl.load(val_ptr + offs, mask=mask), mask=mask)
-    tl.debug_barrier()
+    if k0 == 0:
+        for s in range(pid * BLOCK, n, nprog * BLOCK):
+            offs = s + ar
+            mask = offs < n
+            if RANGE:
+                i = lo + offs
+            else:
+                i = tl.load(idx_ptr + offs, mask=mask, other=0)
+            tl.store(tree_ptr + i, tl.load(val_ptr + offs, mask=mask), mask=mask)
+        tl.debug_barrier()
     ap = tl.arange(0, P)
     af = tl.arange(0, F)
     div = tl.load(off_ptr) * 0 + 1  # int64 F**level: leaf // div = its ancestor on that level
-    for k in range(1, n_levels):
+    for k in range(1, k1):
         div = div * F
-        child_off = tl.load(off_ptr + k - 1)
-        parent_off = tl.load(off_ptr + k)
-        if RANGE:  # the touched parents are one contiguous range
-            first = lo // div
-            count = (lo + n - 1) // div - first + 1
-        else:
-            first = div * 0
-            count = div * 0 + n
-        for q in range(0, count, P):
-            offs = q + ap
-            mask = offs < count
-            if RANGE:
-                parent = first + offs
+        if k >= k0:
+            child_off = tl.load(off_ptr + k - 1)
+            parent_off = tl.load(off_ptr + k)
+            if RANGE:  # the touched parents are one contiguous range
+                first = lo // div
+                count = (lo + n - 1) // div - first + 1
             else:
-                parent = tl.load(idx_ptr + offs, mask=mask, other=0) // div
-            c = tl.load(tree_ptr + child_off + parent[:, None] * F + af[None, :], mask=mask[:, None], other=0.0)
-            tl.store(tree_ptr + parent_off + parent, tl.sum(c, 1), mask=mask)
-        tl.debug_barrier()
+                first = div * 0
+                count = div * 0 + n
+            for q in range(pid * P, count, nprog * P):
+                offs = q + ap
+                mask = offs < count
+                if RANGE:
+                    parent = first + offs
+                else:
+                    parent = tl.load(idx_ptr + offs, mask=mask, other=0) // div
+                c = tl.load(tree_ptr + child_off + parent[:, None] * F + af[None, :], mask=mask[:, None], other=0.0)
+                tl.store(tree_ptr + parent_off + parent, tl.sum(c, 1), mask=mask)
+            tl.debug_barrier()
 
 
 def sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
@@ -104,22 +120,46 @@ def sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
     B = u.shape[0]
     if B == 0:
         return
-    off = _offsets(offsets, tree.device)
-    _sample_kernel[(B,)](tree, off, u, out, len(offsets) - 1, BELOW_ONE=_BELOW_ONE, F=fanout)
+    with _pkg.on_device(tree):
+        off = _offsets(offsets, tree.device)
+        _sample_kernel[(B,)](tree, off, u, out, len(offsets) - 1, BELOW_ONE=_BELOW_ONE, F=fanout)
 
 
 def update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
-    """Leaves ``tree[idx] = values``, then every touched parent: one launch."""
+    """Leaves ``tree[idx (n,)] = values (n,)``, then every touched parent: one launch below
+    :data:`MANY_PROGRAMS_FROM` leaves, else one many-program launch per level."""
     if idx.shape[0]:
-        _update_kernel[(1,)](tree, _offsets(offsets, tree.device), idx, values, idx.shape[0], 0, len(offsets) - 1,
-                             F=fanout, RANGE=False, BLOCK=BLOCK, P=PARENTS)
+        _launch(tree, offsets, fanout, idx, values, 0, False)
 
 
 def update_range(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:
-    """Leaves ``tree[lo:lo + len(values)] = values``, then their (contiguous) parents: one launch."""
+    """Leaves ``tree[lo:lo + n] = values (n,)``, then their (contiguous) parents; launches as :func:`update`."""
     if values.shape[0]:
-        _update_kernel[(1,)](tree, _offsets(offsets, tree.device), values, values, values.shape[0], lo,
-                             len(offsets) - 1, F=fanout, RANGE=True, BLOCK=BLOCK, P=PARENTS)
+        _launch(tree, offsets, fanout, values, values, lo, True)
+
+
+def level_grids(n: int, lo: int, offsets: list[int], fanout: int, is_range: bool) -> list[int]:
+    """Programs per level of a many-program update of ``n`` leaves (level 0 = the leaves): enough that each
+    program writes one block of leaves or recomputes :data:`PARENTS` parents."""
+    grids = [triton.cdiv(n, BLOCK)]
+    for k in range(1, len(offsets) - 1):
+        div = fanout**k
+        count = (lo + n - 1) // div - lo // div + 1 if is_range else n
+        grids.append(triton.cdiv(count, PARENTS))
+    return grids
+
+
+def _launch(tree, offsets, fanout, idx, values, lo, is_range) -> None:
+    n, K = values.shape[0], len(offsets) - 1
+    with _pkg.on_device(tree):
+        off = _offsets(offsets, tree.device)
+        if n < MANY_PROGRAMS_FROM:
+            _update_kernel[(1,)](tree, off, idx, values, n, lo, 0, K, F=fanout, RANGE=is_range, BLOCK=BLOCK,
+                                 P=PARENTS)
+            return
+        for k, programs in enumerate(level_grids(n, lo, offsets, fanout, is_range)):
+            _update_kernel[(programs,)](tree, off, idx, values, n, lo, k, k + 1, F=fanout, RANGE=is_range,
+                                        BLOCK=BLOCK, P=PARENTS)
 
 
 _OFFSETS: dict[tuple, torch.Tensor] = {}

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+import gpubuf.kernels as _pkg
 from gpubuf.kernels import upload, word_groups
 
 BLOCK = 1024
@@ -51,9 +52,10 @@ def plan(jobs: list, B: int, n: int, device: torch.device) -> list[tuple[torch.T
 def gather_planned(groups: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """Launch the gather of a :func:`plan` (or of uploaded groups) for flat starts (B,) int64."""
     B = starts.shape[0]
-    for like, table, most in groups:
-        grid = (B * n, table.shape[0], triton.cdiv(most, BLOCK))
-        _gather_kernel[grid](table, starts, like, n, E, M, BLOCK=BLOCK)
+    with _pkg.on_device(starts):
+        for like, table, most in groups:
+            grid = (B * n, table.shape[0], triton.cdiv(most, BLOCK))
+            _gather_kernel[grid](table, starts, like, n, E, M, BLOCK=BLOCK)
 
 
 def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
@@ -63,5 +65,6 @@ def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     if B == 0:
         return
     groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs], [(s,) for _, _, s in jobs])
-    gather_planned([(like, upload(table, starts.device, "__windows__"), most) for like, table, most in groups],
-                   starts, n, E, M)
+    with _pkg.on_device(starts):
+        gather_planned([(like, upload(table, starts.device, "__windows__"), most) for like, table, most in groups],
+                       starts, n, E, M)

@@ -79,7 +79,7 @@ def variants() -> list[Variant]:
                                {"IS_FLOAT": is_float, "BLOCK": history.BLOCK}))
         for is_range in (False, True):
             out.append(Variant("prefix_tree.update", prefix_tree._update_kernel,
-                               {**_sig("tree_ptr off_ptr idx_ptr val_ptr n lo n_levels",
+                               {**_sig("tree_ptr off_ptr idx_ptr val_ptr n lo k0 k1",
                                        {"tree_ptr": "*fp64", "off_ptr": "*i64",
                                         "idx_ptr": "*fp64" if is_range else "*i64", "val_ptr": "*fp64"}, idx),
                                 "F": "constexpr", "RANGE": "constexpr", "BLOCK": "constexpr", "P": "constexpr"},

@@ -1,10 +1,16 @@
 """Shared fixtures: every contract test runs on both backends.
 
 Without CUDA, the Triton backend runs through the interpreter on CPU tensors (``TRITON_INTERPRET=1``
-must be set before triton is imported, hence here). With CUDA, the triton backend runs natively.
+must be set before triton is imported, hence here). With CUDA, the interpreter stays off and the Triton
+backend runs natively: kernel tests put their tensors on ``DEVICE``, and a test whose buffers must live on
+the host takes ``host_backend``, whose ``triton`` case is skipped unless the interpreter is on.
+
+``GPUBUF_TEST_TIMEOUT=<seconds>`` fails any test running longer (the device script sets it: one stuck test
+must not eat a whole GPU loan).
 """
 
 import os
+import signal
 
 import pytest
 import torch
@@ -12,13 +18,27 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+NO_HOST_TRITON = ("Triton runs host (CPU) tensors only through its interpreter (TRITON_INTERPRET=1), which is off "
+                  "when CUDA is present; this case's buffers live on the host")
 
 
 @pytest.fixture(params=["torch", "triton"])
 def backend(request, monkeypatch):
-    """Forces the buffers built in the test onto one backend; yields its name."""
+    """Forces the buffers built in the test onto one backend; yields its name. Tests taking it build their
+    buffers on ``device`` (the GPU when present)."""
+    monkeypatch.setenv("GPUBUF_BACKEND", request.param)
+    return request.param
+
+
+@pytest.fixture(params=["torch", "triton"])
+def host_backend(request, monkeypatch):
+    """As ``backend``, for tests whose buffers live on the host: ``triton`` needs the interpreter (skipped
+    without it, saying so)."""
+    if request.param == "triton" and not INTERPRET:
+        pytest.skip(NO_HOST_TRITON)
     monkeypatch.setenv("GPUBUF_BACKEND", request.param)
     return request.param
 
@@ -33,3 +53,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+
+
+def _limit() -> int:
+    try:
+        return int(os.environ.get("GPUBUF_TEST_TIMEOUT", "0"))
+    except ValueError:
+        return 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Per-test time limit from ``GPUBUF_TEST_TIMEOUT`` (SIGALRM: main thread, POSIX)."""
+    limit = _limit()
+    if limit <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expired(signum, frame):
+        pytest.fail(f"{item.nodeid}: over GPUBUF_TEST_TIMEOUT={limit} s", pytrace=True)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -91,3 +91,32 @@ def test_a_compiled_sampler_traces_the_ops_in_one_graph():
     assert torch.equal(s1, want)
     rows = (want[:, None] + torch.tensor([0, 2])) % 40
     assert torch.equal(o1, storage[rows] * 2)
+
+
+def _to(args, device):
+    """Copies of ``args`` on ``device``; a tensor passed twice stays one tensor."""
+    seen = {}
+
+    def move(t):
+        return seen.setdefault(id(t), t.to(device, copy=True))
+
+    return [move(a) if isinstance(a, torch.Tensor) else [move(x) for x in a]
+            if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a for a in args]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(ops.OPS))
+def test_every_op_on_the_gpu_matches_its_twin_on_the_host(name):
+    """The dispatcher runs the Triton kernel on CUDA tensors (here on the last GPU, not the current one when
+    there are several): the same writes as the twin on host copies."""
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    args = _samples()[name]
+    host, gpu = _to(args, "cpu"), _to(args, dev)
+    getattr(torch.ops.gpubuf, name).default(*gpu)
+    ops.OPS[name][1](*host)
+    torch.cuda.synchronize(dev)
+    for a, b in zip(gpu, host, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert a.device == dev and torch.equal(a.cpu(), b), name
+        elif isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+            assert all(torch.equal(x.cpu(), y) for x, y in zip(a, b, strict=True)), name

@@ -1,4 +1,7 @@
-"""Each HistoryBuffer Triton kernel against its pure-torch twin on random, odd-sized, index-valued inputs."""
+"""Each HistoryBuffer Triton kernel against its pure-torch twin on random, odd-sized, index-valued inputs.
+
+Tensors live on ``DEVICE``: the GPU when one is present (Triton natively), else the host (the interpreter,
+set on in conftest); both sides then run on the same device and compare exactly."""
 
 import numpy as np
 import pytest
@@ -6,6 +9,8 @@ import torch
 
 from gpubuf import reference
 from gpubuf.kernels import history as kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 DTYPES = [torch.uint8, torch.int32, torch.float16, torch.float32, torch.float64, torch.bool]
 
@@ -35,11 +40,11 @@ def random_meta(g, n_envs, max_len, rows, n, ab):
 def test_append_matches_reference(dtype, seed):
     g = torch.Generator().manual_seed(seed)
     n_envs, max_len, E = 5, 3, int(torch.randint(1, 40, (1,), generator=g))
-    dst_rows = torch.randperm(n_envs * max_len, generator=g)[:7]
+    dst_rows = torch.randperm(n_envs * max_len, generator=g)[:7].to(DEVICE)
     # keys of one call: this dtype at two widths (one launch group), bytes of odd width, an empty key
     keys = [(dtype, E), (dtype, 2 * E + 1), (torch.uint8, 3), (torch.float32, 0)]
-    rows = [index_storage(7, w, d) for d, w in keys]
-    a = [torch.zeros(n_envs * max_len, w, dtype=d) for d, w in keys]
+    rows = [index_storage(7, w, d).to(DEVICE) for d, w in keys]
+    a = [torch.zeros(n_envs * max_len, w, dtype=d, device=DEVICE) for d, w in keys]
     b = [t.clone() for t in a]
     kernels.append(list(zip(a, rows, strict=True)), dst_rows)
     reference.history_append(list(zip(b, rows, strict=True)), dst_rows)
@@ -52,10 +57,11 @@ def test_append_matches_reference(dtype, seed):
 def test_gather_frames_matches_reference(dtype, n, ab):
     g = torch.Generator().manual_seed(n * 10 + ab)
     n_envs, max_len, rows, E = 4, 7, 5, 13
-    storage = index_storage(n_envs * max_len, E, dtype)
-    meta = random_meta(g, n_envs, max_len, rows, n, ab)
-    wide = index_storage(n_envs * max_len, 2 * E + 3, dtype)  # a second key of another width, same call
-    a = [torch.empty(rows, n, E, dtype=dtype), torch.empty(rows, n, 2 * E + 3, dtype=dtype)]
+    storage = index_storage(n_envs * max_len, E, dtype).to(DEVICE)
+    meta = random_meta(g, n_envs, max_len, rows, n, ab).to(DEVICE)
+    wide = index_storage(n_envs * max_len, 2 * E + 3, dtype).to(DEVICE)  # a second key of another width, same call
+    a = [torch.empty(rows, n, E, dtype=dtype, device=DEVICE), torch.empty(rows, n, 2 * E + 3, dtype=dtype,
+                                                                          device=DEVICE)]
     b = [torch.empty_like(t) for t in a]
     kernels.gather_frames([(storage, a[0]), (wide, a[1])], meta, n, ab, max_len)
     reference.history_gather_frames([(storage, b[0]), (wide, b[1])], meta, n, ab, max_len)
@@ -72,9 +78,10 @@ def test_pack_blocks_matches_reference(dtype, n, ab):
         storage.view(-1)[::7] = float("nan")
         storage.view(-1)[3::11] = float("inf")
         storage.view(-1)[5::13] = -float("inf")
-    meta = random_meta(g, n_envs, max_len, rows, n, ab)
-    a = torch.full((rows, n - 1, ab * D), 77, dtype=dtype)
-    b = torch.full((rows, n - 1, ab * D), 66, dtype=dtype)
+    storage = storage.to(DEVICE)
+    meta = random_meta(g, n_envs, max_len, rows, n, ab).to(DEVICE)
+    a = torch.full((rows, n - 1, ab * D), 77, dtype=dtype, device=DEVICE)
+    b = torch.full((rows, n - 1, ab * D), 66, dtype=dtype, device=DEVICE)
     kernels.pack_blocks(storage, meta, n, ab, max_len, a)
     reference.history_pack_blocks(storage, meta, n, ab, max_len, b)
     assert torch.equal(a, b)

@@ -68,3 +68,14 @@ def test_priority_update_launches_one_kernel(launches, device):
     buf.update_priorities(torch.arange(5), torch.ones(5))
     # 3072 starts, fanout 32: 3 levels (3072 leaves, 96 -> 128 nodes, one top node of 32), all in one launch
     assert launches == {"update": 1}
+
+
+def test_a_large_priority_update_launches_once_per_level(launches, device):
+    buf = PrioritizedTransitionBuffer(2**10 * 3, 8, make_transition(0, 1, 3), n_steps=2, device=device, seed=0)
+    buf.insert(make_transition(0, 40, 3))
+    buf.sample()
+    launches.clear()
+    n = prefix_tree.MANY_PROGRAMS_FROM
+    buf.update_priorities(torch.arange(n) % 120, torch.ones(n))
+    # from MANY_PROGRAMS_FROM leaves on: the leaves, then each of the 2 parent levels, each over many programs
+    assert launches == {"update": 3}

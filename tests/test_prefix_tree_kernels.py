@@ -1,7 +1,8 @@
 """Kernels of kernels/prefix_tree.py and kernels/sequence.py against their torch twins, and tree properties.
 
 Without CUDA the Triton kernels run through the interpreter on CPU tensors (TRITON_INTERPRET=1, set in
-conftest), so sizes stay small and odd.
+conftest), so sizes stay small and odd. With CUDA every tensor lives on the GPU; sums computed there are
+compared with host sums to a stated tolerance (``GPU_RTOL``: reductions may add in another order).
 """
 
 import numpy as np
@@ -13,6 +14,7 @@ from gpubuf import reference
 from gpubuf.prefix_tree import PrefixSumTree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GPU_RTOL = 1e-13  # float64 sums of <= 64 positive terms, added in any order, agree to ~64 ulp (1.4e-14)
 
 
 def _kernels(name):
@@ -39,7 +41,10 @@ def test_tree_levels_are_sums_of_children(capacity, fanout):
     assert off[-1] - off[-2] == fanout  # the top level is one node
     for k in range(1, len(off) - 1):
         child = t[off[k - 1]:off[k]].view(-1, fanout).sum(1)
-        assert torch.equal(t[off[k]:off[k] + child.numel()], child)
+        if DEVICE == "cpu":  # the same host reduction: bit for bit
+            assert torch.equal(t[off[k]:off[k] + child.numel()], child)
+        else:  # GPU sums against host sums of the same children
+            torch.testing.assert_close(t[off[k]:off[k] + child.numel()], child, rtol=GPU_RTOL, atol=0)
     assert tree.total().item() == pytest.approx(mass.sum().item(), rel=1e-12)
 
 
@@ -125,6 +130,62 @@ def test_float_drift_after_millions_of_updates():
     out = torch.empty(40000, dtype=torch.int64)
     reference.tree_sample(tree.tree, tree.offsets, F, torch.rand(40000, dtype=torch.float64, generator=g), out)
     assert torch.bincount(out, minlength=cap).min() > 0
+
+
+@pytest.mark.parametrize("capacity, fanout, K", [(5003, 16, 700), (300, 32, 513), (37, 16, 600)])
+def test_many_program_update_matches_twin(capacity, fanout, K, monkeypatch):
+    """Updates of MANY_PROGRAMS_FROM leaves or more: one launch per level over many programs (here 1 <= every
+    update), indexed with duplicates and contiguous ranges, against the twin."""
+    pt = _kernels("prefix_tree")
+    a, _ = make_tree(capacity, fanout, seed=K)
+    b = a.tree.clone()
+    g = torch.Generator().manual_seed(K)
+    idx = torch.randint(0, capacity, (K,), generator=g)
+    vals = torch.rand(capacity, generator=g, dtype=torch.float64)[idx]  # duplicates carry equal values
+    assert K >= pt.MANY_PROGRAMS_FROM
+    reference.tree_update(a.tree, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
+    pt.update(b, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
+    assert torch.equal(a.tree[:capacity], b[:capacity])
+    torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
+    monkeypatch.setattr(pt, "MANY_PROGRAMS_FROM", 1)  # small ranges too, the top level crossing nodes
+    for lo, n in [(0, capacity), (capacity - 37, 37), (3, 29)]:
+        v = torch.rand(n, generator=g, dtype=torch.float64).to(DEVICE)
+        reference.tree_update_range(a.tree, a.offsets, fanout, lo, v)
+        pt.update_range(b, a.offsets, fanout, lo, v)
+        assert torch.equal(a.tree[:capacity], b[:capacity])
+        torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
+
+
+def test_many_program_grids_cover_every_touched_parent():
+    pt = _kernels("prefix_tree")
+    tree = PrefixSumTree(2**20 + 5, torch.device("cpu"), "torch", 32)  # levels: 2**20+32, 2**15+32, 1056, 64, 32
+    assert pt.level_grids(2**20 + 5, 0, tree.offsets, 32, True) == [1025, 1025, 33, 2, 1]
+    assert pt.level_grids(4096, 0, tree.offsets, 32, False) == [4, 128, 128, 128, 128]
+    assert pt.level_grids(40, 31, tree.offsets, 32, True) == [1, 1, 1, 1, 1]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("K", [4096, 100])
+def test_cuda_update_at_scale_with_fanout_32(K):
+    """2**20 + 3 leaves, fanout 32 (the buffers' fanout): scattered updates (many programs for K = 4096, one
+    for K = 100) and a full range rebuild against the twin on the GPU."""
+    pt = _kernels("prefix_tree")
+    cap, F = 2**20 + 3, 32
+    a, _ = make_tree(cap, F, seed=11)
+    b = a.tree.clone()
+    g = torch.Generator().manual_seed(K)
+    idx = torch.randint(0, cap, (K,), generator=g)
+    vals = torch.rand(cap, generator=g, dtype=torch.float64)[idx]
+    reference.tree_update(a.tree, a.offsets, F, idx.to(DEVICE), vals.to(DEVICE))
+    pt.update(b, a.offsets, F, idx.to(DEVICE), vals.to(DEVICE))
+    assert torch.equal(a.tree[:cap], b[:cap])
+    torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
+    full = torch.rand(cap, generator=g, dtype=torch.float64).to(DEVICE)
+    reference.tree_update_range(a.tree, a.offsets, F, 0, full)
+    pt.update_range(b, a.offsets, F, 0, full)
+    assert torch.equal(a.tree[:cap], b[:cap])
+    torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
+    torch.testing.assert_close(b[a.offsets[-2]:].sum().cpu(), full.cpu().sum(), rtol=GPU_RTOL, atol=0)
 
 
 @pytest.mark.cuda

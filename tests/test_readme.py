@@ -9,6 +9,31 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+RANKS = 2  # torchrun processes for the multi-GPU example
+
+
+def torchrun_skip_reason(cuda_devices: int | None = None, gloo: bool | None = None) -> str | None:
+    """Why the multi-GPU example cannot run here (None: it can). One rank per GPU over NCCL needs RANKS GPUs;
+    without CUDA it runs over gloo with CPU shards; one GPU can do neither as written."""
+    import torch
+    import torch.distributed as dist
+
+    n = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if cuda_devices is None else cuda_devices
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    if n == 0:
+        ok = dist.is_gloo_available() if gloo is None else gloo
+        return None if ok else "no GPU, and this torch has no gloo backend for CPU shards"
+    if n < RANKS:
+        return (f"the example runs one rank per GPU over NCCL: {RANKS} ranks need {RANKS} GPUs, this machine has "
+                f"{n} (without a GPU it runs over gloo with CPU shards)")
+    return None if dist.is_nccl_available() else "this torch has no NCCL backend for the GPUs"
+
+
+def test_torchrun_runs_where_it_can():
+    assert torchrun_skip_reason(0, True) is None  # gloo with CPU shards
+    assert torchrun_skip_reason(0, False) == "no GPU, and this torch has no gloo backend for CPU shards"
+    assert "this machine has 1" in torchrun_skip_reason(1)
 
 
 def test_readme_has_quick_starts():
@@ -23,9 +48,12 @@ def test_readme_block_runs(code, monkeypatch, tmp_path):
     monkeypatch.delenv("GPUBUF_BACKEND", raising=False)
     monkeypatch.chdir(tmp_path)  # checkpoints the blocks write land here
     if "init_process_group" in code:  # the multi-GPU learner: run as the README says, under torchrun
+        skip = torchrun_skip_reason()
+        if skip:
+            pytest.skip(skip)
         (tmp_path / "learner.py").write_text(code)
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "learner.py"],
-                             capture_output=True, text=True, timeout=300)
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
+                              "learner.py"], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         return
     exec(compile(code, str(README), "exec"), {"__name__": "readme"})

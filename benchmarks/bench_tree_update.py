@@ -1,0 +1,92 @@
+"""Prefix-sum tree updates on the GPU: one program vs one many-program launch per level.
+
+For each capacity (2**k leaves, fanout 32, the buffers' tree): scattered updates of K leaves (K = 256, 4096,
+65536) and a full range rebuild, each timed with CUDA events (median of ``--repeats``), once forcing the
+one-program launch and once the many-program launches (``MANY_PROGRAMS_FROM``); both must leave the same
+tree as the torch twin (leaves exactly, parents to 1e-14). Writes JSON (``--out``) and prints markdown.
+
+    python benchmarks/bench_tree_update.py --device cuda --log2-sizes 20,24
+"""
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+
+import torch
+
+from gpubuf import reference
+from gpubuf.prefix_tree import PrefixSumTree
+
+
+def timed(fn, repeats: int) -> float:
+    """Median microseconds of ``fn`` on the current CUDA stream."""
+    fn()  # compile and warm
+    ts = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--log2-sizes", default="20,24")
+    p.add_argument("--batches", default="256,4096,65536", help="scattered update sizes K")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        print("bench_tree_update: needs a CUDA device", file=sys.stderr)
+        return 2
+    from gpubuf.kernels import prefix_tree as pt
+
+    torch.cuda.set_device(device)
+    default = pt.MANY_PROGRAMS_FROM
+    rows = []
+    for k in (int(x) for x in args.log2_sizes.split(",")):
+        cap, F = 2**k, 32
+        tree = PrefixSumTree(cap, device, "torch", F)
+        g = torch.Generator(device=device).manual_seed(k)
+        full = torch.rand(cap, dtype=torch.float64, device=device, generator=g)
+        reference.tree_update_range(tree.tree, tree.offsets, F, 0, full)
+        cases = [("full rebuild", None)] + [(f"update {K}", int(K)) for K in args.batches.split(",")]
+        for case, K in cases:
+            if K is None:
+                kernel, twin, rest = pt.update_range, reference.tree_update_range, (tree.offsets, F, 0, full)
+            else:
+                idx = torch.randint(0, cap, (K,), device=device, generator=g)
+                vals = torch.rand(cap, dtype=torch.float64, device=device, generator=g)[idx]
+                kernel, twin, rest = pt.update, reference.tree_update, (tree.offsets, F, idx, vals)
+            want = tree.tree.clone()
+            twin(want, *rest)
+            row = {"log2_leaves": k, "case": case}
+            for mode, threshold in (("one program", 2**62), ("many programs", 1)):
+                pt.MANY_PROGRAMS_FROM = threshold
+                got = tree.tree.clone()
+                row[mode] = timed(functools.partial(kernel, got, *rest), args.repeats)
+                assert torch.equal(got[:cap], want[:cap]), (case, mode)
+                torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+            rows.append(row)
+            print(f"2**{k} {case}: one {row['one program']:.0f} us, many {row['many programs']:.0f} us",
+                  file=sys.stderr, flush=True)
+    pt.MANY_PROGRAMS_FROM = default
+    print("| leaves | case | one program us | many programs us | one / many |\n|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| 2**{r['log2_leaves']} | {r['case']} | {r['one program']:.0f} | {r['many programs']:.0f} | "
+              f"{r['one program'] / r['many programs']:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(device), "fanout": 32, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
