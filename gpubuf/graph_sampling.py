@@ -14,7 +14,6 @@ after more inserts samples the buffer as it is then.
 import torch
 
 from gpubuf import ops
-from gpubuf.inputs import finite_float
 from gpubuf.replay import Transition, _unflatten
 
 
@@ -31,9 +30,12 @@ class GraphSampler:
     sets the constant ``is_first`` / ``mask`` flags once); ``"mask"`` derives its flags from each batch and
     is not offered here.
 
-    ``beta`` (prioritized) lives in a device tensor: a captured graph reads it at every replay, so
-    :meth:`set_beta` works between replays. A draw needs at least one valid start; the buffer must not be
-    emptied (``load_state_dict`` of an empty state) while a captured graph is replayed.
+    ``beta`` (prioritized) is the buffer's own: every draw reads the buffer's device copy of it
+    (:attr:`~gpubuf.PrioritizedTransitionBuffer.beta_tensor`), which ``buffer.update_beta``,
+    ``buffer.load_state_dict`` and :meth:`set_beta` refresh in place, so a captured graph replayed after any
+    of them uses the new value (a buffer re-opened from a ``storage_dir`` starts from the saved one). A draw
+    needs at least one valid start; the buffer must not be emptied (``load_state_dict`` of an empty state)
+    while a captured graph is replayed.
     """
 
     def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
@@ -65,14 +67,17 @@ class GraphSampler:
         if self.prioritized:
             self._mass = torch.empty(B, dtype=torch.float64, device=dev)
             self._min = torch.empty((), dtype=torch.float64, device=dev)
-            self._neg_beta = torch.full((), -buffer.beta, dtype=torch.float64, device=dev)
+            self._beta = buffer.beta_tensor  # () float64: the buffer's beta, kept current by the buffer
+            self._neg_beta = torch.empty((), dtype=torch.float64, device=dev)
             self.out.PER_weights = torch.empty(B, dtype=torch.float32, device=dev)
 
     def set_beta(self, beta: float) -> "GraphSampler":
-        """Set the importance-sampling exponent read by every later draw (and graph replay); returns ``self``."""
+        """Set the buffer's importance-sampling exponent (as ``buffer.update_beta``), read by every later draw,
+        graph replay and ``buffer.sample``; returns ``self``. A bad value raises naming ``beta`` and changes
+        nothing."""
         if not self.prioritized:
             raise ValueError("set_beta: the buffer is not prioritized (its batches carry no PER_weights)")
-        self._neg_beta.fill_(-finite_float("beta", beta, 0.0))
+        self.buffer.update_beta(beta)
         return self
 
     def sample(self) -> tuple[Transition, torch.Tensor]:
@@ -90,6 +95,7 @@ class GraphSampler:
         if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
             torch.index_select(tree.tree, 0, self.indices, out=self._mass)
             torch.amin(self._mass, 0, out=self._min)
+            torch.neg(self._beta, out=self._neg_beta)  # the buffer's beta when this runs (or is replayed)
             self._mass.div_(self._min).pow_(self._neg_beta)
             self.out.PER_weights.copy_(self._mass)
         return self.out, self.indices

@@ -154,3 +154,84 @@ def test_a_load_keeps_the_samplers_tree_current(backend, device):
     uniform.insert(make_transition(0, 3, E))
     with pytest.raises(ValueError, match="set_beta: the buffer is not prioritized"):
         uniform.graph_sampler().set_beta(0.5)
+
+
+def _per_weights(buf, idx, beta):
+    m = buf.sampling_mass()[idx]
+    return (m / m.min()).pow(-beta).float()
+
+
+def _prioritized(device, beta=0.4, **kw):
+    buf = PrioritizedTransitionBuffer(40, 4, make_transition(0, 1, 2), beta=beta, device=device, seed=0, **kw)
+    buf.insert(make_transition(0, 10, 2))
+    buf.update_priorities(torch.arange(20), torch.arange(20.0) * (1 + beta))
+    return buf
+
+
+def test_the_sampler_follows_the_buffers_beta(device):
+    """update_beta, load_state_dict and set_beta all set the one beta: the buffer's, which every draw reads."""
+    buf = _prioritized(device)
+    gs = buf.graph_sampler(batch_size=16, generator=torch.Generator(device).manual_seed(0))
+    buf.update_beta(1.0)
+    out, idx = gs.sample()
+    torch.testing.assert_close(out.PER_weights, _per_weights(buf, idx, 1.0))
+    buf.load_state_dict(_prioritized(device, beta=0.25).state_dict())
+    out, idx = gs.sample()
+    assert buf.beta == 0.25
+    torch.testing.assert_close(out.PER_weights, _per_weights(buf, idx, 0.25))
+    assert gs.set_beta(0.7) is gs and buf.beta == 0.7  # the sampler sets the buffer's beta
+    out, idx = gs.sample()
+    torch.testing.assert_close(out.PER_weights, _per_weights(buf, idx, 0.7))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.5, "1"])
+def test_a_bad_beta_names_beta_and_changes_nothing(bad, device):
+    buf = _prioritized(device)
+    gs = buf.graph_sampler(batch_size=16, generator=torch.Generator(device).manual_seed(0))
+    for set_beta in (gs.set_beta, buf.update_beta):
+        with pytest.raises(ValueError, match="beta: expected a finite number >= 0, got"):
+            set_beta(bad)
+        assert buf.beta == 0.4 and buf.beta_tensor.item() == 0.4
+    with pytest.raises(AttributeError):
+        buf.beta_tensor = torch.zeros(())  # read-only
+    out, idx = gs.sample()
+    torch.testing.assert_close(out.PER_weights, _per_weights(buf, idx, 0.4))
+
+
+def test_a_reopened_storage_dir_buffer_samples_with_its_saved_beta(tmp_path):
+    buf = _prioritized("cpu", storage_dir=tmp_path / "b")
+    buf.update_beta(0.9)
+    buf.close()
+    again = PrioritizedTransitionBuffer(40, 4, make_transition(0, 1, 2), beta=0.4, device="cpu", seed=0,
+                                        storage_dir=tmp_path / "b")
+    assert again.beta == 0.9
+    gs = again.graph_sampler(batch_size=16, generator=torch.Generator().manual_seed(0))
+    out, idx = gs.sample()
+    torch.testing.assert_close(out.PER_weights, _per_weights(again, idx, 0.9))
+    again.update_beta(0.1)
+    out, idx = gs.sample()
+    torch.testing.assert_close(out.PER_weights, _per_weights(again, idx, 0.1))
+    again.close()
+
+
+@pytest.mark.cuda
+def test_a_captured_graph_follows_the_buffers_beta():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    buf = _prioritized("cuda")
+    gs = buf.graph_sampler(batch_size=16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm up: Triton compiles outside the capture
+            gs.sample()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, idx = gs.sample()
+    for change, beta in ((lambda: buf.update_beta(1.0), 1.0), (lambda: gs.set_beta(0.6), 0.6),
+                         (lambda: buf.load_state_dict(_prioritized("cuda", beta=0.2).state_dict()), 0.2)):
+        change()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.PER_weights, _per_weights(buf, idx, beta))
