@@ -244,29 +244,34 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self._dir = StorageDir(storage_dir, self._dir_config(), shapes, dtypes)
             base = self._dir.tensors
             storage = {k: t.transpose(0, 1) if self.vectorized_env else t[0] for k, t in base.items()}
-        self._ring = StartRing(M, E, self.n_steps, kinds)  # host bookkeeping
-        self._sampler = self._make_sampler()  # trees, validity masks (and priorities) on the device
-        self._data = {p: storage[_leaf_name(p)] for p in samples}
-        self._flat = {p: base[_leaf_name(p)].view(M * E, -1) for p in samples}  # (M*E, D) contiguous views
-        # the same rows as int words (reference.as_words): windows are gathered and allocated as words
-        self._words = {p: reference.as_words(t)[0] for p, t in self._flat.items()}
-        self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
-        # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
-        # slice assignment
-        self._host = {p: t.numpy() for p, t in self._data.items()
-                      if self.storage_device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY}
-        self._staging = Staging(self.device)  # inputs bound for the sampling device
-        self._store_staging = Staging(self.storage_device)  # inputs bound for the storage
-        # draws come from a host generator (uniforms, or starts drawn on the host) and travel through pinned
-        # staging: the same seed samples the same starts on every device, and the RNG state round-trips
-        # exactly across devices
-        self._gen = torch.Generator()
-        if seed is not None:
-            self._gen.manual_seed(int(seed))
-        else:
-            self._gen.seed()
-        if self._dir is not None and self._dir.reopened:
-            self._reopen()
+        try:  # a failure from here on releases the storage_dir's lock at once
+            self._ring = StartRing(M, E, self.n_steps, kinds)  # host bookkeeping
+            self._sampler = self._make_sampler()  # trees, validity masks (and priorities) on the device
+            self._data = {p: storage[_leaf_name(p)] for p in samples}
+            self._flat = {p: base[_leaf_name(p)].view(M * E, -1) for p in samples}  # (M*E, D) contiguous views
+            # the same rows as int words (reference.as_words): windows are gathered and allocated as words
+            self._words = {p: reference.as_words(t)[0] for p, t in self._flat.items()}
+            self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
+            # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
+            # slice assignment
+            self._host = {p: t.numpy() for p, t in self._data.items()
+                          if self.storage_device.type == "cpu" and t.dtype not in _NOT_IN_NUMPY}
+            self._staging = Staging(self.device)  # inputs bound for the sampling device
+            self._store_staging = Staging(self.storage_device)  # inputs bound for the storage
+            # draws come from a host generator (uniforms, or starts drawn on the host) and travel through pinned
+            # staging: the same seed samples the same starts on every device, and the RNG state round-trips
+            # exactly across devices
+            self._gen = torch.Generator()
+            if seed is not None:
+                self._gen.manual_seed(int(seed))
+            else:
+                self._gen.seed()
+            if self._dir is not None and self._dir.reopened:
+                self._reopen()
+        except BaseException:
+            if self._dir is not None:
+                self._dir.close()
+            raise
 
     @property
     def _owned(self) -> tuple:

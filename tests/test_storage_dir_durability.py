@@ -163,12 +163,15 @@ def _reopen(path, cls=PrioritizedTransitionBuffer):
 def test_reopen_validates_the_flushed_state_like_a_load(tmp_path, change, match):
     path = _flushed(tmp_path)
     state = torch.load(path / "state.pt", weights_only=True)
+    good = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     change(state)
     torch.save(state, path / "state.pt")
     files = {p.name: p.read_bytes() for p in path.iterdir() if p.name != "lock"}
-    with pytest.raises(ValueError, match=f"storage_dir: .*state.pt cannot be restored .*{match}"):
+    with pytest.raises(ValueError, match=f"storage_dir: .*state.pt cannot be restored .*{match}") as failed:
         _reopen(path)
     assert {p.name: p.read_bytes() for p in path.iterdir() if p.name != "lock"} == files
+    torch.save(good, path / "state.pt")  # repaired: it re-opens at once (the failed buffer released the lock)
+    assert failed.value is not None and len(_reopen(path)) == 5 * E
 
 
 def test_reopen_refuses_two_leaves_in_one_file(tmp_path):
