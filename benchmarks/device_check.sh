@@ -1,76 +1,163 @@
 #!/usr/bin/env bash
-# The one prepared script for a lent GPU (see the device tool): CUDA tests, then the benchmarks at GPU
-# sizes. Installs nothing (the GPU machine has torch and triton but no registry); gpubuf runs from the
-# source tree via PYTHONPATH. Full results go under $OUT; a short table is printed last.
-#   run with: bash benchmarks/device_check.sh [all|tests|bench]      (OUT defaults to ./device_out)
-# "tests" runs steps 1 and 2b (about 6 minutes at most), "bench" steps 2 and 3: two calls under the device
-# tool's 10-minute limit per command, when one call of "all" might not fit.
+# The one prepared script for a lent GPU, in two calls that each fit 5 minutes of a 15-minute loan:
+#   bash benchmarks/device_check.sh basics     # every op against its twin on the GPU, the CUDA tests (a CUDA-graph
+#                                              # replay of the GraphSampler among them), sharded tests on CUDA shards
+#   bash benchmarks/device_check.sh bench      # the GPU benchmarks, the tree-update scaling, the demo on CUDA
+#   bash benchmarks/device_check.sh --dry-run [basics|bench]    # the plan, checked, without a GPU (runs nothing)
+#   bash benchmarks/device_check.sh --simulate basics|bench     # the plan with every command replaced by echo
+# Each step runs under its own `timeout`, pytest steps also under a per-test limit (GPUBUF_TEST_TIMEOUT); the
+# step limits, their kill grace and the packing add up to at most BUDGET seconds per part (checked by the dry
+# run). Everything a part writes is packed into ONE archive, $OUT/device_<part>.tar.gz (OUT defaults to
+# ./device_out); a summary is printed last. Wheels missing on the GPU machine (benchmarks/device_wheels.txt:
+# envpool, gymnasium and their needs) travel in .whl/ (benchmarks/fetch_device_wheels.sh fetches them here) and
+# are installed under /tmp/gpubuf_site; gpubuf runs from the source tree via PYTHONPATH.
+# Device tool calls:  run(command="bash benchmarks/device_check.sh basics", carry=[".whl"], timeout_s=300),
+# then at once run(command="bash benchmarks/device_check.sh bench", carry=[".whl"], timeout_s=300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUDGET=${DEVICE_CHECK_BUDGET:-285}  # seconds per part; the device call's own limit is 300
+GRACE=3                             # timeout -k: seconds between TERM and KILL
+PACK=10                             # seconds allowed for the archive and the summary
+TEST_TIMEOUT=40                     # per test, in pytest steps
+SITE=/tmp/gpubuf_site
+
+MODE=run
+PARTS=()
+for a in "$@"; do
+    case $a in
+        --dry-run) MODE=dry ;;
+        --simulate) MODE=simulate ;;
+        basics|bench) PARTS+=("$a") ;;
+        *) echo "device_check.sh: expected basics, bench, --dry-run or --simulate, got '$a'" >&2; exit 2 ;;
+    esac
+done
+if [ ${#PARTS[@]} -eq 0 ]; then
+    if [ "$MODE" = dry ]; then PARTS=(basics bench); else
+        echo "device_check.sh: name a part: basics (first call) or bench (second call)" >&2; exit 2; fi
+fi
+
+PY=python3
+WHEELS_INSTALL="if ls .whl/*.whl >/dev/null 2>&1; then $PY -m pip install -q --no-index --no-deps --no-compile \
+--no-cache-dir --upgrade --target $SITE .whl/*.whl && ls $SITE; else echo 'no .whl/ carried: envpool and \
+gymnasium tests and the demo are skipped'; fi"
+PYTEST="$PY -m pytest -q -p no:cacheprovider -rs"
+
+plan_basics() {
+    step info 10 gpu.txt "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c \
+'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"gpus\", \
+torch.cuda.device_count())'"
+    step wheels 25 wheels.txt "$WHEELS_INSTALL"
+    # every kernel against its twin on GPU tensors, launch counts, the simulated-device tests
+    step kernel_tests 90 kernel_tests.txt "$PYTEST -m 'not cuda' tests/test_history_kernels.py \
+tests/test_prefix_tree_kernels.py tests/test_custom_ops.py tests/test_launch_counts.py tests/test_device_paths.py"
+    # the cuda-marked tests: every op on the GPU vs its twin, the tree at 2**20 leaves, a CUDA graph replaying the
+    # GraphSampler, host-memory storage serving CUDA batches, no host syncs, EnvPool on CUDA
+    step cuda_tests 80 cuda_tests.txt "$PYTEST -m cuda tests"
+    step distributed_tests 45 distributed_tests.txt "GPUBUF_TEST_DIST_DEVICE=cuda $PYTEST tests/test_distributed.py"
+}
+
+plan_bench() {
+    step info 5 gpu.txt "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader"
+    step wheels 25 wheels.txt "$WHEELS_INSTALL"
+    step history 30 history_cuda.md "$PY benchmarks/bench_history.py --device cuda --n-envs 1024 4096 --repeats 21 \
+--no-deque --out \$W/history_cuda.json"
+    step replay 35 replay_cuda.md "$PY benchmarks/bench_replay.py --device cuda --peers '' --log2-sizes 20,24 \
+--batch 4096 --repeats 10 --out \$W/replay_cuda.json"
+    step graph 15 graph_cuda.md "$PY benchmarks/bench_graph.py --device cuda --repeats 30 --out \$W/graph_cuda.json"
+    step overhead 15 overhead_cuda.md "$PY benchmarks/bench_overhead.py --device cuda --repeats 200 && \
+cp benchmarks/results/overhead_cuda.json \$W/"
+    step tree_update 20 tree_update_cuda.md "$PY benchmarks/bench_tree_update.py --device cuda --log2-sizes 20,24 \
+--repeats 7 --out \$W/tree_update_cuda.json"
+    step distributed 25 distributed_cuda.md "if [ \$($PY -c 'import torch; print(torch.cuda.device_count())') -ge 2 ]; \
+then $PY benchmarks/bench_distributed.py --backend nccl --device cuda --ranks 2 --log2-size 20 --batch 4096 \
+--iters 30 --out \$W/distributed_nccl.json; else $PY benchmarks/bench_distributed.py --backend gloo --device cuda \
+--ranks 1,2 --log2-size 20 --batch 4096 --iters 30 --out \$W/distributed_gloo_cuda.json; fi"
+    step demo 40 demo_cuda.md "if $PY -c 'import envpool' 2>/dev/null; then $PY -m gpubuf.cli demo --device cuda \
+--env-steps 5000 --out \$W/demo_cuda.json --plot \$W/demo_cuda.png; else echo 'envpool missing: demo skipped'; fi"
+    step bench_quick 30 bench_cuda.log "$PY -m gpubuf.cli bench --quick --device cuda --peers '' --out \$W/bench_cuda.md"
+}
+
+TOTAL=0
+NSTEPS=0
+FAILED=0
+step() {  # step NAME SECONDS LOGFILE COMMAND: run COMMAND under `timeout`, its output in $W/LOGFILE
+    local name=$1 secs=$2 log=$3 cmd=$4
+    TOTAL=$((TOTAL + secs + GRACE))
+    NSTEPS=$((NSTEPS + 1))
+    if [ "$MODE" = dry ]; then
+        printf '%-18s %4ss  %-24s %s\n' "$name" "$secs" "$log" "$cmd"
+        for f in $(grep -oE '(benchmarks|tests)/[A-Za-z0-9_./-]+\.(py|sh)' <<<"$cmd"); do
+            [ -f "$f" ] || { echo "  missing file: $f"; FAILED=1; }
+        done
+        return 0
+    fi
+    local t0=$SECONDS rc
+    if [ "$MODE" = simulate ]; then
+        echo "$cmd" > "$W/$log"
+        rc=0
+    else
+        echo "== $name (limit ${secs}s): $cmd" >&2
+        GPUBUF_TEST_TIMEOUT=$TEST_TIMEOUT W=$W timeout -k $GRACE "$secs" bash -c "$cmd" > "$W/$log" 2>&1
+        rc=$?
+    fi
+    local took=$((SECONDS - t0))
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$secs" "$log" >> "$W/summary.tsv"
+    [ "$rc" = 0 ] || FAILED=1
+}
+
+if [ "$MODE" = dry ]; then
+    for PART in "${PARTS[@]}"; do
+        TOTAL=0; NSTEPS=0
+        echo "== part $PART: one call, archive \$OUT/device_$PART.tar.gz"
+        "plan_$PART"
+        TOTAL=$((TOTAL + PACK))
+        echo "part $PART: $NSTEPS steps, limits + kill grace + packing = $TOTAL s of $BUDGET s"
+        [ "$TOTAL" -le "$BUDGET" ] || { echo "part $PART: over budget"; FAILED=1; }
+    done
+    echo "== wheels (benchmarks/device_wheels.txt -> .whl/)"
+    while read -r req; do
+        [ -z "$req" ] || [ "${req:0:1}" = "#" ] && continue
+        name=${req%%==*}; ver=${req#*==}; pat="$(tr '-' '_' <<<"$name")-$ver-"
+        if ls .whl/ 2>/dev/null | grep -qi "^$pat"; then echo "present: $req"; else
+            echo "absent: $req (run benchmarks/fetch_device_wheels.sh; without it the demo is skipped)"; fi
+    done < benchmarks/device_wheels.txt
+    carried=$(du -cb .whl/*.whl 2>/dev/null | tail -n 1 | cut -f1); carried=${carried:-0}
+    tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null \
+        | tail -n 1 | cut -f1)
+    echo "travels: working tree $((tree / 1048576)) MiB + wheels $((carried / 1048576)) MiB of 64 MiB"
+    [ $((tree + carried)) -lt $((64 * 1048576)) ] || { echo "over the 64 MiB a call carries"; FAILED=1; }
+    [ "$FAILED" = 0 ] && echo "dry run: plan OK" || echo "dry run: plan FAILED"
+    exit $FAILED
+fi
+
+PART=${PARTS[0]}
 OUT=${OUT:-device_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# The source tree maps kernels/ to gpubuf.kernels when installed; without pip, link it in place.
-[ -e gpubuf/kernels ] || ln -s ../kernels gpubuf/kernels
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PART=${1:-all}
-case $PART in all|tests|bench) ;; *) echo "device_check.sh: expected all, tests or bench, got '$PART'" >&2; exit 2;; esac
-run() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
-status=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-
-# 1. the test suite on CUDA (Triton natively); modules needing absent packages are skipped by pytest
-if run tests; then
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.txt" | tail -n 15 || status=1
+STAGE=$(mktemp -d)
+W=$STAGE/device_$PART
+mkdir -p "$W"
+export PYTHONUNBUFFERED=1 W
+# the installed layout maps kernels/ to gpubuf.kernels; from the source tree a link does (not when simulating)
+[ "$MODE" = simulate ] || [ -e gpubuf/kernels ] || ln -s ../kernels gpubuf/kernels
+export PYTHONPATH=$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}
+START=$SECONDS
+"plan_$PART"
+{
+    echo "part $PART: $((SECONDS - START)) s, mode $MODE"
+    printf 'step\trc\tseconds\tlimit\tlog\n'
+    cat "$W/summary.tsv"
+} > "$W/README.txt"
+tar -czf "$OUT/device_$PART.tar.gz" -C "$STAGE" "device_$PART"
+rm -rf "$STAGE"
+cat <<EOF
+== device_check $PART: one archive, $OUT/device_$PART.tar.gz (step, rc, seconds, limit, log)
+EOF
+tar -xzOf "$OUT/device_$PART.tar.gz" "device_$PART/README.txt"
+if [ "$MODE" = run ]; then  # the tails that matter, for the reply's output
+    for f in gpu.txt kernel_tests.txt cuda_tests.txt distributed_tests.txt tree_update_cuda.md graph_cuda.md \
+             history_cuda.md replay_cuda.md; do
+        tar -xzOf "$OUT/device_$PART.tar.gz" "device_$PART/$f" 2>/dev/null | tail -n 12 | sed "s/^/[$f] /"
+    done
 fi
-
-# 2. benchmarks at GPU sizes
-if run bench; then
-timeout 90 python3 benchmarks/bench_history.py --device cuda --n-envs 1024 4096 --repeats 51 --no-deque \
-    --out "$OUT/history_cuda.json" > "$OUT/history_cuda.md" 2>&1 || status=1
-timeout 120 python3 benchmarks/bench_replay.py --device cuda --peers "" --log2-sizes 20,24 --batch 4096 --repeats 20 \
-    --out "$OUT/replay_cuda.json" > "$OUT/replay_cuda.md" 2>&1 || status=1
-
-timeout 60 python3 benchmarks/bench_graph.py --device cuda --repeats 60 --out "$OUT/graph_cuda.json" \
-    > "$OUT/graph_cuda.md" 2>&1 || status=1
-timeout 60 python3 benchmarks/bench_overhead.py --device cuda --repeats 400 > "$OUT/overhead_cuda.md" 2>&1 || status=1
-cp benchmarks/results/overhead_cuda.json "$OUT/" 2>/dev/null || true
-fi
-
-# 2b. sharded replay on the GPU: one rank per GPU over NCCL, 2 ranks over gloo with CUDA shards, and the
-# distributed test scenarios with every shard on the GPU; the host-memory tier is in the CUDA tests of step 1
-if run tests; then
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-timeout 100 python3 benchmarks/bench_distributed.py --backend nccl --device cuda --ranks "$NGPU" --log2-size 20 \
-    --batch 4096 --iters 100 --out "$OUT/distributed_nccl.json" > "$OUT/distributed_nccl.md" 2>&1 || status=1
-timeout 100 python3 benchmarks/bench_distributed.py --backend gloo --device cuda --ranks 1,2 --log2-size 20 \
-    --batch 4096 --iters 50 --out "$OUT/distributed_gloo_cuda.json" > "$OUT/distributed_gloo_cuda.md" 2>&1 || status=1
-GPUBUF_TEST_DIST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py \
-    > "$OUT/distributed_tests_cuda.txt" 2>&1 || status=1
-fi
-
-# 3. the demo's learning run on the GPU (envpool may be missing there: reported, not fatal)
-if run bench; then
-if python3 -c "import envpool" 2>/dev/null; then
-    timeout 200 python3 -m gpubuf.cli demo --device cuda --out "$OUT/demo_cuda.json" > "$OUT/demo_cuda.md" 2>&1 \
-        || status=1
-else
-    echo "envpool missing on this machine: demo skipped" > "$OUT/demo_cuda.md"
-fi
-# gpubuf bench --quick on CUDA: the command's markdown, PNG chart and JSON (peers missing there are listed)
-timeout 60 python3 -m gpubuf.cli bench --quick --device cuda --out "$OUT/bench_cuda.md" > "$OUT/bench_cuda.log" 2>&1 \
-    || status=1
-fi
-
-show() { [ -f "$OUT/$2" ] && { echo "== $1 =="; tail -n "$3" "$OUT/$2"; }; }
-show "HistoryBuffer on CUDA" history_cuda.md 40
-show "Replay on CUDA" replay_cuda.md 20
-show "GraphSampler: eager vs CUDA-graph replay" graph_cuda.md 20
-show "host overhead on CUDA" overhead_cuda.md 12
-show "sharded replay: NCCL" distributed_nccl.md 8
-show "sharded replay: gloo, CUDA shards" distributed_gloo_cuda.md 8
-show "distributed tests, CUDA shards" distributed_tests_cuda.txt 3
-show "demo" demo_cuda.md 30
-show "gpubuf bench --quick on CUDA" bench_cuda.md 60
-exit $status
+exit $FAILED
