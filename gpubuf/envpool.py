@@ -12,6 +12,7 @@ device arrays are used in place (no host round trip, no copy).
 Imports are absolute, so this module (``gpubuf.envpool``) never shadows the ``envpool`` package.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,17 +62,22 @@ class StepStager:
         self._dtypes = {"action": torch.float32, "reward": torch.float32, "terminated": torch.bool,
                         "truncated": torch.bool}
 
-    def __call__(self, obs, action, reward, terminated, truncated, env_ids=None, first=None) -> Step:
+    def __call__(self, obs, action, reward, terminated, truncated, env_ids=None, first=None, more=None) -> Step:
         """Stage ``R`` rows: ``obs (R, *obs)``, ``action (R,)`` or ``(R, A)``, ``reward``/``terminated``/
         ``truncated`` ``(R,)``; ``env_ids (R,)`` host ints (all envs if ``None``); ``first (R,)`` host bools
-        marking reset frames, whose action echo becomes NaN. ``action`` and ``reward`` are stored as float32
-        and must fit it (:func:`gpubuf.inputs.check_cast`); ``terminated``/``truncated``/``first`` are bool
-        or 0/1 integers. Every check runs before any write."""
+        marking reset frames, whose action echo becomes NaN; ``more``: further keys ``{name: (R, ...)}``
+        staged as ``(R, 1, ...)`` in their own dtype (EnvPool info fields). ``action`` and ``reward`` are
+        stored as float32 and must fit it (:func:`gpubuf.inputs.check_cast`); ``terminated``/``truncated``/
+        ``first`` are bool or 0/1 integers. Every check runs before any write."""
         ids = self._all_ids if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         R = len(ids)
         first = np.zeros(R, dtype=bool) if first is None else as_flags(first, "first", (R,))
         raw = {self.obs_key: obs, "action": action, "reward": reward, "terminated": terminated,
                "truncated": truncated}
+        for key, value in (more or {}).items():
+            if key in raw:
+                raise ValueError(f"more: key {key!r} collides with a step key")
+            raw[key] = value
         values = {}
         for key, value in raw.items():
             t = as_tensor(value, key)
@@ -88,6 +94,8 @@ class StepStager:
             values[key] = t.reshape(R, 1, *t.shape[1:])
         if not self._shapes:
             self._shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
+        if values.keys() != self._shapes.keys():
+            raise ValueError(f"more: keys are fixed by the first call {sorted(self._shapes)}, got {sorted(values)}")
         for key, t in values.items():
             want = self._shapes[key]
             if tuple(t.shape[1:]) != want:
@@ -108,6 +116,20 @@ def _space_layout(space) -> tuple[np.dtype, tuple]:
     return np.dtype(space.dtype), shape
 
 
+def action_fill(dtype) -> float | int | bool:
+    """The action stored on a row whose action the env ignored: NaN for float actions, -1 for signed integer
+    actions (outside every ``Discrete`` space), the largest value for unsigned ones (False for bool)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "fc":
+        return float("nan")
+    if dtype.kind == "b":
+        return False
+    return -1 if dtype.kind == "i" else int(np.iinfo(dtype).max)
+
+
+_RESERVED = ("action", "reward", "terminated", "truncated", "env_id", "players", "is_last")
+
+
 class EnvPoolSource:
     """Steps an ``envpool`` env and hands every received row to the buffers as device tensors.
 
@@ -117,17 +139,39 @@ class EnvPoolSource:
         device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
         history: a :class:`~gpubuf.HistoryBuffer` with ``n_envs == num_envs``: each received row is
             appended to its env's history, after flushing envs whose row is a reset frame.
-        transitions: a ``TransitionBuffer`` built from :meth:`transition_sample`. Vectorized (sync only):
-            each step inserts the time row ``(previous obs, action, reward, terminated, truncated)`` of all
-            envs; a reset frame's row (previous obs terminal, action ignored) is flagged ``truncated`` so
-            that samplers inferring next observations never draw it. Not vectorized (sync or async): each
-            received row but reset frames is one transition with its ``next_observation``.
+        transitions: a ``TransitionBuffer`` built from :meth:`transition_sample` (rows below).
+        info_keys: EnvPool info fields to store (e.g. ``("elapsed_step", "lives")``): appended to the history
+            under their own names ``(R, 1, ...)`` and stored in the transitions as ``info[name]``, the value
+            the env reported with the row's ``observation``. Shapes and dtypes are EnvPool's.
+
+    Rows of a vectorized ``transitions`` buffer (sync only; one time row of every env per step). The row
+    written at a step holds ``observation`` (what the env showed before the step), ``action`` (what it
+    executed), ``reward``, ``terminated`` (the env's), ``truncated`` and ``info["is_last"]``; its next
+    observation is the next row's ``observation``. After an episode's last transition (terminated or
+    truncated), EnvPool's next step ignores its action and returns the reset frame (``elapsed_step == 0``):
+    that step's row holds the episode's last observation, ``action`` :func:`action_fill` (NaN for float
+    actions, -1 for integer ones), reward 0, ``terminated`` False, and ``truncated`` and ``is_last`` True.
+    So the terminal observation is the next observation of the episode's last transition, an ``is_last``
+    row never starts a sampled window (``with_next_obs`` never draws one as a transition), the row after it
+    holds the reset frame, and the buffers' ``boundaries="mask"`` marks ``is_first`` exactly there.
+    ``truncated`` is set on ``is_last`` rows only: a truncated episode's last transition keeps
+    ``truncated`` False, as its next observation (the last one) is real and may be bootstrapped from.
+    A ``reset()`` after rows were written ends every episode the same way (one ``is_last`` row per env).
+
+    Rows of a buffer with ``vectorized_env=False`` (sync or async): each received row but reset frames is
+    one transition with its ``next_observation`` and the env's ``terminated``/``truncated``.
+
+    Extra per-step data: build the buffer from ``transition_sample(extra={name: example})`` and pass
+    ``extra={name: (R, ...)}`` with every ``send``/``step``; each value is stored as ``info[name]`` in the
+    row of the step it was sent with (as sent, on ``is_last`` rows too; :func:`action_fill` on the rows a
+    ``reset()`` adds).
 
     Sync: ``step = src.reset(); step = src.step(actions)``. Async: ``step = src.reset()`` (first batch),
     then ``src.send(actions, step.env_ids); step = src.recv()``.
     """
 
-    def __init__(self, env, *, obs_key: str = "observation", device=None, history=None, transitions=None):
+    def __init__(self, env, *, obs_key: str = "observation", device=None, history=None, transitions=None,
+                 info_keys=()):
         config = getattr(env, "config", None)
         if not isinstance(config, dict) or "num_envs" not in config or not hasattr(env, "recv"):
             raise TypeError(f"env: expected an envpool env (envpool.make(...)), got {type(env).__name__}")
@@ -144,6 +188,7 @@ class EnvPoolSource:
             if transitions.n_envs != self.n_envs:
                 raise ValueError(f"transitions: expected a TransitionBuffer over {self.n_envs} envs "
                                  f"(build it from transition_sample()), got {transitions.n_envs}")
+        self.info_keys = self._check_info_keys(info_keys, obs_key)
         self.history = history
         self.transitions = transitions
         self.stager = StepStager(self.n_envs, obs_key, device=device)
@@ -151,15 +196,46 @@ class EnvPoolSource:
         self._staging = Staging(self.device)
         self.action_dtype, self.action_shape = _space_layout(env.action_space)
         self.n_actions = getattr(env.action_space, "n", None)  # Discrete spaces: actions lie in [0, n)
+        self._bounds = None  # continuous spaces: (low, high) per action dim, what EnvPool clips to
+        if self.action_dtype.kind == "f" and hasattr(env.action_space, "low"):
+            self._bounds = (np.broadcast_to(env.action_space.low, self.action_shape).astype(self.action_dtype),
+                            np.broadcast_to(env.action_space.high, self.action_shape).astype(self.action_dtype))
         self._sent = np.zeros((self.n_envs, *self.action_shape), dtype=self.action_dtype)  # last sent, per env
         self._in_flight = np.zeros(self.n_envs, dtype=bool)  # sent (or reset), not yet received
         self._prev_obs = None  # (n_envs, *obs) device copy of each env's last observation (transitions only)
         self._has_prev = None  # (n_envs,) host: whether _prev_obs holds a real observation
+        self._prev_info = {k: np.zeros((self.n_envs, *s), d) for k, (s, d) in self._info_spec.items()}
+        self._fresh = np.ones(self.n_envs, dtype=bool)  # _prev_obs is a reset frame no row holds yet
+        self._extra = {}  # name -> (n_envs, *shape) device tensor: the extra data last sent, per env
+
+    def _check_info_keys(self, info_keys, obs_key) -> tuple:
+        if isinstance(info_keys, (str, bytes)) or not isinstance(info_keys, (tuple, list)):
+            raise TypeError(f"info_keys: expected a tuple of EnvPool info field names such as ('elapsed_step',), "
+                            f"got {info_keys!r}")
+        specs = getattr(getattr(self.env, "spec", None), "state_array_spec", {}) or {}
+        self._info_spec = {}
+        for key in info_keys:
+            if not isinstance(key, str) or key in _RESERVED or key == obs_key:
+                raise ValueError(f"info_keys: expected field names other than {_RESERVED + (obs_key,)}, got {key!r}")
+            spec = specs.get(key if key == "elapsed_step" else f"info:{key}")
+            if spec is None or key in self._info_spec:
+                have = sorted(k[5:] for k in specs if k.startswith("info:") and k not in (
+                    "info:env_id", "info:players.env_id")) + ["elapsed_step"]
+                why = "is listed twice" if key in self._info_spec else f"is not one of this env's fields {have}"
+                raise ValueError(f"info_keys: {key!r} {why}")
+            self._info_spec[key] = (tuple(int(d) for d in spec.shape if d != -1), np.dtype(spec.dtype))
+        return tuple(info_keys)
 
     # ------------------------------------------------------------------ stepping
 
     def reset(self) -> Step:
-        """Reset every env (sync) or start the async pool; returns the first received batch."""
+        """Reset every env (sync) or start the async pool; returns the first received batch. With a vectorized
+        ``transitions`` buffer that holds rows, each env's last observation is first written as an ``is_last``
+        row (the episode ends there); an env whose last observation was already a reset frame then holds a
+        one-row episode of that frame."""
+        if self._has_prev is not None and self._has_prev.all() and not self._fresh.all() \
+                and self.transitions is not None and self.transitions.vectorized_env:
+            self._insert_last_rows()
         self._sent[:] = 0
         if self._has_prev is not None:
             self._has_prev[:] = False
@@ -172,15 +248,19 @@ class EnvPoolSource:
         zeros = np.zeros(n, dtype=np.float32)
         return self._receive(obs, zeros, zeros.astype(bool), zeros.astype(bool), info)
 
-    def send(self, actions, env_ids=None) -> None:
+    def send(self, actions, env_ids=None, extra=None) -> None:
         """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R, *shape)``.
 
         ``env_ids`` must be distinct envs that are not in flight (sent or reset and not yet received); with a
         vectorized ``transitions`` buffer every env steps together, so ``env_ids`` must cover all envs. A
         discrete env takes integers in ``[0, n)``; floats are accepted only when integral (``2.0``), so a
         continuous planner's output must be mapped explicitly (e.g. ``(plan > 0).long()``). A continuous env
-        takes finite values that fit its action dtype. ``actions`` is ``(R, *shape)`` (singleton axes may be
-        added or dropped). Anything else is a ``ValueError``/``TypeError`` before anything is sent."""
+        takes finite values that fit its action dtype; values outside its ``Box`` are clipped to it before
+        they are sent, as EnvPool would apply them, so the buffers store what the env executed (clipping, not
+        rejecting: a Gaussian policy's samples routinely leave the box, and the env accepts them).
+        ``actions`` is ``(R, *shape)`` (singleton axes may be added or dropped). ``extra``: ``{name: (R, ...)}``
+        per-env data for the transitions buffer's own ``info`` leaves (see the class). Anything else is a
+        ``ValueError``/``TypeError`` before anything is sent."""
         ids = np.arange(self.n_envs) if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         if len(np.unique(ids)) != len(ids):
             dup = np.unique(ids[np.bincount(ids, minlength=self.n_envs)[ids] > 1])
@@ -192,18 +272,23 @@ class EnvPoolSource:
             raise ValueError(f"env_ids: a vectorized transitions buffer stores one time row of all {self.n_envs} "
                              f"envs per step; send an action to every env, got {len(ids)}")
         acts = self._host_actions(actions, len(ids))
+        extras = self._check_extra(extra, len(ids))
         self.env.send(acts, ids.astype(np.int32))
         self._sent[ids] = acts
         self._in_flight[ids] = True
+        if extras:
+            dev_ids = self._staging.to_device(torch.from_numpy(ids.astype(np.int64)), "__extra_ids__")
+            for name, t in extras.items():
+                self._extra[name].index_copy_(0, dev_ids, t)
 
     def recv(self) -> Step:
         """Receive the next batch (``batch_size`` rows), stage it and feed the attached buffers."""
         obs, reward, terminated, truncated, info = self.env.recv()
         return self._receive(obs, reward, terminated, truncated, info)
 
-    def step(self, actions, env_ids=None) -> Step:
+    def step(self, actions, env_ids=None, extra=None) -> Step:
         """``send`` then ``recv`` (in async mode the received envs may differ from the sent ones)."""
-        self.send(actions, env_ids)
+        self.send(actions, env_ids, extra)
         return self.recv()
 
     def _host_actions(self, actions, R: int) -> np.ndarray:
@@ -224,6 +309,10 @@ class EnvPoolSource:
                 raise ValueError(f"actions: expected finite actions, got {arr[~np.isfinite(arr)][:5].tolist()}")
             check_cast(torch.from_numpy(np.ascontiguousarray(arr)), torch.from_numpy(
                 np.zeros(0, self.action_dtype)).dtype, "actions")
+            arr = arr.reshape(want).astype(self.action_dtype)
+            if self._bounds is not None:  # what the env executes (EnvPool clips to its box)
+                arr = np.clip(arr, *self._bounds)
+            return arr
         if self.action_dtype.kind in "iu":  # a discrete env: integral actions only, never truncated silently
             if arr.dtype.kind == "f" and not np.array_equal(arr, np.trunc(arr)):
                 bad = arr[~(arr == np.trunc(arr))][:5].tolist()
@@ -234,36 +323,99 @@ class EnvPoolSource:
                                  f"[{arr.min()}, {arr.max()}]")
         return arr.reshape(want).astype(self.action_dtype, copy=False)
 
+    def _extra_spec(self) -> dict:
+        """``{name: (per-env shape, dtype)}`` of the transitions buffer's ``info`` leaves the source does not
+        fill itself: the user's extra data."""
+        tb = self.transitions
+        if tb is None:
+            return {}
+        own = set(self.info_keys) | {"is_last"}
+        return {p[1]: (tb._shapes[p], tb._dtypes[p]) for p in tb._shapes
+                if p[0] == "info" and len(p) == 2 and p[1] not in own}
+
+    def _check_extra(self, extra, R: int) -> dict:
+        """``extra`` checked against the buffer's leaves: ``{name: (R, *shape) device tensor}`` in its dtype."""
+        spec = self._extra_spec()
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"extra: expected a dict of per-env arrays, got {type(extra).__name__}")
+        if extra.keys() != spec.keys():
+            where = "the transitions buffer's own info leaves" if self.transitions is not None else \
+                "a transitions buffer built from transition_sample(extra=...)"
+            raise ValueError(f"extra: expected the keys of {where} {sorted(spec)}, got {sorted(extra)}")
+        out = {}
+        for name, value in extra.items():
+            shape, dtype = spec[name]
+            t = as_tensor(value, f"extra[{name!r}]")
+            if tuple(t.shape) != (R, *shape):
+                raise ValueError(f"extra[{name!r}]: expected shape {(R, *shape)}, got {tuple(t.shape)}")
+            check_cast(t, dtype, f"extra[{name!r}]")
+            out[name] = t
+        staged = {}
+        for name, t in out.items():
+            shape, dtype = spec[name]
+            if name not in self._extra or self._extra[name].shape[1:] != shape or self._extra[name].dtype != dtype:
+                self._extra[name] = torch.full((self.n_envs, *shape), action_fill(_np_dtype(dtype)), dtype=dtype,
+                                               device=self.device)
+            staged[name] = t.to(self.device, dtype)
+        return staged
+
     def _receive(self, obs, reward, terminated, truncated, info) -> Step:
         ids = np.asarray(info["env_id"], dtype=np.int64)
         self._in_flight[ids] = False
         first = np.asarray(info["elapsed_step"]) == 0
         sent = self._sent[ids]
+        infos = {}
+        for key, (shape, dtype) in self._info_spec.items():
+            a = np.asarray(info[key])
+            if a.shape != (len(ids), *shape) or a.dtype != dtype:
+                raise ValueError(f"info_keys: EnvPool's {key!r} came as {a.dtype} {a.shape}, expected {dtype} "
+                                 f"{(len(ids), *shape)}")
+            infos[key] = a
         step = self.stager(obs, sent.reshape(len(ids), -1).astype(np.float32), reward, terminated, truncated,
-                           ids, first)
+                           ids, first, infos)
         if self.history is not None:
             if first.any():
                 self.history.reset(ids[first])
             self.history.append(step.info, env_ids=ids)
         if self.transitions is not None:
-            self._insert_transition(step, sent, reward, terminated, truncated)
+            self._insert_transition(step, sent, reward, terminated, truncated, infos)
+        for key, a in infos.items():
+            self._prev_info[key][ids] = a
+        self._fresh[ids] = first
         return step
 
     # ------------------------------------------------------------------ transitions
 
-    def transition_sample(self, vectorized: bool = True):
+    def transition_sample(self, vectorized: bool = True, extra=None):
         """A ``Transition`` shaped like one insert, to build the ``transitions`` buffer from.
 
         ``vectorized=True`` (sync only): leaves ``(1, num_envs, ...)``, one time row per step, next
-        observations inferred by the buffer. ``vectorized=False`` (sync or async; build the buffer with
-        ``vectorized_env=False``): leaves ``(1, ...)`` with an explicit ``next_observation``; each received
-        row is one transition and reset frames are skipped.
+        observations inferred by the buffer, ``info["is_last"]`` marking the rows that hold no transition (see
+        the class). ``vectorized=False`` (sync or async; build the buffer with ``vectorized_env=False``):
+        leaves ``(1, ...)`` with an explicit ``next_observation``; each received row is one transition and
+        reset frames are skipped. Either way ``info`` holds the ``info_keys`` fields and ``extra``: ``{name:
+        example}``, one env's value of each extra leaf (its shape and dtype; e.g. ``np.float32(0)`` for a
+        log-probability), which every ``send``/``step`` must then pass.
         """
         from gpubuf.replay import Transition
 
         space = self.env.observation_space
         lead = (1, self.n_envs) if vectorized else (1,)
         obs = torch.from_numpy(np.zeros((*lead, *space.shape), dtype=space.dtype))
+        info = {"is_last": torch.zeros(lead, dtype=torch.bool)} if vectorized else {}
+        info.update({k: torch.from_numpy(np.zeros((*lead, *s), d)) for k, (s, d) in self._info_spec.items()})
+        if extra is not None:
+            if not isinstance(extra, Mapping):
+                raise TypeError(f"extra: expected a dict of example values, got {type(extra).__name__}")
+            for name, value in extra.items():
+                if not isinstance(name, str) or name in info or name in _RESERVED:
+                    raise ValueError(f"extra: expected names other than {sorted(set(info) | set(_RESERVED))}, "
+                                     f"got {name!r}")
+                t = as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value,
+                              f"extra[{name!r}]")
+                info[name] = torch.zeros((*lead, *t.shape), dtype=t.dtype)
         return Transition(
             observation=obs,
             action=torch.from_numpy(np.zeros((*lead, *self.action_shape), dtype=self.action_dtype)),
@@ -271,9 +423,33 @@ class EnvPoolSource:
             terminated=torch.zeros(lead, dtype=torch.bool),
             truncated=torch.zeros(lead, dtype=torch.bool),
             next_observation=None if vectorized else obs.clone(),
+            info=info,
         )
 
-    def _insert_transition(self, step: Step, sent, reward, terminated, truncated) -> None:
+    def _extra_rows(self, env_ids: np.ndarray) -> dict:
+        """The extra data last sent to ``env_ids`` (host ints), ``{name: (len, *shape)}`` device tensors."""
+        spec = self._extra_spec()
+        if not spec:
+            return {}
+        dev = self._staging.to_device(torch.from_numpy(env_ids.astype(np.int64)), "__extra_rows__")
+        return {name: self._extra[name].index_select(0, dev) for name in spec}
+
+    def _insert_last_rows(self) -> None:
+        """One ``is_last`` row per env: each env's last observation ends its episode (a ``reset()``)."""
+        from gpubuf.replay import Transition
+
+        n = self.n_envs
+        fill = np.full((n, *self.action_shape), action_fill(self.action_dtype), dtype=self.action_dtype)
+        extra = {name: torch.full((n, *s), action_fill(_np_dtype(d)), dtype=d, device=self.device)
+                 for name, (s, d) in self._extra_spec().items()}
+        info = {"is_last": np.ones(n, dtype=bool), **{k: v.copy() for k, v in self._prev_info.items()}, **extra}
+        self.transitions.insert(Transition(
+            observation=self._prev_obs[None], action=fill[None], reward=np.zeros((1, n), np.float32),
+            terminated=np.zeros((1, n), bool), truncated=np.ones((1, n), bool), next_observation=None,
+            info={k: v[None] for k, v in info.items()}))
+        self._fresh[:] = True
+
+    def _insert_transition(self, step: Step, sent, reward, terminated, truncated, infos: dict) -> None:
         from gpubuf.replay import Transition
 
         obs = step.info[self.stager.obs_key][:, 0]  # (R, *obs)
@@ -282,25 +458,41 @@ class EnvPoolSource:
             self._prev_obs = torch.zeros((self.n_envs, *obs.shape[1:]), dtype=obs.dtype, device=self.device)
             self._has_prev = np.zeros(self.n_envs, dtype=bool)
         dev_ids = self._staging.to_device(torch.from_numpy(ids), "__transition_ids__")
-        host = {"action": sent, "reward": np.asarray(reward, dtype=np.float32),
-                "terminated": np.asarray(terminated, dtype=bool), "truncated": np.asarray(truncated, dtype=bool)}
+        reward = np.asarray(reward, dtype=np.float32)
+        terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
         if self.transitions.vectorized_env:
-            if self._has_prev.all():  # rows in env order; a reset frame's row is flagged truncated
+            if self._has_prev.all():  # rows in env order; a reset frame's row holds the last observation
                 order = np.argsort(ids)
-                host["truncated"] = host["truncated"] | step.first
+                first = step.first[order]
+                fill = action_fill(self.action_dtype)
+                action = np.where(first.reshape(-1, *[1] * len(self.action_shape)), fill, sent[order])
+                info = {"is_last": first, **{k: v.copy() for k, v in self._prev_info.items()},
+                        **self._extra_rows(ids[order])}
                 self.transitions.insert(Transition(
-                    observation=self._prev_obs[None], next_observation=None,
-                    **{k: v[order][None] for k, v in host.items()}))
+                    observation=self._prev_obs[None], next_observation=None, action=action[None],
+                    reward=np.where(first, 0.0, reward[order]).astype(np.float32)[None],
+                    terminated=(terminated[order] & ~first)[None], truncated=first[None],
+                    info={k: v[None] for k, v in info.items()}))
         else:
             keep = self._has_prev[ids] & ~step.first
             if keep.any():
                 rows = np.flatnonzero(keep)
                 dev_rows = self._staging.to_device(torch.from_numpy(rows), "__transition_rows__")
+                info = {**{k: v[ids[rows]] for k, v in self._prev_info.items()}, **self._extra_rows(ids[rows])}
                 self.transitions.insert(Transition(
                     observation=self._prev_obs[dev_ids[dev_rows]], next_observation=obs[dev_rows],
-                    **{k: v[rows] for k, v in host.items()}))
+                    action=sent[rows], reward=reward[rows], terminated=terminated[rows], truncated=truncated[rows],
+                    info=info))
         if len(ids) == self.n_envs and (ids == np.arange(self.n_envs)).all():
             self._prev_obs.copy_(obs)  # sync, in env order: a plain copy (index_copy_ is ~40x slower on CPU)
         else:
             self._prev_obs.index_copy_(0, dev_ids, obs)
         self._has_prev[ids] = True
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of a torch dtype (float for the float types numpy lacks)."""
+    try:
+        return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
+    except TypeError:
+        return np.dtype(np.float32) if dtype.is_floating_point else np.dtype(np.int64)
