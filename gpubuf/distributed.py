@@ -29,6 +29,7 @@ exchange) and on CPU tensors with gloo (a CUDA shard then stages through the hos
 ``all_to_all_single`` with variable splits.
 """
 
+import contextlib
 import hashlib
 import math
 import os
@@ -41,9 +42,15 @@ import torch.distributed as dist
 from gpubuf.inputs import as_tensor
 from gpubuf.interrupts import signals_held
 from gpubuf.prioritized import PrioritizedTransitionBuffer
-from gpubuf.replay import Transition, TransitionBuffer, _flatten, _leaf_name, _unflatten
+from gpubuf.replay import BOUNDARIES, Transition, TransitionBuffer, _flatten, _leaf_name, _unflatten
 
 _ARG_ERRORS = (TypeError, ValueError, IndexError)
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield 0
+
 _RANK = "{rank}"
 
 
@@ -185,9 +192,9 @@ class ShardedBuffer:
 
     # ------------------------------------------------------------------ collective queries
 
-    def num_valid(self, with_next_obs: bool = False) -> int:
-        """Valid sequence starts over every shard (collective)."""
-        n = torch.tensor([self.local.num_valid(with_next_obs)], dtype=torch.int64, device=self._comm)
+    def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
+        """Valid sequence starts over every shard (collective), as the local ``num_valid`` counts them."""
+        n = torch.tensor([self.local.num_valid(with_next_obs, boundaries)], dtype=torch.int64, device=self._comm)
         dist.all_reduce(n, group=self.group)
         return int(n.item())
 
@@ -210,11 +217,18 @@ class ShardedBuffer:
             raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
         return int(B)
 
-    def _shard_mass(self, kind: int, with_next_obs: bool) -> torch.Tensor:
-        """1-element float64: this shard's total sampling mass for ``kind`` (= ``with_next_obs``'s kind)."""
+    def _valid(self, kind: int) -> int:
+        """This shard's valid starts of ``kind``, less the source's ``is_last`` rows (which never start one)."""
+        local = self.local
+        last = local._last_rows(kind)
+        n = local._ring.range_starts(kind)[1] if local._ring.one_range(kind) else local._active_valid(kind)
+        return n - (0 if last is None else len(last[0]))
+
+    def _shard_mass(self, kind: int) -> torch.Tensor:
+        """1-element float64: this shard's total sampling mass for ``kind`` (the ``is_last`` rows excluded)."""
         local = self.local
         if not self.prioritized:  # one per valid start
-            return torch.tensor([float(local.num_valid(with_next_obs))], dtype=torch.float64, device=self._comm)
+            return torch.tensor([float(self._valid(kind))], dtype=torch.float64, device=self._comm)
         local._sampler.activate(kind)
         return local._sampler.trees[kind].total().view(1).to(self._comm)
 
@@ -258,7 +272,7 @@ class ShardedBuffer:
 
     @torch.compiler.disable  # an opaque call under torch.compile, as the local buffers' sample
     def sample(self, key=None, with_replacement: bool | None = None, batch_size: int | None = None,
-               with_next_obs: bool = False):
+               with_next_obs: bool = False, boundaries: str = "allow"):
         """A batch of ``B`` windows (collective; each rank gets its own) drawn from the union of the shards.
 
         Returns what the local buffer's ``sample`` does: a :class:`Transition` of ``(B, n_steps, ...)`` leaves
@@ -267,7 +281,10 @@ class ShardedBuffer:
         global; computed as ``(P_i / min_batch P)**-beta``). ``with_replacement`` defaults to the local default
         (uniform: ``True``; prioritized: ``False``) and, like ``with_next_obs``, must agree on every rank;
         ``batch_size`` may differ. ``key``: ``None`` (the shard's own generator), a ``torch.Generator``, or an
-        int seed, which is mixed with the rank.
+        int seed, which is mixed with the rank. ``boundaries`` (``"allow"``, ``"mask"``, ``"forbid"``; must
+        agree on every rank) draws the windows the local ``sample`` would, from every shard, and sets
+        ``is_first``/``mask`` as it does; rows of an :class:`~gpubuf.EnvPoolSource` marked ``info["is_last"]``
+        never start a window.
 
         Without replacement, each rank's batch is exact sequential sampling without replacement from the
         union: rounds of draws with replacement from the shards' remaining masses (mass less what this rank
@@ -282,17 +299,26 @@ class ShardedBuffer:
         local = self.local
         if with_replacement is None:
             with_replacement = not self.prioritized
-        error, B, kind = None, 0, 0
-        mass = torch.zeros(1, dtype=torch.float64, device=self._comm)
+        error, B, kind, which, gen = None, 0, 0, -1, None
         try:
             B = self._batch_size(batch_size)
-            kind = local._kind(with_next_obs)
+            kind = local._kind(with_next_obs, boundaries)
+            which = BOUNDARIES.index(boundaries)
             gen = self._generator(key)
-            mass = self._shard_mass(kind, with_next_obs)
         except _ARG_ERRORS as err:
             error = err
-        head = torch.tensor([local.num_valid(with_next_obs) if error is None else 0, B, bool(with_replacement),
-                             bool(with_next_obs), error is not None], dtype=torch.float64, device=self._comm)
+        with local._last_rows_excluded(kind) if error is None else _nothing():
+            return self._sample(B, kind, which, error, gen, with_replacement, with_next_obs, boundaries)
+
+    def _sample(self, B, kind, which, error, gen, with_replacement, with_next_obs, boundaries):
+        """:meth:`sample` once its arguments are read (``error``: this rank's argument error, raised everywhere),
+        with the ``is_last`` rows of ``kind`` out of the tree."""
+        local = self.local
+        mass = torch.zeros(1, dtype=torch.float64, device=self._comm)
+        if error is None:
+            mass = self._shard_mass(kind)
+        head = torch.tensor([self._valid(kind) if error is None else 0, B, bool(with_replacement),
+                             bool(with_next_obs), error is not None, which], dtype=torch.float64, device=self._comm)
         info = self._all_gather(torch.cat([mass, head])).cpu()
         masses, counts, sizes = info[:, 0], info[:, 1].long(), info[:, 2].long().tolist()
         self._fail("sample", torch.nonzero(info[:, 5]).view(-1).tolist(), error)
@@ -300,6 +326,9 @@ class ShardedBuffer:
             if not bool((info[:, col] == info[0, col]).all()):
                 raise ValueError(f"{name}: must agree on every rank of the group, got "
                                  f"{[bool(v) for v in info[:, col]]} by rank")
+        if not bool((info[:, 6] == info[0, 6]).all()):
+            raise ValueError(f"boundaries: must agree on every rank of the group, got "
+                             f"{[BOUNDARIES[int(v)] for v in info[:, 6]]} by rank")
         N = int(counts.sum())
         if N == 0:
             raise ValueError("sample: no valid sequence start in any shard yet")
@@ -318,6 +347,7 @@ class ShardedBuffer:
         else:
             batch, local_idx, owner, drawn = self._sample_without_replacement(kind, B, gen, masses, counts,
                                                                               with_next_obs)
+        batch = local._with_flags(batch, boundaries)
         if not self.prioritized:
             return batch
         batch.PER_weights = (drawn / drawn.min()).pow_(-local.beta).to(torch.float32).to(local.device)

@@ -64,6 +64,8 @@ def windows(batch: Transition) -> dict:
            "reward": batch.reward.clone(), "terminated": batch.terminated.clone(), "truncated": batch.truncated.clone()}
     if batch.next_observation is not None:
         out["next_obs"] = batch.next_observation.clone()
+    if batch.is_first is not None:
+        out["is_first"], out["mask"] = batch.is_first.clone(), batch.mask.clone()
     return out
 
 
@@ -119,6 +121,15 @@ def scenarios(group, tmp: str) -> dict:
     res["no_placeholder"] = caught(lambda: per.save(os.path.join(tmp, "shard.ckpt")))
     res["after_bad"] = (uni.num_valid(), per.max_priority, res["max_priority"])
     res["empty_update"] = caught(lambda: per.update_priorities([], []))
+
+    # episode boundaries, as the local buffers draw them
+    res["num_valid_forbid"] = (uni.num_valid(True, "forbid"), uni.local.num_valid(True, "forbid"))
+    res["uni_mask"] = windows(uni.sample(key=1003, batch_size=200, boundaries="mask"))
+    res["uni_forbid"] = windows(uni.sample(key=1004, batch_size=200, with_next_obs=True, boundaries="forbid"))
+    batch, gidx = per.sample(key=11, batch_size=res["num_valid_forbid"][0], boundaries="forbid", with_next_obs=True)
+    res["per_forbid_all"] = dict(windows(batch), idx=gidx)
+    res["bad_boundaries"] = caught(lambda: uni.sample(boundaries="never" if rank == last else "mask"))
+    res["split_boundaries"] = caught(lambda: uni.sample(boundaries="mask" if rank == 0 else "forbid"))
 
     # configurations that disagree
     res["bad_n_steps"] = caught(lambda: ShardedBuffer(TransitionBuffer(
@@ -190,6 +201,33 @@ def edge_cases(group, tmp: str) -> dict:
     return res
 
 
+LAST_T = 10
+
+
+def last_rows(group) -> dict:
+    """Shards of EnvPoolSource-style rows (an ``info["is_last"]`` leaf, with ``truncated`` on the same rows):
+    shard ``r`` marks env ``r % E`` at steps 3 and 7. Such rows never start a window; mask windows reset after."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    t = np.arange(LAST_T)[:, None]
+    v = rank * BIG + t * E + np.arange(E)[None, :]
+    last = (t % 4 == 3) & (np.arange(E)[None, :] == rank % E)
+    tr = Transition(observation=np.stack([v, -v], -1).astype(np.float64), action=None, reward=None,
+                    terminated=np.zeros_like(last), truncated=last, info={"is_last": last})
+    uni = ShardedBuffer(TransitionBuffer(S, 4, tr, n_steps=N_STEPS, device=DEVICE, seed=rank).insert(tr), group)
+    per = ShardedBuffer(PrioritizedTransitionBuffer(S, 4, tr, n_steps=N_STEPS, device=DEVICE, seed=rank).insert(tr),
+                        group)
+    n_ok = W * ((LAST_T - N_STEPS + 1) * E - 2)  # every shard: two starts hold a last row
+    out = {}
+    for name, buf, kw in (("uni", uni, {}), ("uni_all", uni, {"with_replacement": False, "batch_size": n_ok}),
+                          ("per", per, {"with_replacement": True}), ("per_all", per, {"batch_size": n_ok})):
+        res = buf.sample(key=40 + len(out), boundaries="mask", **({"batch_size": 120} | kw))
+        batch = res[0] if isinstance(res, tuple) else res
+        out[name] = {"obs": batch.observation[..., 0].clone(), "is_first": batch.is_first.clone(),
+                     "mask": batch.mask.clone(), "is_last": batch.info["is_last"].clone()}
+    out["too_many"] = caught(lambda: uni.sample(batch_size=n_ok + 1, with_replacement=False, boundaries="mask"))
+    return out
+
+
 def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Entry point of each spawned process."""
     torch.set_num_threads(1)
@@ -204,6 +242,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             results[name] = scenarios(group, tmp)
             results[name]["few"] = few_starts(group)
             results[name]["edge"] = edge_cases(group, tmp)
+            results[name]["last"] = last_rows(group)
         cpu = torch.utils._pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, results)
         torch.save(cpu, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:  # an exception reaches the test process with its traceback (torch.multiprocessing)

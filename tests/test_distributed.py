@@ -303,3 +303,75 @@ def test_a_load_failing_on_one_rank_keeps_max_priority_global(runs, name):
                                                 "error raised there); every rank of the group stops with it")
     assert len({r["edge"]["max_after_failed_load"] for r in res}) == 1
     assert res[0]["edge"]["max_after_failed_load"] == pytest.approx(10.0 * last, rel=1e-3)  # largest loaded one
+
+
+# ------------------------------------------------------------------ episode boundaries
+
+
+def truncated_rows(shard, step, env):
+    return (shard == 1) & (step == 4) & (env == 0)
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_boundaries_draw_the_local_windows_with_their_flags(runs, name):
+    res = runs[name]
+    for r in res:
+        assert r["num_valid_forbid"][0] == sum(x["num_valid_forbid"][1] for x in res)
+        # "mask": windows cross the truncation, is_first right after it, the mask up to it
+        w = r["uni_mask"]
+        mass = masses(res, "mass_uniform", 0)
+        check_windows(w, mass)
+        shard, step, env = decode(w["obs"])
+        steps = step[:, None] + np.arange(dw.N_STEPS)
+        ended = truncated_rows(shard[:, None], steps, env[:, None])
+        is_first, mask = w["is_first"].numpy(), w["mask"].numpy()
+        assert is_first[:, 0].all() and (is_first[:, 1:] == ended[:, :-1]).all()
+        np.testing.assert_array_equal(mask, np.cumsum(is_first, 1) == 1)
+        assert ended[:, :-1].any(), "no window crossed the truncation"
+        # "forbid" with next observations: no truncation in the window's rows, constant flags
+        w = r["uni_forbid"]
+        shard, step, env = decode(w["obs"])
+        steps = step[:, None] + np.arange(dw.N_STEPS)
+        assert not truncated_rows(shard[:, None], steps, env[:, None]).any()
+        assert w["mask"].all() and w["is_first"][:, 0].all() and not w["is_first"][:, 1:].any()
+        # prioritized, without replacement: every forbid start of the group exactly once
+        g = global_start(r["per_forbid_all"]["obs"])
+        assert len(set(g.tolist())) == len(g) == r["num_valid_forbid"][0]
+        np.testing.assert_array_equal(np.sort(g), np.sort(r["per_forbid_all"]["idx"].numpy()))
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_bad_or_disagreeing_boundaries_raise_on_every_rank(runs, name):
+    res = runs[name]
+    last = len(res) - 1
+    for rank, r in enumerate(res):
+        kind, msg = r["bad_boundaries"]
+        if rank == last:
+            assert kind == "ValueError" and "boundaries: expected one of" in msg
+        else:
+            assert kind == "RuntimeError" and f"rank(s) [{last}]" in msg
+        assert r["split_boundaries"] == ("ValueError", "boundaries: must agree on every rank of the group, got "
+                                         f"{['mask'] + ['forbid'] * last} by rank")
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_source_rows_marked_is_last_never_start_a_sharded_window(runs, name):
+    res = runs[name]
+    W = len(res)
+    for r in res:
+        for which in ("uni", "uni_all", "per", "per_all"):
+            w = r["last"][which]
+            v = w["obs"].numpy().astype(np.int64)
+            shard, rest = np.divmod(v, dw.BIG)
+            step, env = np.divmod(rest, dw.E)
+            is_last = (step % 4 == 3) & (env == shard % dw.E)
+            np.testing.assert_array_equal(w["is_last"].numpy(), is_last)
+            assert not is_last[:, 0].any(), which
+            is_first = w["is_first"].numpy()
+            assert is_first[:, 0].all() and (is_first[:, 1:] == is_last[:, :-1]).all()
+            np.testing.assert_array_equal(w["mask"].numpy(), np.cumsum(is_first, 1) == 1)
+            if which.endswith("_all"):  # every start but the last rows, once
+                starts = shard[:, 0] * dw.S + step[:, 0] * dw.E + env[:, 0]
+                assert len(set(starts.tolist())) == len(starts) == W * ((dw.LAST_T - dw.N_STEPS + 1) * dw.E - 2)
+        kind, msg = r["last"]["too_many"]
+        assert kind == "ValueError" and "exceeds the" in msg

@@ -149,3 +149,70 @@ def test_bad_boundaries_are_named_and_need_episode_flags():
     with pytest.raises(ValueError, match="boundaries: 'forbid' needs episode ends"):
         plain.sample(boundaries="forbid")
     assert plain.sample(boundaries="allow").is_first is None
+
+
+# ------------------------------------------------------------------ provenance: indices and locate
+
+
+def test_sample_returns_its_flat_starts_on_request_and_locate_maps_them_back(backend, device):
+    buf, _, _ = build(TransitionBuffer, 3, device, T=20)
+    buf.insert(episodes(15, 5, t0=20)[0])  # 35 rows written, 24 held: the ring wrapped
+    assert isinstance(buf.sample(key=1), Transition)  # the default return is unchanged
+    batch, idx = buf.sample(key=1, batch_size=50, return_indices=True)
+    assert idx.shape == (50,) and idx.dtype == torch.int64 and idx.device.type == torch.device(device).type
+    steps, envs = rows_of(batch, 3)
+    env, row, step = buf.locate(idx)
+    np.testing.assert_array_equal(env.cpu().numpy(), envs[:, 0])
+    np.testing.assert_array_equal(step.cpu().numpy(), steps[:, 0])  # the env's own row count
+    np.testing.assert_array_equal(row.cpu().numpy(), steps[:, 0] % M)  # the ring row
+    np.testing.assert_array_equal(idx.cpu().numpy(), row.cpu().numpy() * E + env.cpu().numpy())
+    per, _, _ = build(PrioritizedTransitionBuffer, 3, device, T=20)
+    batch, idx = per.sample(key=2, batch_size=10)
+    np.testing.assert_array_equal(per.locate(idx)[2].cpu().numpy(), rows_of(batch, 3)[0][:, 0])
+    env, row, step = buf.locate(np.array([[0, 1], [E * M - 1, 5]]))  # any shape, host arrays
+    assert env.shape == (2, 2) and env.tolist() == [[0, 1], [E - 1, 2]] and row.tolist() == [[0, 0], [M - 1, 1]]
+    assert step.tolist() == [[24, 24], [23, 25]]  # ring row 0 holds row 24, ring row 23 row 23
+
+
+def test_locate_and_return_indices_reject_bad_input():
+    buf, _, _ = build(TransitionBuffer, 2, "cpu", T=10)  # 10 of 24 rows held
+    with pytest.raises(TypeError, match="return_indices: expected a bool, got 1"):
+        buf.sample(return_indices=1)
+    with pytest.raises(TypeError, match="indices: expected integer flat starts, got torch.float32"):
+        buf.locate(torch.zeros(2))
+    with pytest.raises(IndexError, match=rf"indices: expected flat starts in \[0, {E * M}\), got \[-1, {E * M}\]"):
+        buf.locate([-1, 0, E * M])
+    with pytest.raises(IndexError, match=r"indices: rows \[10, 23\] are not held \(the buffer holds 10 rows per env\)"):
+        buf.locate([10 * E, 23 * E + 1, 9 * E])
+
+
+def test_rows_marked_is_last_never_start_a_window(backend, device):
+    """A buffer with an info['is_last'] leaf (the source's rows): such rows (stored with truncated) never start a
+    window, is_first follows them and the mask keeps them, for every boundaries value and both samplers."""
+    T = 20
+    rng = np.random.default_rng(3)
+    last = rng.random((T, E)) < 0.2
+    v = (np.arange(T)[:, None] * E + np.arange(E)).astype(np.float32)
+    term = np.zeros((T, E), bool)
+    term[:-1] = last[1:] & (rng.random((T - 1, E)) < 0.5)  # some episodes terminated, the others truncated
+    rows = Transition(observation=v[..., None], action=v, reward=v, terminated=term, truncated=last,
+                      info={"is_last": last})
+    for cls in (TransitionBuffer, PrioritizedTransitionBuffer):
+        buf = cls(E * M, 8, rows, n_steps=4, device=device, seed=0)
+        buf.insert(rows)
+        for boundaries in ("mask",) if backend == "triton" else ("allow", "mask", "forbid"):  # interpreted: slow
+            out = buf.sample(key=1, batch_size=60, boundaries=boundaries, with_replacement=True)
+            batch = out[0] if cls is PrioritizedTransitionBuffer else out
+            steps, envs = rows_of(batch, 4)
+            assert not last[steps[:, 0], envs[:, 0]].any()
+            if boundaries == "mask":
+                is_last = last[steps, envs]
+                np.testing.assert_array_equal(batch.is_first[:, 1:].cpu().numpy(), is_last[:, :-1])
+                np.testing.assert_array_equal(batch.mask.cpu().numpy(), np.cumsum(batch.is_first.cpu().numpy(), 1) == 1)
+    n_ok = (T - 4 + 1) * E - int(last[:T - 3].sum())
+    buf = TransitionBuffer(E * M, 8, rows, n_steps=4, device=device, seed=0).insert(rows)
+    batch = buf.sample(key=2, batch_size=n_ok, with_replacement=False)  # every allowed start once
+    starts = rows_of(batch, 4)[0][:, 0] * E + rows_of(batch, 4)[1][:, 0]
+    assert len(set(starts.tolist())) == n_ok
+    with pytest.raises(ValueError, match=f"batch_size: {n_ok + 1} exceeds the {n_ok} valid starts"):
+        buf.sample(batch_size=n_ok + 1, with_replacement=False)
