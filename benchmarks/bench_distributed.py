@@ -11,7 +11,8 @@ iteration, samples ``B`` windows and updates their ``B`` priorities (both collec
 - ``uniform``: TransitionBuffer shards, sample with replacement only.
 
 ``local`` rows time the same calls on the unwrapped buffer in one process (no communication). Each rank times
-``--iters`` iterations one by one after a barrier; a row reports the slowest rank's median iteration.
+``--iters`` iterations of every case one by one after a barrier, the cases interleaved in rotating order
+(:func:`gpubuf.benchmarking.timing.median_us`); a row reports the slowest rank's median iteration.
 Scaling efficiency = global windows/s with W ranks / (W x global windows/s with 1 rank). Processes get
 ``torch.set_num_threads(1)``; ranks beyond the machine's cores share them (say so when quoting numbers).
 
@@ -28,10 +29,8 @@ import json
 import multiprocessing
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf.benchmarking.timing import median_us, syncer
 from gpubuf.distributed import ShardedBuffer
 
 OBS, ACT = 17, 6
@@ -77,17 +77,15 @@ def check_windows(per: ShardedBuffer, uni: ShardedBuffer, B: int, g: torch.Gener
         raise AssertionError(f"rank {dist.get_rank()}: uniform windows hold rows that were never inserted")
 
 
-def timed(step, iters: int, barrier) -> float:
-    """Median seconds of one ``step`` over ``iters`` calls (after warm-up calls and a barrier)."""
-    for _ in range(5):
-        step()
+def timed(steps: dict, iters: int, barrier, sync) -> dict[str, float]:
+    """Case -> median seconds of one of its ``steps`` over ``iters`` calls, synced by ``sync``: after 5 warm-up
+    calls of each and a barrier, the cases interleaved in rotating order (the same order on every rank, so
+    their collectives meet)."""
+    for step in steps.values():
+        for _ in range(5):
+            step()
     barrier()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return {name: us / 1e6 for name, us in median_us(steps, iters, 1, sync, skip=0, warmup=0).items()}
 
 
 def cases(N: int, B: int, rank: int, sharded: bool, device: torch.device):
@@ -115,16 +113,12 @@ def worker(rank: int, world: int, init: str, out: str, N: int, B: int, iters: in
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-
-    def synced(step):
-        return lambda: (step(), sync())
-
+    sync = syncer(device)
     try:
-        res = {name: timed(synced(step), iters, dist.barrier) for name, step in cases(N, B, rank, True, device).items()}
+        res = timed(cases(N, B, rank, True, device), iters, dist.barrier, sync)
         if world == 1:
-            res.update({f"{name} local": timed(synced(step), iters, lambda: None)
-                        for name, step in cases(N, B, rank, False, device).items()})
+            res.update({f"{name} local": sec
+                        for name, sec in timed(cases(N, B, rank, False, device), iters, lambda: None, sync).items()})
         everyone = [None] * world
         dist.all_gather_object(everyone, res)
         if rank == 0:

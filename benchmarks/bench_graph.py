@@ -10,12 +10,11 @@ and prioritized buffers. Median per call over interleaved repeats.
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf.benchmarking.timing import median_us, syncer
 
 E, ROWS, N, B = 64, 2**14, 4, 256
 
@@ -34,18 +33,6 @@ def build(cls, device):
     return buf
 
 
-def timed(fn, sync, repeats):
-    ts = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        for _ in range(5):
-            fn()
-        sync()
-        ts.append((time.perf_counter() - t) / 5 * 1e6)
-    return statistics.median(ts)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
@@ -55,7 +42,7 @@ def main():
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = syncer(dev)
     rows = []
     for name, cls in (("uniform", TransitionBuffer), ("prioritized", PrioritizedTransitionBuffer)):
         buf = build(cls, dev)
@@ -77,12 +64,9 @@ def main():
             want = ((starts // E).unsqueeze(1) + torch.arange(N)) % ROWS * E + starts.unsqueeze(1) % E
             assert torch.equal(obs, want.float()), "replayed windows are not the rows of their starts"
             fns["CUDA graph replay"] = graph.replay
-        med = {k: [] for k in fns}
-        for _ in range(3):  # interleaved rounds
-            for k, fn in fns.items():
-                med[k].append(timed(fn, sync, args.repeats // 3 or 1))
-        for k, v in med.items():
-            rows.append({"buffer": name, "call": k, "us": statistics.median(v)})
+        # 3 interleaved rounds of repeats // 3 samples of each call; a sample times 5 consecutive calls
+        med = median_us(fns, 3, args.repeats // 3 or 1, sync, skip=0, calls=5)
+        rows += [{"buffer": name, "call": k, "us": us} for k, us in med.items()]
     print(f"sampling {B} windows of {N} rows from 2**20 starts on {dev}, median us per call")
     print("| buffer | call | us |\n|---|---|---:|")
     for r in rows:

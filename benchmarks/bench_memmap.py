@@ -16,13 +16,13 @@ import os
 import platform
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from gpubuf import Transition, TransitionBuffer
+from gpubuf.benchmarking.timing import interleaved, wall_clock
 
 ENVS, H, W, C, SB, SL, B1 = 64, 64, 64, 3, 32, 16, 256
 
@@ -41,14 +41,15 @@ def read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
-def timed(fn, repeats: int) -> list[tuple[float, int]]:
-    """(seconds, bytes read from disk) of each of ``repeats`` calls."""
-    out = []
-    for _ in range(repeats):
-        r, t = read_bytes(), time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t, read_bytes() - r))
-    return out
+def disk_clock():
+    """A :mod:`gpubuf.benchmarking.timing` clock whose samples are (microseconds, bytes read from disk)."""
+    wall = wall_clock()
+
+    def start():
+        r, stop_wall = read_bytes(), wall()
+        return lambda: (stop_wall(), read_bytes() - r)
+
+    return start
 
 
 def main():
@@ -72,25 +73,26 @@ def main():
         return Transition(observation=f, action=np.zeros((T, ENVS), np.float32), reward=np.zeros((T, ENVS), np.float32),
                           terminated=np.zeros((T, ENVS), bool), truncated=np.zeros((T, ENVS), bool))
 
-    t0 = time.perf_counter()
+    clock = wall_clock()
+    stop_fill = clock()
     g = TransitionBuffer(N, SB, tr(frames_at(0, 1)), n_steps=SL, device="cpu", seed=0, storage_dir=root / "gpubuf")
     g1 = TransitionBuffer(N, B1, tr(frames_at(0, 1)), n_steps=1, device="cpu", seed=0,
                           storage_dir=root / "gpubuf-single")
     inserts = []  # seconds per insert of `chunk` steps x ENVS frames, into both buffers
     for s in range(0, steps, chunk):
         rows = tr(frames_at(s, min(chunk, steps - s)))
-        t = time.perf_counter()
+        stop = clock()
         g.insert(rows)
         g1.insert(rows)
-        inserts.append(time.perf_counter() - t)
+        inserts.append(stop() / 1e6)
     g.flush(), g1.flush()
-    fill = {"gpubuf (2 buffers)": time.perf_counter() - t0}
+    fill = {"gpubuf (2 buffers)": stop_fill() / 1e6}
     again, filling = tr(frames_at(steps, chunk)), len(inserts)
     for _ in range(max(4, args.repeats // 3)):  # into a full ring: every insert overwrites held rows
-        t = time.perf_counter()
+        stop = clock()
         g.insert(again)
         g1.insert(again)
-        inserts.append(time.perf_counter() - t)
+        inserts.append(stop() / 1e6)
     if args.gpubuf_only:
         rb = rb1 = None
     else:
@@ -102,15 +104,11 @@ def main():
            ("256 frames", "torchrl LazyMemmapStorage + RandomSampler"): lambda: rb1.sample()}
     if args.gpubuf_only:
         fns = {k: fn for k, fn in fns.items() if k[1] == "gpubuf"}
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(3):  # interleaved rounds
-        for k, fn in fns.items():
-            times[k] += timed(fn, max(1, args.repeats // 3))
+    # 3 interleaved rounds (after one untimed call of each) of repeats // 3 timed calls of each
+    times = interleaved(fns, 3, disk_clock(), max(1, args.repeats // 3), skip=0)
     rows = []
     for (c, impl), v in times.items():
-        sec = statistics.median(t for t, _ in v)
+        sec = statistics.median(us for us, _ in v) / 1e6
         frames = SB * SL if c.startswith("32") else B1
         rows.append({"case": c, "impl": impl, "us": sec * 1e6, "MB/s": frames * H * W * C / sec / 1e6,
                      "disk MB read": statistics.median(b for _, b in v) / 1e6})
@@ -139,7 +137,7 @@ def fill_torchrl(root: Path, N: int, steps: int, fill: dict):
     from torchrl.data import LazyMemmapStorage, ReplayBuffer
     from torchrl.data.replay_buffers import RandomSampler, SliceSampler
 
-    t0 = time.perf_counter()
+    stop_fill = wall_clock()()
     storage = LazyMemmapStorage(N, scratch_dir=str(root / "torchrl"))
     rb = ReplayBuffer(storage=storage, sampler=SliceSampler(num_slices=SB, traj_key="episode"), batch_size=SB * SL)
     storage1 = LazyMemmapStorage(N, scratch_dir=str(root / "torchrl-single"))
@@ -151,7 +149,7 @@ def fill_torchrl(root: Path, N: int, steps: int, fill: dict):
             td = TensorDict({"obs": f, "episode": torch.full((T,), e), "reward": torch.zeros(T)}, batch_size=[T])
             rb.extend(td)
             rb1.extend(td)
-    fill["torchrl (2 buffers)"] = time.perf_counter() - t0
+    fill["torchrl (2 buffers)"] = stop_fill() / 1e6
     return rb, rb1
 
 

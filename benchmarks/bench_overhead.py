@@ -3,8 +3,9 @@ torch op dispatch measured in the same run.
 
 Sizes: 16 envs, CartPole-sized observations (4 float32), batch 32, 16k capacity (1024 rows x 16 envs),
 history get(4) with action_block 1. The unit is the mean time of 8 trivial ops on 16-element tensors (add,
-mul, sub with out=, index_select, empty, copy_, fill_, a slice). Ops run interleaved in rotating order,
-one thread, median of many repeats; the trees are built before timing.
+mul, sub with out=, index_select, empty, copy_, fill_, a slice). Ops run interleaved in rotating order
+(:func:`gpubuf.benchmarking.timing.median_us`), one thread, median of many repeats; the trees are built
+before timing.
 
     python benchmarks/bench_overhead.py            # -> results/overhead_cpu.json and a markdown table
 """
@@ -12,8 +13,6 @@ one thread, median of many repeats; the trees are built before timing.
 import argparse
 import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 
 import gpubuf
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf.benchmarking.timing import median_us, syncer
 
 E, OBS, B, ROWS = 16, 4, 32, 1024
 TARGETS = {"history append": 15, "history get(4)": 15, "replay insert": 15, "PER insert": 15,
@@ -80,22 +80,10 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ops = cases(device)
     trivial = trivial_ops(device)
     ops["trivial op (unit)"] = lambda: [f() for f in trivial]
-    times = {k: [] for k in ops}
-    order = list(ops)
-    for k in order:
-        ops[k]()
-    for r in range(args.repeats):
-        for k in order[r % len(order):] + order[:r % len(order)]:
-            sync()
-            t0 = time.perf_counter()
-            ops[k]()
-            sync()
-            times[k].append((time.perf_counter() - t0) * 1e6)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = median_us(ops, args.repeats, 1, syncer(device), skip=0)  # one timed call of each op per round
     unit = med.pop("trivial op (unit)") / len(trivial)
     rows = [{"op": k, "us": v, "units": v / unit, "target_units": TARGETS.get(k)} for k, v in med.items()]
     meta = {"machine": platform.processor() or platform.machine(), "device": str(device), "torch": torch.__version__,

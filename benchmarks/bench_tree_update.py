@@ -2,8 +2,9 @@
 
 For each capacity (2**k leaves, fanout 32, the buffers' tree): scattered updates of K leaves (K = 256, 4096,
 65536) and a full range rebuild, each timed with CUDA events (median of ``--repeats``), once forcing the
-one-program launch and once the many-program launches (``MANY_PROGRAMS_FROM``); both must leave the same
-tree as the torch twin (leaves exactly, parents to 1e-14). Writes JSON (``--out``) and prints markdown.
+one-program launch and once the many-program launches (``MANY_PROGRAMS_FROM``), the two interleaved; both
+must leave the same tree as the torch twin (leaves exactly, parents to 1e-14). Writes JSON (``--out``) and
+prints markdown.
 
     python benchmarks/bench_tree_update.py --device cuda --log2-sizes 20,24
 """
@@ -11,27 +12,20 @@ tree as the torch twin (leaves exactly, parents to 1e-14). Writes JSON (``--out`
 import argparse
 import functools
 import json
-import statistics
 import sys
 
 import torch
 
 from gpubuf import reference
+from gpubuf.benchmarking.timing import cuda_event_clock, median_us
 from gpubuf.prefix_tree import PrefixSumTree
 
 
-def timed(fn, repeats: int) -> float:
-    """Median microseconds of ``fn`` on the current CUDA stream."""
-    fn()  # compile and warm
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+def launch(pt, threshold: int, kernel, *args) -> None:
+    """``kernel(*args)`` with many-program launches from ``threshold`` leaves (2**62: one program always);
+    ``pt`` is :mod:`gpubuf.kernels.prefix_tree`."""
+    pt.MANY_PROGRAMS_FROM = threshold
+    kernel(*args)
 
 
 def main(argv=None) -> int:
@@ -67,13 +61,15 @@ def main(argv=None) -> int:
                 kernel, twin, rest = pt.update, reference.tree_update, (tree.offsets, F, idx, vals)
             want = tree.tree.clone()
             twin(want, *rest)
-            row = {"log2_leaves": k, "case": case}
-            for mode, threshold in (("one program", 2**62), ("many programs", 1)):
-                pt.MANY_PROGRAMS_FROM = threshold
-                got = tree.tree.clone()
-                row[mode] = timed(functools.partial(kernel, got, *rest), args.repeats)
-                assert torch.equal(got[:cap], want[:cap]), (case, mode)
-                torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+            modes = {"one program": 2**62, "many programs": 1}
+            got = {mode: tree.tree.clone() for mode in modes}
+            fns = {mode: functools.partial(launch, pt, threshold, kernel, got[mode], *rest)
+                   for mode, threshold in modes.items()}
+            # the two modes interleaved, each call timed with CUDA events (the first call compiles and warms)
+            row = {"log2_leaves": k, "case": case, **median_us(fns, args.repeats, skip=0, clock=cuda_event_clock())}
+            for mode in modes:
+                assert torch.equal(got[mode][:cap], want[:cap]), (case, mode)
+                torch.testing.assert_close(got[mode], want, rtol=1e-14, atol=0)
             rows.append(row)
             print(f"2**{k} {case}: one {row['one program']:.0f} us, many {row['many programs']:.0f} us",
                   file=sys.stderr, flush=True)

@@ -110,6 +110,13 @@ def check_args(parser, args):
         import envpool
     except ImportError as err:
         parser.demo.error(f"the demo steps EnvPool envs: pip install envpool ({err})")
+    from gpubuf.demo import require
+
+    for module, use in (("tqdm", "gpubuf demo's progress bar"), ("matplotlib", "gpubuf demo's plot")):
+        try:
+            require(module, use)
+        except ImportError as err:
+            parser.demo.error(str(err))
 
     parser = parser.demo
 
@@ -190,7 +197,12 @@ def run_bench(parser, args) -> int:
     except OSError as err:
         parser.bench.error(f"--out: cannot write {err.filename!r} ({err.strerror})")
     print(report.markdown(result))
-    chart = f"chart to {png}" if png else "no chart (matplotlib is not installed: pip install matplotlib)"
+    if png:
+        chart = f"chart to {png}"
+    else:
+        from gpubuf.demo import EXTRA
+
+        chart = f'no chart (matplotlib is not installed: pip install "gpubuf[{EXTRA}]")'
     print(f"table written to {md}, {chart}, numbers to {js}")
     return 0
 
@@ -200,10 +212,10 @@ def run_demo(args, device) -> dict:
     import envpool
     import numpy as np
     import torch
-    from tqdm import tqdm
 
     from gpubuf import demo
 
+    tqdm = demo.require("tqdm", "gpubuf demo's progress bar").tqdm
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     batch = args.num_envs // 2 if args.async_ else args.num_envs

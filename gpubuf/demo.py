@@ -8,6 +8,7 @@ whose TD errors become priorities; it times the buffers and does not learn to ac
 call is timed with a :class:`Timer` and episode returns are logged against env steps.
 """
 
+import importlib
 import time
 from collections import defaultdict
 
@@ -15,28 +16,39 @@ import numpy as np
 import torch
 
 from gpubuf import ops
+from gpubuf.benchmarking.timing import wall_clock
 from gpubuf.envpool import EnvPoolSource
 from gpubuf.mbrl import EnvLoop, EpisodeLog, MBRLAgent, MBRLConfig
 from gpubuf.planning import PlanConfig, Planner, cartpole_cost
 from gpubuf.prioritized import PrioritizedTransitionBuffer
 
 TASK_COSTS = {"CartPole-v1": cartpole_cost}  # known task costs the learning run plans with (as PETS does)
+EXTRA = "apps"  # the extra that brings the demo's optional dependencies: pip install "gpubuf[apps]"
+
+
+def require(module: str, use: str):
+    """Import ``module``, an optional dependency of the apps (tqdm, matplotlib), or raise an ImportError that
+    names the extra to install; ``use`` says what needs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"{use} needs {module}, which is not installed: pip install \"gpubuf[{EXTRA}]\" "
+                          f"(or pip install {module})") from err
 
 
 class Timer:
-    """Wraps callables to record their wall time (device-synchronised on CUDA) under a name."""
+    """Wraps callables to record their wall time (device-synchronised on CUDA) under a name: every call is one
+    sample of :func:`gpubuf.benchmarking.timing.wall_clock` (what the benchmarks time with)."""
 
     def __init__(self, device: torch.device):
-        self.samples: dict[str, list[float]] = defaultdict(list)
-        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.samples: dict[str, list[float]] = defaultdict(list)  # seconds per call
+        self._clock = wall_clock(device)
 
     def wrap(self, fn, name: str):
         def timed(*args, **kwargs):
-            self._sync()
-            t0 = time.perf_counter()
+            stop = self._clock()
             out = fn(*args, **kwargs)
-            self._sync()
-            self.samples[name].append(time.perf_counter() - t0)
+            self.samples[name].append(stop() / 1e6)
             return out
 
         return timed
@@ -234,9 +246,7 @@ def summary_table(r: dict, env_id: str) -> str:
 def write_plot(r: dict, env_id: str, path: str) -> None:
     """A PNG: episode returns against env steps (with the last-10 mean and the task's threshold) next to the
     median time of every timed call."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the demo's plot").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})

@@ -1,4 +1,10 @@
-"""Interleaved timing: every contender runs in the same process, in rotating order; medians per call."""
+"""The one timing helper of every benchmark (``gpubuf bench``, ``benchmarks/*.py``, the demo's timers).
+
+Contenders run in the same process, interleaved in rotating order, and are reported as medians per call.
+A clock is ``start() -> stop``, ``stop() -> microseconds`` (or anything a benchmark wants per sample):
+:func:`wall_clock` (host wall time, the device synced around the call) or :func:`cuda_event_clock` (device
+time between two CUDA events). :func:`interleaved` collects the samples, :func:`median_us` their medians.
+"""
 
 import os
 import platform
@@ -9,34 +15,81 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+Clock = Callable[[], Callable[[], object]]  # start() -> stop; stop() -> one sample (microseconds by default)
+
 
 def syncer(device: torch.device) -> Callable[[], None]:
     """A function that waits for the device's queued work (a no-op on CPU)."""
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
-def median_us(fns: dict, repeats: int, block: int, sync: Callable[[], None]) -> dict:
-    """Name -> median microseconds per call of ``fns[name]`` (synced before and after each call).
+def wall_clock(sync: torch.device | str | Callable[[], None] | None = None) -> Clock:
+    """Host wall time of what runs between ``start()`` and ``stop()``, in microseconds, with ``sync`` (a device's
+    :func:`syncer`, or a function) called before the start and before the stop."""
+    sync = (lambda: None) if sync is None else sync if callable(sync) else syncer(sync)
 
-    Every repeat runs each fn for ``block + 1`` consecutive calls, in an order rotated by one per repeat; the
-    first call of each block is not timed, so what a previous contender left in the caches or spinning
-    (XLA's thread pools) does not land on the next one. One untimed call of each warms up first (compiles).
+    def start():
+        sync()
+        t0 = time.perf_counter()
+
+        def stop() -> float:
+            sync()
+            return (time.perf_counter() - t0) * 1e6
+
+        return stop
+
+    return start
+
+
+def cuda_event_clock() -> Clock:
+    """Device time between two CUDA events recorded on the current stream, in microseconds."""
+
+    def start():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+
+        def stop() -> float:
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) * 1e3
+
+        return stop
+
+    return start
+
+
+def interleaved(fns: dict, repeats: int, clock: Clock, block: int = 1, *, skip: int = 1, calls: int = 1,
+                warmup: int = 1) -> dict[object, list]:
+    """Name -> the samples of ``fns[name]``, each what ``clock`` reads over ``calls`` consecutive calls.
+
+    First ``warmup`` untimed calls of each fn (compiles, builds caches). Then ``repeats`` rounds; every round runs
+    each fn in an order rotated by one per round: ``skip`` untimed calls (what a previous contender left in the
+    caches or spinning, XLA's thread pools, does not land on the next one), then ``block`` samples.
     """
     for fn in fns.values():
-        fn()
-    sync()
+        for _ in range(warmup):
+            fn()
     names = list(fns)
-    times = {k: [] for k in fns}
+    samples = {k: [] for k in names}
     for r in range(repeats):
         for k in names[r % len(names):] + names[:r % len(names)]:
-            for i in range(block + 1):
-                sync()
-                t0 = time.perf_counter()
+            for _ in range(skip):
                 fns[k]()
-                sync()
-                if i:
-                    times[k].append((time.perf_counter() - t0) * 1e6)
-    return {k: statistics.median(v) for k, v in times.items()}
+            for _ in range(block):
+                stop = clock()
+                for _ in range(calls):
+                    fns[k]()
+                samples[k].append(stop())
+    return samples
+
+
+def median_us(fns: dict, repeats: int, block: int = 1, sync: Callable[[], None] | None = None, *,
+              clock: Clock | None = None, skip: int = 1, calls: int = 1, warmup: int = 1) -> dict:
+    """Name -> median microseconds per call of ``fns[name]``, timed by :func:`interleaved` with ``clock``
+    (default: :func:`wall_clock` synced by ``sync``). The defaults time every repeat as ``block + 1``
+    consecutive calls, the first untimed, after one untimed call of each fn."""
+    samples = interleaved(fns, repeats, clock or wall_clock(sync), block, skip=skip, calls=calls, warmup=warmup)
+    return {k: statistics.median(v) / calls for k, v in samples.items()}
 
 
 def machine(device: torch.device) -> dict:

@@ -1,0 +1,252 @@
+"""The package's import structure: no import cycle among gpubuf's modules, the core apart from the apps.
+
+The import graph is read from the source with :mod:`ast` (nothing is executed): every
+``import gpubuf.x``, ``from gpubuf.x import y`` and ``from gpubuf import x`` (and relative forms), at module
+level and inside functions, except under ``if TYPE_CHECKING:``. ``from p import m`` counts as an import of
+the submodule ``p.m`` when there is one, else of ``p``. A module's own parent packages, which Python
+initialises first, are not counted as its imports (else every module ``gpubuf/__init__.py`` imports would
+form a cycle with it).
+"""
+
+import ast
+import importlib.util
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpubuf
+
+# Modules that ``import gpubuf`` must not load: they load when used (gpubuf/__init__.py's __getattr__).
+APPS = ("gpubuf.benchmarking", "gpubuf.cli", "gpubuf.demo", "gpubuf.distributed", "gpubuf.envpool", "gpubuf.mbrl",
+        "gpubuf.planning", "gpubuf.wrappers")
+# Third-party packages of the apps and the extras, which neither ``import gpubuf`` nor a core module may load.
+OPTIONAL = ("envpool", "gymnasium", "matplotlib", "tqdm", "tensordict", "scipy")
+# Cycles another step of issue 19 is removing (gpubuf/transition.py); each is rotated to start at its
+# smallest module name. While one exists its case below is an expected failure, not hidden.
+KNOWN_CYCLES = [("gpubuf.replay", "gpubuf.transition_tools"), ("gpubuf.graph_sampling", "gpubuf.replay")]
+# The issue's done-when check, verbatim.
+DONE_WHEN = ("import gpubuf, sys; print([m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tqdm', "
+             "'envpool') or m == 'gpubuf.distributed'])")
+LAZY_NAMES = ("EnvPoolSource", "ShardedBuffer", "Planner", "CEMSolver", "PlanConfig", "Step", "StepStager")
+
+
+def is_app(module: str) -> bool:
+    return any(module == app or module.startswith(app + ".") for app in APPS)
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the gpubuf package (gpubuf.kernels, which lives in kernels/, included) -> its file."""
+    roots = [("gpubuf.", gpubuf.__path__)]
+    kernels = importlib.util.find_spec("gpubuf.kernels")  # finds it without running it (no triton import)
+    if kernels is not None:
+        roots.append(("gpubuf.kernels.", kernels.submodule_search_locations))
+    modules = {"gpubuf": Path(gpubuf.__file__)}
+    if kernels is not None:
+        modules["gpubuf.kernels"] = Path(kernels.origin)
+    for prefix, path in roots:
+        for info in pkgutil.walk_packages(list(path), prefix):
+            leaf = info.name.rsplit(".", 1)[1]
+            base = Path(info.module_finder.path) / leaf
+            modules[info.name] = base / "__init__.py" if info.ispkg else base.with_suffix(".py")
+    return modules
+
+
+class Imports(ast.NodeVisitor):
+    """The gpubuf modules one module imports: (target, line, module level or in a function)."""
+
+    def __init__(self, name: str, is_package: bool, known: set[str]):
+        self.package = name if is_package else name.rpartition(".")[0]
+        self.known = known
+        self.depth = 0
+        self.found: list[tuple[str, int, bool]] = []
+
+    def add(self, target: str, line: int) -> None:
+        if target == "gpubuf" or target.startswith("gpubuf."):
+            while target not in self.known and "." in target:  # an attribute path: its module
+                target = target.rpartition(".")[0]
+            self.found.append((target, line, self.depth == 0))
+
+    def visit_If(self, node: ast.If) -> None:
+        test = node.test
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            for child in node.orelse:  # only what runs
+                self.visit(child)
+            return
+        self.generic_visit(node)
+
+    def visit_FunctionDef(self, node) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self.add(alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level:
+            base = self.package.split(".")
+            base = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+        else:
+            base = node.module
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            self.add(sub if sub in self.known else base, node.lineno)
+
+
+def import_graph() -> dict[str, dict[str, list[tuple[int, bool]]]]:
+    """module -> {imported gpubuf module -> [(line, module level?)]} for every module of the package."""
+    modules = package_modules()
+    known = set(modules)
+    graph = {}
+    for name, path in modules.items():
+        visitor = Imports(name, path.name == "__init__.py", known)
+        visitor.visit(ast.parse(path.read_text(), str(path)))
+        edges = {}
+        for target, line, top in visitor.found:
+            if target == name or name.startswith(target + "."):
+                continue  # itself, or its parents (they run first anyway)
+            where = edges.setdefault(target, [])
+            if (line, top) not in where:  # one entry per import line, however many names it takes
+                where.append((line, top))
+        graph[name] = edges
+    return graph
+
+
+def simple_cycles(graph) -> list[tuple[str, ...]]:
+    """Every elementary cycle, each rotated to start at its smallest module name."""
+    order = sorted(graph)
+    cycles = []
+
+    def walk(start, node, path, allowed):
+        for nxt in sorted(graph[node]):
+            if nxt == start:
+                cycles.append(tuple(path))
+            elif nxt in allowed and nxt not in path:
+                walk(start, nxt, path + [nxt], allowed)
+
+    for i, start in enumerate(order):
+        walk(start, start, [start], set(order[i + 1:]))
+    return cycles
+
+
+def describe(cycle, graph) -> str:
+    """``a -> b (line 3, in a function) -> a (line 14)``."""
+    steps = []
+    for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+        where = ", ".join(f"line {line}{'' if top else ' in a function'}" for line, top in graph[a][b])
+        steps.append(f"{a} -> {b} ({where})")
+    return "; ".join(steps)
+
+
+GRAPH = import_graph()
+CYCLES = simple_cycles(GRAPH)
+
+
+def test_the_walk_sees_the_package():
+    assert {"gpubuf", "gpubuf.replay", "gpubuf.history", "gpubuf.cli", "gpubuf.benchmarking.timing"} <= set(GRAPH)
+    assert "gpubuf.history" in GRAPH["gpubuf"]  # a module-level edge of __init__
+    assert not any(GRAPH["gpubuf"].get(app) for app in APPS)  # the TYPE_CHECKING imports do not count
+    assert simple_cycles({"a": {"b": 0}, "b": {"c": 0, "a": 0}, "c": {"a": 0}}) == [("a", "b"), ("a", "b", "c")]
+
+
+def test_no_import_cycle():
+    """No cycle among the package's modules, module-level and function-level imports alike, besides the
+    known ones (their own cases below)."""
+    new = [describe(c, GRAPH) for c in CYCLES if c not in KNOWN_CYCLES]
+    assert not new, "import cycles:\n" + "\n".join(new)
+
+
+@pytest.mark.parametrize("cycle", [
+    pytest.param(c, id=" <-> ".join(m.removeprefix("gpubuf.") for m in c),
+                 marks=pytest.mark.xfail(strict=False, reason="known cycle, being removed by issue 19 step 1 "
+                                                              "(gpubuf/transition.py)"))
+    for c in KNOWN_CYCLES])
+def test_known_cycle_is_gone(cycle):
+    assert cycle not in CYCLES, "import cycle: " + describe(cycle, GRAPH)
+
+
+def test_core_modules_import_no_app_and_no_optional_package_at_module_level():
+    """The apps may import the core; the core (every module but the apps) imports no app at module level,
+    and neither does any module import an optional package (tqdm, matplotlib, envpool, ...) at module level
+    except the modules that exist to wrap one (gpubuf.wrappers: gymnasium)."""
+    bad = [f"{name} -> {target} (line {line})" for name, edges in GRAPH.items() if not is_app(name)
+           for target, where in edges.items() if is_app(target) for line, top in where if top]
+    assert not bad, "core modules importing apps at module level:\n" + "\n".join(bad)
+    modules = package_modules()
+    optional = []
+    for name, path in modules.items():
+        for node in ast.parse(path.read_text()).body:  # module-level statements
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            optional += [f"{name} -> {n} (line {node.lineno})" for n in names if n.split(".")[0] in OPTIONAL
+                         and not (name == "gpubuf.wrappers" and n.startswith("gymnasium"))]
+    assert not optional, "optional packages imported at module level:\n" + "\n".join(optional)
+
+
+def run_python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_import_gpubuf_loads_the_core_only():
+    """In a fresh process: what ``import gpubuf`` adds to what torch and numpy load themselves holds no app
+    and no optional package. (torch.hub imports tqdm whenever it is installed, so with the test extra the
+    issue's check, run as is, lists tqdm's modules, loaded by ``import torch``; the next test runs it as is
+    on an install without the apps extra.)"""
+    new = json.loads(run_python(
+        "import json, sys; import numpy, torch; before = set(sys.modules); import gpubuf; "
+        "print(json.dumps(sorted(set(sys.modules) - before)))"))
+    assert "gpubuf.replay" in new and "gpubuf.history" in new
+    assert [m for m in new if is_app(m)] == []
+    assert [m for m in new if m.split(".")[0] in OPTIONAL] == []
+
+
+def test_done_when_check_prints_nothing_without_the_apps_extra():
+    """The issue's check, verbatim, where tqdm, matplotlib and envpool cannot be imported (an install of gpubuf
+    without its extras): ``import gpubuf`` works and loads none of them; the lazy names still resolve."""
+    block = ("import importlib.machinery, sys\n"
+             "class NoExtras:  # finds them, and fails to import them as an absent package does\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.split('.')[0] in ('tqdm', 'matplotlib', 'envpool'):\n"
+             "            return importlib.machinery.ModuleSpec(name, self)\n"
+             "    def create_module(self, spec):\n"
+             "        raise ModuleNotFoundError(f'No module named {spec.name!r}', name=spec.name)\n"
+             "    def exec_module(self, module):\n"
+             "        pass\n"
+             "sys.meta_path.insert(0, NoExtras())\n"
+             "import torch\n"
+             "assert 'tqdm' not in sys.modules and torch.hub.tqdm.__name__ == '_Faketqdm'\n")
+    assert run_python(block + DONE_WHEN) == "[]"
+    lazy = f"from gpubuf import {', '.join(LAZY_NAMES)}; print('ok')"
+    assert run_python(block + lazy) == "ok"
+
+
+def test_lazy_names_resolve_and_are_listed():
+    from gpubuf.distributed import ShardedBuffer
+    from gpubuf.envpool import EnvPoolSource, Step, StepStager
+    from gpubuf.planning import CEMSolver, PlanConfig, Planner
+
+    want = {"EnvPoolSource": EnvPoolSource, "ShardedBuffer": ShardedBuffer, "Planner": Planner,
+            "CEMSolver": CEMSolver, "PlanConfig": PlanConfig, "Step": Step, "StepStager": StepStager}
+    assert {name: getattr(gpubuf, name) for name in LAZY_NAMES} == want
+    assert set(LAZY_NAMES) <= set(gpubuf.__all__) <= set(dir(gpubuf))
+    assert all(hasattr(gpubuf, name) for name in gpubuf.__all__)
+    assert {"planning", "envpool", "cli"} <= set(dir(gpubuf)) and gpubuf.mbrl.__name__ == "gpubuf.mbrl"
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        gpubuf.no_such_name  # noqa: B018
+
+
+def test_a_missing_optional_dependency_names_the_extra():
+    from gpubuf.demo import require
+
+    with pytest.raises(ImportError, match=r'pip install "gpubuf\[apps\]"'):
+        require("gpubuf_no_such_module", "a test")
