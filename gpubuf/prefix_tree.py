@@ -10,7 +10,8 @@ cannot accumulate across updates, and a zero leaf is never sampled.
 
 import torch
 
-from gpubuf import ops
+from gpubuf.ops.device import allocate
+from gpubuf.ops.prefix_tree import tree_sample, tree_update, tree_update_range
 
 FANOUT = 32
 
@@ -29,7 +30,7 @@ class PrefixSumTree:
         for s in sizes:
             self.offsets.append(self.offsets[-1] + s)
         self.size = self.offsets[-1]
-        self.tree = ops.allocate({"tree": (self.size,)}, {"tree": torch.float64}, device)["tree"]
+        self.tree = allocate({"tree": (self.size,)}, {"tree": torch.float64}, device)["tree"]
 
     def leaves(self, idx: torch.Tensor) -> torch.Tensor:
         """(K,) float64 masses of leaves ``idx`` (K,) int64."""
@@ -41,14 +42,14 @@ class PrefixSumTree:
 
     def update(self, idx: torch.Tensor, values: torch.Tensor) -> None:
         """Leaves ``idx`` (K,) int64 = ``values`` (K,) float64 (equal values for duplicates), then their parents."""
-        ops.tree_update(self.backend, self.tree, self.offsets, self.fanout, idx, values)
+        tree_update(self.backend, self.tree, self.offsets, self.fanout, idx, values)
 
     def update_range(self, lo: int, values: torch.Tensor) -> None:
         """Leaves ``[lo, lo + len(values))`` = values, then their (contiguous) parents."""
-        ops.tree_update_range(self.backend, self.tree, self.offsets, self.fanout, lo, values)
+        tree_update_range(self.backend, self.tree, self.offsets, self.fanout, lo, values)
 
     def sample(self, u: torch.Tensor) -> torch.Tensor:
         """(B,) int64 leaves picked by uniforms ``u`` (B,) float64 in [0, 1), in proportion to their mass."""
         out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
-        ops.tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
+        tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
         return out

@@ -1,7 +1,11 @@
 """Triton kernels and their launchers (shipped as ``gpubuf.kernels``); the only place importing triton.
 
+One module per kernel family (``history``, ``prefix_tree``, ``sequence``): its kernels, their launchers and
+``variants()``, every (signature, constexprs) the launchers compile (``signatures.py`` compiles them ahead of
+time). This package imports nothing from ``gpubuf``; this file and ``words.py`` import no Triton.
+
 Copy kernels serve many keys (leaves) per launch: the launcher views each ``(source, destination)`` pair
-as rows of int words (:func:`gpubuf.reference.as_words`), groups pairs by word type, and uploads one int64
+as rows of int words (:func:`gpubuf.kernels.words.as_words`), groups pairs by word type, and uploads one int64
 table per group (``source address, destination address, words per row, extra ints...`` per pair); one
 launch per group reads its pair's row from the table with ``tl.program_id(1)``.
 
@@ -11,14 +15,14 @@ current device is).
 """
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from gpubuf.reference import as_words
-from gpubuf.staging import Staging
+from gpubuf.kernels.words import as_words
 
-_STAGING: dict[torch.device, Staging] = {}
+INDEX = ("i32", "i64")  # Triton passes a Python int as i32, or i64 from 2**31 on
 
 
 def on_device(t: torch.Tensor):
@@ -47,9 +51,29 @@ def word_groups(pairs: list, extra: list | None = None) -> list[tuple[torch.Tens
     return out
 
 
-def upload(table: np.ndarray, device: torch.device, key: str) -> torch.Tensor:
-    """``table`` on ``device`` (through a reusable pinned ring on CUDA: one non-blocking copy)."""
-    staging = _STAGING.get(device)
-    if staging is None:
-        staging = _STAGING[device] = Staging(device)
-    return staging.to_device(torch.from_numpy(np.ascontiguousarray(table)), key)
+def upload(table: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``table`` (host int64) on ``device``; on CUDA one non-blocking copy from pinned memory (torch's caching
+    host allocator reuses the pinned block only once the copy that read it has run)."""
+    t = torch.from_numpy(np.ascontiguousarray(table))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compilation unit: the kernel, its signature (name -> Triton type) and constexpr values."""
+
+    name: str
+    fn: object
+    signature: dict
+    constexprs: dict
+
+    @property
+    def label(self) -> str:
+        types = ",".join(t for t in self.signature.values() if t != "constexpr")
+        consts = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k != "BELOW_ONE")
+        return f"{self.name}({types}; {consts})"
+
+
+def signature(names: str, types: dict, default: str) -> dict:
+    """Triton types of the space-separated argument ``names``: ``types[name]``, else ``default`` (an index type)."""
+    return {n: types.get(n, default) for n in names.split()}

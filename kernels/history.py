@@ -12,9 +12,12 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import upload, word_groups
+from gpubuf.kernels import INDEX, Variant, signature, upload, word_groups
+from gpubuf.kernels.words import WORDS
 
 BLOCK = 1024
+FLOATS = ("fp16", "bf16", "fp32", "fp64")  # action blocks keep their dtype (NaN/inf handling)
+INTS = ("u8", "i8", "i16", "i32", "i64")  # bool blocks travel as u8
 
 
 @triton.jit
@@ -126,7 +129,7 @@ def append(pairs: list, dst_rows: torch.Tensor) -> None:
     with _pkg.on_device(dst_rows):
         for like, table, most in word_groups([(rows, storage) for storage, rows in pairs]):
             grid = (R, table.shape[0], triton.cdiv(most, BLOCK))
-            _append_kernel[grid](upload(table, dst_rows.device, "__append__"), dst_rows, like, BLOCK=BLOCK)
+            _append_kernel[grid](upload(table, dst_rows.device), dst_rows, like, BLOCK=BLOCK)
 
 
 def gather_frames(pairs: list, meta: torch.Tensor, n: int, ab: int, max_len: int) -> None:
@@ -140,7 +143,7 @@ def gather_frames(pairs: list, meta: torch.Tensor, n: int, ab: int, max_len: int
         for like, table, most in groups:
             n_envs = pairs[0][0].shape[0] // max_len
             grid = (rows * n, table.shape[0], triton.cdiv(most, BLOCK))
-            _gather_frames_kernel[grid](upload(table, meta.device, "__frames__"), meta, like, rows, n, ab, max_len,
+            _gather_frames_kernel[grid](upload(table, meta.device), meta, like, rows, n, ab, max_len,
                                         n_envs, BLOCK=BLOCK)
 
 
@@ -160,3 +163,30 @@ def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_
         fmax = _finite_max(storage.dtype, storage.device) if is_float else meta
         _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, n_envs, D, fmax, IS_FLOAT=is_float,
                                   BLOCK=BLOCK)
+
+
+def variants() -> list[Variant]:
+    """Every (kernel, signature, constexprs) the launchers above compile: per index width, the copy kernels per
+    word type and the block packer per dtype."""
+    out = []
+    for idx in INDEX:
+        for w in WORDS:
+            p = f"*{w}"
+            out.append(Variant("history.append", _append_kernel,
+                               {**signature("table_ptr dst_row_ptr like_ptr",
+                                            {"table_ptr": "*i64", "dst_row_ptr": "*i64", "like_ptr": p}, idx),
+                                "BLOCK": "constexpr"}, {"BLOCK": BLOCK}))
+            out.append(Variant("history.gather_frames", _gather_frames_kernel,
+                               {**signature("table_ptr meta_ptr like_ptr rows n ab max_len n_envs",
+                                            {"table_ptr": "*i64", "meta_ptr": "*i64", "like_ptr": p}, idx),
+                                "BLOCK": "constexpr"}, {"BLOCK": BLOCK}))
+        for dtype in FLOATS + INTS:
+            is_float = dtype in FLOATS
+            p = f"*{dtype}"
+            fmax = ("*fp64" if dtype == "fp64" else "*fp32") if is_float else "*i64"
+            out.append(Variant("history.pack_blocks", _pack_blocks_kernel,
+                               {**signature("src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D fmax_ptr",
+                                            {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64", "fmax_ptr": fmax}, idx),
+                                "IS_FLOAT": "constexpr", "BLOCK": "constexpr"},
+                               {"IS_FLOAT": is_float, "BLOCK": BLOCK}))
+    return out

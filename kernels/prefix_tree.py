@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
+from gpubuf.kernels import INDEX, Variant, signature
 
+FANOUT = 32  # the fan-out compiled ahead of time: the buffers' trees use it (gpubuf.prefix_tree.FANOUT)
 BLOCK = 1024  # leaves written per step of the update kernel
 PARENTS = 32  # parents recomputed per step (PARENTS * fanout children)
 # Updates of this many leaves or more run one launch per level, each spread over many programs: one program
@@ -171,3 +173,23 @@ def _offsets(offsets: list[int], device: torch.device) -> torch.Tensor:
     if key not in _OFFSETS:
         _OFFSETS[key] = torch.tensor(offsets, dtype=torch.int64, device=device)
     return _OFFSETS[key]
+
+
+def variants() -> list[Variant]:
+    """Every (kernel, signature, constexprs) the launchers above compile for :data:`FANOUT`: per index width,
+    the update over scattered leaves and over a range, and the descent."""
+    out = []
+    for idx in INDEX:
+        for is_range in (False, True):
+            out.append(Variant("prefix_tree.update", _update_kernel,
+                               {**signature("tree_ptr off_ptr idx_ptr val_ptr n lo k0 k1",
+                                            {"tree_ptr": "*fp64", "off_ptr": "*i64",
+                                             "idx_ptr": "*fp64" if is_range else "*i64", "val_ptr": "*fp64"}, idx),
+                                "F": "constexpr", "RANGE": "constexpr", "BLOCK": "constexpr", "P": "constexpr"},
+                               {"F": FANOUT, "RANGE": is_range, "BLOCK": BLOCK, "P": PARENTS}))
+        out.append(Variant("prefix_tree.sample", _sample_kernel,
+                           {**signature("tree_ptr off_ptr u_ptr out_ptr n_levels",
+                                        {"tree_ptr": "*fp64", "off_ptr": "*i64", "u_ptr": "*fp64", "out_ptr": "*i64"},
+                                        idx), "BELOW_ONE": "constexpr", "F": "constexpr"},
+                           {"BELOW_ONE": _BELOW_ONE, "F": FANOUT}))
+    return out

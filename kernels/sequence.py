@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import upload, word_groups
+from gpubuf.kernels import INDEX, Variant, signature, upload, word_groups
+from gpubuf.kernels.words import WORDS
 
 BLOCK = 1024
 
@@ -50,7 +51,7 @@ def plan(jobs: list, B: int, n: int, device: torch.device) -> list[tuple[torch.T
 
 
 def gather_planned(groups: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
-    """Launch the gather of a :func:`plan` (or of uploaded groups) for flat starts (B,) int64."""
+    """Launch the gather of a :func:`plan` for flat starts (B,) int64."""
     B = starts.shape[0]
     with _pkg.on_device(starts):
         for like, table, most in groups:
@@ -66,5 +67,15 @@ def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
         return
     groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs], [(s,) for _, _, s in jobs])
     with _pkg.on_device(starts):
-        gather_planned([(like, upload(table, starts.device, "__windows__"), most) for like, table, most in groups],
-                       starts, n, E, M)
+        for like, table, most in groups:
+            grid = (B * n, table.shape[0], triton.cdiv(most, BLOCK))
+            _gather_kernel[grid](upload(table, starts.device), starts, like, n, E, M, BLOCK=BLOCK)
+
+
+def variants() -> list[Variant]:
+    """Every (kernel, signature, constexprs) the launchers above compile: per index width and word type."""
+    return [Variant("sequence.gather", _gather_kernel,
+                    {**signature("table_ptr start_ptr like_ptr n E M",
+                                 {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": f"*{w}"}, idx),
+                     "BLOCK": "constexpr"}, {"BLOCK": BLOCK})
+            for idx in INDEX for w in WORDS]

@@ -1,5 +1,5 @@
-"""Every (kernel, signature, constexprs) variant the launchers in this package produce, and their
-ahead-of-time compilation for a named GPU architecture with no GPU present.
+"""Ahead-of-time compilation of every kernel variant (each kernel module's ``variants()``) for a named GPU
+architecture with no GPU present.
 
 ``triton.compile`` runs the whole pipeline (TTIR -> PTX -> cubin with the wheel's ``ptxas``) for a
 ``GPUTarget``; the wheel's ``cuobjdump`` reads registers, shared memory and local memory (spills) from
@@ -14,83 +14,18 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from gpubuf.kernels import history, prefix_tree, sequence
-from gpubuf.prefix_tree import FANOUT
-
-WORDS = ("i64", "i32", "i16", "u8")  # what reference.as_words makes of any storage row (pure copies)
-FLOATS = ("fp16", "bf16", "fp32", "fp64")  # action blocks keep their dtype (NaN/inf handling)
-INTS = ("u8", "i8", "i16", "i32", "i64")  # bool blocks travel as u8
-INDEX = ("i32", "i64")  # Triton passes a Python int as i32, or i64 from 2**31 on
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One compilation unit: the kernel, its signature (name -> Triton type) and constexpr values."""
-
-    name: str
-    fn: object
-    signature: dict
-    constexprs: dict
-
-    @property
-    def label(self) -> str:
-        types = ",".join(t for t in self.signature.values() if t != "constexpr")
-        consts = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k != "BELOW_ONE")
-        return f"{self.name}({types}; {consts})"
-
-
-def _sig(names: str, types: dict, default: str) -> dict:
-    return {n: types.get(n, default) for n in names.split()}
+from gpubuf.kernels import Variant, history, prefix_tree, sequence
 
 
 def variants() -> list[Variant]:
-    out = []
-    for idx in INDEX:
-        for w in WORDS:
-            p = f"*{w}"
-            out.append(Variant("history.append", history._append_kernel,
-                               {**_sig("table_ptr dst_row_ptr like_ptr", {"table_ptr": "*i64", "dst_row_ptr": "*i64",
-                                                                          "like_ptr": p}, idx),
-                                "BLOCK": "constexpr"}, {"BLOCK": history.BLOCK}))
-            out.append(Variant("history.gather_frames", history._gather_frames_kernel,
-                               {**_sig("table_ptr meta_ptr like_ptr rows n ab max_len n_envs",
-                                       {"table_ptr": "*i64", "meta_ptr": "*i64", "like_ptr": p}, idx),
-                                "BLOCK": "constexpr"}, {"BLOCK": history.BLOCK}))
-            out.append(Variant("sequence.gather", sequence._gather_kernel,
-                               {**_sig("table_ptr start_ptr like_ptr n E M",
-                                       {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": p}, idx),
-                                "BLOCK": "constexpr"}, {"BLOCK": sequence.BLOCK}))
-        for dtype in FLOATS + INTS:
-            is_float = dtype in FLOATS
-            p = f"*{dtype}"
-            out.append(Variant("history.pack_blocks", history._pack_blocks_kernel,
-                               {**_sig("src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D fmax_ptr",
-                                       {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64",
-                                        "fmax_ptr": ("*fp64" if dtype == "fp64" else "*fp32") if is_float
-                                        else "*i64"}, idx),
-                                "IS_FLOAT": "constexpr", "BLOCK": "constexpr"},
-                               {"IS_FLOAT": is_float, "BLOCK": history.BLOCK}))
-        for is_range in (False, True):
-            out.append(Variant("prefix_tree.update", prefix_tree._update_kernel,
-                               {**_sig("tree_ptr off_ptr idx_ptr val_ptr n lo k0 k1",
-                                       {"tree_ptr": "*fp64", "off_ptr": "*i64",
-                                        "idx_ptr": "*fp64" if is_range else "*i64", "val_ptr": "*fp64"}, idx),
-                                "F": "constexpr", "RANGE": "constexpr", "BLOCK": "constexpr", "P": "constexpr"},
-                               {"F": FANOUT, "RANGE": is_range, "BLOCK": prefix_tree.BLOCK,
-                                "P": prefix_tree.PARENTS}))
-        out.append(Variant("prefix_tree.sample", prefix_tree._sample_kernel,
-                           {**_sig("tree_ptr off_ptr u_ptr out_ptr n_levels", {"tree_ptr": "*fp64", "off_ptr": "*i64",
-                                                                                "u_ptr": "*fp64", "out_ptr": "*i64"},
-                                   idx), "BELOW_ONE": "constexpr", "F": "constexpr"},
-                           {"BELOW_ONE": prefix_tree._BELOW_ONE, "F": FANOUT}))
-    return out
+    """The variants of every kernel module."""
+    return history.variants() + sequence.variants() + prefix_tree.variants()
 
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

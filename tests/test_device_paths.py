@@ -9,7 +9,9 @@ import pytest
 import torch
 from test_replay_helpers import make_transition
 
-from gpubuf import ops, reference
+from gpubuf import ops
+from gpubuf.kernels import history, prefix_tree, sequence  # imported while the interpreter is set (conftest)
+from gpubuf.ops.prefix_tree import sample_twin
 from gpubuf.prefix_tree import PrefixSumTree
 from gpubuf.staging import Staging
 
@@ -40,16 +42,22 @@ def test_the_interpreter_lets_triton_take_host_tensors(monkeypatch, value, on):
 
 
 def test_a_triton_request_on_host_tensors_runs_the_twin_without_the_interpreter(cuda_present, monkeypatch):
-    def no_kernels(name):
-        raise AssertionError(f"a host tensor reached the Triton kernels of {name}")
+    def refused(name):
+        def launcher(*args):
+            raise AssertionError(f"a host tensor reached the Triton kernels of {name}")
 
-    monkeypatch.setattr(ops, "_kernels", no_kernels)
+        return launcher
+
+    for module, names in ((history, ("append", "gather_frames", "pack_blocks")),
+                          (prefix_tree, ("sample", "update", "update_range")), (sequence, ("gather",))):
+        for name in names:
+            monkeypatch.setattr(module, name, refused(f"{module.__name__}.{name}"))
     t = PrefixSumTree(37, torch.device("cpu"), "triton", fanout=4)
     t.update_range(0, torch.arange(1, 38, dtype=torch.float64))
     t.update(torch.tensor([3, 5]), torch.tensor([0.5, 0.25], dtype=torch.float64))
     want = torch.empty(9, dtype=torch.int64)
     u = torch.rand(9, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    reference.tree_sample(t.tree, t.offsets, 4, u, want)
+    sample_twin(t.tree, t.offsets, 4, u, want)
     assert torch.equal(t.sample(u), want)
     monkeypatch.setenv("GPUBUF_BACKEND", "triton")  # a whole buffer built with triton forced, on the host
     from gpubuf import PrioritizedTransitionBuffer
@@ -81,7 +89,6 @@ def test_on_device_makes_the_tensors_cuda_device_current(monkeypatch):
 def guarded(monkeypatch):
     """Records, for every kernel launch, the devices whose guard is entered around it."""
     import gpubuf.kernels as pkg
-    from gpubuf.kernels import history, prefix_tree, sequence
 
     stack, launches = [], []
 
@@ -109,8 +116,6 @@ def guarded(monkeypatch):
 
 
 def test_every_launcher_launches_under_its_tensors_device(guarded, monkeypatch):
-    from gpubuf.kernels import history, prefix_tree, sequence
-
     cpu = torch.device("cpu")
     storage = torch.arange(6 * 5, dtype=torch.int64).view(6, 5)
     meta = torch.tensor([[0, 1], [2, 1], [0, 0]])

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpubuf import reference
 from gpubuf.kernels import history as kernels
+from gpubuf.kernels.words import as_words
+from gpubuf.ops.history import append_twin, gather_frames_twin, pack_blocks_twin
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,7 +48,7 @@ def test_append_matches_reference(dtype, seed):
     a = [torch.zeros(n_envs * max_len, w, dtype=d, device=DEVICE) for d, w in keys]
     b = [t.clone() for t in a]
     kernels.append(list(zip(a, rows, strict=True)), dst_rows)
-    reference.history_append(list(zip(b, rows, strict=True)), dst_rows)
+    append_twin(list(zip(b, rows, strict=True)), dst_rows)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert all(torch.equal(x[dst_rows], r) for x, r in zip(b, rows, strict=True))
 
@@ -64,7 +65,7 @@ def test_gather_frames_matches_reference(dtype, n, ab):
                                                                           device=DEVICE)]
     b = [torch.empty_like(t) for t in a]
     kernels.gather_frames([(storage, a[0]), (wide, a[1])], meta, n, ab, max_len)
-    reference.history_gather_frames([(storage, b[0]), (wide, b[1])], meta, n, ab, max_len)
+    gather_frames_twin([(storage, b[0]), (wide, b[1])], meta, n, ab, max_len)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -83,7 +84,7 @@ def test_pack_blocks_matches_reference(dtype, n, ab):
     a = torch.full((rows, n - 1, ab * D), 77, dtype=dtype, device=DEVICE)
     b = torch.full((rows, n - 1, ab * D), 66, dtype=dtype, device=DEVICE)
     kernels.pack_blocks(storage, meta, n, ab, max_len, a)
-    reference.history_pack_blocks(storage, meta, n, ab, max_len, b)
+    pack_blocks_twin(storage, meta, n, ab, max_len, b)
     assert torch.equal(a, b)
     assert not torch.isnan(a.float()).any()
 
@@ -91,17 +92,17 @@ def test_pack_blocks_matches_reference(dtype, n, ab):
 def test_word_views_cover_odd_row_bytes():
     for E in [1, 3, 6, 12]:
         t = torch.zeros(4, E, dtype=torch.uint8)
-        (w,) = reference.as_words(t)
+        (w,) = as_words(t)
         assert w.shape[1] * w.element_size() == E and w.data_ptr() == t.data_ptr()
-    assert np.all([reference.as_words(torch.zeros(2, 3, dtype=d))[0].shape[0] == 2 for d in DTYPES])
+    assert np.all([as_words(torch.zeros(2, 3, dtype=d))[0].shape[0] == 2 for d in DTYPES])
 
 
 def test_word_views_share_one_word_across_offsets_and_size_one_strides():
     storage = torch.zeros(4, 16, dtype=torch.uint8)
     rows = torch.zeros(100, dtype=torch.uint8)[3:3 + 32].view(2, 16)  # contiguous, byte offset 3
-    a, b = reference.as_words(storage, rows)
+    a, b = as_words(storage, rows)
     assert a.dtype == b.dtype == torch.uint8 and a.shape[1] == b.shape[1] == 16
-    a, b = reference.as_words(storage, torch.zeros(100, dtype=torch.uint8)[8:40].view(2, 16))
+    a, b = as_words(storage, torch.zeros(100, dtype=torch.uint8)[8:40].view(2, 16))
     assert a.dtype == b.dtype == torch.int64
-    (c,) = reference.as_words(torch.zeros(3, dtype=torch.float32).as_strided((3, 1), (1, 0)))  # any stride on size 1
+    (c,) = as_words(torch.zeros(3, dtype=torch.float32).as_strided((3, 1), (1, 0)))  # any stride on size 1
     assert c.shape == (3, 1) and c.dtype == torch.int32

@@ -9,6 +9,10 @@ import sys
 
 import pytest
 
+from gpubuf.kernels import INDEX
+from gpubuf.kernels.words import WORDS
+from gpubuf.prefix_tree import FANOUT
+
 signatures = pytest.importorskip("gpubuf.kernels.signatures")
 
 
@@ -17,8 +21,9 @@ def test_every_launcher_dtype_is_covered():
     assert {v.name for v in variants} == {"history.append", "history.gather_frames", "history.pack_blocks",
                                           "sequence.gather", "prefix_tree.update",
                                           "prefix_tree.sample"}
-    per_index_width = 3 * len(signatures.WORDS) + len(signatures.FLOATS) + len(signatures.INTS) + 3
-    assert len(variants) == len(signatures.INDEX) * per_index_width
+    per_index_width = 3 * len(WORDS) + len(signatures.history.FLOATS) + len(signatures.history.INTS) + 3
+    assert len(variants) == len(INDEX) * per_index_width
+    assert signatures.prefix_tree.FANOUT == FANOUT  # the tree kernels compile for the fan-out the buffers use
 
 
 def test_kernels_compile_for_sm80_and_sm90_without_spills():

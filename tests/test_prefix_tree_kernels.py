@@ -10,17 +10,14 @@ import pytest
 import torch
 from scipy import stats
 
-from gpubuf import reference
+from gpubuf.kernels import prefix_tree as pt
+from gpubuf.kernels import sequence as sequence_kernels
+from gpubuf.ops.prefix_tree import sample_twin, update_range_twin, update_twin
+from gpubuf.ops.sequence import gather_twin
 from gpubuf.prefix_tree import PrefixSumTree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_RTOL = 1e-13  # float64 sums of <= 64 positive terms, added in any order, agree to ~64 ulp (1.4e-14)
-
-
-def _kernels(name):
-    import importlib
-
-    return importlib.import_module(f"gpubuf.kernels.{name}")
 
 
 def make_tree(capacity, fanout, seed=0, zero_frac=0.3):
@@ -55,8 +52,8 @@ def test_sample_kernel_matches_twin(capacity, fanout):
     u[0], u[1] = 0.0, 1.0 - 2**-53  # both ends of [0, 1)
     ref = torch.empty(53, dtype=torch.int64, device=DEVICE)
     out = torch.empty_like(ref)
-    reference.tree_sample(tree.tree, tree.offsets, fanout, u, ref)
-    _kernels("prefix_tree").sample(tree.tree, tree.offsets, fanout, u, out)
+    sample_twin(tree.tree, tree.offsets, fanout, u, ref)
+    pt.sample(tree.tree, tree.offsets, fanout, u, out)
     assert torch.equal(ref, out)
     assert (mass[ref.cpu()] > 0).all()  # never a zero-mass leaf
     # the picked leaf's interval holds u * total
@@ -73,8 +70,8 @@ def test_update_kernel_matches_twin(capacity, fanout, K):
     idx = torch.randint(0, capacity, (K,), generator=g)
     idx[-1] = idx[0]  # a duplicate, carrying the same value
     vals = torch.rand(capacity, generator=g, dtype=torch.float64)[idx]
-    reference.tree_update(a.tree, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
-    _kernels("prefix_tree").update(b, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
+    update_twin(a.tree, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
+    pt.update(b, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
     assert torch.equal(a.tree[:capacity], b[:capacity])  # leaves exactly
     torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)  # parent sums: reduction order may differ
 
@@ -91,8 +88,8 @@ def test_sequence_gather_matches_twin(dtype, shape, shift):
     out = torch.empty_like(ref)
     other = (torch.arange(M * E * 2) % 97).view(M * E, 2).to(DEVICE)  # a second leaf in the same call
     other_ref, other_out = (torch.empty((B, n, 2), dtype=other.dtype, device=DEVICE) for _ in range(2))
-    reference.sequence_gather([(storage, ref, shift), (other, other_ref, 1 - shift)], starts, n, E, M)
-    _kernels("sequence").gather([(storage, out, shift), (other, other_out, 1 - shift)], starts, n, E, M)
+    gather_twin([(storage, ref, shift), (other, other_ref, 1 - shift)], starts, n, E, M)
+    sequence_kernels.gather([(storage, out, shift), (other, other_out, 1 - shift)], starts, n, E, M)
     assert torch.equal(ref, out) and torch.equal(other_ref, other_out)
     s = starts.cpu()
     other_rows = ((s // E).unsqueeze(1) + torch.arange(n) + 1 - shift) % M * E + (s % E).unsqueeze(1)
@@ -106,7 +103,7 @@ def test_tree_sampling_frequencies():
     tree, mass = make_tree(500, 16, seed=5, zero_frac=0.5)
     u = torch.rand(100000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     out = torch.empty(100000, dtype=torch.int64)
-    reference.tree_sample(tree.tree, tree.offsets, 16, u, out)
+    sample_twin(tree.tree, tree.offsets, 16, u, out)
     counts = torch.bincount(out, minlength=500).numpy()
     live = (mass > 0).numpy()
     assert counts[~live].sum() == 0
@@ -128,7 +125,7 @@ def test_float_drift_after_millions_of_updates():
     tree.update(idx, torch.ones(cap, dtype=torch.float64))  # all equal again: every leaf must be reachable
     assert tree.total().item() == cap
     out = torch.empty(40000, dtype=torch.int64)
-    reference.tree_sample(tree.tree, tree.offsets, F, torch.rand(40000, dtype=torch.float64, generator=g), out)
+    sample_twin(tree.tree, tree.offsets, F, torch.rand(40000, dtype=torch.float64, generator=g), out)
     assert torch.bincount(out, minlength=cap).min() > 0
 
 
@@ -136,28 +133,26 @@ def test_float_drift_after_millions_of_updates():
 def test_many_program_update_matches_twin(capacity, fanout, K, monkeypatch):
     """Updates of MANY_PROGRAMS_FROM leaves or more: one launch per level over many programs (here 1 <= every
     update), indexed with duplicates and contiguous ranges, against the twin."""
-    pt = _kernels("prefix_tree")
     a, _ = make_tree(capacity, fanout, seed=K)
     b = a.tree.clone()
     g = torch.Generator().manual_seed(K)
     idx = torch.randint(0, capacity, (K,), generator=g)
     vals = torch.rand(capacity, generator=g, dtype=torch.float64)[idx]  # duplicates carry equal values
     assert K >= pt.MANY_PROGRAMS_FROM
-    reference.tree_update(a.tree, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
+    update_twin(a.tree, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
     pt.update(b, a.offsets, fanout, idx.to(DEVICE), vals.to(DEVICE))
     assert torch.equal(a.tree[:capacity], b[:capacity])
     torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
     monkeypatch.setattr(pt, "MANY_PROGRAMS_FROM", 1)  # small ranges too, the top level crossing nodes
     for lo, n in [(0, capacity), (capacity - 37, 37), (3, 29)]:
         v = torch.rand(n, generator=g, dtype=torch.float64).to(DEVICE)
-        reference.tree_update_range(a.tree, a.offsets, fanout, lo, v)
+        update_range_twin(a.tree, a.offsets, fanout, lo, v)
         pt.update_range(b, a.offsets, fanout, lo, v)
         assert torch.equal(a.tree[:capacity], b[:capacity])
         torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
 
 
 def test_many_program_grids_cover_every_touched_parent():
-    pt = _kernels("prefix_tree")
     tree = PrefixSumTree(2**20 + 5, torch.device("cpu"), "torch", 32)  # levels: 2**20+32, 2**15+32, 1056, 64, 32
     assert pt.level_grids(2**20 + 5, 0, tree.offsets, 32, True) == [1025, 1025, 33, 2, 1]
     assert pt.level_grids(4096, 0, tree.offsets, 32, False) == [4, 128, 128, 128, 128]
@@ -169,19 +164,18 @@ def test_many_program_grids_cover_every_touched_parent():
 def test_cuda_update_at_scale_with_fanout_32(K):
     """2**20 + 3 leaves, fanout 32 (the buffers' fanout): scattered updates (many programs for K = 4096, one
     for K = 100) and a full range rebuild against the twin on the GPU."""
-    pt = _kernels("prefix_tree")
     cap, F = 2**20 + 3, 32
     a, _ = make_tree(cap, F, seed=11)
     b = a.tree.clone()
     g = torch.Generator().manual_seed(K)
     idx = torch.randint(0, cap, (K,), generator=g)
     vals = torch.rand(cap, generator=g, dtype=torch.float64)[idx]
-    reference.tree_update(a.tree, a.offsets, F, idx.to(DEVICE), vals.to(DEVICE))
+    update_twin(a.tree, a.offsets, F, idx.to(DEVICE), vals.to(DEVICE))
     pt.update(b, a.offsets, F, idx.to(DEVICE), vals.to(DEVICE))
     assert torch.equal(a.tree[:cap], b[:cap])
     torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
     full = torch.rand(cap, generator=g, dtype=torch.float64).to(DEVICE)
-    reference.tree_update_range(a.tree, a.offsets, F, 0, full)
+    update_range_twin(a.tree, a.offsets, F, 0, full)
     pt.update_range(b, a.offsets, F, 0, full)
     assert torch.equal(a.tree[:cap], b[:cap])
     torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
@@ -194,8 +188,8 @@ def test_cuda_kernels_match_twin_at_scale():
     u = torch.rand(4096, dtype=torch.float64, device="cuda")
     ref = torch.empty(4096, dtype=torch.int64, device="cuda")
     out = torch.empty_like(ref)
-    reference.tree_sample(tree.tree, tree.offsets, 64, u, ref)
-    _kernels("prefix_tree").sample(tree.tree, tree.offsets, 64, u, out)
+    sample_twin(tree.tree, tree.offsets, 64, u, ref)
+    pt.sample(tree.tree, tree.offsets, 64, u, out)
     assert (ref == out).float().mean() > 0.999  # boundary ties may round differently
     assert (mass.cuda()[out] > 0).all()
 
@@ -205,8 +199,8 @@ def test_range_update_matches_indexed_update(lo, K):
     a, _ = make_tree(1000, 16, seed=4)
     b = a.tree.clone()
     vals = torch.rand(K, dtype=torch.float64, generator=torch.Generator().manual_seed(K)).to(DEVICE)
-    reference.tree_update_range(a.tree, a.offsets, 16, lo, vals)
-    reference.tree_update(b, a.offsets, 16, torch.arange(lo, lo + K, device=DEVICE), vals)
+    update_range_twin(a.tree, a.offsets, 16, lo, vals)
+    update_twin(b, a.offsets, 16, torch.arange(lo, lo + K, device=DEVICE), vals)
     torch.testing.assert_close(a.tree, b, rtol=1e-14, atol=0)
 
 
@@ -239,7 +233,7 @@ def test_descent_never_returns_a_dead_or_padding_leaf(capacity, fanout, kind):
     tree.update(torch.arange(capacity, device=DEVICE), mass.to(DEVICE))
     u = torch.cat([torch.tensor([0.0, 1.0 - 2**-53, 0.5]), torch.rand(29, dtype=torch.float64,
                    generator=torch.Generator().manual_seed(capacity))]).to(DEVICE)
-    for sample in (reference.tree_sample, _kernels("prefix_tree").sample):
+    for sample in (sample_twin, pt.sample):
         out = torch.full((u.numel(),), -1, dtype=torch.int64, device=DEVICE)
         sample(tree.tree, tree.offsets, fanout, u, out)
         out = out.cpu()

@@ -1,0 +1,183 @@
+"""HistoryBuffer's ops (Triton kernels in ``kernels/history.py``): append scatter, strided frames, action blocks.
+
+Storage of one key is a contiguous ``(max_len * n_envs, E)`` tensor, slot-major: env ``e``'s ring slot
+``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newest slot, k = strided frames used.
+
+Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
+the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the buffers call.
+Vectorised torch only in the twins: no Python loop over envs or rows.
+"""
+
+from functools import lru_cache
+
+import torch
+
+from gpubuf.kernels.words import as_words
+from gpubuf.ops.device import route, writes_only
+
+
+@lru_cache(maxsize=64)
+def _countdown(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) int64: n-1, n-2, ..., 0."""
+    return torch.arange(n - 1, -1, -1, device=device)
+
+
+# ---- history_append
+
+
+def append_twin(pairs: list, dst_rows: torch.Tensor) -> None:
+    """For each ``(storage (max_len*n_envs, E), rows (R, E))`` in ``pairs``: storage[dst_rows (R,)] = rows;
+    dst_rows distinct."""
+    if dst_rows.shape[0] == 0:
+        return
+    for storage, rows in pairs:
+        if storage.shape[1]:
+            dst, src = as_words(storage, rows)
+            dst.index_copy_(0, dst_rows, src)
+
+
+def append_cpu(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
+    """The CPU implementation: the twin."""
+    append_twin(list(zip(storages, rows, strict=True)), dst_rows)
+
+
+def append_cuda(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
+    """The CUDA implementation: the Triton launcher, imported when it first runs."""
+    from gpubuf.kernels.history import append
+
+    append(list(zip(storages, rows, strict=True)), dst_rows)
+
+
+torch.library.define("gpubuf::history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()")
+torch.library.impl("gpubuf::history_append", "CPU", append_cpu)
+torch.library.impl("gpubuf::history_append", "CUDA", append_cuda)
+torch.library.register_fake("gpubuf::history_append", writes_only)
+
+
+def history_append(backend: str, pairs: list, dst_rows: torch.Tensor) -> None:
+    """For each (storage (max_len*n_envs, E), rows (R, E)) in pairs: storage[dst_rows (R,)] = rows."""
+    how = route(backend, dst_rows.device)
+    if how == "dispatch":
+        torch.ops.gpubuf.history_append.default([p[0] for p in pairs], [p[1] for p in pairs], dst_rows)
+    elif how == "triton":
+        from gpubuf.kernels.history import append
+
+        append(pairs, dst_rows)
+    else:
+        append_twin(pairs, dst_rows)
+
+
+# ---- history_gather_frames
+
+
+def _frame_back(meta: torch.Tensor, n: int, ab: int) -> torch.Tensor:
+    """(rows, n) how many env steps before the newest entry each output frame lies."""
+    return torch.minimum(_countdown(n, meta.device), meta[2].unsqueeze(1) - 1) * ab
+
+
+def gather_frames_twin(pairs: list, meta, n, ab, max_len) -> None:
+    """For each ``(storage, out (rows, n, E))`` in ``pairs``: strided frames, left-padded with the oldest
+    strided entry. The source rows are computed once for all pairs."""
+    rows = meta.shape[1]
+    if rows == 0 or not pairs:
+        return
+    env, newest = meta[0].unsqueeze(1), meta[1].unsqueeze(1)
+    slot = (newest - _frame_back(meta, n, ab)) % max_len  # (rows, n)
+    src_rows = (slot * (pairs[0][0].shape[0] // max_len) + env).reshape(-1)
+    for storage, out in pairs:
+        if storage.shape[1]:
+            src, dst = as_words(storage, out.view(rows * n, storage.shape[1]))
+            torch.index_select(src, 0, src_rows, out=dst)
+
+
+def gather_frames_cpu(storages: list, outs: list, meta, n, ab, max_len) -> None:
+    """The CPU implementation: the twin."""
+    gather_frames_twin(list(zip(storages, outs, strict=True)), meta, n, ab, max_len)
+
+
+def gather_frames_cuda(storages: list, outs: list, meta, n, ab, max_len) -> None:
+    """The CUDA implementation: the Triton launcher, imported when it first runs."""
+    from gpubuf.kernels.history import gather_frames
+
+    gather_frames(list(zip(storages, outs, strict=True)), meta, n, ab, max_len)
+
+
+torch.library.define("gpubuf::history_gather_frames",
+                     "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int max_len) -> ()")
+torch.library.impl("gpubuf::history_gather_frames", "CPU", gather_frames_cpu)
+torch.library.impl("gpubuf::history_gather_frames", "CUDA", gather_frames_cuda)
+torch.library.register_fake("gpubuf::history_gather_frames", writes_only)
+
+
+def history_gather_frames(backend: str, pairs: list, meta, n, ab, max_len) -> None:
+    """For each (storage, out (rows, n, E)) in pairs: strided frames; meta (3, rows) int64 = (env, newest
+    slot, k)."""
+    n, ab, max_len = int(n), int(ab), int(max_len)
+    how = route(backend, meta.device)
+    if how == "dispatch":
+        torch.ops.gpubuf.history_gather_frames.default([p[0] for p in pairs], [p[1] for p in pairs], meta, n, ab,
+                                                       max_len)
+    elif how == "triton":
+        from gpubuf.kernels.history import gather_frames
+
+        gather_frames(pairs, meta, n, ab, max_len)
+    else:
+        gather_frames_twin(pairs, meta, n, ab, max_len)
+
+
+# ---- history_pack_blocks
+
+
+@lru_cache(maxsize=64)
+def _block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
+    """(1, (n-1)*ab) int64: env steps before the newest entry of each entry of the n-1 action blocks."""
+    return (_countdown(n - 1, device).view(-1, 1) * ab + _countdown(ab, device)).view(1, -1)
+
+
+def pack_blocks_twin(storage, meta, n, ab, max_len, out) -> None:
+    """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0, zero-padded."""
+    rows, D = meta.shape[1], storage.shape[1]
+    if rows == 0 or n < 2:
+        return
+    env, newest, k = meta[0].view(-1, 1), meta[1].view(-1, 1), meta[2].view(-1, 1)
+    slot = (newest - _block_back(n, ab, meta.device)) % max_len  # (rows, (n-1)*ab): block i ends at frame i+1
+    src_rows = (slot * (storage.shape[0] // max_len) + env).reshape(-1)
+    flat = out.view(rows * (n - 1) * ab, D)
+    torch.index_select(storage, 0, src_rows, out=flat)
+    if out.dtype.is_floating_point:
+        torch.nan_to_num(out, nan=0.0, out=out)
+    zero = _countdown(n - 1, meta.device).view(1, -1, 1) >= k.view(-1, 1, 1) - 1  # the first n-k blocks
+    out.masked_fill_(zero, 0)
+
+
+def pack_blocks_cpu(storage, out, meta, n, ab, max_len) -> None:
+    """The CPU implementation: the twin."""
+    pack_blocks_twin(storage, meta, n, ab, max_len, out)
+
+
+def pack_blocks_cuda(storage, out, meta, n, ab, max_len) -> None:
+    """The CUDA implementation: the Triton launcher, imported when it first runs."""
+    from gpubuf.kernels.history import pack_blocks
+
+    pack_blocks(storage, meta, n, ab, max_len, out)
+
+
+torch.library.define("gpubuf::history_pack_blocks",
+                     "(Tensor storage, Tensor(a!) out, Tensor meta, int n, int ab, int max_len) -> ()")
+torch.library.impl("gpubuf::history_pack_blocks", "CPU", pack_blocks_cpu)
+torch.library.impl("gpubuf::history_pack_blocks", "CUDA", pack_blocks_cuda)
+torch.library.register_fake("gpubuf::history_pack_blocks", writes_only)
+
+
+def history_pack_blocks(backend: str, storage, meta, n, ab, max_len, out) -> None:
+    """out (rows, n-1, ab*D) = action blocks between strided frames, NaN zeroed, zero-padded."""
+    n, ab, max_len = int(n), int(ab), int(max_len)
+    how = route(backend, meta.device)
+    if how == "dispatch":
+        torch.ops.gpubuf.history_pack_blocks.default(storage, out, meta, n, ab, max_len)
+    elif how == "triton":
+        from gpubuf.kernels.history import pack_blocks
+
+        pack_blocks(storage, meta, n, ab, max_len, out)
+    else:
+        pack_blocks_twin(storage, meta, n, ab, max_len, out)

@@ -1,0 +1,202 @@
+"""The wide prefix-sum tree's ops (Triton kernels in ``kernels/prefix_tree.py``): descent and leaf updates.
+
+``tree`` is the flat float64 concatenation of the levels (leaves first; level ``k+1`` holds the sums of
+consecutive groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries);
+``offsets`` (K+1 ints) bounds the K levels: level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
+
+Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
+the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the buffers call.
+"""
+
+from functools import lru_cache
+
+import torch
+
+from gpubuf.ops.device import route, writes_only
+
+_BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
+_SHARED = 4096  # tree levels up to this size are searched whole by sample_twin
+_DENSE = 1024  # parent levels up to this size are recomputed whole by update_twin
+
+
+@lru_cache(maxsize=64)
+def _ascending(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) int64: 0, 1, ..., n-1."""
+    return torch.arange(n, device=device)
+
+
+# ---- tree_sample
+
+
+def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
+    """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide prefix-sum tree.
+
+    At each level the sample takes the inclusive prefix sum of its node's children and moves to the first
+    child whose prefix sum exceeds its remaining mass. Only a child of positive mass is ever chosen: when
+    rounding (subnormal or huge masses) puts the remaining mass at or past the node's total, the last child
+    of positive mass is taken. So, whenever the tree holds any mass, every returned leaf has positive mass
+    (a valid start) and lies below the capacity (padding leaves are zero).
+    """
+    B = u.shape[0]
+    if B == 0:
+        return
+    F = fanout
+    # The lowest level holding at most _SHARED entries is searched whole: one cumsum shared by all samples
+    # (bounded work, whatever the capacity), then the descent goes node by node below it.
+    shared = 0
+    while offsets[shared + 1] - offsets[shared] > max(_SHARED, F):
+        shared += 1
+    level = tree[offsets[shared]:offsets[shared + 1]]
+    cs = level.cumsum(0)
+    total = cs[-1]
+    target = torch.minimum(u * total, total * _BELOW_ONE)
+    node = _positive_child(torch.searchsorted(cs, target, right=True), level)
+    target = target.sub_(cs.sub_(level).index_select(0, node)).clamp_min_(0).unsqueeze_(1)  # (B, 1)
+    base = tree.storage_offset()
+    for k in range(shared - 1, -1, -1):
+        children = tree.as_strided(((offsets[k + 1] - offsets[k]) // F, F), (F, 1), base + offsets[k])
+        c = children.index_select(0, node)  # (B, F) children
+        cs = c.cumsum(1)
+        target = torch.minimum(target, cs[:, -1:] * _BELOW_ONE)  # stay below the node's mass
+        j = _positive_child(torch.searchsorted(cs, target, right=True), c)  # (B, 1)
+        target = target.sub_(cs.sub_(c).gather(1, j)).clamp_min_(0)
+        node = torch.add(j.view(-1), node, alpha=F)
+    out.copy_(node)
+
+
+def _positive_child(j: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``j`` (first child whose prefix sum exceeds the mass), replaced by the last child of positive mass in
+    ``c`` (``(F,)`` or ``(B, F)``) wherever it is out of range or of zero mass."""
+    F = c.shape[-1]
+    j = j.clamp_max(F - 1)
+    picked = c.gather(-1, j) if c.dim() == 2 else c.index_select(0, j)
+    if c.device.type == "cpu" and not bool((picked <= 0).any()):
+        return j  # the common case, checked for free on the host
+    last = torch.where(c > 0, _ascending(F, c.device), -1).amax(-1, keepdim=True).clamp_min_(0)
+    if c.dim() == 1:
+        last = last.expand_as(j)
+    return torch.where(picked > 0, j, last)
+
+
+def sample_cuda(tree, offsets, fanout, u, out) -> None:
+    """The CUDA implementation: the Triton launcher, imported when it first runs."""
+    from gpubuf.kernels.prefix_tree import sample
+
+    sample(tree, offsets, fanout, u, out)
+
+
+torch.library.define("gpubuf::tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()")
+torch.library.impl("gpubuf::tree_sample", "CPU", sample_twin)
+torch.library.impl("gpubuf::tree_sample", "CUDA", sample_cuda)
+torch.library.register_fake("gpubuf::tree_sample", writes_only)
+
+
+def tree_sample(backend: str, tree, offsets, fanout, u, out) -> None:
+    """out (B,) int64 = leaves of the wide prefix-sum tree picked by uniforms u (B,) float64."""
+    how = route(backend, tree.device)
+    if how == "dispatch":
+        torch.ops.gpubuf.tree_sample.default(tree, offsets, fanout, u, out)
+    elif how == "triton":
+        from gpubuf.kernels.prefix_tree import sample
+
+        sample(tree, offsets, fanout, u, out)
+    else:
+        sample_twin(tree, offsets, fanout, u, out)
+
+
+# ---- tree_update
+
+
+def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched parent,
+    level by level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed).
+
+    Parent levels of at most ``max(_DENSE, len(idx))`` entries are recomputed whole (one reduction instead
+    of a gather, a sum and a scatter of the touched parents): same values, untouched parents included."""
+    K = idx.shape[0]
+    if K == 0:
+        return
+    F = fanout
+    tree.index_copy_(0, idx, values)
+    node, base = idx, tree.storage_offset()
+    for k in range(1, len(offsets) - 1):
+        c0, p0 = offsets[k - 1], offsets[k]
+        n = (p0 - c0) // F  # parents with children (the level's padding past them stays zero)
+        children = tree.as_strided((n, F), (F, 1), base + c0)
+        if n <= max(_DENSE, K):  # this level and every (smaller) one above it: whole
+            torch.sum(children, 1, out=tree[p0:p0 + n])
+            continue
+        node = torch.div(node, F, rounding_mode="floor")
+        tree[p0:p0 + n].index_copy_(0, node, children.index_select(0, node).sum(1))
+
+
+def update_cuda(tree, offsets, fanout, idx, values) -> None:
+    """The CUDA implementation: the Triton launcher, imported when it first runs."""
+    from gpubuf.kernels.prefix_tree import update
+
+    update(tree, offsets, fanout, idx, values)
+
+
+torch.library.define("gpubuf::tree_update",
+                     "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()")
+torch.library.impl("gpubuf::tree_update", "CPU", update_twin)
+torch.library.impl("gpubuf::tree_update", "CUDA", update_cuda)
+torch.library.register_fake("gpubuf::tree_update", writes_only)
+
+
+def tree_update(backend: str, tree, offsets, fanout, idx, values) -> None:
+    """tree leaves [idx (K,)] = values (K,) float64, then touched parents recomputed from their children."""
+    how = route(backend, tree.device)
+    if how == "dispatch":
+        torch.ops.gpubuf.tree_update.default(tree, offsets, fanout, idx, values)
+    elif how == "triton":
+        from gpubuf.kernels.prefix_tree import update
+
+        update(tree, offsets, fanout, idx, values)
+    else:
+        update_twin(tree, offsets, fanout, idx, values)
+
+
+# ---- tree_update_range
+
+
+def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:
+    """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from their children."""
+    a, b = lo, lo + values.shape[0]
+    if a == b:
+        return
+    F = fanout
+    tree[a:b].copy_(values)
+    base = tree.storage_offset()
+    for k in range(1, len(offsets) - 1):
+        c0, p0 = offsets[k - 1], offsets[k]
+        a, b = a // F, (b - 1) // F + 1
+        torch.sum(tree.as_strided((b - a, F), (F, 1), base + c0 + a * F), 1, out=tree[p0 + a:p0 + b])
+
+
+def update_range_cuda(tree, offsets, fanout, lo, values) -> None:
+    """The CUDA implementation: the Triton launcher, imported when it first runs."""
+    from gpubuf.kernels.prefix_tree import update_range
+
+    update_range(tree, offsets, fanout, lo, values)
+
+
+torch.library.define("gpubuf::tree_update_range",
+                     "(Tensor(a!) tree, int[] offsets, int fanout, int lo, Tensor values) -> ()")
+torch.library.impl("gpubuf::tree_update_range", "CPU", update_range_twin)
+torch.library.impl("gpubuf::tree_update_range", "CUDA", update_range_cuda)
+torch.library.register_fake("gpubuf::tree_update_range", writes_only)
+
+
+def tree_update_range(backend: str, tree, offsets, fanout, lo, values) -> None:
+    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their children."""
+    lo = int(lo)
+    how = route(backend, tree.device)
+    if how == "dispatch":
+        torch.ops.gpubuf.tree_update_range.default(tree, offsets, fanout, lo, values)
+    elif how == "triton":
+        from gpubuf.kernels.prefix_tree import update_range
+
+        update_range(tree, offsets, fanout, lo, values)
+    else:
+        update_range_twin(tree, offsets, fanout, lo, values)
