@@ -29,7 +29,6 @@ exchange) and on CPU tensors with gloo (a CUDA shard then stages through the hos
 ``all_to_all_single`` with variable splits.
 """
 
-import contextlib
 import hashlib
 import math
 import os
@@ -46,10 +45,6 @@ from gpubuf.replay import BOUNDARIES, Transition, TransitionBuffer, _flatten, _l
 
 _ARG_ERRORS = (TypeError, ValueError, IndexError)
 
-
-@contextlib.contextmanager
-def _nothing():
-    yield 0
 
 _RANK = "{rank}"
 
@@ -218,11 +213,9 @@ class ShardedBuffer:
         return int(B)
 
     def _valid(self, kind: int) -> int:
-        """This shard's valid starts of ``kind``, less the source's ``is_last`` rows (which never start one)."""
+        """This shard's valid starts of ``kind`` (the source's ``is_last`` rows never start one)."""
         local = self.local
-        last = local._last_rows(kind)
-        n = local._ring.range_starts(kind)[1] if local._ring.one_range(kind) else local._active_valid(kind)
-        return n - (0 if last is None else len(last[0]))
+        return local._ring.range_starts(kind)[1] if local._ring.one_range(kind) else local._active_valid(kind)
 
     def _shard_mass(self, kind: int) -> torch.Tensor:
         """1-element float64: this shard's total sampling mass for ``kind`` (the ``is_last`` rows excluded)."""
@@ -307,12 +300,10 @@ class ShardedBuffer:
             gen = self._generator(key)
         except _ARG_ERRORS as err:
             error = err
-        with local._last_rows_excluded(kind) if error is None else _nothing():
-            return self._sample(B, kind, which, error, gen, with_replacement, with_next_obs, boundaries)
+        return self._sample(B, kind, which, error, gen, with_replacement, with_next_obs, boundaries)
 
     def _sample(self, B, kind, which, error, gen, with_replacement, with_next_obs, boundaries):
-        """:meth:`sample` once its arguments are read (``error``: this rank's argument error, raised everywhere),
-        with the ``is_last`` rows of ``kind`` out of the tree."""
+        """:meth:`sample` once its arguments are read (``error``: this rank's argument error, raised everywhere)."""
         local = self.local
         mass = torch.zeros(1, dtype=torch.float64, device=self._comm)
         if error is None:

@@ -90,9 +90,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         :class:`~gpubuf.EnvPoolSource` that hold no transition (``info["is_last"]``) never start a window;
         ``P_i`` is then taken over the other starts."""
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs, boundaries)
-        self._check_last_rows(kind, B, with_replacement)
         dst = self._check_out(out, B, with_next_obs)
-        idx, mass = self._draw(kind, B, self._generator(key), with_replacement)
+        idx, mass = self._sampler.draw(kind, B, self._generator(key), with_replacement)
         batch = self._with_flags(self._gather(idx, dst, out), boundaries)
         batch.PER_weights = (mass / mass.min()).pow_(-self.beta).to(torch.float32)
         return batch, idx

@@ -228,6 +228,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._obs_paths = [p for p in samples if p[0] == "observation"]
         self._trunc_paths = [p for p in samples if p[0] == "truncated"]
         self._end_paths = [p for p in samples if p[0] in ("terminated", "truncated")]
+        self._last_paths = [p for p in samples if p == self._IS_LAST]  # rows holding no transition
         # Validity kinds (gpubuf.ring): NEXT_OBS when next observations are inferred from the following row,
         # IN_EPISODE when windows may not cross an episode end
         kinds = (0,) if self._has_next_obs or not self._obs_paths else (0, NEXT_OBS)
@@ -361,7 +362,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if self._dir is not None:
             self._check_open()
         # a device `truncated` is read back here (pass host arrays, as env outputs are, to avoid the sync)
-        trunc, ends = self._any_set(values, self._trunc_paths, T), self._any_set(values, self._end_paths, T)
+        trunc, ends, last = self._row_flags(values, T)
         # ---- phase 1: stage every leaf (any conversion error happens here, before the first write)
         staged = {}
         for p, t in values.items():
@@ -374,7 +375,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         with signals_held():  # ---- phase 2: commit
             if self._dir is not None:  # the journal forgets the held rows about to be overwritten
                 self._dir.before_write(self._ring.pos, self._ring.count, self._ring.total, T, M)
-            pos, first = self._ring.write(T, trunc, ends)  # first: rows before the ring wraps
+            pos, first = self._ring.write(T, trunc, ends, last)  # first: rows before the ring wraps
             for p, src in staged.items():
                 dst = self._host[p] if isinstance(src, np.ndarray) else self._data[p]
                 if first == T:
@@ -387,6 +388,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
             if self._dir is not None:
                 self._dir.commit(self._ring.pos, self._ring.count, self._ring.total)
         return self
+
+    def _row_flags(self, leaves: dict, T: int) -> tuple:
+        """(T, E) host bool ``(truncated, episode ends, no transition)`` of ``T`` rows of ``leaves`` (each None
+        without its leaves)."""
+        return tuple(self._any_set(leaves, paths, T) for paths in (self._trunc_paths, self._end_paths,
+                                                                    self._last_paths))
 
     def _any_set(self, leaves: dict, paths: list, T: int) -> np.ndarray | None:
         """(T, E) host bool: whether any of the leaves ``paths`` is nonzero in each row (None without one)."""
@@ -478,9 +485,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
         B, kind = self._check_sample_args(batch_size, with_replacement, with_next_obs, boundaries)
-        self._check_last_rows(kind, B, with_replacement)
         dst = self._check_out(out, B, with_next_obs)
-        idx, _ = self._draw(kind, B, self._generator(key), with_replacement)
+        idx, _ = self._sampler.draw(kind, B, self._generator(key), with_replacement)
         batch = self._with_flags(self._gather(idx, dst, out), boundaries)
         return (batch, idx) if return_indices else batch
 
@@ -639,8 +645,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         except RuntimeError as err:
             raise ValueError(f"state_dict['rng']: not a generator state ({err})") from None
         trunc = host_tensor(state["trunc"]).numpy().copy()
-        flags = {p: host_tensor(state["data"][self._names[p]]) for p in self._end_paths}
-        stored, ends = self._any_set(flags, self._trunc_paths, M), self._any_set(flags, self._end_paths, M)
+        flags = {p: host_tensor(state["data"][self._names[p]]) for p in self._end_paths + self._last_paths}
+        stored, ends, last = self._row_flags(flags, M)
         if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
             raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         extra = self._check_extra_state(state)
@@ -661,7 +667,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 self._sampler.forget()
                 raise
             # validity and trees are rebuilt from the rows on next use
-            self._ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends)
+            self._ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends, last=last)
             self._sampler.forget()
             self._gen.set_state(rng)
         if self._dir is not None:  # the directory now holds the loaded state
@@ -713,10 +719,10 @@ class TransitionBuffer(checkpoint.Checkpointable):
         """Take the rows, counters and last flushed state of a re-opened storage directory."""
         M = self.max_rows
         pos, count, total = self._dir.opened_counters(M)
-        flags = {p: self._data[p] for p in self._end_paths}
-        trunc, ends = self._any_set(flags, self._trunc_paths, M), self._any_set(flags, self._end_paths, M)
+        trunc, ends, last = self._row_flags({p: self._data[p] for p in self._end_paths + self._last_paths}, M)
         zeros = np.zeros((M, self.n_envs), dtype=bool)
-        self._ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total)
+        self._ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total,
+                           last)
         def restore(state):
             if state is not None:
                 rng = host_tensor(state["rng"])
@@ -741,91 +747,6 @@ class TransitionBuffer(checkpoint.Checkpointable):
     # ------------------------------------------------------------------ the source's rows, provenance
 
     _IS_LAST = ("info", "is_last")  # the leaf marking an EnvPoolSource row that holds no transition
-
-    def _last_rows(self, kind: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """``(flat starts, range positions)`` (host int64, sorted) of the ``is_last`` rows that ``kind``'s own
-        validity lets start a window, or None when there are none. The source sets ``truncated`` on exactly
-        its ``is_last`` rows, so the ring's host copy of ``truncated`` finds them without reading the device;
-        kinds that infer next observations (no truncation in a window) or forbid episode ends before the last
-        row (``n_steps > 1``) never start at them already."""
-        ring = self._ring
-        if self._IS_LAST not in self._shapes or not ring.n_trunc or kind & NEXT_OBS or (
-                kind & IN_EPISODE and self.n_steps > 1):
-            return None
-        key = (kind, ring.total, ring.pos, ring.count, id(ring.trunc))
-        cached = getattr(self, "_last_rows_cache", None)
-        if cached is None or cached[0] != key:
-            M, E = ring.max_rows, ring.n_envs
-            oldest = (ring.pos - ring.count) % M
-            rows, envs = np.nonzero(ring.trunc)
-            t = (rows - oldest) % M  # time index, 0 = oldest row held
-            keep = t <= ring.count - ring.window(kind)
-            pos = np.sort(t[keep] * E + envs[keep])
-            flat = (pos // E + oldest) % M * E + pos % E
-            cached = self._last_rows_cache = (key, (flat, pos) if len(pos) else None)
-        return cached[1]
-
-    def _check_last_rows(self, kind: int, B: int, with_replacement: bool) -> None:
-        """Raise as :meth:`_check_sample_args` does when the starts left without ``is_last`` rows are too few."""
-        last = self._last_rows(kind)
-        if last is None:
-            return
-        n = self._ring.range_starts(kind)[1] if self._ring.one_range(kind) else self._active_valid(kind)
-        left = n - len(last[0])
-        if left == 0:
-            raise ValueError(f"sample: no valid sequence start yet ({self._ring.count} rows written per env; the "
-                             f"{len(last[0])} valid starts hold the last observation of an episode)")
-        if not with_replacement and B > left:
-            raise ValueError(f"batch_size: {B} exceeds the {left} valid starts (rows holding the last observation "
-                             "of an episode never start a window), which sampling without replacement needs")
-
-    def _draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
-        """The sampler's ``draw`` (flat starts (B,), masses or None), never starting at an ``is_last`` row: with
-        replacement from one ring range, the k-th start that is not one (exact, no rejection); otherwise
-        from the tree with those starts' mass zeroed for the draw."""
-        last = self._last_rows(kind)
-        if last is None:
-            return self._sampler.draw(kind, B, g, with_replacement)
-        ring = self._ring
-        if with_replacement and not self._sampler.prioritized and ring.one_range(kind):
-            M, E = ring.max_rows, ring.n_envs
-            oldest, n = ring.range_starts(kind)
-            pos = last[1]
-            u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
-            k = u.mul(n - len(pos)).long().clamp_max_(n - len(pos) - 1)
-            skips = torch.from_numpy(pos - np.arange(len(pos))).to(k.device)
-            q = k + torch.searchsorted(skips, k, right=True)  # the k-th range position that is not excluded
-            idx = q.div(E, rounding_mode="floor").add_(oldest).remainder_(M).mul_(E).add_(q.remainder(E))
-            if idx.device.type == "cpu":
-                return self._staging.to_device(idx, "__starts__"), None
-            return idx.to(self.device), None
-        with self._last_rows_excluded(kind):
-            return self._sampler.draw(kind, B, g, with_replacement)
-
-    def _last_rows_excluded(self, kind: int):
-        """A context in which the ``is_last`` rows that ``kind`` would let start a window have zero mass in its
-        tree (restored on exit, whatever happens); it yields how many there are."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def excluded():
-            last = self._last_rows(kind)
-            if last is None:
-                yield 0
-                return
-            self._sampler.activate(kind)
-            tree = self._sampler.trees[kind]
-            idx = self._staging.to_device(torch.from_numpy(last[0]), "__last_rows__")
-            saved = tree.leaves(idx)
-            try:
-                with signals_held():
-                    tree.update(idx, torch.zeros_like(saved))
-                yield len(last[0])
-            finally:
-                with signals_held():
-                    tree.update(idx, saved)
-
-        return excluded()
 
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(env, row, step)`` of flat starts ``indices`` (any shape; the indices :meth:`sample` returns with

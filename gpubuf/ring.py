@@ -9,7 +9,8 @@ ring knows the write position, how many rows are written, which rows carry a tru
 - bit 1 (``IN_EPISODE``): no episode ends in the window's first ``n_steps - 1`` rows (its last row may end
   one), so the window never crosses into the next episode.
 
-Every kind's windows lie inside the written rows and never cross the write seam.
+Every kind's windows lie inside the written rows and never cross the write seam, and never start at a row
+that holds no transition (an env source's row holding an episode's last observation, ``info["is_last"]``).
 
 Everything here is numpy on the host: the replay buffer turns the validity it computes into device masks
 and sampling mass.
@@ -38,7 +39,9 @@ class StartRing:
         self.trunc = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows holding a truncation
         self.n_trunc = 0  # truncated rows stored
         self.ends = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows ending an episode
-        self.n_ends = 0  # rows ending an episode stored (while both counts are 0, every kind is one ring range)
+        self.n_ends = 0  # rows ending an episode stored
+        self.last = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows holding no transition (never a start)
+        self.n_last = 0  # such rows stored (while these three counts are 0, every kind is one ring range)
         self.valid = {k: np.zeros((max_rows, n_envs), dtype=bool) for k in self.kinds}  # (M, E) per kind
         self.n_valid = dict.fromkeys(self.kinds, 0)
 
@@ -46,13 +49,16 @@ class StartRing:
         """Rows a window of this kind reads."""
         return self.n_steps + (kind & NEXT_OBS)
 
-    def write(self, T: int, trunc: np.ndarray | None, ends: np.ndarray | None) -> tuple[int, int]:
-        """Account for ``T`` rows written at the write position with truncation flags ``trunc`` (T, E) and
-        episode ends ``ends`` (T, E) (None: no such leaf); returns ``(old position, rows before the wrap)``."""
+    def write(self, T: int, trunc: np.ndarray | None, ends: np.ndarray | None,
+              last: np.ndarray | None = None) -> tuple[int, int]:
+        """Account for ``T`` rows written at the write position with truncation flags ``trunc`` (T, E), episode
+        ends ``ends`` (T, E) and rows holding no transition ``last`` (T, E) (None: no such leaf); returns
+        ``(old position, rows before the wrap)``."""
         M, pos = self.max_rows, self.pos
         first = min(T, M - pos)
         self.n_trunc += self._put(self.trunc, trunc, pos, first, T)
         self.n_ends += self._put(self.ends, ends, pos, first, T)
+        self.n_last += self._put(self.last, last, pos, first, T)
         self.pos = (pos + T) % M
         self.count = min(self.count + T, M)
         self.total += T
@@ -95,6 +101,8 @@ class StartRing:
         if kind & IN_EPISODE and self.n_ends and self.n_steps > 1:
             win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps - 1)) % M  # (K, n-1) rows
             bad = self.ends[win].any(1) if bad is None else bad | self.ends[win].any(1)
+        if self.n_last:
+            bad = self.last[r0:r1] if bad is None else bad | self.last[r0:r1]
         if bad is not None:
             return (ok[:, None] & ~bad).reshape(-1)
         return ok if E == 1 else np.repeat(ok, E)
@@ -114,7 +122,7 @@ class StartRing:
         """Whether the valid starts of ``kind`` are every env's start in one ring range of rows: always for kind
         0; with ``NEXT_OBS`` while no truncation is stored, with ``IN_EPISODE`` while no episode end is (or
         windows are single rows)."""
-        return (not kind & NEXT_OBS or self.n_trunc == 0) and \
+        return self.n_last == 0 and (not kind & NEXT_OBS or self.n_trunc == 0) and \
             (not kind & IN_EPISODE or self.n_ends == 0 or self.n_steps == 1)
 
     def range_starts(self, kind: int) -> tuple[int, int]:
@@ -138,10 +146,13 @@ class StartRing:
             self.valid[kind][:] = False
             self.n_valid[kind] = 0
 
-    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray, total: int | None = None) -> None:
-        """Set the write position, row count, truncation flags, episode ends and (default: ``count``) rows ever
-        written; validity is forgotten."""
+    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray, total: int | None = None,
+                last: np.ndarray | None = None) -> None:
+        """Set the write position, row count, truncation flags, episode ends, (default: ``count``) rows ever
+        written and rows holding no transition (default: none); validity is forgotten."""
         self.pos, self.count, self.trunc, self.ends = pos, count, trunc, ends
+        self.last = np.zeros_like(trunc) if last is None else last
         self.total = count if total is None else total
         self.n_trunc, self.n_ends = int(np.count_nonzero(trunc)), int(np.count_nonzero(ends))
+        self.n_last = int(np.count_nonzero(self.last))
         self.forget_validity()

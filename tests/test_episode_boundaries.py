@@ -216,3 +216,9 @@ def test_rows_marked_is_last_never_start_a_window(backend, device):
     assert len(set(starts.tolist())) == n_ok
     with pytest.raises(ValueError, match=f"batch_size: {n_ok + 1} exceeds the {n_ok} valid starts"):
         buf.sample(batch_size=n_ok + 1, with_replacement=False)
+    # validity itself leaves them out: counts, masses and a GraphSampler's draws agree
+    assert buf.num_valid() == n_ok
+    mass = buf.sampling_mass().view(M, E)[:T].cpu().numpy()
+    assert not mass[last].any() and int((mass > 0).sum()) == n_ok
+    _, idx = buf.graph_sampler(batch_size=200, generator=torch.Generator(device=device).manual_seed(0)).sample()
+    assert not last.reshape(-1)[idx.cpu().numpy()].any()

@@ -135,7 +135,8 @@ def test_single_row_windows_never_start_at_a_last_observation(device):
         batch = buf.sample(key=5, batch_size=400, boundaries=boundaries)
         assert not batch.info["is_last"].any()
     n_last = int(buf.state_dict()["data"]["info['is_last']"].sum())
-    left = buf.num_valid() - n_last
+    left = buf.num_valid()
+    assert left == len(buf) - n_last  # every held row starts a window, but a last observation
     batch = buf.sample(key=6, batch_size=left, with_replacement=False)  # every start that is not a last observation
     assert not batch.info["is_last"].any()
     with pytest.raises(ValueError, match=f"batch_size: {left + 1} exceeds the {left} valid starts"):
