@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from gpubuf import reference
 from gpubuf.benchmarking.timing import cuda_event_clock, median_us
+from gpubuf.ops.prefix_tree import update_range_twin, update_twin
 from gpubuf.prefix_tree import PrefixSumTree
 
 
@@ -50,15 +50,15 @@ def main(argv=None) -> int:
         tree = PrefixSumTree(cap, device, "torch", F)
         g = torch.Generator(device=device).manual_seed(k)
         full = torch.rand(cap, dtype=torch.float64, device=device, generator=g)
-        reference.tree_update_range(tree.tree, tree.offsets, F, 0, full)
+        update_range_twin(tree.tree, tree.offsets, F, 0, full)
         cases = [("full rebuild", None)] + [(f"update {K}", int(K)) for K in args.batches.split(",")]
         for case, K in cases:
             if K is None:
-                kernel, twin, rest = pt.update_range, reference.tree_update_range, (tree.offsets, F, 0, full)
+                kernel, twin, rest = pt.update_range, update_range_twin, (tree.offsets, F, 0, full)
             else:
                 idx = torch.randint(0, cap, (K,), device=device, generator=g)
                 vals = torch.rand(cap, dtype=torch.float64, device=device, generator=g)[idx]
-                kernel, twin, rest = pt.update, reference.tree_update, (tree.offsets, F, idx, vals)
+                kernel, twin, rest = pt.update, update_twin, (tree.offsets, F, idx, vals)
             want = tree.tree.clone()
             twin(want, *rest)
             modes = {"one program": 2**62, "many programs": 1}

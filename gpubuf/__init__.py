@@ -16,7 +16,8 @@ from gpubuf.checkpoint import CheckpointError
 from gpubuf.graph_sampling import GraphSampler
 from gpubuf.history import HistoryBuffer
 from gpubuf.prioritized import PrioritizedTransitionBuffer
-from gpubuf.replay import Transition, TransitionBuffer
+from gpubuf.replay import TransitionBuffer
+from gpubuf.transition import Transition
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and go-to-definition
     from gpubuf.distributed import ShardedBuffer

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from gpubuf.inputs import as_tensor
 from gpubuf.interrupts import signals_held
 from gpubuf.prioritized import PrioritizedTransitionBuffer
-from gpubuf.replay import BOUNDARIES, Transition, TransitionBuffer, _flatten, _leaf_name, _unflatten
+from gpubuf.replay import BOUNDARIES, TransitionBuffer
+from gpubuf.transition import Transition, flatten, leaf_name, unflatten
 
 _ARG_ERRORS = (TypeError, ValueError, IndexError)
 
@@ -53,7 +54,7 @@ def _config(local: TransitionBuffer) -> dict:
     """What must agree between shards for their union to be one buffer."""
     cfg = {"class": type(local).__name__, "max_size": local.max_size, "n_envs": local.n_envs,
            "n_steps": local.n_steps,
-           "leaves": {_leaf_name(p): (s, str(local._dtypes[p])) for p, s in local._shapes.items()}}
+           "leaves": {leaf_name(p): (s, str(local._dtypes[p])) for p, s in local._shapes.items()}}
     if isinstance(local, PrioritizedTransitionBuffer):
         cfg.update(alpha=local.alpha, eps=local.eps)
     return cfg
@@ -243,7 +244,7 @@ class ShardedBuffer:
         local, n = self.local, idx.shape[0]
         parts = list(head)
         if n:
-            windows = _flatten(local._gather(idx, local._check_out(None, n, with_next_obs)))
+            windows = flatten(local._gather(idx, local._check_out(None, n, with_next_obs)))
             for d, _, shape, _ in self._layout(with_next_obs):
                 parts.append(windows[d].reshape(n, math.prod(shape)).view(torch.uint8))
         else:
@@ -261,7 +262,7 @@ class ShardedBuffer:
                 t = torch.empty((B,) + shape, dtype=dtype, device=rows.device)
             leaves[d] = t.to(device)
             at += nbytes
-        return _unflatten({d: leaves[d] for d, *_ in self.local._jobs(1, with_next_obs)})  # the local leaf order
+        return unflatten({d: leaves[d] for d, *_ in self.local._jobs(1, with_next_obs)})  # the local leaf order
 
     @torch.compiler.disable  # an opaque call under torch.compile, as the local buffers' sample
     def sample(self, key=None, with_replacement: bool | None = None, batch_size: int | None = None,

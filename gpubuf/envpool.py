@@ -21,6 +21,7 @@ import torch
 from gpubuf import ops
 from gpubuf.inputs import as_flags, as_index_array, as_tensor, check_cast, check_flags, positive_int
 from gpubuf.staging import Staging
+from gpubuf.transition import Transition
 
 
 @dataclass
@@ -399,8 +400,6 @@ class EnvPoolSource:
         example}``, one env's value of each extra leaf (its shape and dtype; e.g. ``np.float32(0)`` for a
         log-probability), which every ``send``/``step`` must then pass.
         """
-        from gpubuf.replay import Transition
-
         space = self.env.observation_space
         lead = (1, self.n_envs) if vectorized else (1,)
         obs = torch.from_numpy(np.zeros((*lead, *space.shape), dtype=space.dtype))
@@ -436,8 +435,6 @@ class EnvPoolSource:
 
     def _insert_last_rows(self) -> None:
         """One ``is_last`` row per env: each env's last observation ends its episode (a ``reset()``)."""
-        from gpubuf.replay import Transition
-
         n = self.n_envs
         fill = np.full((n, *self.action_shape), action_fill(self.action_dtype), dtype=self.action_dtype)
         extra = {name: torch.full((n, *s), action_fill(_np_dtype(d)), dtype=d, device=self.device)
@@ -450,8 +447,6 @@ class EnvPoolSource:
         self._fresh[:] = True
 
     def _insert_transition(self, step: Step, sent, reward, terminated, truncated, infos: dict) -> None:
-        from gpubuf.replay import Transition
-
         obs = step.info[self.stager.obs_key][:, 0]  # (R, *obs)
         ids = step.env_ids
         if self._prev_obs is None:

@@ -14,7 +14,7 @@ after more inserts samples the buffer as it is then.
 import torch
 
 from gpubuf import ops
-from gpubuf.replay import Transition, _unflatten
+from gpubuf.transition import Transition, unflatten
 
 
 class GraphSampler:
@@ -57,7 +57,7 @@ class GraphSampler:
         self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
         self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
         result, self._work = buffer._outputs(B, buffer._check_out(None, B, with_next_obs))
-        self.out: Transition = buffer._with_flags(_unflatten(result), boundaries)  # forbid: constant flags
+        self.out: Transition = buffer._with_flags(unflatten(result), boundaries)  # forbid: constant flags
         self._plan = None
         if buffer.backend == "triton" and buffer._dir is None:  # the kernel reads time-major storage
             from gpubuf.kernels import sequence

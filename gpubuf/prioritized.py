@@ -14,9 +14,10 @@ import torch
 
 from gpubuf.inputs import as_tensor, finite_float
 from gpubuf.interrupts import signals_held
-from gpubuf.replay import Transition, TransitionBuffer
+from gpubuf.replay import TransitionBuffer
 from gpubuf.samplers import PrioritizedSampler
 from gpubuf.state import check_tensor, chunks, copy_into, unaliased
+from gpubuf.transition import Transition
 
 _F32 = torch.finfo(torch.float32)
 _LOG_MAX = math.log(torch.finfo(torch.float64).max)

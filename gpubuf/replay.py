@@ -16,126 +16,24 @@ with copies that cannot fail on staged data. Validity is kept apart from priorit
 validity kind says which starts may be drawn, and a valid start's mass is never zero.
 """
 
-import dataclasses
 import warnings
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
 
-from gpubuf import checkpoint, ops, reference, tiers
+from gpubuf import checkpoint, ops, tiers
 from gpubuf.inputs import as_tensor, check_cast, check_storable, positive_int
 from gpubuf.interrupts import signals_held
+from gpubuf.kernels.words import as_words
 from gpubuf.ring import IN_EPISODE, NEXT_OBS, StartRing
 from gpubuf.samplers import UniformSampler
 from gpubuf.staging import Staging, check_disjoint, memory_ranges, overlaps
 from gpubuf.state import check_range, check_state, copy_into, host_tensor, unaliased
 from gpubuf.storage_dir import StorageDir
-
-_ARRAYS = (torch.Tensor, np.ndarray)
-FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
-
-
-@dataclasses.dataclass
-class Transition:
-    """One batch of transitions; every field may be a tensor, a (nested) dict of tensors, or ``None``.
-
-    ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled
-    from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first`` and ``mask`` only on batches sampled
-    with ``boundaries="mask"`` or ``"forbid"``. None of the three is ever stored.
-    """
-
-    observation: Any
-    action: Any
-    reward: Any
-    terminated: Any
-    truncated: Any
-    next_observation: Any = None
-    info: dict = dataclasses.field(default_factory=dict)
-    PER_weights: Any = None
-    is_first: Any = None
-    mask: Any = None
-
-    def to(self, device, non_blocking: bool = False) -> "Transition":
-        """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy leaves become
-        tensors, ``None`` fields stay ``None``, a leaf already there is not copied. ``self`` is unchanged."""
-        from gpubuf import transition_tools
-
-        return transition_tools.to(self, device, non_blocking)
-
-    def __iter__(self):
-        """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in field
-        order, so ``dict(batch)`` holds what a buffer stores plus the sampled ``PER_weights`` / ``is_first`` /
-        ``mask``."""
-        from gpubuf import transition_tools
-
-        return transition_tools.items(self)
-
-    def to_tensordict(self, batch_dims: int | None = None):
-        """A ``tensordict.TensorDict`` of the set fields (no copy; nested dicts become nested TensorDicts).
-        ``batch_dims``: leading dims that form its batch size; ``None``: the longest leading shape all leaves
-        share, e.g. ``(B, n_steps)``. Needs the optional ``tensordict`` package."""
-        from gpubuf import transition_tools
-
-        return transition_tools.to_tensordict(self, batch_dims)
-
-    @classmethod
-    def from_tensordict(cls, td) -> "Transition":
-        """The Transition of a ``TensorDict`` whose keys are Transition fields; missing fields are ``None``,
-        an unknown key raises ``ValueError`` naming it. Needs the optional ``tensordict`` package."""
-        from gpubuf import transition_tools
-
-        return transition_tools.from_tensordict(td)
-
+from gpubuf.transition import Transition, flatten, leaf_name, unflatten
 
 BOUNDARIES = ("allow", "mask", "forbid")
 _NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2)  # storable, no numpy twin
-
-
-def _leaf_name(path: tuple) -> str:
-    return path[0] + "".join(f"[{p!r}]" for p in path[1:])
-
-
-def _flatten(transition, name: str = "transition") -> dict[tuple, Any]:
-    """``{(field, key, ...): leaf}`` over the stored fields, in field order."""
-    if not isinstance(transition, Transition):
-        raise TypeError(f"{name}: expected a gpubuf.Transition, got {type(transition).__name__}")
-    leaves: dict[tuple, Any] = {}
-
-    def walk(path, value):
-        if value is None:
-            return
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    raise TypeError(f"{_leaf_name(path)}: dict keys must be str, got {k!r}")
-                walk(path + (k,), v)
-        else:
-            leaves[path] = value
-
-    for f in FIELDS:
-        value = getattr(transition, f)
-        if isinstance(value, _ARRAYS):  # the common case, without the walk
-            leaves[(f,)] = value
-        else:
-            walk((f,), value)
-    return leaves
-
-
-def _unflatten(leaves: dict[tuple, torch.Tensor]) -> Transition:
-    fields: dict[str, Any] = {f: None for f in FIELDS}
-    fields["info"] = {}
-    for path, t in leaves.items():
-        if len(path) == 1:
-            fields[path[0]] = t
-            continue
-        node = fields[path[0]] if fields[path[0]] is not None else {}
-        fields[path[0]] = node
-        for p in path[1:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = t
-    return Transition(**fields)
 
 
 class TransitionBuffer(checkpoint.Checkpointable):
@@ -184,22 +82,22 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self.sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
         self.n_steps = positive_int("n_steps", n_steps)
         self.vectorized_env = bool(vectorized_env)
-        samples = {p: as_tensor(v, _leaf_name(p)) for p, v in _flatten(data_sample, "data_sample").items()}
+        samples = {p: as_tensor(v, leaf_name(p)) for p, v in flatten(data_sample, "data_sample").items()}
         if not samples:
             raise ValueError("data_sample: expected at least one non-None field")
         for p, t in samples.items():
-            check_storable(t.dtype, f"data_sample.{_leaf_name(p)}")
+            check_storable(t.dtype, f"data_sample.{leaf_name(p)}")
         lead = 2 if self.vectorized_env else 1
         for p, t in samples.items():
             if t.dim() < lead:
                 want = "(T, E, ...)" if self.vectorized_env else "(T, ...)"
-                raise ValueError(f"data_sample.{_leaf_name(p)}: expected leaves shaped {want}, got {tuple(t.shape)}")
+                raise ValueError(f"data_sample.{leaf_name(p)}: expected leaves shaped {want}, got {tuple(t.shape)}")
         if self.vectorized_env:
             envs = {p: t.shape[1] for p, t in samples.items()}
             E = next(iter(envs.values()))
             if any(e != E for e in envs.values()) or E < 1:
                 raise ValueError(f"data_sample: every leaf needs the same env axis (axis 1) >= 1, got "
-                                 f"{ {_leaf_name(p): e for p, e in envs.items()} }")
+                                 f"{ {leaf_name(p): e for p, e in envs.items()} }")
         else:
             E = 1
         self.n_envs = E
@@ -222,7 +120,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self._storage_backend = ops.backend_for(self.storage_device)
         self._shapes = {p: tuple(t.shape[lead:]) for p, t in samples.items()}
         self._want = {p: ((E,) if self.vectorized_env else ()) + s for p, s in self._shapes.items()}  # per-row
-        self._names = {p: _leaf_name(p) for p in samples}
+        self._names = {p: leaf_name(p) for p in samples}
         self._dtypes = {p: t.dtype for p, t in samples.items()}
         self._has_next_obs = any(p[0] == "next_observation" for p in samples)
         self._obs_paths = [p for p in samples if p[0] == "observation"]
@@ -235,23 +133,23 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if self._end_paths:
             kinds += tuple(k | IN_EPISODE for k in kinds)
 
-        dtypes = {_leaf_name(p): self._dtypes[p] for p in samples}
+        dtypes = {leaf_name(p): self._dtypes[p] for p in samples}
         if storage_dir is None:  # time-major (M, E, *shape)
-            shapes = {_leaf_name(p): ((M, E) if self.vectorized_env else (M,)) + s for p, s in self._shapes.items()}
+            shapes = {leaf_name(p): ((M, E) if self.vectorized_env else (M,)) + s for p, s in self._shapes.items()}
             self._dir = None
             storage = base = ops.allocate(shapes, dtypes, self.storage_device)
         else:  # env-major files (E, M, *shape), written through (M, E, *shape) views
-            shapes = {_leaf_name(p): (E, M) + s for p, s in self._shapes.items()}
+            shapes = {leaf_name(p): (E, M) + s for p, s in self._shapes.items()}
             self._dir = StorageDir(storage_dir, self._dir_config(), shapes, dtypes)
             base = self._dir.tensors
             storage = {k: t.transpose(0, 1) if self.vectorized_env else t[0] for k, t in base.items()}
         try:  # a failure from here on releases the storage_dir's lock at once
             self._ring = StartRing(M, E, self.n_steps, kinds)  # host bookkeeping
             self._sampler = self._make_sampler()  # trees, validity masks (and priorities) on the device
-            self._data = {p: storage[_leaf_name(p)] for p in samples}
-            self._flat = {p: base[_leaf_name(p)].view(M * E, -1) for p in samples}  # (M*E, D) contiguous views
-            # the same rows as int words (reference.as_words): windows are gathered and allocated as words
-            self._words = {p: reference.as_words(t)[0] for p, t in self._flat.items()}
+            self._data = {p: storage[leaf_name(p)] for p in samples}
+            self._flat = {p: base[leaf_name(p)].view(M * E, -1) for p in samples}  # (M*E, D) contiguous views
+            # the same rows as int words (gpubuf.kernels.words.as_words): windows are gathered and allocated as words
+            self._words = {p: as_words(t)[0] for p, t in self._flat.items()}
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             # CPU storage as numpy views (dtypes numpy has): a same-dtype host array is written by one numpy
             # slice assignment
@@ -337,11 +235,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
         set and per-row shapes of ``data_sample``, and dtypes that store without changing values (narrowing casts
         of host data are checked on the values: :func:`gpubuf.inputs.check_cast`). Nothing is written on any error.
         """
-        leaves = _flatten(transition)
+        leaves = flatten(transition)
         if leaves.keys() != self._shapes.keys():
-            missing = [_leaf_name(p) for p in self._shapes if p not in leaves]
-            extra = [_leaf_name(p) for p in leaves if p not in self._shapes]
-            raise ValueError(f"transition: leaves are fixed by data_sample {[_leaf_name(p) for p in self._shapes]}; "
+            missing = [leaf_name(p) for p in self._shapes if p not in leaves]
+            extra = [leaf_name(p) for p in leaves if p not in self._shapes]
+            raise ValueError(f"transition: leaves are fixed by data_sample {[leaf_name(p) for p in self._shapes]}; "
                              f"missing {missing}, unexpected {extra}")
         values, T = {}, None
         for p, v in leaves.items():
@@ -495,7 +393,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         ``boundaries == "allow"``."""
         if boundaries == "allow":
             return batch
-        leaves = _flatten(batch, "out")
+        leaves = flatten(batch, "out")
         B, n = leaves[self._end_paths[0]].shape[0], self.n_steps
         if n == 1:
             batch.is_first = torch.ones(B, dtype=torch.bool, device=self.device)
@@ -538,7 +436,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         jobs = self._jobs(B, with_next_obs)
         if out is None:
             return {d: (None, s, shift, shape) for d, s, shift, shape in jobs}
-        given = _flatten(out, "out")
+        given = flatten(out, "out")
         result = {}
         for d, s, shift, shape in jobs:
             t = given.get(d)
@@ -546,10 +444,10 @@ class TransitionBuffer(checkpoint.Checkpointable):
             if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
                     or t.device != self.device or not t.is_contiguous()):
                 got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"out.{_leaf_name(d)}: expected a contiguous {dtype} tensor of shape {shape} on "
+                raise ValueError(f"out.{leaf_name(d)}: expected a contiguous {dtype} tensor of shape {shape} on "
                                  f"{self.device}, got {got}")
             result[d] = (t, s, shift, shape)
-        check_disjoint({f"out.{_leaf_name(d)}": t for d, (t, *_) in result.items()}, self._owned)
+        check_disjoint({f"out.{leaf_name(d)}": t for d, (t, *_) in result.items()}, self._owned)
         return result
 
     def _gather(self, starts: torch.Tensor, jobs: dict, out: Transition | None = None) -> Transition:
@@ -557,7 +455,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if self.storage_device == self.device:
             result, work = self._outputs(B, jobs)
             self._gather_windows(work, starts)
-            return _unflatten(result) if out is None else out
+            return unflatten(result) if out is None else out
         # host storage: gather on the host (into pinned memory for CUDA), then one non-blocking copy per leaf
         host, work = self._outputs(B, {d: (None, *rest) for d, (_, *rest) in jobs.items()},
                                    self.storage_device, pin=self.device.type == "cuda")
@@ -566,7 +464,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         for d, t in host.items():
             dst = jobs[d][0]
             result[d] = t.to(self.device, non_blocking=True) if dst is None else dst.copy_(t, non_blocking=True)
-        return _unflatten(result) if out is None else out
+        return unflatten(result) if out is None else out
 
     def _gather_windows(self, work: list, starts: torch.Tensor) -> None:
         """Fill :meth:`_outputs`' ``work`` with the windows of flat ``starts`` (B,) on the storage's device,
@@ -594,12 +492,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
                     words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device, pin_memory=pin)
                 except (RuntimeError, torch.OutOfMemoryError) as err:
                     raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} for "
-                                      f"{_leaf_name(d)}, which cannot be allocated on {device} "
+                                      f"{leaf_name(d)}, which cannot be allocated on {device} "
                                       f"({str(err).splitlines()[0]})") from None
                 dst = words.view(torch.uint8).view(self._dtypes[s]).view(shape)
             else:  # a caller's tensor may sit at any offset: both sides get a word type they share
                 flat = self._flat[s]
-                src, words = reference.as_words(flat, dst.view(B * n, flat.shape[1]))
+                src, words = as_words(flat, dst.view(B * n, flat.shape[1]))
                 words = words.view(B, n, src.shape[1])
             work.append((src, words, shift))
             result[d] = dst
@@ -617,8 +515,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         state = {"buffer": type(self).__name__, "version": 1}
         state.update({name: getattr(self, name) for name in self._CONFIG[1:]})
         state.update(
-            shapes={_leaf_name(p): s for p, s in self._shapes.items()},
-            data={_leaf_name(p): t for p, t in self._data.items()},
+            shapes={leaf_name(p): s for p, s in self._shapes.items()},
+            data={leaf_name(p): t for p, t in self._data.items()},
             pos=self._ring.pos,
             count=self._ring.count,
             trunc=torch.from_numpy(self._ring.trunc.copy()),
@@ -650,8 +548,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
             raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         extra = self._check_extra_state(state)
-        sources = unaliased({_leaf_name(p): state["data"][_leaf_name(p)] for p in self._data},
-                            {_leaf_name(p): t for p, t in self._data.items()}, self._owned)
+        sources = unaliased({leaf_name(p): state["data"][leaf_name(p)] for p in self._data},
+                            {leaf_name(p): t for p, t in self._data.items()}, self._owned)
         if self._dir is not None:
             self._check_open()
         with signals_held():
@@ -659,7 +557,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 self._dir.before_load(self._ring.total)
             try:
                 for p, t in self._data.items():
-                    copy_into(t, sources[_leaf_name(p)])
+                    copy_into(t, sources[leaf_name(p)])
                 self._load_extra_state(state, extra)
             except BaseException:
                 # the data is half-read (a read error): forget every row

@@ -25,8 +25,8 @@ import mmap
 
 import torch
 
+from gpubuf.kernels.words import as_words
 from gpubuf.ops import resolve_device
-from gpubuf.reference import as_words
 
 
 def _libc_madvise():
@@ -96,7 +96,7 @@ def storage_device_for(device: torch.device, storage_device, storage_dir) -> tor
 def env_major_gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int, prefetch: bool = False) -> None:
     """For each ``(storage (E*M, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
     ``(start % E) * M + (start // E + j + shift) % M``, j < n, for flat starts ``step * E + env`` (B,): the
-    windows of :func:`gpubuf.reference.sequence_gather` from env-major storage. Host tensors; rows are
+    windows of :func:`gpubuf.ops.sequence.gather_twin` from env-major storage. Host tensors; rows are
     computed once per distinct shift. ``prefetch``: the storages are file mappings (:func:`prefetch_windows`
     first)."""
     B = starts.shape[0]

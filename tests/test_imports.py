@@ -25,9 +25,6 @@ APPS = ("gpubuf.benchmarking", "gpubuf.cli", "gpubuf.demo", "gpubuf.distributed"
         "gpubuf.planning", "gpubuf.wrappers")
 # Third-party packages of the apps and the extras, which neither ``import gpubuf`` nor a core module may load.
 OPTIONAL = ("envpool", "gymnasium", "matplotlib", "tqdm", "tensordict", "scipy")
-# Cycles another step of issue 19 is removing (gpubuf/transition.py); each is rotated to start at its
-# smallest module name. While one exists its case below is an expected failure, not hidden.
-KNOWN_CYCLES = [("gpubuf.replay", "gpubuf.transition_tools"), ("gpubuf.graph_sampling", "gpubuf.replay")]
 # The issue's done-when check, verbatim.
 DONE_WHEN = ("import gpubuf, sys; print([m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tqdm', "
              "'envpool') or m == 'gpubuf.distributed'])")
@@ -158,19 +155,9 @@ def test_the_walk_sees_the_package():
 
 
 def test_no_import_cycle():
-    """No cycle among the package's modules, module-level and function-level imports alike, besides the
-    known ones (their own cases below)."""
-    new = [describe(c, GRAPH) for c in CYCLES if c not in KNOWN_CYCLES]
+    """No cycle among the package's modules, module-level and function-level imports alike."""
+    new = [describe(c, GRAPH) for c in CYCLES]
     assert not new, "import cycles:\n" + "\n".join(new)
-
-
-@pytest.mark.parametrize("cycle", [
-    pytest.param(c, id=" <-> ".join(m.removeprefix("gpubuf.") for m in c),
-                 marks=pytest.mark.xfail(strict=False, reason="known cycle, being removed by issue 19 step 1 "
-                                                              "(gpubuf/transition.py)"))
-    for c in KNOWN_CYCLES])
-def test_known_cycle_is_gone(cycle):
-    assert cycle not in CYCLES, "import cycle: " + describe(cycle, GRAPH)
 
 
 def test_core_modules_import_no_app_and_no_optional_package_at_module_level():

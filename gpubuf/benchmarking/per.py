@@ -11,7 +11,7 @@ import torch
 from gpubuf.benchmarking.peers import Peers
 from gpubuf.benchmarking.timing import median_us, syncer
 from gpubuf.prioritized import PrioritizedTransitionBuffer
-from gpubuf.replay import Transition
+from gpubuf.transition import Transition
 
 OBS, ACT, CHUNK = 17, 6, 2**16
 ROW_BYTES = (OBS + ACT + 1) * 4 + 2

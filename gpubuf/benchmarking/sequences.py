@@ -10,7 +10,8 @@ import torch
 from gpubuf.benchmarking.peers import Peers
 from gpubuf.benchmarking.per import jax_block
 from gpubuf.benchmarking.timing import median_us, syncer
-from gpubuf.replay import Transition, TransitionBuffer
+from gpubuf.replay import TransitionBuffer
+from gpubuf.transition import Transition
 
 H, W, C, SB, SL, CHUNK = 64, 64, 3, 32, 16, 256
 

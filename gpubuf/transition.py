@@ -1,9 +1,12 @@
-"""Conversions of a :class:`~gpubuf.Transition`: to a device, field by field, to and from a ``TensorDict``.
+"""Transition: one batch of transitions, the tree of its nested leaves, and its conversions.
 
-:class:`~gpubuf.Transition`'s methods ``to``, ``__iter__``, ``to_tensordict`` and ``from_tensordict`` are these
-functions. ``tensordict`` is an optional dependency (``pip install tensordict``), imported only when used.
+A field may be a tensor (numpy array, ``__dlpack__`` array) or a nested dict of them. The buffers see a
+transition as flat leaves ``{(field, key, ...): leaf}`` (:func:`flatten` / :func:`unflatten`, printed by
+:func:`leaf_name`). The conversions (:func:`to`, :func:`items`, :func:`to_tensordict`, :func:`from_tensordict`)
+are also :class:`Transition`'s methods; ``tensordict`` is an optional dependency, imported only when used.
 """
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -11,7 +14,103 @@ import numpy as np
 import torch
 
 from gpubuf.inputs import as_tensor
-from gpubuf.replay import FIELDS, Transition
+
+_ARRAYS = (torch.Tensor, np.ndarray)
+FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
+
+
+@dataclasses.dataclass
+class Transition:
+    """One batch of transitions; every field may be a tensor, a (nested) dict of tensors, or ``None``.
+
+    ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled
+    from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first`` and ``mask`` only on batches sampled
+    with ``boundaries="mask"`` or ``"forbid"``. None of the three is ever stored.
+    """
+
+    observation: Any
+    action: Any
+    reward: Any
+    terminated: Any
+    truncated: Any
+    next_observation: Any = None
+    info: dict = dataclasses.field(default_factory=dict)
+    PER_weights: Any = None
+    is_first: Any = None
+    mask: Any = None
+
+    def to(self, device, non_blocking: bool = False) -> "Transition":
+        """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy leaves become
+        tensors, ``None`` fields stay ``None``, a leaf already there is not copied. ``self`` is unchanged."""
+        return to(self, device, non_blocking)
+
+    def __iter__(self):
+        """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in field
+        order, so ``dict(batch)`` holds what a buffer stores plus the sampled ``PER_weights`` / ``is_first`` /
+        ``mask``."""
+        return items(self)
+
+    def to_tensordict(self, batch_dims: int | None = None):
+        """A ``tensordict.TensorDict`` of the set fields (no copy; nested dicts become nested TensorDicts).
+        ``batch_dims``: leading dims that form its batch size; ``None``: the longest leading shape all leaves
+        share, e.g. ``(B, n_steps)``. Needs the optional ``tensordict`` package."""
+        return to_tensordict(self, batch_dims)
+
+    @classmethod
+    def from_tensordict(cls, td) -> "Transition":
+        """The Transition of a ``TensorDict`` whose keys are Transition fields; missing fields are ``None``,
+        an unknown key raises ``ValueError`` naming it. Needs the optional ``tensordict`` package."""
+        return from_tensordict(td)
+
+
+def leaf_name(path: tuple) -> str:
+    """The printable name of a leaf path: ``info['lives']`` for ``("info", "lives")``."""
+    return path[0] + "".join(f"[{p!r}]" for p in path[1:])
+
+
+def flatten(transition, name: str = "transition") -> dict[tuple, Any]:
+    """``{(field, key, ...): leaf}`` over the stored fields, in field order (``None`` fields and values left
+    out); ``name`` is the argument named when ``transition`` is not a :class:`Transition`."""
+    if not isinstance(transition, Transition):
+        raise TypeError(f"{name}: expected a gpubuf.Transition, got {type(transition).__name__}")
+    leaves: dict[tuple, Any] = {}
+
+    def walk(path, value):
+        if value is None:
+            return
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"{leaf_name(path)}: dict keys must be str, got {k!r}")
+                walk(path + (k,), v)
+        else:
+            leaves[path] = value
+
+    for f in FIELDS:
+        value = getattr(transition, f)
+        if isinstance(value, _ARRAYS):  # the common case, without the walk
+            leaves[(f,)] = value
+        else:
+            walk((f,), value)
+    return leaves
+
+
+def unflatten(leaves: dict[tuple, torch.Tensor]) -> Transition:
+    """The :class:`Transition` of :func:`flatten`'s ``{path: leaf}`` (missing fields ``None``)."""
+    fields: dict[str, Any] = {f: None for f in FIELDS}
+    fields["info"] = {}
+    for path, t in leaves.items():
+        if len(path) == 1:
+            fields[path[0]] = t
+            continue
+        node = fields[path[0]] if fields[path[0]] is not None else {}
+        fields[path[0]] = node
+        for p in path[1:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = t
+    return Transition(**fields)
+
+
 
 ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask")  # the stored fields, then those only sampling sets
 
