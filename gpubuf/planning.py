@@ -267,11 +267,16 @@ class CEMSolver:
     taking the default mean; the spread always starts at ``init_std``. All envs and samples are rolled out
     together, one batched model call per horizon step, under ``torch.no_grad()``.
 
-    Non-finite returns (NaN or inf, from the model or from an overflowing sum) rank last: an env's elites
-    are its ``num_elites`` lowest finite returns, or all of its finite ones when fewer are finite. When every
-    candidate of an env is non-finite in some iteration, the call raises ``ValueError`` naming those envs and
-    the model output that first went non-finite (``encode``, ``dynamics``, ``cost``, ``terminal_cost``):
-    nothing is planned through NaN. This costs one read-back of ``(R,)`` flags per call.
+    Non-finite rollouts rank last. A rollout is non-finite when its return is (NaN or inf, from the model or
+    from an overflowing sum) or when any of its model states is: the encoded state, or a ``dynamics`` output
+    up to and including the step into a terminal state (states after termination are never used), even if
+    the cost maps that state to a finite number (a threshold, ``nan_to_num``, an action-only cost). An env's
+    elites are its ``num_elites`` lowest finite rollouts, or all of its finite ones when fewer are finite.
+    When every candidate of an env is non-finite in some iteration, the call raises ``ValueError`` naming
+    those envs and the model output that first went non-finite (``encode``, ``dynamics``, ``cost``,
+    ``terminal_cost``): nothing is planned through NaN. The states are checked on the device (a per-rollout
+    flag, two reductions over each state and one or two ``(N,)`` ops per step), folded into the returns, so
+    the call still reads back only one ``(R,)`` flag.
     """
 
     def __init__(self, dynamics: Callable, cost: Callable, horizon: int | None = None, action_dim: int | None = None,
@@ -345,18 +350,22 @@ class CEMSolver:
         envs = (ids[rows.cpu().numpy()] if len(ids) == R else rows.cpu().numpy())[:5].tolist()
         s = state[rows].repeat_interleave(N, dim=0)
         a = actions[rows].reshape(-1, H, A)
+        alive = torch.ones(len(a), dtype=torch.bool, device=a.device)  # outputs after termination don't count
         where = None
-        if not bool(s.isfinite().all()):
+        if not bool(_finite_rows(s).all()):
             where = "encode", self.encode, "the planning state encoded from the history"
         for t in range(H):
             if where is not None:
                 break
             s = self.dynamics(s, a[:, t])
-            if not bool(s.isfinite().all()):
+            if not bool((_finite_rows(s) | ~alive).all()):
                 where = "dynamics", self.dynamics, f"the next state at step {t}"
-            elif not bool(self.cost(s, a[:, t]).isfinite().all()):
+            elif not bool((self.cost(s, a[:, t]).isfinite() | ~alive).all()):
                 where = "cost", self.cost, f"the cost at step {t}"
-        if where is None and self.terminal_cost is not None and not bool(self.terminal_cost(s).isfinite().all()):
+            elif self.terminated is not None:
+                alive = alive & ~self.terminated(s)
+        if (where is None and self.terminal_cost is not None
+                and not bool((self.terminal_cost(s).isfinite() | ~alive).all())):
             where = "terminal_cost", self.terminal_cost, "the cost of the last state"
         if where is None:
             return (f"cost: expected a finite return for at least one of the {N} candidates of every env, got only "
@@ -396,10 +405,13 @@ class CEMSolver:
         N, H = actions.shape[:2]
         total = torch.zeros(N, device=s.device)
         alive = None if self.terminated is None else torch.ones(N, dtype=torch.bool, device=s.device)
+        sane = _finite_rows(s)  # (N,): every model state so far (up to termination) finite; no read-back here
         weight = 1.0
         for t in range(H):
             a = actions[:, t]
             s = self.dynamics(s, a)
+            fine = _finite_rows(s)
+            sane &= fine if alive is None else fine | ~alive  # a state past termination is never used
             cost = self._checked(self.cost(s, a), "cost", N)
             total = total + weight * (cost if alive is None else torch.where(alive, cost, 0.0))
             if alive is not None:
@@ -412,7 +424,13 @@ class CEMSolver:
         if self.terminal_cost is not None:
             end = self._checked(self.terminal_cost(s), "terminal_cost", N)
             total = total + weight * (end if alive is None else torch.where(alive, end, 0.0))
-        return total
+        return torch.where(sane, total, torch.nan)  # a rollout through a non-finite state is a NaN return
+
+
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` bool: whether every entry of each row of ``x (N, ...)`` is finite."""
+    fine = x.isfinite()
+    return fine.flatten(1).all(1) if fine.dim() > 1 else fine
 
 
 def _name(fn) -> str:

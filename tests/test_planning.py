@@ -453,3 +453,57 @@ def test_a_failed_first_act_fixes_no_key_shape_or_dtype(how, device):
     assert torch.equal(flaky.act(step), want)
     assert flaky.history.keys == ("observation", "action")
     assert flaky.history.get(1)["observation"].dtype == torch.float64
+
+
+# ------------------------------------------------------------------ non-finite model states under a finite cost
+
+
+def nan_past_one(s, a):
+    """x' = x + a, NaN once |x'| > 1 (a model leaving its domain)."""
+    x = s + a
+    return torch.where(x.abs() > 1, float("nan"), x)
+
+
+@pytest.mark.parametrize(("cost", "terminated"), [
+    (lambda s, a: torch.where(s[:, 0].abs() > 0.2, 1.0, 0.0), None),  # a threshold: NaN > 0.2 is False
+    (lambda s, a: torch.nan_to_num(s[:, 0]) ** 2, None),
+    (lambda s, a: a[:, 0] ** 2, lambda s: s[:, 0] > 5),  # action-only cost, never terminated by NaN
+], ids=["threshold", "nan_to_num", "action_only"])
+def test_cem_raises_naming_dynamics_when_every_rollout_passes_a_nan_state(cost, terminated):
+    """The dynamics go NaN at step 0 for every candidate; the cost hides it (finite returns): the call still raises."""
+    solver = CEMSolver(lambda s, a: s * float("nan"), cost, horizon=2, action_dim=1, num_samples=16, num_elites=4,
+                       terminated=terminated)
+    with pytest.raises(ValueError, match=r"dynamics: expected finite values, got NaN/inf in the next state at step 0 "
+                                         r"from .*<lambda>, so every one of the 16 candidate returns of envs \[3, 5\]"):
+        solver({"observation": torch.zeros(2, 1, 1)}, [3, 5])
+
+
+@pytest.mark.parametrize(("cost", "terminated", "best"), [
+    (lambda s, a: torch.where(s[:, 0].abs() <= 1, s[:, 0] ** 2, -1.0), None, -0.5),  # NaN <= 1 is False: cost -1
+    (lambda s, a: -torch.nan_to_num(s[:, 0], nan=100.0), None, 0.5),  # NaN costs -100, finite at least -1
+    (lambda s, a: -a[:, 0], lambda s: s[:, 0] > 5, 0.5),  # pushing hardest looks best, NaN never terminates
+], ids=["threshold", "nan_to_num", "action_only"])
+def test_cem_plans_from_the_rollouts_whose_states_stay_finite(cost, terminated, best):
+    """Starting at 0.5, actions above 0.5 send the state to NaN at step 0. The cost rates those rollouts best, but
+    the plan is the best of the finite ones (a <= 0.5)."""
+    solver = CEMSolver(nan_past_one, cost, horizon=1, action_dim=1, num_samples=64, num_elites=8, iterations=4,
+                       terminated=terminated)
+    plan = solver({"observation": torch.full((2, 1, 1), 0.5)}, [0, 1])
+    assert plan.isfinite().all() and bool((plan <= 0.5).all())
+    torch.testing.assert_close(plan, torch.full((2, 1, 1), best), atol=0.1, rtol=0)
+
+
+def test_a_nan_state_after_termination_is_not_counted():
+    """A rollout terminated at step 0 may go NaN afterwards: its states are never used, so it is planned with."""
+    dynamics = lambda s, a: torch.where(s > 0, float("nan"), s + 1)  # 0 -> 1 (terminal) -> NaN
+    solver = CEMSolver(dynamics, lambda s, a: a[:, 0] ** 2, horizon=3, action_dim=1, num_samples=16, num_elites=4,
+                       terminated=lambda s: s[:, 0] > 0.5)
+    assert solver({"observation": torch.zeros(2, 1, 1)}, [0, 1]).isfinite().all()
+
+
+def test_a_nan_terminal_state_is_counted():
+    """The step into a terminal state is part of the rollout: a NaN there counts, even if terminated says True."""
+    solver = CEMSolver(lambda s, a: s * float("nan"), lambda s, a: a[:, 0] ** 2, horizon=2, action_dim=1,
+                       num_samples=16, num_elites=4, terminated=lambda s: s[:, 0].isnan())
+    with pytest.raises(ValueError, match=r"dynamics: expected finite values, got NaN/inf in the next state at step 0"):
+        solver({"observation": torch.zeros(2, 1, 1)}, [0, 1])
