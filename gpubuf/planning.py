@@ -274,9 +274,9 @@ class CEMSolver:
     elites are its ``num_elites`` lowest finite rollouts, or all of its finite ones when fewer are finite.
     When every candidate of an env is non-finite in some iteration, the call raises ``ValueError`` naming
     those envs and the model output that first went non-finite (``encode``, ``dynamics``, ``cost``,
-    ``terminal_cost``): nothing is planned through NaN. The states are checked on the device (a per-rollout
-    flag, two reductions over each state and one or two ``(N,)`` ops per step), folded into the returns, so
-    the call still reads back only one ``(R,)`` flag.
+    ``terminal_cost``): nothing is planned through NaN. The states are checked on the device into a
+    per-rollout flag (per step: ``isfinite`` over the state, a per-row ``all``, one ``(N,)`` AND, plus a NOT
+    and an OR with ``terminated``), folded into the returns, so the call still reads back one ``(R,)`` flag.
     """
 
     def __init__(self, dynamics: Callable, cost: Callable, horizon: int | None = None, action_dim: int | None = None,
