@@ -105,6 +105,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         Empty inputs do nothing. Raises (writing nothing) on non-integer or out-of-range indices, a length
         mismatch, NaN/inf results, or a priority whose ``**alpha`` mass would overflow.
         """
+        if self._dir is not None:  # a closed storage_dir buffer could not flush the change
+            self._check_open()
         idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
         td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors, "td_errors")
         if idx.numel() == 0 and td.numel() == 0 and idx.dim() <= 1 and td.dim() <= 1:
@@ -160,7 +162,10 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     def update_beta(self, beta: float):
         """Set the importance-sampling exponent; returns ``self``. Every :class:`~gpubuf.GraphSampler` of this
-        buffer follows it, in captured graphs too (through :attr:`beta_tensor`)."""
+        buffer follows it, in captured graphs too (through :attr:`beta_tensor`). A closed ``storage_dir`` buffer
+        refuses (its next flush could not keep it)."""
+        if self._dir is not None:
+            self._check_open()
         self.beta = beta
         return self
 

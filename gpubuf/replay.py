@@ -614,24 +614,38 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return {}
 
     def _reopen(self) -> None:
-        """Take the rows, counters and last flushed state of a re-opened storage directory."""
+        """Take the rows, counters and last flushed state of a re-opened storage directory (a flush cut short
+        after saving its state is completed here)."""
         M = self.max_rows
-        pos, count, total = self._dir.opened_counters(M)
+        pos, count, total, flushes = self._dir.opened_counters(M)
         trunc, ends, last = self._row_flags({p: self._data[p] for p in self._end_paths + self._last_paths}, M)
         zeros = np.zeros((M, self.n_envs), dtype=bool)
         self._ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total,
                            last)
+        ahead = []
+
         def restore(state):
+            since = count  # held rows written after the flushed state: at max_priority
+            if state is None and flushes:
+                raise ValueError(f"missing, while the row journal counts {flushes} flushes")
             if state is not None:
-                rng = host_tensor(state["rng"])
+                if not isinstance(state, dict):
+                    raise ValueError(f"expected the dict a flush saves, got {type(state).__name__}")
+                rng = state["rng"]
+                if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
+                    raise ValueError(f"rng: expected a uint8 generator state, got {type(rng).__name__}")
                 torch.Generator().set_state(rng)  # checked before anything is restored
-                flushed = check_range("total", state["total"], 0, 2**63 - 1)
-            since = count if state is None else max(min(total - flushed, count), 0)  # held rows written after it
+                flush = check_range("flush", state.get("flush", 0), flushes, flushes + 1)
+                ahead.append(flush > flushes)  # a flush cut short: its state is what the rows held then
+                flushed = check_range("total", state["total"], 0, 2**62 if ahead[0] else total)
+                since = 0 if ahead[0] else min(total - flushed, count)
             self._reopen_extra(state, since)
             if state is not None:
                 self._gen.set_state(rng)
 
         self._dir.load_state_checked(restore)
+        if any(ahead):
+            self.flush()
 
     def _reopen_extra(self, state: dict | None, since: int) -> None:
         """Hook: restore the subclass's flushed entries; ``since`` rows (the newest) were written after it."""

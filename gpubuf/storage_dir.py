@@ -7,12 +7,14 @@ A directory holds:
 - ``leaf<i>.bin``: one raw file per leaf, ``(E, M, *shape)`` row-major (env-major), mapped shared, so writes
   land in the file's pages. The files are allocated on disk at creation (not sparse): a disk without room
   fails then, with an error, never with a SIGBUS on a later write;
-- ``counters.bin``: the row journal, ten int64: ``[active slot, dirty, slot 0 (position, rows held, rows
-  ever written), slot 1 (likewise), boot id (2 words)]``. A commit writes the inactive slot, then flips
-  ``active`` with one aligned 8-byte store, so a process killed at any instant leaves one whole slot.
+- ``counters.bin``: the row journal, twelve int64: ``[active slot, dirty, slot 0 (position, rows held, rows
+  ever written, flushes), slot 1 (likewise), boot id (2 words)]``. A commit writes the inactive slot, then
+  flips ``active`` with one aligned 8-byte store, so a process killed at any instant leaves one whole slot.
   The rows held are the ``rows held`` rows before ``position`` in each env's ring;
 - ``state.pt``: what the last flush saved (sampling RNG; priorities, ``max_priority`` and ``beta`` of a
-  prioritized buffer; the rows ever written at that moment), replaced atomically;
+  prioritized buffer; the rows ever written at that moment; its flush number), replaced atomically, then
+  committed by the journal's flush count. A ``state.pt`` one flush ahead of the journal is a flush cut
+  short after saving it: it holds what the buffer held then, and the re-open completes the flush;
 - ``lock``: held with ``flock`` for the buffer's life (one writer); it names the holder's pid and host.
 
 Crash consistency, as the buffer uses it: before rows that the buffer holds are overwritten, the journal
@@ -33,6 +35,7 @@ import json
 import mmap
 import os
 import pickle
+import re
 import shutil
 import socket
 import uuid
@@ -46,8 +49,9 @@ from gpubuf.tiers import advise
 
 LAYOUT = "env-major"  # of the leaf files: recorded in the configuration, checked on re-opening
 RESERVED = ("gpubuf.json", "counters.bin", "state.pt", "lock")
-_ACTIVE, _DIRTY, _SLOTS, _BOOT = 0, 1, (2, 5), 8  # word offsets in counters.bin
-_WORDS = 10
+_ACTIVE, _DIRTY, _SLOTS, _BOOT = 0, 1, (2, 6), 10  # word offsets in counters.bin
+_WORDS = 12
+LEAF_FILE = re.compile(r"leaf[0-9]+\.bin")  # the only names a leaf file may have
 
 
 def _boot_id() -> tuple[int, int]:
@@ -92,36 +96,35 @@ class DirLock:
 
 
 class Journal:
-    """The crash-safe counters of ``counters.bin``: ``(position, rows held, rows ever written)``."""
+    """The crash-safe counters of ``counters.bin``: ``(position, rows held, rows ever written, flushes)``."""
 
     def __init__(self, file: Path, create: bool):
         self.file = file
-        if create:
+        if create or (file.is_file() and file.stat().st_size == 3 * 8):  # new, or written before the journal
             words = np.zeros(_WORDS, dtype=np.int64)
+            if not create:  # one clean slot holding the three counters, no flush counted
+                words[_SLOTS[0]:_SLOTS[0] + 3] = np.fromfile(file, dtype=np.int64)
             words[_BOOT:_BOOT + 2] = _boot_id()
             tmp = file.with_suffix(".tmp")
             tmp.write_bytes(words.tobytes())
             os.replace(tmp, file)
-        elif not file.is_file() or file.stat().st_size not in (3 * 8, _WORDS * 8):
+        elif not file.is_file() or file.stat().st_size != _WORDS * 8:
             raise ValueError(f"storage_dir: {file} is missing or is not the row journal ({_WORDS} int64 words); "
                              "the rows cannot be placed without it")
-        elif file.stat().st_size == 3 * 8:  # a directory written before the journal: one slot, clean
-            words = np.zeros(_WORDS, dtype=np.int64)
-            words[_SLOTS[0]:_SLOTS[0] + 3] = np.fromfile(file, dtype=np.int64)
-            tmp = file.with_suffix(".tmp")
-            tmp.write_bytes(words.tobytes())
-            os.replace(tmp, file)
         self.words = torch.from_file(str(file), shared=True, size=_WORDS, dtype=torch.int64).numpy()
 
-    def read(self) -> tuple[int, int, int]:
+    def read(self) -> tuple[int, int, int, int]:
         a = _SLOTS[int(self.words[_ACTIVE])]
-        return tuple(int(v) for v in self.words[a:a + 3])
+        return tuple(int(v) for v in self.words[a:a + 4])
 
-    def commit(self, pos: int, count: int, total: int) -> None:
-        """Write the inactive slot, then make it the active one (one aligned 8-byte store)."""
+    def commit(self, pos: int, count: int, total: int, flushes: int | None = None) -> None:
+        """Write the inactive slot (``flushes``: default, unchanged), then make it the active one (one aligned
+        8-byte store)."""
+        if flushes is None:
+            flushes = self.read()[3]
         spare = 1 - int(self.words[_ACTIVE])
         a = _SLOTS[spare]
-        self.words[a:a + 3] = (pos, count, total)
+        self.words[a:a + 4] = (pos, count, total, flushes)
         self.words[_ACTIVE] = spare
 
     @property
@@ -142,11 +145,14 @@ class Journal:
 
     def check(self, M: int) -> None:
         """Raise unless the words describe a ring of ``M`` rows per env."""
-        pos, count, total = self.read()
-        if self.words[_ACTIVE] not in (0, 1) or self.words[_DIRTY] not in (0, 1) or \
-                not (0 <= count <= M and 0 <= pos < M and total >= count):
-            raise ValueError(f"storage_dir: counters in {self.file} (active slot {int(self.words[_ACTIVE])}, "
-                             f"position {pos}, rows {count}, total {total}) do not fit a buffer of {M} rows per env")
+        active, dirty = int(self.words[_ACTIVE]), int(self.words[_DIRTY])
+        if active not in (0, 1) or dirty not in (0, 1):
+            raise ValueError(f"storage_dir: counters in {self.file} (active slot {active}, dirty {dirty}) are not a "
+                             "row journal's")
+        pos, count, total, flushes = self.read()
+        if not (0 <= count <= M and 0 <= pos < M and total >= count and flushes >= 0):
+            raise ValueError(f"storage_dir: counters in {self.file} (position {pos}, rows {count}, total {total}, "
+                             f"flushes {flushes}) do not fit a buffer of {M} rows per env")
 
     def crashed_since_flush(self) -> bool:
         """Dirty, and written under another boot: the OS went down with unflushed writes."""
@@ -186,11 +192,13 @@ class StorageDir:
         except OSError as err:
             raise ValueError(f"storage_dir: cannot create {str(self.path)!r} ({err.strerror})") from None
         self.lock = DirLock(self.path)
-        created = []
+        created, self.reopened = [], False
         try:
             self._open(config, shapes, dtypes, created)
         except BaseException:
             self.lock.release()
+            if not self.reopened:  # nothing of a buffer was here: leave nothing behind
+                created.append(self.path / "lock")
             for file in created:
                 with contextlib.suppress(OSError):
                     file.unlink()
@@ -271,16 +279,35 @@ class StorageDir:
                 other = f"leaf {owners[file]!r}" if file in owners else "the directory's bookkeeping"
                 raise ValueError(f"storage_dir: {meta_file} names the file {file!r} for leaf {name!r} and for "
                                  f"{other}; every leaf needs a file of its own")
+            if not LEAF_FILE.fullmatch(file):
+                raise ValueError(f"storage_dir: {meta_file} names the file {file!r} for leaf {name!r}; expected "
+                                 "a name like 'leaf0.bin'")
             owners[file] = name
+        self._check_distinct([self.path / f for f in owners] + [self.path / self.COUNTERS])
         return stored["leaves"]
+
+    def _check_distinct(self, files: list) -> None:
+        """Raise if a file is a symbolic link or two are one file (hard links): each leaf owns its bytes."""
+        seen: dict[tuple, Path] = {}
+        for file in files:
+            if file.is_symlink():
+                raise ValueError(f"storage_dir: {file} is a symbolic link; a leaf file must be a file of the "
+                                 "directory's own")
+            if file.is_file():
+                st = file.stat()
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
+                    raise ValueError(f"storage_dir: {file} and {seen[key]} are one file (hard links); every "
+                                     "leaf needs a file of its own")
+                seen[key] = file
 
     # ------------------------------------------------------------------ the row journal
 
-    def opened_counters(self, M: int) -> tuple[int, int, int]:
-        """``(position, rows held, rows ever written)`` to re-open with, checked against ``M`` rows per env; a
-        directory left dirty by another boot re-opens with no rows (module docstring)."""
+    def opened_counters(self, M: int) -> tuple[int, int, int, int]:
+        """``(position, rows held, rows ever written, flushes)`` to re-open with, checked against ``M`` rows per
+        env; a directory left dirty by another boot re-opens with no rows (module docstring)."""
         self.journal.check(M)
-        pos, count, total = self.journal.read()
+        pos, count, total, flushes = self.journal.read()
         if self.journal.crashed_since_flush():
             warnings.warn(f"storage_dir: {str(self.path)!r} was written after its last flush() and the machine "
                           "restarted since; the unflushed writes may be partial, so it re-opens with no rows "
@@ -288,7 +315,7 @@ class StorageDir:
             self.journal.commit(pos, 0, total)
             self.journal.mark_clean()
             count = 0
-        return pos, count, total
+        return pos, count, total, flushes
 
     def before_write(self, pos: int, count: int, total: int, T: int, M: int) -> None:
         """About to write ``T`` rows per env at ``pos`` of a ring holding ``count`` rows: commit a state without
@@ -318,12 +345,13 @@ class StorageDir:
             raise ValueError(f"storage_dir: {file} cannot be restored ({type(err).__name__}: {err})") from None
 
     def save_state(self, state: dict, counters: tuple[int, int, int]) -> None:
-        """Write ``state`` (tensors and plain values) to ``state.pt`` atomically, commit ``counters``, write
-        every file back to disk, then mark the journal clean."""
+        """Write ``state`` (tensors and plain values) with the next flush number to ``state.pt`` atomically,
+        commit ``counters`` with that number, write every file back to disk, then mark the journal clean."""
+        flush = self.journal.read()[3] + 1
         tmp = self.path / (self.STATE + ".tmp")
-        torch.save(state, tmp)
+        torch.save({**state, "flush": flush}, tmp)
         os.replace(tmp, self.path / self.STATE)
-        self.journal.commit(*counters)
+        self.journal.commit(*counters, flush)
         for file in self.path.iterdir():
             if file.suffix in (".bin", ".pt"):
                 _fsync(file)  # also writes back pages dirtied through the shared mappings

@@ -127,7 +127,7 @@ def test_a_disk_without_room_is_an_error_before_anything_is_written(tmp_path):
     (tmp_path / "kept").mkdir()
     with pytest.raises(ValueError, match="bytes free"):
         TransitionBuffer(huge * E, 8, rows(1, 0, width=1), device="cpu", storage_dir=tmp_path / "kept")
-    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["lock"]  # an existing directory keeps only the lock
+    assert list((tmp_path / "kept").iterdir()) == []  # an existing directory is left as it was
 
 
 def test_files_are_allocated_not_sparse(tmp_path):
@@ -159,6 +159,10 @@ def _reopen(path, cls=PrioritizedTransitionBuffer):
     (lambda s: s.__setitem__("beta", -1.0), "beta"),
     (lambda s: s.__setitem__("total", -3), "total"),
     (lambda s: s.__setitem__("rng", torch.zeros(5, dtype=torch.uint8)), "state"),
+    (lambda s: s.__setitem__("rng", None), "rng: expected a uint8 generator state"),
+    (lambda s: s.__setitem__("total", 10**6), r"total: expected an int in \[0, 5\]"),  # past the rows written
+    (lambda s: s.__setitem__("flush", 7), r"flush: expected an int in \[1, 2\]"),
+    (lambda s: s.__delitem__("priority"), "KeyError"),
 ])
 def test_reopen_validates_the_flushed_state_like_a_load(tmp_path, change, match):
     path = _flushed(tmp_path)
@@ -195,8 +199,8 @@ def test_a_killed_load_reopens_empty_and_a_torn_insert_without_its_rows(tmp_path
     buf.insert(rows(M - 5, 4, width=3))  # full, writing at row 0: 5 rows of id 3, then M - 5 of id 4
     buf.close()
     words = np.memmap(path / "counters.bin", dtype=np.int64, mode="r+")
-    spare = 1 - int(words[0])
-    words[2 + 3 * spare:5 + 3 * spare] = (0, M - 4, M)  # the pre-write state of an insert of 4 rows at row 0
+    spare, flushes = 1 - int(words[0]), int(words[2 + 4 * int(words[0]) + 3])
+    words[2 + 4 * spare:6 + 4 * spare] = (0, M - 4, M, flushes)  # the pre-write state of an insert of 4 rows at 0
     words[0] = spare
     words.flush()
     leaf = np.memmap(path / "leaf0.bin", dtype=np.float32, mode="r+").reshape(E, M, 3)
@@ -217,7 +221,7 @@ def test_an_os_crash_after_unflushed_writes_reopens_empty_with_a_warning(tmp_pat
     assert len(clean) == 7 * E
     del clean
     gc.collect()
-    words[8:10] = (12345, 678)  # as if written under another boot
+    words[10:12] = (12345, 678)  # as if written under another boot
     words.flush()
     with pytest.warns(UserWarning, match="restarted since; the unflushed writes may be partial"):
         crashed = _reopen(path, TransitionBuffer)
@@ -253,3 +257,86 @@ def test_tier_arguments_name_themselves(value):
         TransitionBuffer(E * M, 8, rows(1, 0, width=3), device="cpu", storage_device=value)
     with pytest.raises((ValueError, TypeError), match="^storage_device: "):
         TransitionBuffer(E * M, 8, rows(1, 0, width=3), device="cpu", storage_device=value, storage_dir="/tmp/none")
+
+
+def test_a_state_file_that_is_not_a_flushed_state_or_a_broken_journal_is_named(tmp_path):
+    path = _flushed(tmp_path)
+    torch.save(torch.zeros(3), path / "state.pt")
+    with pytest.raises(ValueError, match="state.pt cannot be restored .*expected the dict a flush saves, got Tensor"):
+        _reopen(path)
+    (path / "state.pt").unlink()
+    with pytest.raises(ValueError, match="state.pt cannot be restored .*missing, while the row journal counts 1 "):
+        _reopen(path)
+    path = _flushed(tmp_path / "again")
+    words = np.memmap(path / "counters.bin", dtype=np.int64, mode="r+")
+    words[0] = 2
+    words.flush()
+    with pytest.raises(ValueError, match=r"storage_dir: counters in .*counters.bin \(active slot 2, dirty 0\)"):
+        _reopen(path)
+
+
+@pytest.mark.parametrize("name", ["state.pt.tmp", "counters.tmp", "gpubuf.tmp", "lock", "x.bin", "leaf1.bin.tmp"])
+def test_a_leaf_file_name_outside_the_leaf_pattern_is_refused(tmp_path, name):
+    path = _flushed(tmp_path)
+    meta = json.loads((path / "gpubuf.json").read_text())
+    old = meta["leaves"]["reward"]["file"]
+    (path / old).rename(path / name)
+    meta["leaves"]["reward"]["file"] = name
+    (path / "gpubuf.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"storage_dir: .*gpubuf.json names the file '{name}' for leaf 'reward'"):
+        _reopen(path)
+
+
+def test_leaf_files_linked_to_one_file_or_elsewhere_are_refused(tmp_path):
+    path = _flushed(tmp_path)
+    meta = json.loads((path / "gpubuf.json").read_text())
+    a, b = meta["leaves"]["reward"]["file"], meta["leaves"]["terminated"]["file"]
+    size = (path / b).stat().st_size
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(bytes(size))
+    (path / b).unlink()
+    os.symlink(outside, path / b)
+    with pytest.raises(ValueError, match=f"{b} is a symbolic link"):
+        _reopen(path)
+    (path / b).unlink()
+    os.link(path / a, path / b)  # reward and terminated both 4 bytes per value here? sizes checked next anyway
+    with pytest.raises(ValueError, match="are one file \\(hard links\\)"):
+        _reopen(path)
+
+
+def test_a_load_cut_short_after_saving_its_state_reopens_empty_and_later_rows_at_max_priority(tmp_path):
+    """The journal as a process killed inside the load's flush leaves it: the state file already holds the loaded
+    state (one flush ahead), the journal still the empty pre-load commit."""
+    path = _flushed(tmp_path)  # 5 rows of id 3, max_priority 3 + eps
+    buf = _reopen(path)
+    words = np.memmap(path / "counters.bin", dtype=np.int64, mode="r")
+    total, flushes = (int(v) for v in words[2 + 4 * int(words[0]) + 2:2 + 4 * int(words[0]) + 4])
+    source = PrioritizedTransitionBuffer(E * M, 8, rows(1, 0, width=3), device="cpu").insert(rows(M, 11, width=3))
+    source.update_priorities(np.arange(E * M), np.full(E * M, 9.0))
+    buf.load_state_dict(source.state_dict())  # flush number flushes + 1
+    del buf
+    gc.collect()
+    words = np.memmap(path / "counters.bin", dtype=np.int64, mode="r+")
+    spare = 1 - int(words[0])
+    words[2 + 4 * spare:6 + 4 * spare] = (0, 0, total, flushes)  # the pre-load commit: empty
+    words[0] = spare
+    words.flush()
+    again = _reopen(path)
+    assert len(again) == 0  # the rows in flight are not held
+    again.insert(rows(2, 12, width=3))
+    del again
+    gc.collect()  # killed before any flush
+    last = _reopen(path)
+    assert len(last) == 2 * E and held_rows(last).unique().tolist() == [12.0]
+    mass = last.sampling_mass()
+    assert torch.allclose(mass[mass > 0], torch.tensor(last.max_priority, dtype=torch.float64) ** last.alpha)
+
+
+def test_a_closed_buffer_refuses_priority_and_beta_updates(tmp_path):
+    path = _flushed(tmp_path)
+    buf = _reopen(path)
+    buf.close()
+    for call in (lambda: buf.update_priorities([0], [5.0]), lambda: buf.update_beta(0.9)):
+        with pytest.raises(ValueError, match="was closed"):
+            call()
+    assert buf.max_priority < 5 and buf.beta == 0.4

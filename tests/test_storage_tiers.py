@@ -109,7 +109,7 @@ def test_a_mismatched_or_broken_directory_is_named(tmp_path):
     with pytest.raises(TypeError, match="storage_dir: expected a path"):
         make(TransitionBuffer, 3.5)
     counters = np.memmap(tmp_path / "b" / "counters.bin", dtype=np.int64, mode="r+")
-    slot = 2 + 3 * int(counters[0])  # the active slot: (position, rows held, rows ever written)
+    slot = 2 + 4 * int(counters[0])  # the active slot: (position, rows held, rows ever written, flushes)
     for bad in ((16, 3, 3), (5, 17, 17), (5, 4, 3)):  # position past the ring, rows past it, total below rows
         counters[slot:slot + 3] = bad
         counters.flush()
