@@ -1,11 +1,11 @@
 """gpubuf: GPU-resident history and replay buffers for reinforcement learning.
 
-``import gpubuf`` loads the core only: the buffers, their samplers and storages, the device ops and the
-checkpoints. The apps around them load on first use, by name: the EnvPool glue (``EnvPoolSource``, ``Step``,
-``StepStager``; :mod:`gpubuf.envpool`), planning (``Planner``, ``CEMSolver``, ``PlanConfig``;
-:mod:`gpubuf.planning`), the sharded buffer (``ShardedBuffer``; :mod:`gpubuf.distributed`) and the modules
-:mod:`gpubuf.mbrl`, :mod:`gpubuf.demo`, :mod:`gpubuf.wrappers`, :mod:`gpubuf.benchmarking` and
-:mod:`gpubuf.cli`.
+``import gpubuf`` loads the core only: the buffers, their samplers and storages, the device ops and
+the checkpoints. The apps around them load on first use, by name: the EnvPool glue
+(``EnvPoolSource``, ``Step``, ``StepStager``; :mod:`gpubuf.envpool`), planning
+(``Planner``, ``CEMSolver``, ``PlanConfig``; :mod:`gpubuf.planning`), the sharded buffer
+(``ShardedBuffer``; :mod:`gpubuf.distributed`) and the modules :mod:`gpubuf.mbrl`,
+:mod:`gpubuf.demo`, :mod:`gpubuf.wrappers`, :mod:`gpubuf.benchmarking` and :mod:`gpubuf.cli`.
 """
 
 import importlib
@@ -30,12 +30,16 @@ _LAZY = {
     "EnvPoolSource": "gpubuf.envpool", "Step": "gpubuf.envpool", "StepStager": "gpubuf.envpool",
     "ShardedBuffer": "gpubuf.distributed",
 }
-# app submodules, reachable as attributes (``gpubuf.planning``) after ``import gpubuf`` alone, as before
-_LAZY_MODULES = ("benchmarking", "cli", "demo", "distributed", "envpool", "mbrl", "planning", "wrappers")
+# app submodules, reachable as attributes (``gpubuf.planning``) after ``import gpubuf`` alone, as
+# before
+_LAZY_MODULES = ("benchmarking", "cli", "demo", "distributed", "envpool", "mbrl", "planning",
+                 "wrappers")
 
 __all__ = [
-    "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig", "Planner",
-    "PrioritizedTransitionBuffer", "ShardedBuffer", "Step", "StepStager", "Transition", "TransitionBuffer",
+    "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig",
+    "Planner",
+    "PrioritizedTransitionBuffer", "ShardedBuffer", "Step", "StepStager", "Transition",
+    "TransitionBuffer",
 ]
 try:
     __version__ = version("gpubuf")
@@ -44,13 +48,15 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 
 def __getattr__(name: str):
-    """Import an app's public name (or an app module) on first use; later lookups find it in the globals."""
+    """Import an app's public name (or an app module) on first use; later lookups find it in the
+    globals."""
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     if name in _LAZY_MODULES:
-        return importlib.import_module(f"{__name__}.{name}")  # the import binds it as an attribute too
+        # the import binds it as an attribute too
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,13 +1,18 @@
 """HistoryBuffer: per-env ring buffers of batched info dicts, read back as strided histories.
 
-Storage per key is one preallocated slot-major ``(max_len * n_envs, E)`` device tensor (``E`` elements
-per entry); env ``e``'s ring slot ``s`` is row ``s * n_envs + e``, so envs in lockstep write and read
-contiguous blocks. Write heads and counts live on the host
+Storage per key is one preallocated slot-major ``(max_len * n_envs, D)`` device tensor
+(``D`` elements per entry); env ``e``'s ring slot ``s`` is row ``s * n_envs + e``, so envs in
+lockstep write and read contiguous blocks. Write heads and counts live on the host
 (the host already knows them), so ``append``/``get`` never read the device; per-call row metadata is
 built there and uploaded with one non-blocking copy.
 
-Every write is two-phase: each key is checked and staged on the device first (where any conversion fails),
-then all keys are committed with copies that cannot fail on staged data, then the host mirror moves.
+Every write is two-phase: each key is checked and staged on the device first
+(where any conversion fails), then all keys are committed with copies that cannot fail on staged
+data, then the host mirror moves.
+
+Glossary: ``R`` envs selected by a call (``env_ids``); ``D`` elements per entry of a key; slot: a
+ring position of an env (``max_len`` per env); head: the next slot an env writes; count: entries an
+env holds; ``ab`` (``action_block``): entries per action block; strided: every ``ab``-th entry.
 """
 
 from collections.abc import Iterable, Mapping
@@ -16,18 +21,27 @@ import numpy as np
 import torch
 
 from gpubuf import checkpoint, ops
-from gpubuf.inputs import STORABLE, as_index_array, as_tensor, check_cast, check_storable, positive_int
+from gpubuf.inputs import (
+    STORABLE,
+    as_index_array,
+    as_tensor,
+    check_cast,
+    check_storable,
+    positive_int,
+)
 from gpubuf.interrupts import signals_held
 from gpubuf.staging import Staging, check_disjoint, memory_ranges
 from gpubuf.state import check_state, check_tensor, copy_into, host_tensor, unaliased
 
-BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-                torch.int32, torch.int64, torch.bool)  # what action blocks may hold (NaN/inf are cleaned per dtype)
+BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
+                torch.int8, torch.int16,
+                # what action blocks may hold (NaN/inf are cleaned per dtype)
+                torch.int32, torch.int64, torch.bool)
 
 
 def _new_storage_dtype(value, t: torch.Tensor) -> torch.dtype:
-    """The dtype a key's storage takes from its first value: torch's default float dtype for a Python float
-    (as ``torch.tensor(1.5)``), else the value's own dtype."""
+    """The dtype a key's storage takes from its first value: torch's default float dtype for a
+    Python float (as ``torch.tensor(1.5)``), else the value's own dtype."""
     if isinstance(value, float):  # np.float64 is a float too: it keeps float64
         return t.dtype if isinstance(value, np.floating) else torch.get_default_dtype()
     return t.dtype
@@ -40,23 +54,27 @@ class HistoryBuffer(checkpoint.Checkpointable):
         n_envs: number of parallel envs (rows of every appended value).
         max_len: entries (env steps since the last reset) kept per env.
         action_block: stride between returned frames (frameskip of the planner).
-        block_keys: keys returned as action blocks between frames (a bare string is a ``TypeError``); their
+        block_keys: keys returned as action blocks between frames
+        (a bare string is a ``TypeError``); their
             values must be real floats (16 to 64 bits), ``uint8``, signed ints or bool.
         device: storage device; ``None`` -> ``cuda`` when available, else ``cpu``.
 
     ``append({'pixels': (n_envs, 1, H, W, C), 'action': (n_envs, 1, A)})`` stores one entry per env;
-    ``get(n)`` returns ``pixels`` ``(n_envs, n, H, W, C)`` and ``action`` ``(n_envs, n-1, action_block*A)``.
-    Until an env has lived ``(n-1)*action_block+1`` steps its frames are left-padded with its oldest
-    strided entry and its blocks with zero blocks (synthetic warm-up, as in stable-worldmodel).
+    ``get(n)`` returns ``pixels`` ``(n_envs, n, H, W, C)`` and ``action``
+    ``(n_envs, n-1, action_block*A)``. Until an env has lived ``(n-1)*action_block+1`` steps its
+    frames are left-padded with its oldest strided entry and its blocks with zero blocks
+    (synthetic warm-up, as in stable-worldmodel).
     """
 
-    def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys: Iterable[str] = (),
+    def __init__(self, n_envs: int, max_len: int, action_block: int = 1,
+                 block_keys: Iterable[str] = (),
                  *, device=None):
         self.n_envs = positive_int("n_envs", n_envs)
         self.max_len = positive_int("max_len", max_len)
         self.action_block = positive_int("action_block", action_block)
         if isinstance(block_keys, (str, bytes)) or not isinstance(block_keys, Iterable):
-            raise TypeError(f"block_keys: expected an iterable of key names such as ('action',), got {block_keys!r}")
+            raise TypeError("block_keys: expected an iterable of key names such as ('action',), "
+                            f"got {block_keys!r}")
         self.block_keys = tuple(block_keys)
         for key in self.block_keys:
             if not isinstance(key, str):
@@ -66,10 +84,12 @@ class HistoryBuffer(checkpoint.Checkpointable):
         self._counts = np.zeros(self.n_envs, dtype=np.int64)  # entries held per env (host mirror)
         self._heads = np.zeros(self.n_envs, dtype=np.int64)  # next ring slot per env (host mirror)
         self._all_ids = np.arange(self.n_envs, dtype=np.int64)
-        self._shapes: dict[str, tuple] = {}  # per-entry shape of each key, fixed by the first append
-        self._data: dict[str, torch.Tensor] = {}  # key -> (max_len * n_envs, E)
+        # per-entry shape of each key, fixed by the first append
+        self._shapes: dict[str, tuple] = {}
+        self._data: dict[str, torch.Tensor] = {}  # key -> (max_len * n_envs, D)
         self._shape_cache: tuple = (None, {})  # ((rows, n), output shapes) of the last get
-        self._owned = ()  # byte ranges of the storage: inputs reading them are copied before a write
+        # byte ranges of the storage: inputs reading them are copied before a write
+        self._owned = ()
         self._staging = Staging(self.device)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -93,25 +113,28 @@ class HistoryBuffer(checkpoint.Checkpointable):
         L = self._counts[ids]
         return np.where(L > 0, (L - 1) // self.action_block + 1, 0).tolist()
 
-    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
     def reset(self, env_ids=None) -> None:
         """Forget the listed envs' entries (all envs if ``None``; ``[]`` does nothing).
 
-        Only the entry counts change: each env's ring position is kept, so its next entries overwrite its
-        oldest slots first."""
+        Only the entry counts change: each env's ring position is kept, so its next entries
+        overwrite its oldest slots first."""
         ids = self._ids(env_ids)
         self._counts[ids] = 0
 
     def mark(self) -> tuple:
-        """A token for :meth:`rollback`: the write heads, entry counts and (before the first append) the fact
-        that no key is fixed yet. Host state only: taking it reads nothing from the device."""
+        """A token for :meth:`rollback`: the write heads, entry counts and (before the first append)
+        the fact that no key is fixed yet. Host state only: taking it reads nothing from the
+        device."""
         return self._heads.copy(), self._counts.copy(), bool(self._data)
 
     def rollback(self, mark: tuple) -> None:
-        """Undo the appends and resets made since :meth:`mark` returned ``mark``. A buffer that held no key
-        then forgets the keys, shapes and dtypes its first append fixed (and frees their storage). Exact only if
-        those appends overwrote no slot that is read again: keep a spare slot per env (``max_len`` one more
-        than read, as :class:`gpubuf.Planner` does)."""
+        """Undo the appends and resets made since :meth:`mark` returned ``mark``. A buffer that held
+        no key then forgets the keys, shapes and dtypes its first append fixed
+        (and frees their storage). Exact only if those appends overwrote no slot that is read again:
+        keep a spare slot per env (``max_len`` one more than read, as :class:`gpubuf.Planner`
+        does)."""
         heads, counts, had_keys = mark
         if not had_keys and self._data:
             self._set_storage({}, {})
@@ -127,16 +150,20 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # ------------------------------------------------------------------ append
 
-    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
     def append(self, info_dict: Mapping, env_ids=None) -> None:
-        """Append one entry per selected env: values ``(R, T, ...)`` or ``(R,)``, ``R = len(env_ids)``.
+        """Append one entry per selected env: values ``(R, T, ...)`` or ``(R,)``,
+        ``R = len(env_ids)``.
 
-        Row ``j`` goes to env ``env_ids[j]`` (all envs in order if ``None``); an env listed twice gets
-        two entries, in row order. Numeric scalars are broadcast (a new key from a Python float takes torch's
-        default float dtype, as ``torch.tensor(1.5)`` does). Every check runs before any write.
+        Row ``j`` goes to env ``env_ids[j]`` (all envs in order if ``None``); an env listed twice
+        gets two entries, in row order. Numeric scalars are broadcast
+        (a new key from a Python float takes torch's default float dtype, as ``torch.tensor(1.5)``
+        does). Every check runs before any write.
         """
         if not isinstance(info_dict, Mapping) or not info_dict:
-            raise TypeError(f"info_dict: expected a non-empty dict of arrays, got {info_dict!r:.80}")
+            raise TypeError(f"info_dict: expected a non-empty dict of arrays, "
+                            f"got {info_dict!r:.80}")
         ids = self._ids(env_ids)
         R = len(ids)
         values = {key: self._check_value(key, value, R) for key, value in info_dict.items()}
@@ -169,12 +196,14 @@ class HistoryBuffer(checkpoint.Checkpointable):
             if keep_t is not None:
                 rows = rows[keep_t.to(rows.device)]
             dtype = self._data[key].dtype if self._data else dtypes[key]
-            staged[key] = self._staging.stage(rows.reshape(len(dst_rows), -1), key, dtype, self._owned)
+            staged[key] = self._staging.stage(rows.reshape(len(dst_rows), -1), key, dtype,
+                                              self._owned)
         dst = self._upload(dst_rows, "__dst_rows__")
         if not self._data:
             self._allocate(values, dtypes)
         with signals_held():  # phase 2: commit
-            ops.history_append(self.backend, [(self._data[key], rows) for key, rows in staged.items()], dst)
+            ops.history_append(self.backend,
+                               [(self._data[key], rows) for key, rows in staged.items()], dst)
             self._heads, self._counts = heads, counts
 
     def _check_value(self, key, value, R: int) -> torch.Tensor:
@@ -182,7 +211,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
             raise TypeError(f"info_dict: keys must be str, got {key!r}")
         t = as_tensor(value, key)
         if t.dim() > 0 and t.shape[0] != R:
-            raise ValueError(f"{key}: expected a leading env dim of {R} rows, got shape {tuple(t.shape)}")
+            raise ValueError(f"{key}: expected a leading env dim of {R} rows, got shape "
+                             f"{tuple(t.shape)}")
         return t
 
     def _check_against_spec(self, key: str, t: torch.Tensor) -> None:
@@ -196,7 +226,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
     def _check_block_dtypes(self, dtypes: dict, where: str, exc: type = TypeError) -> None:
         for key in self.block_keys:
             if key in dtypes and dtypes[key] not in BLOCK_DTYPES:
-                raise exc(f"{where}[{key!r}]: a block key holds real floats (16 to 64 bits), uint8, signed "
+                raise exc(f"{where}[{key!r}]: a block key holds real floats (16 to 64 bits), "
+                          "uint8, signed "
                                 f"ints or bool, got {dtypes[key]}")
 
     def _allocate(self, values: dict, dtypes: dict) -> None:
@@ -211,8 +242,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         self._owned = memory_ranges(data.values())
 
     def _plan_append(self, ids: np.ndarray):
-        """Storage rows for each input row, which rows to keep (None = all), and the mirror's next heads
-        and counts (committed by the caller once every key is written)."""
+        """Storage rows for each input row, which rows to keep (None = all), and the mirror's next
+        heads and counts (committed by the caller once every key is written)."""
         mult = np.bincount(ids, minlength=self.n_envs)
         keep = None
         if mult.max() > 1:  # an env listed twice: entries go in row order
@@ -233,13 +264,14 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # ------------------------------------------------------------------ get
 
-    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
     def get(self, n: int, env_ids=None, out: dict | None = None) -> dict[str, torch.Tensor] | None:
         """The last ``n`` strided entries per selected env, oldest first; ``None`` if one is empty.
 
         Regular keys: ``(rows, n)`` for per-env shape ``()``, else ``(rows, n*T, ...)``. Block keys:
-        ``(rows, n-1, action_block*D)``, omitted when ``n == 1``. ``out`` may hold tensors of exactly
-        these shapes and dtypes on the buffer's device; they are written and returned.
+        ``(rows, n-1, action_block*D)``, omitted when ``n == 1``. ``out`` may hold tensors of
+        exactly these shapes and dtypes on the buffer's device; they are written and returned.
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise TypeError(f"n: expected an int, got {n!r}")
@@ -286,23 +318,30 @@ class HistoryBuffer(checkpoint.Checkpointable):
         return shapes
 
     def _new_outputs(self, shapes: dict, n: int) -> dict[str, torch.Tensor]:
-        """Fresh output tensors; a size that cannot be allocated raises ``MemoryError`` naming ``n``."""
+        """Fresh output tensors; a size that cannot be allocated raises ``MemoryError`` naming
+        ``n``."""
         try:
-            return {k: torch.empty(shape, dtype=self._data[k].dtype, device=self.device) for k, shape in shapes.items()}
+            return {k: torch.empty(shape, dtype=self._data[k].dtype, device=self.device)
+                    for k, shape in shapes.items()}
         except (RuntimeError, torch.OutOfMemoryError) as err:
-            nbytes = sum(int(np.prod(s, dtype=object)) * self._data[k].element_size() for k, s in shapes.items())
-            raise MemoryError(f"n: get(n={n}) needs {nbytes} bytes of output on {self.device}, which cannot be "
+            nbytes = sum(int(np.prod(s, dtype=object)) * self._data[k].element_size()
+                         for k, s in shapes.items())
+            raise MemoryError(f"n: get(n={n}) needs {nbytes} bytes of output on {self.device}, "
+                              "which cannot be "
                               f"allocated ({str(err).splitlines()[0]})") from None
 
     def _check_out(self, out: dict, shapes: dict) -> None:
         for key, shape in shapes.items():
             t = out.get(key) if isinstance(out, Mapping) else None
             if not isinstance(t, torch.Tensor):
-                raise ValueError(f"out[{key!r}]: expected a tensor of shape {shape}, got {type(t).__name__}")
+                raise ValueError(f"out[{key!r}]: expected a tensor of shape {shape}, got "
+                                 f"{type(t).__name__}")
             dtype = self._data[key].dtype
-            if tuple(t.shape) != shape or t.dtype != dtype or t.device != self.device or not t.is_contiguous():
+            if (tuple(t.shape) != shape or t.dtype != dtype or t.device != self.device
+                    or not t.is_contiguous()):
                 raise ValueError(
-                    f"out[{key!r}]: expected a contiguous {dtype} tensor of shape {shape} on {self.device}, "
+                    f"out[{key!r}]: expected a contiguous {dtype} tensor of shape {shape} on "
+                    f"{self.device}, "
                     f"got {t.dtype} {tuple(t.shape)} on {t.device}"
                 )
         check_disjoint({f"out[{k!r}]": out[k] for k in shapes}, self._owned)
@@ -312,9 +351,9 @@ class HistoryBuffer(checkpoint.Checkpointable):
     _CONFIG = ("n_envs", "max_len", "action_block", "block_keys")
 
     def state_dict(self) -> dict:
-        """Configuration, data and counters: tensors and plain Python values only (``torch.load`` reads it
-        with its defaults). Data tensors are the storage itself, not copies (as ``nn.Module.state_dict``):
-        save or clone them before the buffer changes."""
+        """Configuration, data and counters: tensors and plain Python values only
+        (``torch.load`` reads it with its defaults). Data tensors are the storage itself, not copies
+        (as ``nn.Module.state_dict``): save or clone them before the buffer changes."""
         return {
             "buffer": type(self).__name__,
             "version": 1,
@@ -329,27 +368,32 @@ class HistoryBuffer(checkpoint.Checkpointable):
         }
 
     def load_state_dict(self, state) -> None:
-        """Restore a :meth:`state_dict` (saved on any device). The whole state is validated first (buffer
-        type, configuration, keys, shapes, dtypes, counters in range): a mismatch raises naming the key and
-        leaves the buffer as it was. A buffer that has not stored anything yet takes the state's keys. The
-        copy runs with Ctrl-C and timer signals held; should reading the data itself fail after validation
-        (an I/O error on a checkpoint file), the buffer is emptied rather than left half-loaded."""
+        """Restore a :meth:`state_dict` (saved on any device). The whole state is validated first
+        (buffer type, configuration, keys, shapes, dtypes, counters in range): a mismatch raises
+        naming the key and leaves the buffer as it was. A buffer that has not stored anything yet
+        takes the state's keys. The copy runs with Ctrl-C and timer signals held; should reading the
+        data itself fail after validation (an I/O error on a checkpoint file), the buffer is emptied
+        rather than left half-loaded."""
         template = self.state_dict()
         check_state(state, template, self._CONFIG + ("version",), skip=("shapes", "data"))
         shapes = self._check_state_layout(state)
         counts = host_tensor(state["counts"]).numpy().copy()
         heads = host_tensor(state["heads"]).numpy().copy()
         if counts.size and (counts.min() < 0 or counts.max() > self.max_len):
-            raise ValueError(f"state_dict['counts']: expected entry counts in [0, {self.max_len}], got "
+            raise ValueError(f"state_dict['counts']: expected entry counts in [0, {self.max_len}], "
+                             "got "
                              f"[{counts.min()}, {counts.max()}]")
         if heads.size and (heads.min() < 0 or heads.max() >= self.max_len):
-            raise ValueError(f"state_dict['heads']: expected ring heads in [0, {self.max_len}), got "
+            raise ValueError(f"state_dict['heads']: expected ring heads in [0, {self.max_len}), "
+                             "got "
                              f"[{heads.min()}, {heads.max()}]")
         if not shapes and counts.any():
-            raise ValueError("state_dict['counts']: a state without keys holds no entries, got nonzero counts")
+            raise ValueError("state_dict['counts']: a state without keys holds no entries, got "
+                             "nonzero counts")
         data = state["data"]
         if not self._data and shapes:
-            storage = ops.allocate({k: tuple(data[k].shape) for k in shapes}, {k: data[k].dtype for k in shapes},
+            storage = ops.allocate({k: tuple(data[k].shape) for k in shapes},
+                                   {k: data[k].dtype for k in shapes},
                                    self.device)
         else:
             storage = self._data
@@ -365,15 +409,16 @@ class HistoryBuffer(checkpoint.Checkpointable):
             self._counts, self._heads = counts, heads
 
     def _check_state_layout(self, state) -> dict[str, tuple]:
-        """The state's per-key entry shapes, checked against this buffer's (or, before its first append,
-        against each other)."""
+        """The state's per-key entry shapes, checked against this buffer's
+        (or, before its first append, against each other)."""
         shapes, data = state["shapes"], state["data"]
         if not isinstance(shapes, dict) or not isinstance(data, dict) or set(shapes) != set(data):
             raise ValueError("state_dict['shapes'], ['data']: expected dicts over the same keys")
         if not all(isinstance(k, str) for k in shapes):
             raise ValueError(f"state_dict['shapes']: expected str keys, got {list(shapes)!r:.120}")
         if not all(isinstance(s, (tuple, list)) for s in shapes.values()):
-            raise ValueError(f"state_dict['shapes']: expected a shape tuple per key, got {shapes!r:.120}")
+            raise ValueError("state_dict['shapes']: expected a shape tuple per key, got "
+                             f"{shapes!r:.120}")
         shapes = {k: tuple(s) for k, s in shapes.items()}
         if self._shapes:
             if shapes != self._shapes:
@@ -388,9 +433,12 @@ class HistoryBuffer(checkpoint.Checkpointable):
             t = data[key]
             want = (rows, int(np.prod(shape)))
             dtype = getattr(t, "dtype", None)
-            check_tensor(f"state_dict['data'][{key!r}]", t, want, dtype if isinstance(dtype, torch.dtype) else None)
+            check_tensor(f"state_dict['data'][{key!r}]", t, want,
+                         dtype if isinstance(dtype, torch.dtype) else None)
         for key in shapes:
             if data[key].dtype not in STORABLE:
-                raise ValueError(f"state_dict['data'][{key!r}]: buffers cannot store {data[key].dtype}")
-        self._check_block_dtypes({k: data[k].dtype for k in shapes}, "state_dict['data']", ValueError)
+                raise ValueError(f"state_dict['data'][{key!r}]: buffers cannot store "
+                                 f"{data[key].dtype}")
+        self._check_block_dtypes({k: data[k].dtype for k in shapes}, "state_dict['data']",
+                                 ValueError)
         return shapes

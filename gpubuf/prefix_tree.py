@@ -1,11 +1,11 @@
 """The wide prefix-sum tree the replay buffers sample from (uniform and prioritized alike).
 
-One float64 mass per sequence start (``priority**alpha``, or 1 for uniform sampling, times 0/1 validity).
-Level ``k+1`` holds the sums of consecutive groups of ``fanout`` entries of level ``k``; the top level is
-a single node of ``fanout`` entries; all levels live in one flat tensor. Sampling walks the levels with a
-prefix sum over each visited node's children; updating writes leaves, then recomputes only the touched
-parents from their children, so the tree is a deterministic function of its leaves: float rounding
-cannot accumulate across updates, and a zero leaf is never sampled.
+One float64 mass per sequence start (``priority**alpha``, or 1 for uniform sampling, times 0/1
+validity). Level ``k+1`` holds the sums of consecutive groups of ``fanout`` entries of level ``k``;
+the top level is a single node of ``fanout`` entries; all levels live in one flat tensor. Sampling
+walks the levels with a prefix sum over each visited node's children; updating writes leaves, then
+recomputes only the touched parents from their children, so the tree is a deterministic function of
+its leaves: float rounding cannot accumulate across updates, and a zero leaf is never sampled.
 """
 
 import torch
@@ -17,8 +17,8 @@ FANOUT = 32
 
 
 class PrefixSumTree:
-    """Wide prefix-sum tree over ``capacity`` leaves on ``device``, zero-filled: ``tree`` is its ``(size,)``
-    float64 storage, levels leaves-first."""
+    """Wide prefix-sum tree over ``capacity`` leaves on ``device``, zero-filled: ``tree`` is its
+    ``(size,)`` float64 storage, levels leaves-first."""
 
     def __init__(self, capacity: int, device: torch.device, backend: str, fanout: int = FANOUT):
         F = fanout
@@ -41,7 +41,8 @@ class PrefixSumTree:
         return self.tree[self.offsets[-2]:].sum()
 
     def update(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        """Leaves ``idx`` (K,) int64 = ``values`` (K,) float64 (equal values for duplicates), then their parents."""
+        """Leaves ``idx`` (K,) int64 = ``values`` (K,) float64 (equal values for duplicates), then
+        their parents."""
         tree_update(self.backend, self.tree, self.offsets, self.fanout, idx, values)
 
     def update_range(self, lo: int, values: torch.Tensor) -> None:
@@ -49,7 +50,8 @@ class PrefixSumTree:
         tree_update_range(self.backend, self.tree, self.offsets, self.fanout, lo, values)
 
     def sample(self, u: torch.Tensor) -> torch.Tensor:
-        """(B,) int64 leaves picked by uniforms ``u`` (B,) float64 in [0, 1), in proportion to their mass."""
+        """(B,) int64 leaves picked by uniforms ``u`` (B,) float64 in [0, 1), in proportion to their
+        mass."""
         out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
         tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
         return out

@@ -25,8 +25,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def memory_ranges(tensors) -> tuple[tuple[int, int], ...]:
-    """The memory of ``tensors`` as sorted, disjoint ``(first byte, end byte)`` ranges: what :func:`overlaps`
-    tests against."""
+    """The memory of ``tensors`` as sorted, disjoint ``(first byte, end byte)`` ranges: what
+    :func:`overlaps` tests against."""
     merged: list[list[int]] = []
     for a, b in sorted(_span(t) for t in tensors):
         if a == b:
@@ -40,23 +40,26 @@ def memory_ranges(tensors) -> tuple[tuple[int, int], ...]:
 
 def overlaps(t: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> bool:
     """Whether the memory ``t`` can reach overlaps any of ``ranges`` (sorted and disjoint, from
-    :func:`memory_ranges`), whatever object owns it (a torch view, ``torch.from_numpy`` of a numpy view, a
-    DLPack import...). One binary search."""
+    :func:`memory_ranges`), whatever object owns it (a torch view, ``torch.from_numpy`` of a numpy
+    view, a DLPack import...). One binary search."""
     a, b = _span(t)
     i = bisect.bisect_left(ranges, (b,)) - 1  # the last range starting before b
     return a < b and i >= 0 and ranges[i][1] > a
 
 
 def check_disjoint(outputs: dict, owned: tuple) -> None:
-    """Raise ``ValueError`` naming the output if a contiguous output tensor overlaps a buffer's storage
-    (byte ranges ``owned``) or another output: writing it would corrupt what is being read."""
+    """Raise ``ValueError`` naming the output if a contiguous output tensor overlaps a buffer's
+    storage (byte ranges ``owned``) or another output: writing it would corrupt what is being
+    read."""
     seen: list[tuple[str, tuple[int, int]]] = []
     for name, t in outputs.items():
         if overlaps(t, owned):
-            raise ValueError(f"{name}: shares memory with the buffer's storage; pass separate output tensors")
+            raise ValueError(f"{name}: shares memory with the buffer's storage; pass separate "
+                             "output tensors")
         for other, r in seen:
             if overlaps(t, (r,)):
-                raise ValueError(f"{name}: shares memory with {other}; pass separate output tensors")
+                raise ValueError(f"{name}: shares memory with {other}; "
+                                 "pass separate output tensors")
         seen.append((name, _span(t)))
 
 
@@ -64,24 +67,28 @@ SLOT_BYTES = 4 << 20  # the most bytes one staging slot holds (pinned and device
 
 
 class Staging:
-    """Moves host tensors onto ``device`` through reusable pinned and device buffers, one copy per key.
+    """Moves host tensors onto ``device`` through reusable pinned and device buffers, one copy per
+    key.
 
-    Each key has a ring of ``slots`` buffers of at most ``slot_bytes`` each (pinned and device): the host
-    waits on a slot's previous copy only when it runs that many calls ahead of the device, and a returned
-    device tensor stays valid for ``slots - 1`` more calls with the same key. A larger input goes in
-    ``slot_bytes`` pieces through the same pinned slots into a fresh device tensor of its own, so staging
-    holds at most ``2 * slots * slot_bytes`` bytes per key whatever the input sizes. Copies and event
-    records run under ``device`` (its current stream), whatever device is current.
+    Each key has a ring of ``slots`` buffers of at most ``slot_bytes`` each (pinned and device): the
+    host waits on a slot's previous copy only when it runs that many calls ahead of the device, and
+    a returned device tensor stays valid for ``slots - 1`` more calls with the same key. A larger
+    input goes in ``slot_bytes`` pieces through the same pinned slots into a fresh device tensor of
+    its own, so staging holds at most ``2 * slots * slot_bytes`` bytes per key whatever the input
+    sizes. Copies and event records run under ``device`` (its current stream), whatever device is
+    current.
     """
 
     def __init__(self, device: torch.device, slots: int = 4, slot_bytes: int = SLOT_BYTES):
         self.device = device
         self.slots = slots
         self.slot_bytes = max(int(slot_bytes), 1)
-        self._ring: dict[str, list] = {}  # key -> [next slot, [[pinned, device_buf, event] per slot]]
+        # key -> [next slot, [[pinned, device_buf, event] per slot]]
+        self._ring: dict[str, list] = {}
 
     def to_device(self, t: torch.Tensor, key: str) -> torch.Tensor:
-        """``t`` on ``self.device``: the tensor itself if already there (callers copy it into storage)."""
+        """``t`` on ``self.device``: the tensor itself if already there
+        (callers copy it into storage)."""
         if t.device == self.device:
             return t
         if self.device.type != "cuda" or t.device.type != "cpu":
@@ -112,7 +119,8 @@ class Staging:
         event.record(torch.cuda.current_stream(self.device))
 
     def _slot(self, key: str, pinned_bytes: int, device_bytes: int) -> list:
-        """The key's next ring slot, its previous copy finished, with buffers of at least these sizes."""
+        """The key's next ring slot, its previous copy finished, with buffers of at least these
+        sizes."""
         entry = self._ring.setdefault(key, [0, [None] * self.slots])
         i = entry[0]
         entry[0] = (i + 1) % self.slots
@@ -143,8 +151,9 @@ class Staging:
         return out
 
     def _in_pieces(self, src: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """(nbytes,) uint8 fresh device tensor = ``src``, copied ``slot_bytes`` at a time through the pinned
-        slots of one key shared by every large input (device halves are not allocated)."""
+        """(nbytes,) uint8 fresh device tensor = ``src``, copied ``slot_bytes`` at a time through
+        the pinned slots of one key shared by every large input
+        (device halves are not allocated)."""
         out = self._device_buffer(nbytes)
         for a in range(0, nbytes, self.slot_bytes):
             b = min(a + self.slot_bytes, nbytes)
@@ -154,13 +163,16 @@ class Staging:
             self._record(event)
         return out
 
-    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype, owned: tuple = ()) -> torch.Tensor:
-        """``t`` as a contiguous, 16-byte-aligned ``dtype`` tensor on the device, ready to be copied into storage.
+    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype,
+              owned: tuple = ()) -> torch.Tensor:
+        """``t`` as a contiguous, 16-byte-aligned ``dtype`` tensor on the device, ready to be copied
+        into storage.
 
-        This is the first phase of every write: any conversion that can fail (device, dtype, layout, a
-        lazy conjugate or negative view) fails here, before the first write, and the error names ``key``.
-        The result never requires grad and never overlaps the byte ``owned`` ranges (:func:`memory_ranges` of a
-        buffer's storage: an input that reads the buffer's own memory is copied first).
+        This is the first phase of every write: any conversion that can fail
+        (device, dtype, layout, a lazy conjugate or negative view) fails here, before the first
+        write, and the error names ``key``. The result never requires grad and never overlaps the
+        byte ``owned`` ranges (:func:`memory_ranges` of a buffer's storage: an input that reads the
+        buffer's own memory is copied first).
         """
         try:
             out = self.to_device(t.detach() if t.requires_grad else t, key)
@@ -171,9 +183,11 @@ class Staging:
             out = out.contiguous()
             # a converted input is fresh memory; one passed through as it is may be the buffer's own
             same = out.data_ptr() == t.data_ptr()
-            if out.storage_offset() * out.element_size() % 16 or (owned and same and overlaps(out, owned)):
+            if (out.storage_offset() * out.element_size() % 16
+                    or (owned and same and overlaps(out, owned))):
                 out = out.clone()
             return out
         except (RuntimeError, NotImplementedError, TypeError) as err:
-            raise TypeError(f"{key}: could not convert {t.dtype} {tuple(t.shape)} on {t.device} into a "
+            raise TypeError(f"{key}: could not convert {t.dtype} {tuple(t.shape)} on {t.device} "
+                            "into a "
                             f"contiguous {dtype} tensor on {self.device} ({err})") from err

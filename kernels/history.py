@@ -1,10 +1,11 @@
 """Triton kernels of HistoryBuffer: append scatter, strided history gather, action-block packing.
 
-Storage of one key is a contiguous ``(max_len * n_envs, E)`` tensor, slot-major: env ``e``'s ring slot
-``s`` is row ``s * n_envs + e`` and holds one entry of ``E`` elements (envs stepping in lockstep then
-write and read whole contiguous blocks). Per-row metadata comes from the host as an
-int64 tensor (the host mirrors counts and write heads, so nothing is read back from the device).
-Runtime sizes are plain arguments; only block sizes are ``tl.constexpr``. Offsets are int64.
+Storage of one key is a contiguous ``(max_len * n_envs, E)`` tensor, slot-major: env ``e``'s ring
+slot ``s`` is row ``s * n_envs + e`` and holds one entry of ``E`` elements
+(envs stepping in lockstep then write and read whole contiguous blocks). Per-row metadata comes from
+the host as an int64 tensor (the host mirrors counts and write heads, so nothing is read back from
+the device). Runtime sizes are plain arguments; only block sizes are ``tl.constexpr``. Offsets are
+int64.
 """
 
 import torch
@@ -33,7 +34,8 @@ def _append_kernel(
     dst = tl.load(table_ptr + 3 * g + 1).to(like_ptr.dtype)
     E = tl.load(table_ptr + 3 * g + 2)
     offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < E  # last chunk of the entry is partial; keys narrower than the widest skip whole chunks
+    # last chunk of the entry is partial; keys narrower than the widest skip whole chunks
+    mask = offs < E
     dst_row = tl.load(dst_row_ptr + row)
     x = tl.load(src + row.to(tl.int64) * E + offs, mask=mask)
     tl.store(dst + dst_row * E + offs, x, mask=mask)
@@ -41,7 +43,8 @@ def _append_kernel(
 
 @triton.jit
 def _gather_frames_kernel(
-    table_ptr,  # (G, 3) int64 per key: storage address (max_len * n_envs, E), output address (rows, n, E), E
+    # (G, 3) int64 per key: storage address (max_len * n_envs, E), output address (rows, n, E), E
+    table_ptr,
     meta_ptr,  # (3, rows) int64: env id, newest slot, k = strided frames used
     like_ptr,  # any tensor of the group's word type
     rows,
@@ -80,7 +83,8 @@ def _pack_blocks_kernel(
     max_len,
     n_envs,
     D,  # elements per entry
-    fmax_ptr,  # (1,) fp32 (fp64 for fp64 storage): the dtype's largest finite value; unused for ints
+    # (1,) fp32 (fp64 for fp64 storage): the dtype's largest finite value; unused for ints
+    fmax_ptr,
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -111,8 +115,8 @@ _LIMITS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _finite_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached 1-element fp32 tensor (fp64 for fp64) holding the dtype's largest finite value (what +inf
-    becomes)."""
+    """A cached 1-element fp32 tensor (fp64 for fp64) holding the dtype's largest finite value
+    (what +inf becomes)."""
     key = (dtype, device)
     if key not in _LIMITS:
         wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -121,8 +125,8 @@ def _finite_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def append(pairs: list, dst_rows: torch.Tensor) -> None:
-    """For each ``(storage (max_len*n_envs, E), rows (R, E))`` in ``pairs``: storage[dst_rows] = rows;
-    dst_rows int64 (R,), distinct. One launch per word type."""
+    """For each ``(storage (max_len*n_envs, E), rows (R, E))`` in ``pairs``: storage[dst_rows] =
+    rows; dst_rows int64 (R,), distinct. One launch per word type."""
     R = dst_rows.shape[0]
     if R == 0:
         return
@@ -133,8 +137,8 @@ def append(pairs: list, dst_rows: torch.Tensor) -> None:
 
 
 def gather_frames(pairs: list, meta: torch.Tensor, n: int, ab: int, max_len: int) -> None:
-    """For each ``(storage (max_len*n_envs, E), out (rows, n, E))`` in ``pairs``: the strided frames of each
-    row; meta (3, rows) int64 (env, newest slot, k). One launch per word type."""
+    """For each ``(storage (max_len*n_envs, E), out (rows, n, E))`` in ``pairs``: the strided frames
+    of each row; meta (3, rows) int64 (env, newest slot, k). One launch per word type."""
     rows = meta.shape[1]
     if rows == 0:
         return
@@ -143,7 +147,8 @@ def gather_frames(pairs: list, meta: torch.Tensor, n: int, ab: int, max_len: int
         for like, table, most in groups:
             n_envs = pairs[0][0].shape[0] // max_len
             grid = (rows * n, table.shape[0], triton.cdiv(most, BLOCK))
-            _gather_frames_kernel[grid](upload(table, meta.device), meta, like, rows, n, ab, max_len,
+            _gather_frames_kernel[grid](upload(table, meta.device), meta, like, rows, n, ab,
+                                        max_len,
                                         n_envs, BLOCK=BLOCK)
 
 
@@ -161,32 +166,37 @@ def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_
     n_envs = src.shape[0] // max_len
     with _pkg.on_device(meta):
         fmax = _finite_max(storage.dtype, storage.device) if is_float else meta
-        _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, n_envs, D, fmax, IS_FLOAT=is_float,
+        _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, n_envs, D, fmax,
+                                  IS_FLOAT=is_float,
                                   BLOCK=BLOCK)
 
 
 def variants() -> list[Variant]:
-    """Every (kernel, signature, constexprs) the launchers above compile: per index width, the copy kernels per
-    word type and the block packer per dtype."""
+    """Every (kernel, signature, constexprs) the launchers above compile: per index width, the copy
+    kernels per word type and the block packer per dtype."""
     out = []
     for idx in INDEX:
         for w in WORDS:
             p = f"*{w}"
             out.append(Variant("history.append", _append_kernel,
                                {**signature("table_ptr dst_row_ptr like_ptr",
-                                            {"table_ptr": "*i64", "dst_row_ptr": "*i64", "like_ptr": p}, idx),
+                                            {"table_ptr": "*i64", "dst_row_ptr": "*i64",
+                                             "like_ptr": p}, idx),
                                 "BLOCK": "constexpr"}, {"BLOCK": BLOCK}))
             out.append(Variant("history.gather_frames", _gather_frames_kernel,
                                {**signature("table_ptr meta_ptr like_ptr rows n ab max_len n_envs",
-                                            {"table_ptr": "*i64", "meta_ptr": "*i64", "like_ptr": p}, idx),
+                                            {"table_ptr": "*i64", "meta_ptr": "*i64",
+                                             "like_ptr": p}, idx),
                                 "BLOCK": "constexpr"}, {"BLOCK": BLOCK}))
         for dtype in FLOATS + INTS:
             is_float = dtype in FLOATS
             p = f"*{dtype}"
             fmax = ("*fp64" if dtype == "fp64" else "*fp32") if is_float else "*i64"
             out.append(Variant("history.pack_blocks", _pack_blocks_kernel,
-                               {**signature("src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D fmax_ptr",
-                                            {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64", "fmax_ptr": fmax}, idx),
+                               {**signature("src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D "
+                                            "fmax_ptr",
+                                            {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64",
+                                             "fmax_ptr": fmax}, idx),
                                 "IS_FLOAT": "constexpr", "BLOCK": "constexpr"},
                                {"IS_FLOAT": is_float, "BLOCK": BLOCK}))
     return out

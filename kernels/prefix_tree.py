@@ -1,10 +1,11 @@
 """Triton kernels of the wide prefix-sum tree behind TransitionBuffer / PrioritizedTransitionBuffer.
 
-The tree is one flat float64 tensor holding its levels leaves-first; ``offsets`` (K+1 ints) bound the K
-levels, level ``k+1`` holds the sums of consecutive groups of ``F`` (fan-out) entries of level ``k``, and
-the top level is a single node of ``F`` entries. Runtime sizes are plain arguments; only ``F`` and block
-sizes are ``tl.constexpr``. Offsets are int64. Updates of many leaves run one many-program launch per
-level (see :data:`MANY_PROGRAMS_FROM`); smaller ones one single-program launch.
+The tree is one flat float64 tensor holding its levels leaves-first; ``offsets`` (K+1 ints) bound
+the K levels, level ``k+1`` holds the sums of consecutive groups of ``F`` (fan-out) entries of level
+``k``, and the top level is a single node of ``F`` entries. Runtime sizes are plain arguments; only
+``F`` and block sizes are ``tl.constexpr``. Offsets are int64. Updates of many leaves run one
+many-program launch per level (see :data:`MANY_PROGRAMS_FROM`); smaller ones one single-program
+launch.
 """
 
 import torch
@@ -14,13 +15,14 @@ import triton.language as tl
 import gpubuf.kernels as _pkg
 from gpubuf.kernels import INDEX, Variant, signature
 
-FANOUT = 32  # the fan-out compiled ahead of time: the buffers' trees use it (gpubuf.prefix_tree.FANOUT)
+# the fan-out compiled ahead of time: the buffers' trees use it (gpubuf.prefix_tree.FANOUT)
+FANOUT = 32
 BLOCK = 1024  # leaves written per step of the update kernel
 PARENTS = 32  # parents recomputed per step (PARENTS * fanout children)
-# Updates of this many leaves or more run one launch per level, each spread over many programs: one program
-# walks each level's touched parents P at a time (dependent loads, ~1-2 us a step on a GPU), so 4,096
-# scattered priorities on 2**24 leaves cost it 4 levels * 128 steps (~0.5-1 ms) and a full rebuild ~10**4
-# steps a level, while a many-program level costs one launch (a few us) whatever its size. Below it, one
+# Updates of this many leaves or more run one launch per level, each spread over many programs: one
+# program walks each level's touched parents P at a time (dependent loads, one step after another),
+# so 4,096 scattered priorities on 2**24 leaves cost it 4 levels * 128 steps and a full rebuild
+# ~10**4 steps a level, while a many-program level costs one launch whatever its size. Below it, one
 # launch (at most 16 steps a level) beats K launches.
 MANY_PROGRAMS_FROM = 512
 _BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
@@ -49,7 +51,8 @@ def _sample_kernel(
         target = tl.minimum(target, tl.max(cs, 0) * BELOW_ONE)  # stay below the node's mass
         below = cs <= target  # children entirely below the remaining mass
         j = tl.minimum(tl.sum(below.to(tl.int64), 0), F - 1)
-        # rounding (subnormal or huge masses) can leave j on a zero-mass child: take the last positive one
+        # rounding (subnormal or huge masses) can leave j on a zero-mass child: take the last
+        # positive one
         picked = tl.sum(tl.where(ar == j, c, 0.0), 0)
         last = tl.max(tl.where(c > 0, ar, 0), 0)
         j = tl.where(picked > 0, j, last)
@@ -74,10 +77,11 @@ def _update_kernel(
     BLOCK: tl.constexpr,  # leaves written per step
     P: tl.constexpr,  # parents recomputed per step (P * F children loaded)
 ):
-    # Levels k0 .. k1-1, level after level: parents are recomputed from their children (no atomics, so the
-    # tree stays a deterministic function of its leaves). The programs of the grid share each level's work;
-    # a block-wide barrier orders the levels of a one-program launch, and a many-program launch does one
-    # level (launches on one stream are ordered). Duplicate parents store equal values.
+    # Levels k0 .. k1-1, level after level: parents are recomputed from their children
+    # (no atomics, so the tree stays a deterministic function of its leaves). The programs of the
+    # grid share each level's work; a block-wide barrier orders the levels of a one-program launch,
+    # and a many-program launch does one level (launches on one stream are ordered). Duplicate
+    # parents store equal values.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ar = tl.arange(0, BLOCK)
@@ -112,12 +116,14 @@ def _update_kernel(
                     parent = first + offs
                 else:
                     parent = tl.load(idx_ptr + offs, mask=mask, other=0) // div
-                c = tl.load(tree_ptr + child_off + parent[:, None] * F + af[None, :], mask=mask[:, None], other=0.0)
+                c = tl.load(tree_ptr + child_off + parent[:, None] * F + af[None, :],
+                            mask=mask[:, None], other=0.0)
                 tl.store(tree_ptr + parent_off + parent, tl.sum(c, 1), mask=mask)
             tl.debug_barrier()
 
 
-def sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
+def sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
+           out: torch.Tensor) -> None:
     """out (B,) int64 = leaves picked by uniforms u (B,) float64; one program per sample."""
     B = u.shape[0]
     if B == 0:
@@ -127,22 +133,25 @@ def sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
         _sample_kernel[(B,)](tree, off, u, out, len(offsets) - 1, BELOW_ONE=_BELOW_ONE, F=fanout)
 
 
-def update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
+def update(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor,
+           values: torch.Tensor) -> None:
     """Leaves ``tree[idx (n,)] = values (n,)``, then every touched parent: one launch below
     :data:`MANY_PROGRAMS_FROM` leaves, else one many-program launch per level."""
     if idx.shape[0]:
         _launch(tree, offsets, fanout, idx, values, 0, False)
 
 
-def update_range(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:
-    """Leaves ``tree[lo:lo + n] = values (n,)``, then their (contiguous) parents; launches as :func:`update`."""
+def update_range(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int,
+                 values: torch.Tensor) -> None:
+    """Leaves ``tree[lo:lo + n] = values (n,)``, then their (contiguous) parents; launches as
+    :func:`update`."""
     if values.shape[0]:
         _launch(tree, offsets, fanout, values, values, lo, True)
 
 
 def level_grids(n: int, lo: int, offsets: list[int], fanout: int, is_range: bool) -> list[int]:
-    """Programs per level of a many-program update of ``n`` leaves (level 0 = the leaves): enough that each
-    program writes one block of leaves or recomputes :data:`PARENTS` parents."""
+    """Programs per level of a many-program update of ``n`` leaves (level 0 = the leaves): enough
+    that each program writes one block of leaves or recomputes :data:`PARENTS` parents."""
     grids = [triton.cdiv(n, BLOCK)]
     for k in range(1, len(offsets) - 1):
         div = fanout**k
@@ -156,11 +165,13 @@ def _launch(tree, offsets, fanout, idx, values, lo, is_range) -> None:
     with _pkg.on_device(tree):
         off = _offsets(offsets, tree.device)
         if n < MANY_PROGRAMS_FROM:
-            _update_kernel[(1,)](tree, off, idx, values, n, lo, 0, K, F=fanout, RANGE=is_range, BLOCK=BLOCK,
+            _update_kernel[(1,)](tree, off, idx, values, n, lo, 0, K, F=fanout, RANGE=is_range,
+                                 BLOCK=BLOCK,
                                  P=PARENTS)
             return
         for k, programs in enumerate(level_grids(n, lo, offsets, fanout, is_range)):
-            _update_kernel[(programs,)](tree, off, idx, values, n, lo, k, k + 1, F=fanout, RANGE=is_range,
+            _update_kernel[(programs,)](tree, off, idx, values, n, lo, k, k + 1, F=fanout,
+                                        RANGE=is_range,
                                         BLOCK=BLOCK, P=PARENTS)
 
 
@@ -176,20 +187,23 @@ def _offsets(offsets: list[int], device: torch.device) -> torch.Tensor:
 
 
 def variants() -> list[Variant]:
-    """Every (kernel, signature, constexprs) the launchers above compile for :data:`FANOUT`: per index width,
-    the update over scattered leaves and over a range, and the descent."""
+    """Every (kernel, signature, constexprs) the launchers above compile for :data:`FANOUT`: per
+    index width, the update over scattered leaves and over a range, and the descent."""
     out = []
     for idx in INDEX:
         for is_range in (False, True):
             out.append(Variant("prefix_tree.update", _update_kernel,
                                {**signature("tree_ptr off_ptr idx_ptr val_ptr n lo k0 k1",
                                             {"tree_ptr": "*fp64", "off_ptr": "*i64",
-                                             "idx_ptr": "*fp64" if is_range else "*i64", "val_ptr": "*fp64"}, idx),
-                                "F": "constexpr", "RANGE": "constexpr", "BLOCK": "constexpr", "P": "constexpr"},
+                                             "idx_ptr": "*fp64" if is_range else "*i64",
+                                             "val_ptr": "*fp64"}, idx),
+                                "F": "constexpr", "RANGE": "constexpr", "BLOCK": "constexpr",
+                                "P": "constexpr"},
                                {"F": FANOUT, "RANGE": is_range, "BLOCK": BLOCK, "P": PARENTS}))
         out.append(Variant("prefix_tree.sample", _sample_kernel,
                            {**signature("tree_ptr off_ptr u_ptr out_ptr n_levels",
-                                        {"tree_ptr": "*fp64", "off_ptr": "*i64", "u_ptr": "*fp64", "out_ptr": "*i64"},
+                                        {"tree_ptr": "*fp64", "off_ptr": "*i64", "u_ptr": "*fp64",
+                                         "out_ptr": "*i64"},
                                         idx), "BELOW_ONE": "constexpr", "F": "constexpr"},
                            {"BELOW_ONE": _BELOW_ONE, "F": FANOUT}))
     return out

@@ -1,8 +1,9 @@
 """Triton kernel of TransitionBuffer's window gather: ``(B, n_steps)`` rows from time-major storage.
 
 Storage of one leaf is a contiguous ``(M * E, D)`` tensor (row ``step * E + env``). A flat start
-``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for ``j < n``; ``shift = 1``
-reads the following rows (next observations). Runtime sizes are plain arguments; offsets are int64.
+``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for ``j < n``;
+``shift = 1`` reads the following rows (next observations). Runtime sizes are plain arguments;
+offsets are int64.
 """
 
 import torch
@@ -18,7 +19,8 @@ BLOCK = 1024
 
 @triton.jit
 def _gather_kernel(
-    table_ptr,  # (G, 4) int64 per leaf: storage address (M * E, D), output address (B, n, D), D words, shift
+    # (G, 4) int64 per leaf: storage address (M * E, D), output address (B, n, D), D words, shift
+    table_ptr,
     start_ptr,  # (B,) int64 flat starts step * E + env
     like_ptr,  # any tensor of the group's word type
     n,  # window length
@@ -42,11 +44,13 @@ def _gather_kernel(
     tl.store(dst + bj.to(tl.int64) * D + offs, x, mask=mask)
 
 
-def plan(jobs: list, B: int, n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """``(word-typed anchor, device table, most words per row)`` per word type for :func:`gather_planned`:
-    the tables live in their own device tensors, so a plan can be launched again (or captured in a CUDA
-    graph) while the ``jobs`` tensors stay where they are."""
-    groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs], [(s,) for _, _, s in jobs])
+def plan(jobs: list, B: int, n: int,
+         device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``(word-typed anchor, device table, most words per row)`` per word type for
+    :func:`gather_planned`: the tables live in their own device tensors, so a plan can be launched
+    again (or captured in a CUDA graph) while the ``jobs`` tensors stay where they are."""
+    groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs],
+                         [(s,) for _, _, s in jobs])
     return [(like, torch.from_numpy(table).to(device), most) for like, table, most in groups]
 
 
@@ -60,12 +64,13 @@ def gather_planned(groups: list, starts: torch.Tensor, n: int, E: int, M: int) -
 
 
 def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
-    """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = the n-row windows of storage
-    at flat starts (B,) int64, shifted by ``shift``. One launch per word type."""
+    """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = the n-row windows of
+    storage at flat starts (B,) int64, shifted by ``shift``. One launch per word type."""
     B = starts.shape[0]
     if B == 0:
         return
-    groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs], [(s,) for _, _, s in jobs])
+    groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs],
+                         [(s,) for _, _, s in jobs])
     with _pkg.on_device(starts):
         for like, table, most in groups:
             grid = (B * n, table.shape[0], triton.cdiv(most, BLOCK))
@@ -73,9 +78,11 @@ def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
 
 
 def variants() -> list[Variant]:
-    """Every (kernel, signature, constexprs) the launchers above compile: per index width and word type."""
+    """Every (kernel, signature, constexprs) the launchers above compile: per index width and word
+    type."""
     return [Variant("sequence.gather", _gather_kernel,
                     {**signature("table_ptr start_ptr like_ptr n E M",
-                                 {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": f"*{w}"}, idx),
+                                 {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": f"*{w}"},
+                                 idx),
                      "BLOCK": "constexpr"}, {"BLOCK": BLOCK})
             for idx in INDEX for w in WORDS]

@@ -1,11 +1,12 @@
-"""Ahead-of-time compilation of every kernel variant (each kernel module's ``variants()``) for a named GPU
-architecture with no GPU present.
+"""Ahead-of-time compilation of every kernel variant (each kernel module's ``variants()``) for a
+named GPU architecture with no GPU present.
 
 ``triton.compile`` runs the whole pipeline (TTIR -> PTX -> cubin with the wheel's ``ptxas``) for a
-``GPUTarget``; the wheel's ``cuobjdump`` reads registers, shared memory and local memory (spills) from
-the cubin. ``python -m gpubuf.kernels.signatures 80 90`` prints one JSON row per variant and arch (the
-test suite runs it and fails on an error or a spill; ``benchmarks/kernel_resources.py`` writes the table).
-Compilation needs real ``JITFunction`` kernels: run it in a process without ``TRITON_INTERPRET=1``.
+``GPUTarget``; the wheel's ``cuobjdump`` reads registers, shared memory and local memory (spills)
+from the cubin. ``python -m gpubuf.kernels.signatures 80 90`` prints one JSON row per variant and
+arch (the test suite runs it and fails on an error or a spill; ``benchmarks/kernel_resources.py``
+writes the table). Compilation needs real ``JITFunction`` kernels: run it in a process without
+``TRITON_INTERPRET=1``.
 """
 
 import json
@@ -33,10 +34,11 @@ _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
 def compile_variant(v: Variant, arch: int) -> dict:
-    """Compile ``v`` for ``sm_<arch>``; returns registers, stack, shared and local (spill) bytes per thread, and
-    the block-wide barriers (``bar.sync``) in its PTX."""
+    """Compile ``v`` for ``sm_<arch>``; returns registers, stack, shared and local (spill) bytes per
+    thread, and the block-wide barriers (``bar.sync``) in its PTX."""
     if not isinstance(v.fn, JITFunction):
-        raise RuntimeError("kernels are interpreted here (TRITON_INTERPRET=1): compile them in a process without it, "
+        raise RuntimeError("kernels are interpreted here (TRITON_INTERPRET=1): compile them in a "
+                           "process without it, "
                            "e.g. `python -m gpubuf.kernels.signatures 80 90`")
     kernel = triton.compile(ASTSource(fn=v.fn, signature=v.signature, constexprs=v.constexprs),
                             target=GPUTarget("cuda", arch, 32))
@@ -46,8 +48,10 @@ def compile_variant(v: Variant, arch: int) -> dict:
         report = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-resource-usage", f.name],
                                 capture_output=True, text=True, check=True).stdout
     regs, stack, shared, local = map(int, _USAGE.search(report).groups())
-    return {"kernel": v.label, "arch": f"sm_{arch}", "registers": regs, "stack": stack, "shared": shared,
-            "local": local, "num_warps": kernel.metadata.num_warps, "barriers": kernel.asm["ptx"].count("bar.sync")}
+    return {"kernel": v.label, "arch": f"sm_{arch}", "registers": regs, "stack": stack,
+            "shared": shared,
+            "local": local, "num_warps": kernel.metadata.num_warps,
+            "barriers": kernel.asm["ptx"].count("bar.sync")}
 
 
 def main(archs: list[int]) -> list[dict]:
@@ -58,7 +62,8 @@ def main(archs: list[int]) -> list[dict]:
             try:
                 rows.append(compile_variant(v, arch))
             except Exception as err:  # every failing variant is reported, not only the first
-                rows.append({"kernel": v.label, "arch": f"sm_{arch}", "error": f"{type(err).__name__}: {err}"})
+                rows.append({"kernel": v.label, "arch": f"sm_{arch}",
+                             "error": f"{type(err).__name__}: {err}"})
     return rows
 
 

@@ -17,7 +17,8 @@ PIX, ACT = (1, 64, 64, 3), (1, 2)
 
 
 class DequeHistory:
-    """stable-worldmodel's HistoryBuffer semantics: a Python deque of per-env slices (views) per env."""
+    """stable-worldmodel's HistoryBuffer semantics: a Python deque of per-env slices (views) per
+    env."""
 
     def __init__(self, n_envs: int, max_len: int, action_block: int, block_keys):
         self.n_envs, self.ab, self.block_keys = n_envs, action_block, tuple(block_keys)
@@ -39,9 +40,11 @@ class DequeHistory:
                 if key in self.block_keys:
                     if n == 1:
                         continue
-                    blocks = [np.zeros(self.ab * entries[0][key].size, entries[0][key].dtype)] * (n - k)
+                    blocks = [np.zeros(self.ab * entries[0][key].size,
+                                       entries[0][key].dtype)] * (n - k)
                     for a, b in zip(idx[:-1], idx[1:], strict=True):
-                        blocks.append(np.concatenate([entries[p][key].ravel() for p in range(a + 1, b + 1)]))
+                        blocks.append(np.concatenate([entries[p][key].ravel()
+                                                      for p in range(a + 1, b + 1)]))
                     out[key].append(np.nan_to_num(np.stack(blocks), nan=0.0))
                 else:
                     frames = [entries[idx[0]][key]] * (n - k) + [entries[p][key] for p in idx]
@@ -50,7 +53,8 @@ class DequeHistory:
 
 
 def run(n_envs: int, device: torch.device, repeats: int, peers: Peers) -> list[dict]:
-    """Rows for ops ``get(3)`` (gpubuf, gpubuf with ``out=``, deque, floor) and ``append`` at ``n_envs``."""
+    """Rows for ops ``get(3)`` (gpubuf, gpubuf with ``out=``, deque, floor) and ``append`` at
+    ``n_envs``."""
     rng = np.random.default_rng(0)
     info = {"pixels": rng.integers(0, 255, (n_envs, *PIX), dtype=np.uint8),
             "action": rng.standard_normal((n_envs, *ACT)).astype(np.float32)}
@@ -63,7 +67,8 @@ def run(n_envs: int, device: torch.device, repeats: int, peers: Peers) -> list[d
     out = buf.get(N)
     nbytes = {"get": sum(t.numel() * t.element_size() for t in out.values()),
               "append": sum(v.nbytes for v in host_info.values())}
-    floors = {op: (torch.empty(b, dtype=torch.uint8, device=device), torch.empty(b, dtype=torch.uint8, device=device))
+    floors = {op: (torch.empty(b, dtype=torch.uint8, device=device),
+                   torch.empty(b, dtype=torch.uint8, device=device))
               for op, b in nbytes.items()}
     cases = {
         "get": {"gpubuf": lambda: buf.get(N), "gpubuf (out=)": lambda: buf.get(N, out=out)},

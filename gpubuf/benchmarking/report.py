@@ -1,7 +1,8 @@
 """A bench result -> markdown tables, a PNG chart (log-scale grouped bars) and JSON, side by side.
 
 A result is ``{"machine", "versions", "settings", "missing", "failed", "rows"}``; rows as in
-:mod:`gpubuf.benchmarking`. "gpubuf speedup" is a contender's median over gpubuf's on the same case and op.
+:mod:`gpubuf.benchmarking`. "gpubuf speedup" is a contender's median over gpubuf's on the same case
+and op.
 """
 
 import importlib.util
@@ -9,16 +10,19 @@ import json
 import os
 from textwrap import wrap
 
-SUITES = {"history": "HistoryBuffer: per step and env pixels (1, 64, 64, 3) uint8 and action (1, 2) float32, "
-                     "action_block 5, max_len 11",
-          "replay": "Replay: PER transitions obs float32[17], action float32[6] on a full buffer of N (sample: "
-                    "with replacement and importance weights); seq: windows of 64x64x3 uint8 frames"}
+SUITES = {"history": "HistoryBuffer: per step and env pixels (1, 64, 64, 3) uint8 and action "
+                     "(1, 2) float32, action_block 5, max_len 11",
+          "replay": "Replay: PER transitions obs float32[17], action float32[6] on a full buffer "
+                    "of N (sample: with replacement and importance weights); seq: windows of "
+                    "64x64x3 uint8 frames"}
 
 
 def speedups(rows: list[dict]) -> list[float | None]:
-    """Per row: its median / gpubuf's median on the same suite, case and op (None for gpubuf itself)."""
+    """Per row: its median / gpubuf's median on the same suite, case and op
+    (None for gpubuf itself)."""
     base = {(r["suite"], r["case"], r["op"]): r["us"] for r in rows if r["impl"] == "gpubuf"}
-    return [None if r["impl"] == "gpubuf" else r["us"] / base[r["suite"], r["case"], r["op"]] for r in rows]
+    return [None if r["impl"] == "gpubuf" else r["us"] / base[r["suite"], r["case"], r["op"]]
+            for r in rows]
 
 
 def markdown(result: dict, chart: str | None = None) -> str:
@@ -29,11 +33,14 @@ def markdown(result: dict, chart: str | None = None) -> str:
              f"- machine: {m['platform']}, {m['cpus']} CPUs, python {m['python']}",
              f"- device: {m['device']} ({m['device_name']}), {m['torch_threads']} torch thread(s)",
              f"- versions: {installed}",
-             f"- method: contenders interleaved in one process (rotating order), medians per call over "
-             f"{s['history_repeats']} repeats (history) and {s['replay_repeats']} repeats of 5 calls (replay); "
+             "- method: contenders interleaved in one process (rotating order), medians per call "
+             "over "
+             f"{s['history_repeats']} repeats (history) and {s['replay_repeats']} repeats of 5 "
+             "calls (replay); "
              "gpubuf speedup = the contender's median / gpubuf's (above 1: gpubuf is faster)"]
     if result["missing"]:
-        lines.append("- not installed: " + ", ".join(f"{k} ({v})" for k, v in result["missing"].items()))
+        lines.append("- not installed: " + ", ".join(f"{k} ({v})"
+                                                     for k, v in result["missing"].items()))
     for name, why in result["failed"].items():
         lines.append(f"- failed: {name}: {why}")
     ratio = speedups(result["rows"])
@@ -41,9 +48,11 @@ def markdown(result: dict, chart: str | None = None) -> str:
         rows = [(r, x) for r, x in zip(result["rows"], ratio, strict=True) if r["suite"] == suite]
         if not rows:
             continue
-        lines += ["", f"## {suite}", "", title, "", "| case | op | impl | median us | gpubuf speedup |",
+        lines += ["", f"## {suite}", "", title, "",
+                  "| case | op | impl | median us | gpubuf speedup |",
                   "|---|---|---|---:|---:|"]
-        lines += [f"| {r['case']} | {r['op']} | {r['impl']} | {r['us']:.1f} | {'-' if x is None else f'{x:.2f}x'} |"
+        lines += [f"| {r['case']} | {r['op']} | {r['impl']} | {r['us']:.1f} | "
+                  f"{'-' if x is None else f'{x:.2f}x'} |"
                   for r, x in rows]
     if chart:
         lines += ["", f"![median time per op]({chart})"]
@@ -51,7 +60,8 @@ def markdown(result: dict, chart: str | None = None) -> str:
 
 
 def write_chart(rows: list[dict], path: str) -> None:
-    """One PNG: per suite, grouped bars of median us per call (log scale), one bar per contender per op."""
+    """One PNG: per suite, grouped bars of median us per call (log scale), one bar per contender per
+    op."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -70,9 +80,11 @@ def write_chart(rows: list[dict], path: str) -> None:
             width = 0.8 / len(bars)
             for j, r in enumerate(bars):
                 ax.bar(x - 0.4 + (j + 0.5) * width, r["us"], width, color=colors[r["impl"]])
-        ax.legend(handles=[Patch(color=colors[n], label=n) for n in dict.fromkeys(r["impl"] for r in sub)],
+        ax.legend(handles=[Patch(color=colors[n], label=n)
+                           for n in dict.fromkeys(r["impl"] for r in sub)],
                   fontsize=8, ncols=4)
-        ax.set_xticks(range(len(groups)), ["\n".join(wrap(case, 16) + wrap(op, 16)) for case, op in groups], fontsize=8)
+        ax.set_xticks(range(len(groups)),
+                      ["\n".join(wrap(case, 16) + wrap(op, 16)) for case, op in groups], fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("median us per call (log)")
         ax.set_title(f"gpubuf bench: {suite}")

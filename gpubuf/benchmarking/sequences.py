@@ -1,7 +1,8 @@
-"""Sequence replay: sample 32 windows of 16 steps of 64x64x3 uint8 frames from ``envs`` envs x ``steps`` steps.
+"""Sequence replay: sample 32 windows of 16 steps of 64x64x3 uint8 frames from ``envs`` envs x
+``steps`` steps.
 
-Peers: torchrl SliceSampler on LazyTensorStorage, flashbax trajectory buffer, jaxnasium TransitionBuffer.
-Each contender is a zero-argument callable that samples one batch of windows.
+Peers: torchrl SliceSampler on LazyTensorStorage, flashbax trajectory buffer, jaxnasium
+TransitionBuffer. Each contender is a zero-argument callable that samples one batch of windows.
 """
 
 import numpy as np
@@ -22,7 +23,8 @@ def gpubuf_seq(frames: np.ndarray, device: torch.device) -> dict:
 
     def tr(f):
         T = f.shape[0]
-        return Transition(observation=f, action=np.zeros((T, envs), np.float32), reward=np.zeros((T, envs), np.float32),
+        return Transition(observation=f, action=np.zeros((T, envs), np.float32),
+                          reward=np.zeros((T, envs), np.float32),
                           terminated=np.zeros((T, envs), bool), truncated=np.zeros((T, envs), bool))
 
     buf = TransitionBuffer(envs * steps, SB, tr(frames[:1]), n_steps=SL, device=device, seed=0)
@@ -30,7 +32,8 @@ def gpubuf_seq(frames: np.ndarray, device: torch.device) -> dict:
         buf.insert(tr(frames[s:s + CHUNK]))
     gen = torch.Generator(device=device).manual_seed(0)
     out = buf.sample(key=gen)
-    return {"gpubuf": lambda: buf.sample(key=gen), "gpubuf (out=)": lambda: buf.sample(key=gen, out=out)}
+    return {"gpubuf": lambda: buf.sample(key=gen),
+            "gpubuf (out=)": lambda: buf.sample(key=gen, out=out)}
 
 
 def torchrl_seq(frames: np.ndarray):
@@ -40,9 +43,11 @@ def torchrl_seq(frames: np.ndarray):
 
     steps, envs = frames.shape[:2]
     n = envs * steps
-    rb = ReplayBuffer(storage=LazyTensorStorage(n), sampler=SliceSampler(num_slices=SB, traj_key="episode"),
+    rb = ReplayBuffer(storage=LazyTensorStorage(n),
+                      sampler=SliceSampler(num_slices=SB, traj_key="episode"),
                       batch_size=SB * SL)
-    env_major = torch.from_numpy(frames).transpose(0, 1).reshape(n, H, W, C)  # each env's steps contiguous
+    # each env's steps contiguous
+    env_major = torch.from_numpy(frames).transpose(0, 1).reshape(n, H, W, C)
     rb.extend(TensorDict({"obs": env_major, "episode": torch.arange(envs).repeat_interleave(steps),
                           "reward": torch.zeros(n)}, batch_size=[n]))
     return lambda: rb.sample()
@@ -54,13 +59,15 @@ def flashbax_seq(frames: np.ndarray):
     import jax.numpy as jnp
 
     steps, envs = frames.shape[:2]
-    buf = fbx.make_trajectory_buffer(add_batch_size=envs, sample_batch_size=SB, sample_sequence_length=SL, period=1,
+    buf = fbx.make_trajectory_buffer(add_batch_size=envs, sample_batch_size=SB,
+                                     sample_sequence_length=SL, period=1,
                                      min_length_time_axis=SL, max_length_time_axis=steps)
     state = buf.init({"obs": jnp.zeros((H, W, C), jnp.uint8), "reward": jnp.zeros((), jnp.float32)})
     add = jax.jit(buf.add, donate_argnums=0)
     for s in range(0, steps, CHUNK):
         f = np.ascontiguousarray(frames[s:s + CHUNK].transpose(1, 0, 2, 3, 4))  # (E, T, ...)
-        state = add(state, {"obs": jnp.asarray(f), "reward": jnp.zeros((envs, f.shape[1]), jnp.float32)})
+        state = add(state, {"obs": jnp.asarray(f),
+                            "reward": jnp.zeros((envs, f.shape[1]), jnp.float32)})
     sample_fn = jax.jit(buf.sample)
     box = {"key": jax.random.PRNGKey(0)}
 
@@ -81,7 +88,8 @@ def jaxnasium_seq(frames: np.ndarray):
 
     def tr(f):
         z = jnp.zeros((f.shape[0], envs))
-        return JT(observation=jnp.asarray(f), action=z, reward=z, terminated=z.astype(bool), truncated=z.astype(bool))
+        return JT(observation=jnp.asarray(f), action=z, reward=z, terminated=z.astype(bool),
+                  truncated=z.astype(bool))
 
     buf = JB(envs * steps, SB, tr(frames[:1]), vectorized_env=True, n_steps=SL)
     ins = jax.jit(lambda b, t: b.insert(t))
@@ -101,7 +109,8 @@ PEER_BUILDERS = {"torchrl": torchrl_seq, "flashbax": flashbax_seq, "jaxnasium": 
 
 
 def run(envs: int, steps: int, device: torch.device, repeats: int, peers: Peers) -> list[dict]:
-    """Rows for sampling 32x16-step windows (interleaved, blocks of 5 timed calls) plus the copy floor."""
+    """Rows for sampling 32x16-step windows (interleaved, blocks of 5 timed calls) plus the copy
+    floor."""
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, size=(steps, envs, H, W, C), dtype=np.uint8)
     fns = gpubuf_seq(frames, device)
@@ -114,5 +123,6 @@ def run(envs: int, steps: int, device: torch.device, repeats: int, peers: Peers)
     dst = torch.empty_like(src)
     fns["copy floor"] = lambda: dst.copy_(src)
     med = median_us(fns, repeats, 5, syncer(device))
-    return [{"suite": "replay", "case": f"seq {envs} envs x {steps} steps", "op": f"sample {SB}x{SL} frames",
+    return [{"suite": "replay", "case": f"seq {envs} envs x {steps} steps",
+             "op": f"sample {SB}x{SL} frames",
              "impl": name, "us": us, "bytes": nbytes} for name, us in med.items()]

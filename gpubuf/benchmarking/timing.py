@@ -1,9 +1,12 @@
-"""The one timing helper of every benchmark (``gpubuf bench``, ``benchmarks/*.py``, the demo's timers).
+"""The one timing helper of every benchmark
+(``gpubuf bench``, ``benchmarks/*.py``, the demo's timers).
 
-Contenders run in the same process, interleaved in rotating order, and are reported as medians per call.
-A clock is ``start() -> stop``, ``stop() -> microseconds`` (or anything a benchmark wants per sample):
-:func:`wall_clock` (host wall time, the device synced around the call) or :func:`cuda_event_clock` (device
-time between two CUDA events). :func:`interleaved` collects the samples, :func:`median_us` their medians.
+Contenders run in the same process, interleaved in rotating order, and are reported as medians per
+call. A clock is ``start() -> stop``, ``stop() -> microseconds``
+(or anything a benchmark wants per sample): :func:`wall_clock`
+(host wall time, the device synced around the call) or :func:`cuda_event_clock`
+(device time between two CUDA events). :func:`interleaved` collects the samples, :func:`median_us`
+their medians.
 """
 
 import os
@@ -15,7 +18,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-Clock = Callable[[], Callable[[], object]]  # start() -> stop; stop() -> one sample (microseconds by default)
+# start() -> stop; stop() -> one sample (microseconds by default)
+Clock = Callable[[], Callable[[], object]]
 
 
 def syncer(device: torch.device) -> Callable[[], None]:
@@ -24,8 +28,9 @@ def syncer(device: torch.device) -> Callable[[], None]:
 
 
 def wall_clock(sync: torch.device | str | Callable[[], None] | None = None) -> Clock:
-    """Host wall time of what runs between ``start()`` and ``stop()``, in microseconds, with ``sync`` (a device's
-    :func:`syncer`, or a function) called before the start and before the stop."""
+    """Host wall time of what runs between ``start()`` and ``stop()``, in microseconds, with
+    ``sync`` (a device's :func:`syncer`, or a function) called before the start and before the
+    stop."""
     sync = (lambda: None) if sync is None else sync if callable(sync) else syncer(sync)
 
     def start():
@@ -58,13 +63,16 @@ def cuda_event_clock() -> Clock:
     return start
 
 
-def interleaved(fns: dict, repeats: int, clock: Clock, block: int = 1, *, skip: int = 1, calls: int = 1,
+def interleaved(fns: dict, repeats: int, clock: Clock, block: int = 1, *, skip: int = 1,
+                calls: int = 1,
                 warmup: int = 1) -> dict[object, list]:
-    """Name -> the samples of ``fns[name]``, each what ``clock`` reads over ``calls`` consecutive calls.
+    """Name -> the samples of ``fns[name]``, each what ``clock`` reads over ``calls`` consecutive
+    calls.
 
-    First ``warmup`` untimed calls of each fn (compiles, builds caches). Then ``repeats`` rounds; every round runs
-    each fn in an order rotated by one per round: ``skip`` untimed calls (what a previous contender left in the
-    caches or spinning, XLA's thread pools, does not land on the next one), then ``block`` samples.
+    First ``warmup`` untimed calls of each fn (compiles, builds caches). Then ``repeats`` rounds;
+    every round runs each fn in an order rotated by one per round: ``skip`` untimed calls
+    (what a previous contender left in the caches or spinning, XLA's thread pools, does not land on
+    the next one), then ``block`` samples.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -85,17 +93,19 @@ def interleaved(fns: dict, repeats: int, clock: Clock, block: int = 1, *, skip: 
 
 def median_us(fns: dict, repeats: int, block: int = 1, sync: Callable[[], None] | None = None, *,
               clock: Clock | None = None, skip: int = 1, calls: int = 1, warmup: int = 1) -> dict:
-    """Name -> median microseconds per call of ``fns[name]``, timed by :func:`interleaved` with ``clock``
-    (default: :func:`wall_clock` synced by ``sync``). The defaults time every repeat as ``block + 1``
-    consecutive calls, the first untimed, after one untimed call of each fn."""
-    samples = interleaved(fns, repeats, clock or wall_clock(sync), block, skip=skip, calls=calls, warmup=warmup)
+    """Name -> median microseconds per call of ``fns[name]``, timed by :func:`interleaved` with
+    ``clock`` (default: :func:`wall_clock` synced by ``sync``). The defaults time every repeat as
+    ``block + 1`` consecutive calls, the first untimed, after one untimed call of each fn."""
+    samples = interleaved(fns, repeats, clock or wall_clock(sync), block, skip=skip, calls=calls,
+                          warmup=warmup)
     return {k: statistics.median(v) / calls for k, v in samples.items()}
 
 
 def machine(device: torch.device) -> dict:
     """Where the numbers come from: platform, CPU count, torch threads, device name."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "device": str(device), "device_name": name}
 
 

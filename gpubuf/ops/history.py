@@ -1,11 +1,13 @@
-"""HistoryBuffer's ops (Triton kernels in ``kernels/history.py``): append scatter, strided frames, action blocks.
+"""HistoryBuffer's ops (Triton kernels in ``kernels/history.py``): append scatter, strided frames,
+action blocks.
 
-Storage of one key is a contiguous ``(max_len * n_envs, E)`` tensor, slot-major: env ``e``'s ring slot
-``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newest slot, k = strided frames used.
+Storage of one key is a contiguous ``(max_len * n_envs, D)`` tensor, slot-major: env ``e``'s ring
+slot ``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newest slot, k = strided
+frames used.
 
-Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
-the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the buffers call.
-Vectorised torch only in the twins: no Python loop over envs or rows.
+Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
+signature), the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the
+buffers call. Vectorised torch only in the twins: no Python loop over envs or rows.
 """
 
 from functools import lru_cache
@@ -26,8 +28,8 @@ def _countdown(n: int, device: torch.device) -> torch.Tensor:
 
 
 def append_twin(pairs: list, dst_rows: torch.Tensor) -> None:
-    """For each ``(storage (max_len*n_envs, E), rows (R, E))`` in ``pairs``: storage[dst_rows (R,)] = rows;
-    dst_rows distinct."""
+    """For each ``(storage (max_len*n_envs, D), rows (R, D))`` in ``pairs``: storage[dst_rows (R,)]
+    = rows; dst_rows distinct."""
     if dst_rows.shape[0] == 0:
         return
     for storage, rows in pairs:
@@ -48,17 +50,20 @@ def append_cuda(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
     append(list(zip(storages, rows, strict=True)), dst_rows)
 
 
-torch.library.define("gpubuf::history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()")
+torch.library.define("gpubuf::history_append",
+                     "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()")
 torch.library.impl("gpubuf::history_append", "CPU", append_cpu)
 torch.library.impl("gpubuf::history_append", "CUDA", append_cuda)
 torch.library.register_fake("gpubuf::history_append", writes_only)
 
 
 def history_append(backend: str, pairs: list, dst_rows: torch.Tensor) -> None:
-    """For each (storage (max_len*n_envs, E), rows (R, E)) in pairs: storage[dst_rows (R,)] = rows."""
+    """For each (storage (max_len*n_envs, D), rows (R, D)) in pairs: storage[dst_rows (R,)] =
+    rows."""
     how = route(backend, dst_rows.device)
     if how == "dispatch":
-        torch.ops.gpubuf.history_append.default([p[0] for p in pairs], [p[1] for p in pairs], dst_rows)
+        torch.ops.gpubuf.history_append.default([p[0] for p in pairs], [p[1] for p in pairs],
+                                                dst_rows)
     elif how == "triton":
         from gpubuf.kernels.history import append
 
@@ -76,8 +81,8 @@ def _frame_back(meta: torch.Tensor, n: int, ab: int) -> torch.Tensor:
 
 
 def gather_frames_twin(pairs: list, meta, n, ab, max_len) -> None:
-    """For each ``(storage, out (rows, n, E))`` in ``pairs``: strided frames, left-padded with the oldest
-    strided entry. The source rows are computed once for all pairs."""
+    """For each ``(storage, out (rows, n, D))`` in ``pairs``: strided frames, left-padded with the
+    oldest strided entry. The source rows are computed once for all pairs."""
     rows = meta.shape[1]
     if rows == 0 or not pairs:
         return
@@ -103,19 +108,21 @@ def gather_frames_cuda(storages: list, outs: list, meta, n, ab, max_len) -> None
 
 
 torch.library.define("gpubuf::history_gather_frames",
-                     "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int max_len) -> ()")
+                     "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int "
+                     "max_len) -> ()")
 torch.library.impl("gpubuf::history_gather_frames", "CPU", gather_frames_cpu)
 torch.library.impl("gpubuf::history_gather_frames", "CUDA", gather_frames_cuda)
 torch.library.register_fake("gpubuf::history_gather_frames", writes_only)
 
 
 def history_gather_frames(backend: str, pairs: list, meta, n, ab, max_len) -> None:
-    """For each (storage, out (rows, n, E)) in pairs: strided frames; meta (3, rows) int64 = (env, newest
-    slot, k)."""
+    """For each (storage, out (rows, n, D)) in pairs: strided frames; meta (3, rows) int64 =
+    (env, newest slot, k)."""
     n, ab, max_len = int(n), int(ab), int(max_len)
     how = route(backend, meta.device)
     if how == "dispatch":
-        torch.ops.gpubuf.history_gather_frames.default([p[0] for p in pairs], [p[1] for p in pairs], meta, n, ab,
+        torch.ops.gpubuf.history_gather_frames.default([p[0] for p in pairs], [p[1] for p in pairs],
+                                                       meta, n, ab,
                                                        max_len)
     elif how == "triton":
         from gpubuf.kernels.history import gather_frames
@@ -130,23 +137,27 @@ def history_gather_frames(backend: str, pairs: list, meta, n, ab, max_len) -> No
 
 @lru_cache(maxsize=64)
 def _block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
-    """(1, (n-1)*ab) int64: env steps before the newest entry of each entry of the n-1 action blocks."""
+    """(1, (n-1)*ab) int64: env steps before the newest entry of each entry of the n-1 action
+    blocks."""
     return (_countdown(n - 1, device).view(-1, 1) * ab + _countdown(ab, device)).view(1, -1)
 
 
 def pack_blocks_twin(storage, meta, n, ab, max_len, out) -> None:
-    """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0, zero-padded."""
+    """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0,
+    zero-padded."""
     rows, D = meta.shape[1], storage.shape[1]
     if rows == 0 or n < 2:
         return
     env, newest, k = meta[0].view(-1, 1), meta[1].view(-1, 1), meta[2].view(-1, 1)
-    slot = (newest - _block_back(n, ab, meta.device)) % max_len  # (rows, (n-1)*ab): block i ends at frame i+1
+    # (rows, (n-1)*ab): block i ends at frame i+1
+    slot = (newest - _block_back(n, ab, meta.device)) % max_len
     src_rows = (slot * (storage.shape[0] // max_len) + env).reshape(-1)
     flat = out.view(rows * (n - 1) * ab, D)
     torch.index_select(storage, 0, src_rows, out=flat)
     if out.dtype.is_floating_point:
         torch.nan_to_num(out, nan=0.0, out=out)
-    zero = _countdown(n - 1, meta.device).view(1, -1, 1) >= k.view(-1, 1, 1) - 1  # the first n-k blocks
+    # the first n-k blocks
+    zero = _countdown(n - 1, meta.device).view(1, -1, 1) >= k.view(-1, 1, 1) - 1
     out.masked_fill_(zero, 0)
 
 
@@ -163,7 +174,8 @@ def pack_blocks_cuda(storage, out, meta, n, ab, max_len) -> None:
 
 
 torch.library.define("gpubuf::history_pack_blocks",
-                     "(Tensor storage, Tensor(a!) out, Tensor meta, int n, int ab, int max_len) -> ()")
+                     "(Tensor storage, Tensor(a!) out, Tensor meta, int n, int ab, int max_len) -> "
+                     "()")
 torch.library.impl("gpubuf::history_pack_blocks", "CPU", pack_blocks_cpu)
 torch.library.impl("gpubuf::history_pack_blocks", "CUDA", pack_blocks_cuda)
 torch.library.register_fake("gpubuf::history_pack_blocks", writes_only)

@@ -1,11 +1,14 @@
-"""The wide prefix-sum tree's ops (Triton kernels in ``kernels/prefix_tree.py``): descent and leaf updates.
+"""The wide prefix-sum tree's ops (Triton kernels in ``kernels/prefix_tree.py``): descent and leaf
+updates.
 
-``tree`` is the flat float64 concatenation of the levels (leaves first; level ``k+1`` holds the sums of
-consecutive groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries);
-``offsets`` (K+1 ints) bounds the K levels: level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
+``tree`` is the flat float64 concatenation of the levels
+(leaves first; level ``k+1`` holds the sums of consecutive groups of ``fanout`` entries of level
+``k``; the top level is one node of ``fanout`` entries); ``offsets`` (K+1 ints) bounds the K levels:
+level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
 
-Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
-the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the buffers call.
+Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
+signature), the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the
+buffers call.
 """
 
 from functools import lru_cache
@@ -28,21 +31,24 @@ def _ascending(n: int, device: torch.device) -> torch.Tensor:
 # ---- tree_sample
 
 
-def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
-    """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide prefix-sum tree.
+def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide
+    prefix-sum tree.
 
-    At each level the sample takes the inclusive prefix sum of its node's children and moves to the first
-    child whose prefix sum exceeds its remaining mass. Only a child of positive mass is ever chosen: when
-    rounding (subnormal or huge masses) puts the remaining mass at or past the node's total, the last child
-    of positive mass is taken. So, whenever the tree holds any mass, every returned leaf has positive mass
-    (a valid start) and lies below the capacity (padding leaves are zero).
+    At each level the sample takes the inclusive prefix sum of its node's children and moves to the
+    first child whose prefix sum exceeds its remaining mass. Only a child of positive mass is ever
+    chosen: when rounding (subnormal or huge masses) puts the remaining mass at or past the node's
+    total, the last child of positive mass is taken. So, whenever the tree holds any mass, every
+    returned leaf has positive mass (a valid start) and lies below the capacity
+    (padding leaves are zero).
     """
     B = u.shape[0]
     if B == 0:
         return
     F = fanout
-    # The lowest level holding at most _SHARED entries is searched whole: one cumsum shared by all samples
-    # (bounded work, whatever the capacity), then the descent goes node by node below it.
+    # The lowest level holding at most _SHARED entries is searched whole: one cumsum shared by all
+    # samples (bounded work, whatever the capacity), then the descent goes node by node below it.
     shared = 0
     while offsets[shared + 1] - offsets[shared] > max(_SHARED, F):
         shared += 1
@@ -54,7 +60,8 @@ def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
     target = target.sub_(cs.sub_(level).index_select(0, node)).clamp_min_(0).unsqueeze_(1)  # (B, 1)
     base = tree.storage_offset()
     for k in range(shared - 1, -1, -1):
-        children = tree.as_strided(((offsets[k + 1] - offsets[k]) // F, F), (F, 1), base + offsets[k])
+        children = tree.as_strided(((offsets[k + 1] - offsets[k]) // F, F), (F, 1),
+                                   base + offsets[k])
         c = children.index_select(0, node)  # (B, F) children
         cs = c.cumsum(1)
         target = torch.minimum(target, cs[:, -1:] * _BELOW_ONE)  # stay below the node's mass
@@ -65,8 +72,8 @@ def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
 
 
 def _positive_child(j: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``j`` (first child whose prefix sum exceeds the mass), replaced by the last child of positive mass in
-    ``c`` (``(F,)`` or ``(B, F)``) wherever it is out of range or of zero mass."""
+    """``j`` (first child whose prefix sum exceeds the mass), replaced by the last child of positive
+    mass in ``c`` (``(F,)`` or ``(B, F)``) wherever it is out of range or of zero mass."""
     F = c.shape[-1]
     j = j.clamp_max(F - 1)
     picked = c.gather(-1, j) if c.dim() == 2 else c.index_select(0, j)
@@ -85,7 +92,8 @@ def sample_cuda(tree, offsets, fanout, u, out) -> None:
     sample(tree, offsets, fanout, u, out)
 
 
-torch.library.define("gpubuf::tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()")
+torch.library.define("gpubuf::tree_sample",
+                     "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()")
 torch.library.impl("gpubuf::tree_sample", "CPU", sample_twin)
 torch.library.impl("gpubuf::tree_sample", "CUDA", sample_cuda)
 torch.library.register_fake("gpubuf::tree_sample", writes_only)
@@ -107,12 +115,15 @@ def tree_sample(backend: str, tree, offsets, fanout, u, out) -> None:
 # ---- tree_update
 
 
-def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
-    """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched parent,
-    level by level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed).
+def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor,
+                values: torch.Tensor) -> None:
+    """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched
+    parent, level by level, recomputed as the sum of its ``fanout`` children
+    (idempotent: no atomics needed).
 
-    Parent levels of at most ``max(_DENSE, len(idx))`` entries are recomputed whole (one reduction instead
-    of a gather, a sum and a scatter of the touched parents): same values, untouched parents included."""
+    Parent levels of at most ``max(_DENSE, len(idx))`` entries are recomputed whole
+    (one reduction instead of a gather, a sum and a scatter of the touched parents): same values,
+    untouched parents included."""
     K = idx.shape[0]
     if K == 0:
         return
@@ -138,14 +149,16 @@ def update_cuda(tree, offsets, fanout, idx, values) -> None:
 
 
 torch.library.define("gpubuf::tree_update",
-                     "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()")
+                     "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) "
+                     "-> ()")
 torch.library.impl("gpubuf::tree_update", "CPU", update_twin)
 torch.library.impl("gpubuf::tree_update", "CUDA", update_cuda)
 torch.library.register_fake("gpubuf::tree_update", writes_only)
 
 
 def tree_update(backend: str, tree, offsets, fanout, idx, values) -> None:
-    """tree leaves [idx (K,)] = values (K,) float64, then touched parents recomputed from their children."""
+    """tree leaves [idx (K,)] = values (K,) float64, then touched parents recomputed from their
+    children."""
     how = route(backend, tree.device)
     if how == "dispatch":
         torch.ops.gpubuf.tree_update.default(tree, offsets, fanout, idx, values)
@@ -160,8 +173,10 @@ def tree_update(backend: str, tree, offsets, fanout, idx, values) -> None:
 # ---- tree_update_range
 
 
-def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:
-    """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from their children."""
+def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int,
+                      values: torch.Tensor) -> None:
+    """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from
+    their children."""
     a, b = lo, lo + values.shape[0]
     if a == b:
         return
@@ -171,7 +186,8 @@ def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: i
     for k in range(1, len(offsets) - 1):
         c0, p0 = offsets[k - 1], offsets[k]
         a, b = a // F, (b - 1) // F + 1
-        torch.sum(tree.as_strided((b - a, F), (F, 1), base + c0 + a * F), 1, out=tree[p0 + a:p0 + b])
+        torch.sum(tree.as_strided((b - a, F), (F, 1), base + c0 + a * F), 1,
+                  out=tree[p0 + a:p0 + b])
 
 
 def update_range_cuda(tree, offsets, fanout, lo, values) -> None:
@@ -189,7 +205,8 @@ torch.library.register_fake("gpubuf::tree_update_range", writes_only)
 
 
 def tree_update_range(backend: str, tree, offsets, fanout, lo, values) -> None:
-    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their children."""
+    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their
+    children."""
     lo = int(lo)
     how = route(backend, tree.device)
     if how == "dispatch":

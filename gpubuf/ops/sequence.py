@@ -1,10 +1,11 @@
 """TransitionBuffer's window gather op (Triton kernel in ``kernels/sequence.py``).
 
-Storage of one leaf is a contiguous ``(M * E, D)`` tensor, time-major (row ``step * E + env``). A flat
-start ``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for ``j < n``.
+Storage of one leaf is a contiguous ``(M * E, D)`` tensor, time-major (row ``step * E + env``). A
+flat start ``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for
+``j < n``.
 
-The pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature), the
-``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the buffers call.
+The pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
+the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the buffers call.
 """
 
 import torch
@@ -15,8 +16,8 @@ from gpubuf.ops.device import route, writes_only
 
 def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
-    ``((start//E + j + shift) % M) * E + start % E``, j < n, for flat starts (B,). Rows are computed once
-    per distinct shift."""
+    ``((start//E + j + shift) % M) * E + start % E``, j < n, for flat starts (B,). Rows are computed
+    once per distinct shift."""
     B = starts.shape[0]
     if B == 0:
         return
@@ -45,20 +46,22 @@ def gather_cuda(storages: list, outs: list, shifts: list, starts, n, E, M) -> No
 
 
 torch.library.define("gpubuf::sequence_gather",
-                     "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, int n, int E, int M) -> ()")
+                     "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, int n, "
+                     "int E, int M) -> ()")
 torch.library.impl("gpubuf::sequence_gather", "CPU", gather_cpu)
 torch.library.impl("gpubuf::sequence_gather", "CUDA", gather_cuda)
 torch.library.register_fake("gpubuf::sequence_gather", writes_only)
 
 
 def sequence_gather(backend: str, jobs: list, starts: torch.Tensor, n, E, M) -> None:
-    """For each (storage (M*E, D), out (B, n, D), shift) in jobs: windows of n time-major rows from flat
-    starts (B,), shifted."""
+    """For each (storage (M*E, D), out (B, n, D), shift) in jobs: windows of n time-major rows from
+    flat starts (B,), shifted."""
     jobs = [(storage, out, int(shift)) for storage, out, shift in jobs]
     n, E, M = int(n), int(E), int(M)
     how = route(backend, starts.device)
     if how == "dispatch":
-        torch.ops.gpubuf.sequence_gather.default([j[0] for j in jobs], [j[1] for j in jobs], [j[2] for j in jobs],
+        torch.ops.gpubuf.sequence_gather.default([j[0] for j in jobs], [j[1] for j in jobs],
+                                                 [j[2] for j in jobs],
                                                  starts, n, E, M)
     elif how == "triton":
         from gpubuf.kernels.sequence import gather
