@@ -38,11 +38,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gpubuf.inputs import as_tensor
+from gpubuf.inputs import as_tensor, generator_for
 from gpubuf.interrupts import signals_held
 from gpubuf.prioritized import PrioritizedTransitionBuffer
 from gpubuf.replay import BOUNDARIES, TransitionBuffer
-from gpubuf.transition import Transition, flatten, leaf_name, unflatten
+from gpubuf.transition import Transition, flatten, unflatten
 
 _ARG_ERRORS = (TypeError, ValueError, IndexError)
 
@@ -54,7 +54,7 @@ def _config(local: TransitionBuffer) -> dict:
     """What must agree between shards for their union to be one buffer."""
     cfg = {"class": type(local).__name__, "max_size": local.max_size, "n_envs": local.n_envs,
            "n_steps": local.n_steps,
-           "leaves": {leaf_name(p): (s, str(local._dtypes[p])) for p, s in local._shapes.items()}}
+           "leaves": {leaf.name: (leaf.shape, str(leaf.dtype)) for leaf in local.config.leaves}}
     if isinstance(local, PrioritizedTransitionBuffer):
         cfg.update(alpha=local.alpha, eps=local.eps)
     return cfg
@@ -93,7 +93,8 @@ class ShardedBuffer:
         elif backend == "nccl" and local.device.type != "cuda":
             mine["error"] = f"an NCCL group needs the shard on a CUDA device, got {local.device}"
         else:
-            mine.update(config=_config(local), rng=hashlib.sha1(local._gen.get_state().numpy().tobytes()).hexdigest())
+            rng = hashlib.sha1(local.generator.get_state().numpy().tobytes()).hexdigest()
+            mine.update(config=_config(local), rng=rng)
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=group)
         bad = {r: e["error"] for r, e in enumerate(everyone) if "error" in e}
@@ -205,26 +206,19 @@ class ShardedBuffer:
             g = torch.Generator()
             g.manual_seed(int(seed))
             return g
-        return self.local._generator(key)
-
-    def _batch_size(self, batch_size) -> int:
-        B = self.local.sample_batch_size if batch_size is None else batch_size
-        if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
-            raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
-        return int(B)
+        return generator_for(key, self.local.generator)
 
     def _valid(self, kind: int) -> int:
         """This shard's valid starts of ``kind`` (the source's ``is_last`` rows never start one)."""
-        local = self.local
-        return local._ring.range_starts(kind)[1] if local._ring.one_range(kind) else local._active_valid(kind)
+        return self.local.sampler.count_valid(kind)
 
     def _shard_mass(self, kind: int) -> torch.Tensor:
         """1-element float64: this shard's total sampling mass for ``kind`` (the ``is_last`` rows excluded)."""
         local = self.local
         if not self.prioritized:  # one per valid start
             return torch.tensor([float(self._valid(kind))], dtype=torch.float64, device=self._comm)
-        local._sampler.activate(kind)
-        return local._sampler.trees[kind].total().view(1).to(self._comm)
+        local.sampler.activate(kind)
+        return local.sampler.trees[kind].total().view(1).to(self._comm)
 
     def _owners(self, weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """(k,) int64 shards drawn by uniforms ``u`` (k,) in proportion to ``weights`` (W,) float64 (host)."""
@@ -235,16 +229,17 @@ class ShardedBuffer:
     def _layout(self, with_next_obs: bool) -> list[tuple]:
         """``(output path, dtype, per-window shape, bytes)`` of every returned leaf, in row order: sorted by path,
         so shards whose ``info`` dicts list the same keys in another order pack the same rows."""
-        local = self.local
-        return sorted(((d, local._dtypes[s], shape[1:], math.prod(shape[1:]) * local._dtypes[s].itemsize)
-                       for d, s, _, shape in local._jobs(1, with_next_obs)), key=lambda leaf: leaf[0])
+        dtypes = {leaf.path: leaf.dtype for leaf in self.local.config.leaves}
+        return sorted(((d, dtypes[s], shape[1:], math.prod(shape[1:]) * dtypes[s].itemsize)
+                       for d, s, _, shape in self.local.config.jobs(1, with_next_obs)), key=lambda leaf: leaf[0])
 
     def _window_rows(self, idx: torch.Tensor, head: list[torch.Tensor], with_next_obs: bool) -> torch.Tensor:
         """``(n, R)`` uint8 rows: ``head`` (each ``(n, k)`` uint8), then the windows at local starts ``idx`` (n,)."""
         local, n = self.local, idx.shape[0]
         parts = list(head)
         if n:
-            windows = flatten(local._gather(idx, local._check_out(None, n, with_next_obs)))
+            jobs = local.storage.check_out(None, local.config.jobs(n, with_next_obs), local.device, ())
+            windows = flatten(local.gather(idx, jobs))
             for d, _, shape, _ in self._layout(with_next_obs):
                 parts.append(windows[d].reshape(n, math.prod(shape)).view(torch.uint8))
         else:
@@ -262,7 +257,7 @@ class ShardedBuffer:
                 t = torch.empty((B,) + shape, dtype=dtype, device=rows.device)
             leaves[d] = t.to(device)
             at += nbytes
-        return unflatten({d: leaves[d] for d, *_ in self.local._jobs(1, with_next_obs)})  # the local leaf order
+        return unflatten({d: leaves[d] for d, *_ in self.local.config.jobs(1, with_next_obs)})  # the local leaf order
 
     @torch.compiler.disable  # an opaque call under torch.compile, as the local buffers' sample
     def sample(self, key=None, with_replacement: bool | None = None, batch_size: int | None = None,
@@ -295,8 +290,8 @@ class ShardedBuffer:
             with_replacement = not self.prioritized
         error, B, kind, which, gen = None, 0, 0, -1, None
         try:
-            B = self._batch_size(batch_size)
-            kind = local._kind(with_next_obs, boundaries)
+            B = self.local.config.batch_size(batch_size)
+            kind = local.config.kind(with_next_obs, boundaries)
             which = BOUNDARIES.index(boundaries)
             gen = self._generator(key)
         except _ARG_ERRORS as err:
@@ -339,7 +334,7 @@ class ShardedBuffer:
         else:
             batch, local_idx, owner, drawn = self._sample_without_replacement(kind, B, gen, masses, counts,
                                                                               with_next_obs)
-        batch = local._with_flags(batch, boundaries)
+        batch = local.config.with_flags(batch, boundaries, local.device)
         if not self.prioritized:
             return batch
         batch.PER_weights = (drawn / drawn.min()).pow_(-local.beta).to(torch.float32).to(local.device)
@@ -358,8 +353,8 @@ class ShardedBuffer:
         head = []
         if n:
             on_local = got.to(self.local.device)
-            self.local._sampler.activate(kind)
-            tree = self.local._sampler.trees[kind]
+            self.local.sampler.activate(kind)
+            tree = self.local.sampler.trees[kind]
             idx = tree.sample(on_local)  # the owner's descent with the requesters' uniforms
             mass = tree.leaves(idx)
             if self.prioritized:
@@ -425,7 +420,7 @@ class ShardedBuffer:
     def _serve_round(self, kind: int, got: torch.Tensor, n_taken: list[int], n_draws: list[int]) -> torch.Tensor:
         """Owner side of a round: ``got`` holds per requester its already-drawn local starts and its uniforms
         (float64); returns ``(sum(n_draws), 2)`` float64 ``(local start, mass)`` per draw, in the same order."""
-        sampler, device = self.local._sampler, self.local.device
+        sampler, device = self.local.sampler, self.local.device
         sampler.activate(kind)
         tree = sampler.trees[kind]
         got = got.to(device)
@@ -478,7 +473,7 @@ class ShardedBuffer:
         if not math.isfinite(top):
             raise ValueError("td_errors: |td| + eps must be finite (float32), got "
                              f"{td[~torch.isfinite(td.to(torch.float32))][:5].tolist()}")
-        self.local._check_mass("td_errors, alpha", top)
+        self.local.sampler.check_mass("td_errors, alpha", top)
         return idx, td, top
 
     @torch.compiler.disable
@@ -511,13 +506,13 @@ class ShardedBuffer:
         got = self._all_to_all(payload, send.tolist(), recv).to(self.local.device)
         self.local.update_priorities(got[:, 0].long(), got[:, 1])
         # every rank's max_priority was the same before: the new one is the largest new priority anywhere
-        self.local._sampler.max_priority = max(self.local._sampler.max_priority, float(plan[:, -1].max()))
+        self.local.sampler.max_priority = max(self.local.sampler.max_priority, float(plan[:, -1].max()))
         return self
 
     def _sync_max_priority(self) -> None:
         top = torch.tensor([self.local.max_priority], dtype=torch.float64, device=self._comm)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
-        self.local._sampler.max_priority = float(top.item())
+        self.local.sampler.max_priority = float(top.item())
 
     # ------------------------------------------------------------------ state
 

@@ -45,25 +45,27 @@ class GraphSampler:
         if buffer.storage_device != buffer.device:
             raise ValueError(f"buffer: a GraphSampler gathers on the sampling device; this buffer's storage is on "
                              f"{buffer.storage_device}, not {buffer.device}")
-        B, kind = buffer._check_sample_args(batch_size, True, with_next_obs, boundaries)
+        B, kind = buffer.check_sample_args(batch_size, True, with_next_obs, boundaries)
         if generator is not None and (not isinstance(generator, torch.Generator)
                                       or generator.device.type != buffer.device.type):
             got = generator.device if isinstance(generator, torch.Generator) else type(generator).__name__
             raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, got {got}")
-        buffer._sampler.activate(kind)  # the tree is kept current from now on
+        buffer.sampler.activate(kind)  # the tree is kept current from now on
         self.buffer, self.batch_size, self.generator = buffer, B, generator
-        self._tree = buffer._sampler.trees[kind]
+        self._tree = buffer.sampler.trees[kind]
         dev = buffer.device
         self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
         self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
-        result, self._work = buffer._outputs(B, buffer._check_out(None, B, with_next_obs))
-        self.out: Transition = buffer._with_flags(unflatten(result), boundaries)  # forbid: constant flags
+        storage = buffer.storage
+        jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
+        result, self._work = storage.outputs(B, jobs, dev)
+        self.out: Transition = buffer.config.with_flags(unflatten(result), boundaries, dev)  # forbid: constant
         self._plan = None
-        if buffer.backend == "triton" and buffer._dir is None:  # the kernel reads time-major storage
+        if buffer.backend == "triton" and storage.dir is None:  # the kernel reads time-major storage
             from gpubuf.kernels import sequence
 
             self._plan = sequence.plan(self._work, B, buffer.n_steps, dev)
-        self.prioritized = buffer._sampler.prioritized
+        self.prioritized = buffer.sampler.prioritized
         if self.prioritized:
             self._mass = torch.empty(B, dtype=torch.float64, device=dev)
             self._min = torch.empty((), dtype=torch.float64, device=dev)
@@ -91,7 +93,7 @@ class GraphSampler:
 
             sequence.gather_planned(self._plan, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
         else:
-            buf._gather_windows(self._work, self.indices)
+            buf.storage.gather_windows(self._work, self.indices)
         if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
             torch.index_select(tree.tree, 0, self.indices, out=self._mass)
             torch.amin(self._mass, 0, out=self._min)

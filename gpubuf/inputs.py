@@ -1,7 +1,8 @@
 """Argument validation and conversion shared by every public method.
 
-Inputs may be torch tensors (any device), numpy arrays (any byte order), ``__dlpack__`` arrays or numeric
-scalars. Every function here raises an exception that names the argument, before anything is written.
+Inputs may be torch tensors (any device), numpy arrays (any byte order), ``__dlpack__`` arrays or
+numeric scalars. Every function here raises an exception that names the argument, before anything is
+written.
 """
 
 import math
@@ -17,24 +18,30 @@ def as_tensor(value, name: str) -> torch.Tensor:
     """A dense torch view of ``value`` (no copy where possible); numeric scalars become 0-d tensors.
 
     Non-native byte order (big-endian numpy data) is converted to native order here (a copy). Raises
-    ``TypeError`` naming ``name`` for strings, lists, other non-numeric objects, sparse and meta tensors.
+    ``TypeError`` naming ``name`` for strings, lists, other non-numeric objects, sparse and meta
+    tensors.
     """
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.device.type == "meta" or value.is_nested:
             kind = "nested" if value.is_nested else value.layout
-            raise TypeError(f"{name}: expected a dense tensor with data, got a {kind} tensor on {value.device}")
+            raise TypeError(f"{name}: expected a dense tensor with data, got a {kind} tensor on "
+                            f"{value.device}")
         return value
     if isinstance(value, np.ma.MaskedArray):
-        raise TypeError(f"{name}: a masked array has no values where it is masked; pass .filled(...) or .data")
+        raise TypeError(f"{name}: a masked array has no values where it is masked; pass "
+                        ".filled(...) or .data")
     if isinstance(value, np.ndarray):
-        wide = value.dtype.itemsize > {"f": 8, "c": 16}.get(value.dtype.kind, 8)  # long double: torch has none
+        # long double: torch has none
+        wide = value.dtype.itemsize > {"f": 8, "c": 16}.get(value.dtype.kind, 8)
         if value.dtype.kind not in "biufc" or wide:
-            raise TypeError(f"{name}: expected a numeric array of a dtype torch has, got a numpy array of dtype "
+            raise TypeError(f"{name}: expected a numeric array of a dtype torch has, got a numpy "
+                            "array of dtype "
                             f"{value.dtype}")
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
         return torch.from_numpy(value if value.flags.c_contiguous else np.ascontiguousarray(value))
-    if isinstance(value, _PY_SCALARS) or (isinstance(value, numbers.Number) and not isinstance(value, complex)):
+    if isinstance(value, _PY_SCALARS) or (isinstance(value, numbers.Number)
+                                          and not isinstance(value, complex)):
         if isinstance(value, np.generic):
             return as_tensor(np.asarray(value), name)
         return _python_scalar(value, name)
@@ -50,10 +57,11 @@ def as_tensor(value, name: str) -> torch.Tensor:
 
 
 def _python_scalar(value, name: str) -> torch.Tensor:
-    """A Python ``bool`` as bool, ``int`` as int64 and any other real number as float64 (0-d tensors).
+    """A Python ``bool`` as bool, ``int`` as int64 and any other real number as float64
+    (0-d tensors).
 
-    The widest types keep the value exactly, so a later narrowing into the stored dtype is checked on the
-    value (``1e300`` into ``float32`` storage is rejected rather than stored as ``inf``).
+    The widest types keep the value exactly, so a later narrowing into the stored dtype is checked
+    on the value (``1e300`` into ``float32`` storage is rejected rather than stored as ``inf``).
     """
     if isinstance(value, bool):
         return torch.tensor(value)
@@ -65,8 +73,9 @@ def _python_scalar(value, name: str) -> torch.Tensor:
 
 
 def as_flags(value, name: str, shape: tuple) -> np.ndarray:
-    """Host bool flags of exactly ``shape`` from bools or integers 0/1; anything else (floats such as 0.5,
-    other integers, strings) is a ``TypeError``/``ValueError`` naming ``name``."""
+    """Host bool flags of exactly ``shape`` from bools or integers 0/1; anything else
+    (floats such as 0.5, other integers, strings) is a ``TypeError``/``ValueError`` naming
+    ``name``."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
@@ -77,29 +86,33 @@ def as_flags(value, name: str, shape: tuple) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected bool flags (or integers 0/1), got {arr.dtype}")
     if arr.size and not ((arr == 0) | (arr == 1)).all():
-        raise ValueError(f"{name}: expected flags 0 or 1, got {np.unique(arr[(arr != 0) & (arr != 1)])[:5].tolist()}")
+        raise ValueError(f"{name}: expected flags 0 or 1, got "
+                         f"{np.unique(arr[(arr != 0) & (arr != 1)])[:5].tolist()}")
     return arr.astype(bool)
 
 
 def check_flags(t: torch.Tensor, name: str) -> None:
-    """Raise unless tensor ``t`` holds flags: bool, or host integers that are all 0 or 1 (a device integer
-    tensor is not read back: pass bool)."""
+    """Raise unless tensor ``t`` holds flags: bool, or host integers that are all 0 or 1
+    (a device integer tensor is not read back: pass bool)."""
     if t.dtype == torch.bool:
         return
     if t.dtype.is_floating_point or t.dtype.is_complex or t.device.type != "cpu":
-        raise TypeError(f"{name}: expected bool flags (or host integers 0/1), got {t.dtype} on {t.device}")
+        raise TypeError(f"{name}: expected bool flags (or host integers 0/1), got {t.dtype} on "
+                        f"{t.device}")
     as_flags(t, name, tuple(t.shape))
 
 
 def positive_int(name: str, value) -> int:
-    """``value`` as an int >= 1, else ``ValueError`` naming ``name`` (bools and floats are rejected)."""
+    """``value`` as an int >= 1, else ``ValueError`` naming ``name``
+    (bools and floats are rejected)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return int(value)
 
 
 def finite_float(name: str, value, low: float = -math.inf, low_open: bool = False) -> float:
-    """``value`` as a finite float ``>= low`` (``> low`` when ``low_open``), else ``ValueError`` naming ``name``."""
+    """``value`` as a finite float ``>= low`` (``> low`` when ``low_open``), else ``ValueError``
+    naming ``name``."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     if ok:
         value = float(value)
@@ -123,7 +136,8 @@ def as_index_array(ids, name: str, size: int) -> np.ndarray:
     if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}")
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} array of shape "
+                        f"{arr.shape}")
     bad = (arr >= size) if arr.dtype.kind == "u" else (arr < -size) | (arr >= size)
     if bad.any():
         raise IndexError(f"{name}: ids must lie in [-{size}, {size}), got {arr[bad][:5].tolist()}")
@@ -133,16 +147,20 @@ def as_index_array(ids, name: str, size: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- value-preserving casts
 
-STORABLE = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32,
-            torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+STORABLE = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8,
+            torch.int16, torch.int32,
+            torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+            torch.float8_e4m3fn,
             torch.float8_e5m2, torch.complex32, torch.complex64, torch.complex128)
 
 
 def check_storable(dtype: torch.dtype, name: str) -> None:
-    """Raise ``TypeError`` naming ``name`` unless buffers can store ``dtype`` (the sub-byte, exponent-only
-    and ``fnuz`` float types cannot: they have no sign, no zero or no infinity to keep values by)."""
+    """Raise ``TypeError`` naming ``name`` unless buffers can store ``dtype``
+    (the sub-byte, exponent-only and ``fnuz`` float types cannot: they have no sign, no zero or no
+    infinity to keep values by)."""
     if dtype not in STORABLE:
-        raise TypeError(f"{name}: buffers store bool, (u)int8 to 64, float16, bfloat16, float32, float64, "
+        raise TypeError(f"{name}: buffers store bool, (u)int8 to 64, float16, bfloat16, float32, "
+                        "float64, "
                         f"float8_e4m3fn, float8_e5m2 and complex values, got {dtype}")
 
 
@@ -156,7 +174,8 @@ def _exact_ints(dtype: torch.dtype) -> int:
 
 
 def _float_lossless(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether float ``dst`` has at least the precision, range and smallest normal of float ``src``."""
+    """Whether float ``dst`` has at least the precision, range and smallest normal of float
+    ``src``."""
     a, b = torch.finfo(src), torch.finfo(dst)
     return b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal
 
@@ -168,7 +187,8 @@ def _real(dtype: torch.dtype) -> torch.dtype:
 
 
 def lossless(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether every value of ``src`` is exactly representable in ``dst`` (no value check needed)."""
+    """Whether every value of ``src`` is exactly representable in ``dst``
+    (no value check needed)."""
     if src == dst or src == torch.bool:
         return True
     if src.is_complex:
@@ -191,7 +211,8 @@ def _int_extremes(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _float_overflow(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a finite value (or component) of host float/complex ``t`` exceeds the largest finite ``dtype``."""
+    """Whether a finite value (or component) of host float/complex ``t`` exceeds the largest finite
+    ``dtype``."""
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
     if t.dtype not in (torch.float32, torch.float64):
@@ -203,36 +224,42 @@ def _float_overflow(t: torch.Tensor, dtype: torch.dtype) -> bool:
 def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     """Raise ``TypeError`` naming ``name`` unless storing ``t`` as ``dtype`` keeps its values.
 
-    Casts that keep every value of the source type (``lossless``) pass without looking at the data. Other
-    casts are checked on the values when ``t`` is on the host (one pass over the input):
+    Casts that keep every value of the source type (``lossless``) pass without looking at the data.
+    Other casts are checked on the values when ``t`` is on the host (one pass over the input):
 
     - integer -> narrower integer or bool: every value within the stored type's range;
-    - integer -> float or complex: every ``|value|`` small enough to be exact (``<= 2**24`` for ``float32``);
-    - float -> narrower float (complex -> narrower complex): no finite value (component) larger than the
-      stored type's largest finite value. Rounding to the nearest representable value is accepted, as
-      every float pipeline does (``float64`` rewards stored as ``float32``), and so is a tiny value that
-      rounds to zero; ``nan`` and ``inf`` stay what they are (``inf`` into ``float8_e4m3fn``, which has
-      no infinity, is rejected).
+    - integer -> float or complex: every ``|value|`` small enough to be exact
+      (``<= 2**24`` for ``float32``);
+    - float -> narrower float (complex -> narrower complex): no finite value (component) larger than
+      the stored type's largest finite value. Rounding to the nearest representable value is
+      accepted, as every float pipeline does (``float64`` rewards stored as ``float32``), and so is
+      a tiny value that rounds to zero; ``nan`` and ``inf`` stay what they are
+      (``inf`` into ``float8_e4m3fn``, which has no infinity, is rejected).
 
     Always rejected: float or complex -> integer or bool, complex -> real, and any cast that is not
-    lossless for a tensor on a GPU (checking it would read the device; cast it yourself with ``.to``).
+    lossless for a tensor on a GPU (checking it would read the device; cast it yourself with
+    ``.to``).
     """
     src = t.dtype
     if lossless(src, dtype):
         return
     why = None
-    if (src.is_floating_point or src.is_complex) and not (dtype.is_floating_point or dtype.is_complex):
+    if (src.is_floating_point or src.is_complex) and not (dtype.is_floating_point
+                                                          or dtype.is_complex):
         why = f"{'complex' if src.is_complex else 'float'} into an integer dtype"
     elif src.is_complex and not dtype.is_complex:
         why = "complex into a real dtype"
     elif t.device.type != "cpu":
-        why = (f"a narrowing cast of a {t.device.type} tensor is not checked (it would read the device); "
+        why = (f"a narrowing cast of a {t.device.type} tensor is not checked (it would read the "
+               "device); "
                f"cast it with .to({dtype}) first")
     elif t.numel():
         if src.is_floating_point or src.is_complex:  # float -> narrower float
             big = torch.finfo(_real(dtype)).max
-            why = f"a finite value exceeds the largest {dtype} ({big:g})" if _float_overflow(t, dtype) else None
-            if why is None and dtype == torch.float8_e4m3fn and bool(torch.isinf(t.to(torch.float32)).any()):
+            why = (f"a finite value exceeds the largest {dtype} ({big:g})"
+                   if _float_overflow(t, dtype) else None)
+            if (why is None and dtype == torch.float8_e4m3fn
+                    and bool(torch.isinf(t.to(torch.float32)).any())):
                 why = f"{dtype} has no infinity (it would store {big:g})"
         else:
             vmin, vmax = _int_extremes(t)
@@ -240,6 +267,26 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
                 lo, hi = -_exact_ints(_real(dtype)), _exact_ints(_real(dtype))
             else:  # integer -> narrower integer
                 lo, hi = _int_range(dtype)
-            why = None if lo <= vmin and vmax <= hi else f"values [{vmin}, {vmax}] do not fit [{lo}, {hi}] exactly"
+            why = (None if lo <= vmin and vmax <= hi
+                   else f"values [{vmin}, {vmax}] do not fit [{lo}, {hi}] exactly")
     if why:
-        raise TypeError(f"{name}: cannot store {src} in the stored dtype {dtype} without changing values ({why})")
+        raise TypeError(f"{name}: cannot store {src} in the stored dtype {dtype} without changing "
+                        f"values ({why})")
+
+
+def generator_for(key, default: torch.Generator) -> torch.Generator:
+    """The generator a sampling ``key`` names: ``None`` -> ``default``, a ``torch.Generator`` as is,
+    an int -> a fresh host generator seeded with it (the same int, the same draws); else
+    ``TypeError`` naming ``key``."""
+    if key is None:
+        return default
+    if isinstance(key, torch.Generator):
+        return key
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        if not -(2**63) <= int(key) < 2**64:
+            raise ValueError(f"key: an int seed must lie in [-2**63, 2**64), got {key}")
+        g = torch.Generator()
+        g.manual_seed(int(key))
+        return g
+    raise TypeError("key: expected a torch.Generator, an int seed or None, got "
+                    f"{type(key).__name__}")

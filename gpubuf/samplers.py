@@ -7,14 +7,20 @@ which starts are valid; the policy turns that into mass: 1 per valid start (:cla
 ``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A valid start's mass is never zero.
 """
 
+import math
+
 import numpy as np
 import torch
 
 from gpubuf import ops
+from gpubuf.inputs import as_tensor, finite_float
 from gpubuf.interrupts import signals_held
 from gpubuf.prefix_tree import PrefixSumTree
-from gpubuf.ring import StartRing
+from gpubuf.ring import IN_EPISODE, NEXT_OBS, StartRing
 from gpubuf.staging import Staging
+from gpubuf.state import check_tensor, chunks, copy_into, unaliased
+
+_LOG_MAX = math.log(torch.finfo(torch.float64).max)
 
 
 class UniformSampler:
@@ -83,6 +89,25 @@ class UniformSampler:
         validity ``valid`` (``all_valid``: all of them valid)."""
         return valid.to(torch.float64)
 
+    def count_valid(self, kind: int) -> int:
+        """Valid starts of ``kind`` (from the ring range while they are one, else from the kept validity)."""
+        if self.ring.one_range(kind):
+            return self.ring.range_starts(kind)[1]
+        self.activate(kind)
+        return self.ring.n_valid[kind]
+
+    def check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
+        """Raise ``ValueError`` unless ``B`` starts of ``kind`` can be drawn (any, or ``B`` distinct)."""
+        n = self.count_valid(kind)
+        if n == 0:
+            what = (" without truncation" if kind & NEXT_OBS else "") + \
+                (" inside one episode" if kind & IN_EPISODE else "")
+            raise ValueError(f"sample: no valid sequence start yet ({self.ring.count} rows written per env, "
+                             f"windows of {self.ring.window(kind)} rows{what})")
+        if not with_replacement and B > n:
+            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement "
+                             "needs")
+
     def sampling_mass(self, kind: int) -> torch.Tensor:
         """``(M*E,)`` float64 copy of every start's mass for ``kind``."""
         self.activate(kind)
@@ -144,6 +169,27 @@ class UniformSampler:
                     tree.update(idx, mass)  # restore: leaves as before, parents recomputed from them
         return idx, mass
 
+    # ------------------------------------------------------------------ state (none for uniform sampling)
+
+    def state(self) -> dict:
+        """The policy's entries of a buffer's ``state_dict``."""
+        return {}
+
+    def check_state(self, state: dict, pos: int, count: int):
+        """Validate the policy's entries of ``state`` (rows held: the ``count`` rows before ``pos``) before any
+        write; returns what :meth:`load_state` takes."""
+
+    def load_state(self, state: dict, checked, owned: tuple) -> None:
+        """Write the entries :meth:`check_state` accepted (``owned``: memory ranges a source may alias)."""
+
+    def flushed(self) -> dict:
+        """The policy's entries of a ``storage_dir`` flush (host values)."""
+        return {}
+
+    def reopen(self, state: dict | None, since: int) -> None:
+        """Restore a re-opened directory's flushed entries (``None``: never flushed); the ``since`` newest held
+        rows were written after that flush."""
+
 
 class PrioritizedSampler(UniformSampler):
     """Sampling in proportion to ``priority**alpha`` over valid starts.
@@ -154,13 +200,36 @@ class PrioritizedSampler(UniformSampler):
 
     prioritized = True
 
-    def __init__(self, ring: StartRing, device: torch.device, backend: str, alpha: float):
+    def __init__(self, ring: StartRing, device: torch.device, backend: str, alpha: float, beta: float, eps: float):
         super().__init__(ring, device, backend)
-        self.alpha = alpha
-        self.priority = ops.allocate({"priority": (ring.max_rows * ring.n_envs,)}, {"priority": torch.float32},
-                                     device)["priority"]
+        self.alpha, self.eps, self.size = alpha, eps, ring.max_rows * ring.n_envs
+        self._beta, self._beta_tensor = beta, None
+        self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32}, device)["priority"]
         self.max_priority = 1.0
         self._rows = self.priority.view(ring.max_rows, ring.n_envs)
+        self.check_mass("alpha", 1.0)
+
+    @property
+    def beta(self) -> float:
+        """The importance-sampling exponent (``>= 0``); a bad value raises naming ``beta``."""
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = finite_float("beta", value, 0.0)
+        if self._beta_tensor is not None:
+            self._beta_tensor.fill_(self._beta)  # in place, no host sync: captured graphs read it at replay
+
+    @property
+    def beta_tensor(self) -> torch.Tensor:
+        """``()`` float64 on the device holding :attr:`beta`, the same tensor for the sampler's life."""
+        if self._beta_tensor is None:
+            self._beta_tensor = torch.full((), self._beta, dtype=torch.float64, device=self.device)
+        return self._beta_tensor
+
+    def weights(self, mass: torch.Tensor) -> torch.Tensor:
+        """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch P)**-beta``."""
+        return (mass / mass.min()).pow_(-self._beta).to(torch.float32)
 
     def tensors(self) -> list[torch.Tensor]:
         return super().tensors() + [self.priority]
@@ -173,6 +242,118 @@ class PrioritizedSampler(UniformSampler):
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         mass = self.priority[starts].to(torch.float64).pow_(self.alpha)
         return mass if all_valid else mass.mul_(valid)  # invalid starts: zero mass
+
+    # ------------------------------------------------------------------ checks
+
+    def check_mass(self, name: str, top: float) -> None:
+        """Raise unless ``top**alpha`` summed over every start stays finite in float64."""
+        if top > 0 and self.alpha * math.log(top) + math.log(self.size) >= _LOG_MAX:
+            raise ValueError(f"{name}: priority {top:g} ** alpha {self.alpha:g} over {self.size} starts "
+                             "overflows float64 sampling mass; lower alpha or scale the TD errors")
+
+    def check_update(self, idx: torch.Tensor, td: torch.Tensor, new: torch.Tensor) -> float:
+        """Raise on indices outside ``[0, size)``, non-finite ``|td| + eps`` (``new``), or an overflowing mass;
+        returns the largest new priority (one read-back for device inputs)."""
+        lo, hi = torch.aminmax(idx)
+        top = new.max()  # NaN or inf here iff anywhere
+        if idx.device.type == "cpu":
+            lo, hi, top_value = lo.item(), hi.item(), top.item()
+        else:
+            lo, hi, top_value = torch.stack([lo.double(), hi.double(), top.double()]).tolist()
+        if lo < 0 or hi >= self.size:
+            raise IndexError(f"indices: expected flat start indices in [0, {self.size}), got "
+                             f"{idx[(idx < 0) | (idx >= self.size)][:5].tolist()}")
+        if not math.isfinite(top_value):
+            raise ValueError(f"td_errors: |td| + eps must be finite (float32), got "
+                             f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
+        self.check_mass("td_errors, alpha", top_value)
+        return top_value
+
+    def host_indices(self, arr: np.ndarray) -> np.ndarray:
+        """Host integer ``indices`` checked in range and widened to int64."""
+        bad = (arr >= self.size) if arr.dtype.kind == "u" else (arr < 0) | (arr >= self.size)
+        if bad.any():
+            raise IndexError(f"indices: expected flat start indices in [0, {self.size}), got {arr[bad][:5].tolist()}")
+        return arr.astype(np.int64)
+
+    def check_priorities(self, where: str, prio, top: float, pos: int, count: int) -> None:
+        """Raise unless ``prio`` is ``(size,)`` float32 with every value in ``[0, top]`` and those of the starts
+        in the ``count`` rows before row ``pos`` (the rows held) at least ``eps``."""
+        check_tensor(where, prio, (self.size,), torch.float32)
+        M, E, eps = self.ring.max_rows, self.ring.n_envs, float(np.float32(self.eps))
+        oldest, at = (pos - count) % M, 0
+        for piece in chunks(prio):
+            rows = torch.arange(at, at + piece.numel()) // E
+            held = piece[(rows - oldest) % M < count]
+            if not bool(torch.isfinite(piece).all()) or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
+                    or (held.numel() and float(held.min()) < eps):
+                raise ValueError(f"{where}: expected priorities of held starts in [{eps:g}, max_priority "
+                                 f"{top:g}] and of the others in [0, max_priority], all finite")
+            at += piece.numel()
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict:
+        return {"beta": self.beta, "priority": self.priority, "max_priority": self.max_priority}
+
+    def check_state(self, state: dict, pos: int, count: int) -> tuple[float, float]:
+        beta = finite_float("state_dict['beta']", state["beta"], 0.0)
+        top = finite_float("state_dict['max_priority']", state["max_priority"], 1.0)
+        self.check_mass("state_dict['max_priority']", top)
+        self.check_priorities("state_dict['priority']", state["priority"], top, pos, count)
+        return beta, top
+
+    def load_state(self, state: dict, checked: tuple[float, float], owned: tuple) -> None:
+        copy_into(self.priority, unaliased({"priority": state["priority"]}, {"priority": self.priority},
+                                           owned)["priority"])
+        self.beta, self.max_priority = checked
+
+    def flushed(self) -> dict:
+        return {"priority": self.priority.cpu(), "max_priority": self.max_priority, "beta": self.beta}
+
+    def reopen(self, state: dict | None, since: int) -> None:
+        if state is not None:  # checked as a load_state_dict would, before anything is restored
+            beta = finite_float("beta", state["beta"], 0.0)
+            top = finite_float("max_priority", state["max_priority"], 1.0)
+            self.check_mass("max_priority", top)
+            ring = self.ring  # the rows held at the flush: those held now, less the `since` newest
+            self.check_priorities("priority", state["priority"], top, (ring.pos - since) % ring.max_rows,
+                                  ring.count - since)
+            self.priority.copy_(state["priority"])
+            self.max_priority, self.beta = top, beta
+        if since:  # rows written after the flush: new starts take the running max priority
+            M = self.ring.max_rows
+            first_row = (self.ring.pos - since) % M
+            self.rows_written(first_row, min(since, M - first_row), since)
+
+    def update_priorities(self, indices, td_errors) -> None:
+        """Priorities ``|td| + eps`` (float32) of flat starts ``indices`` (duplicates keep their largest), every
+        input checked before any write; host inputs are checked on the host (no device read), device inputs
+        with one read-back. Empty inputs do nothing."""
+        idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
+        td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors, "td_errors")
+        if idx.numel() == 0 and td.numel() == 0 and idx.dim() <= 1 and td.dim() <= 1:
+            return
+        if idx.dim() != 1 or (idx.numel() and (idx.dtype.is_floating_point or idx.dtype.is_complex
+                                                or idx.dtype == torch.bool)):
+            raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
+        if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex or td.dtype == torch.bool:
+            raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per index), "
+                             f"got {td.dtype} of shape {tuple(td.shape)}")
+        if idx.numel() == 0:
+            idx = idx.to(torch.int64)  # an empty list reads as float64
+        on_host = idx.device.type == "cpu" and td.device.type == "cpu"
+        if on_host and idx.dtype != torch.int64:  # unsigned and narrow ints: checked and widened on the host
+            idx = torch.from_numpy(self.host_indices(idx.numpy()))
+        new = td.to(torch.float32).abs().add_(self.eps)  # where td lives
+        if on_host:  # host inputs are checked where they are: nothing is read back from the device
+            top = self.check_update(idx, td, new)
+        idx = self._staging.stage(idx, "__upd_idx__", torch.int64)  # contiguous: the kernels assume unit stride
+        new = self._staging.stage(new, "__upd_td__", torch.float32)
+        if not on_host:  # device inputs: one read-back of (min index, max index, max value)
+            top = self.check_update(idx, td, new)
+        with signals_held():  # all checks passed: write
+            self.update(idx, new, top)
 
     def update(self, idx: torch.Tensor, new: torch.Tensor, top: float) -> None:
         """Priorities of flat starts ``idx`` (K,) int64 = ``new`` (K,) float32 (duplicates keep their largest),

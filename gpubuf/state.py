@@ -1,9 +1,11 @@
-"""Validation of a buffer's state dict before anything is written, and the helpers that read its tensors.
+"""Validation of a buffer's state dict before anything is written, and the helpers that read its
+tensors.
 
-A state dict holds only tensors and plain Python values (``torch.load(path)`` reads it with its defaults).
-A state read from a checkpoint file may hold file-backed tensors instead (:class:`gpubuf.checkpoint.FileTensor`:
-``shape``, ``dtype``, ``read_into(dst)``, ``chunks(nbytes)``), so that loading streams from disk; the
-helpers here accept both.
+A state dict holds only tensors and plain Python values
+(``torch.load(path)`` reads it with its defaults). A state read from a checkpoint file may hold
+file-backed tensors instead (:class:`gpubuf.checkpoint.FileTensor`: ``shape``, ``dtype``,
+``read_into(dst)``, ``chunks(nbytes)``), so that loading streams from disk; the helpers here accept
+both.
 """
 
 from collections.abc import Iterator, Mapping
@@ -28,15 +30,17 @@ def copy_into(dst: torch.Tensor, src) -> None:
 
 
 def unaliased(sources: dict, dests: dict, owned: tuple) -> dict:
-    """``sources`` with every in-memory tensor that overlaps a buffer's storage (byte ranges ``owned``,
-    e.g. another key's storage from ``state_dict()``) replaced by a copy, so that copying the sources into
-    ``dests`` in turn cannot read bytes already overwritten. A source that is its own destination (a buffer
-    loading its own ``state_dict()``) and tensors that are not views of the storage stay as they are: no
-    extra memory for a state from a file, another buffer or the buffer itself."""
+    """``sources`` with every in-memory tensor that overlaps a buffer's storage
+    (byte ranges ``owned``, e.g. another key's storage from ``state_dict()``) replaced by a copy, so
+    that copying the sources into ``dests`` in turn cannot read bytes already overwritten. A source
+    that is its own destination (a buffer loading its own ``state_dict()``) and tensors that are not
+    views of the storage stay as they are: no extra memory for a state from a file, another buffer
+    or the buffer itself."""
     out = {}
     for key, src in sources.items():
         dst = dests[key]
-        same = (isinstance(src, torch.Tensor) and src.data_ptr() == dst.data_ptr() and src.shape == dst.shape
+        same = (isinstance(src, torch.Tensor) and src.data_ptr() == dst.data_ptr()
+                and src.shape == dst.shape
                 and src.stride() == dst.stride() and src.dtype == dst.dtype)
         if isinstance(src, torch.Tensor) and not same and overlaps(src, owned):
             src = src.detach().clone()
@@ -54,9 +58,11 @@ def host_tensor(x) -> torch.Tensor:
 
 
 def chunks(x, nbytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
-    """Flat pieces of ``x`` in row-major order, of at most ``nbytes`` each (views of contiguous in-memory
-    tensors; copies of whole leading rows of strided ones, at least one row; reads for files)."""
-    if isinstance(x, torch.Tensor) and not x.is_contiguous():  # e.g. a transposed view of an env-major file
+    """Flat pieces of ``x`` in row-major order, of at most ``nbytes`` each
+    (views of contiguous in-memory tensors; copies of whole leading rows of strided ones, at least
+    one row; reads for files)."""
+    # e.g. a transposed view of an env-major file
+    if isinstance(x, torch.Tensor) and not x.is_contiguous():
         x = x.detach()
         rows = max(1, nbytes // max(x[0].numel() * x.element_size(), 1))
         for a in range(0, x.shape[0], rows):
@@ -79,19 +85,22 @@ def _plain(v):
     return v
 
 
-def check_state(state, template: Mapping, config: tuple[str, ...], skip: tuple[str, ...] = ()) -> None:
-    """Raise unless ``state`` has exactly ``template``'s structure (``template`` is the receiving buffer's own
-    state dict): the same buffer type, equal ``config`` values, the same keys at every level, and tensors of
-    the same shape and dtype (any device). The contents of entries in ``skip`` are left to the caller. Errors
-    name the key."""
+def check_state(state, template: Mapping, config: tuple[str, ...],
+                skip: tuple[str, ...] = ()) -> None:
+    """Raise unless ``state`` has exactly ``template``'s structure
+    (``template`` is the receiving buffer's own state dict): the same buffer type, equal ``config``
+    values, the same keys at every level, and tensors of the same shape and dtype (any device). The
+    contents of entries in ``skip`` are left to the caller. Errors name the key."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"state_dict: expected a dict from state_dict() or a checkpoint, got {type(state).__name__}")
+        raise TypeError("state_dict: expected a dict from state_dict() or a checkpoint, got "
+                        f"{type(state).__name__}")
     if state.get("buffer") != template["buffer"]:
         raise ValueError(f"state_dict['buffer']: this is a {template['buffer']}, the state is of a "
                          f"{state.get('buffer', 'unknown buffer')!s}")
     for name in config:
         if name in state and _plain(state[name]) != _plain(template[name]):
-            raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has {template[name]!r}")
+            raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has "
+                             f"{template[name]!r}")
     _check_tree("state_dict", state, template, skip)
 
 
@@ -115,7 +124,8 @@ def _check_tree(where: str, state, template: Mapping, skip=()) -> None:
 
 
 def _same_kind(got, want) -> bool:
-    """Plain values: bools are not ints; an int may stand for a float; a list may stand for a tuple."""
+    """Plain values: bools are not ints; an int may stand for a float; a list may stand for a
+    tuple."""
     if isinstance(want, bool) or isinstance(got, bool):
         return isinstance(want, bool) and isinstance(got, bool)
     if isinstance(want, float):
@@ -126,14 +136,17 @@ def _same_kind(got, want) -> bool:
 
 
 def check_tensor(where: str, got, shape: tuple, dtype: torch.dtype) -> None:
-    """Raise unless ``got`` is a dense tensor with data (or a file-backed tensor) of exactly ``shape`` and
-    ``dtype`` (any dtype when ``dtype`` is ``None``)."""
+    """Raise unless ``got`` is a dense tensor with data (or a file-backed tensor) of exactly
+    ``shape`` and ``dtype`` (any dtype when ``dtype`` is ``None``)."""
     if not is_tensor(got):
-        raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got {type(got).__name__}")
+        raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got "
+                         f"{type(got).__name__}")
     if isinstance(got, torch.Tensor) and (got.layout != torch.strided or got.device.type == "meta"):
-        raise ValueError(f"{where}: expected a dense tensor with data, got a {got.layout} tensor on {got.device}")
+        raise ValueError(f"{where}: expected a dense tensor with data, got a {got.layout} tensor "
+                         f"on {got.device}")
     if tuple(got.shape) != shape or (dtype is not None and got.dtype != dtype):
-        raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got {got.dtype} of shape "
+        raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got {got.dtype} of "
+                         "shape "
                          f"{tuple(got.shape)}")
 
 
@@ -142,3 +155,21 @@ def check_range(where: str, value: int, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{where}: expected an int in [{low}, {high}], got {value!r}")
     return value
+
+
+def check_rng(where: str, value) -> torch.Tensor:
+    """A torch generator state (host uint8 tensor) from ``value``, else ``ValueError`` naming
+    ``where``."""
+    try:
+        rng = host_tensor(value)  # a tensor, or a tensor of a checkpoint file
+    except (AttributeError, TypeError):
+        raise ValueError(f"{where}: expected a uint8 generator state, "
+                         f"got {type(value).__name__}") from None
+    if rng.dtype != torch.uint8 or rng.dim() != 1:
+        raise ValueError(f"{where}: expected a uint8 generator state, got {rng.dtype} of shape "
+                         f"{tuple(rng.shape)}")
+    try:
+        torch.Generator().set_state(rng)
+    except RuntimeError as err:
+        raise ValueError(f"{where}: not a generator state ({err})") from None
+    return rng

@@ -89,10 +89,10 @@ def scenarios(group, tmp: str) -> dict:
     idx = g.integers(0, W * S, size=40)
     idx[:3] = idx[3]  # a duplicate within one call
     td = g.normal(size=40).astype(np.float32) * 3
-    res["prio_before"] = per.local._sampler.priority.clone()
+    res["prio_before"] = per.local.sampler.priority.clone()
     per.update_priorities(idx, td)
     res["updates"] = (idx, td)
-    res["prio_after"] = per.local._sampler.priority.clone()
+    res["prio_after"] = per.local.sampler.priority.clone()
     res["max_priority"] = per.max_priority
     res["mass_per"] = per.local.sampling_mass(False)
 
@@ -148,7 +148,7 @@ def scenarios(group, tmp: str) -> dict:
     fresh = ShardedBuffer(PrioritizedTransitionBuffer(S, 4, rows(rank, 0, 1), n_steps=N_STEPS, alpha=0.7,
                                                       device=DEVICE, seed=rank), group)
     fresh.load(path)
-    res["reloaded"] = (bool(torch.equal(fresh.local._sampler.priority, per.local._sampler.priority)),
+    res["reloaded"] = (bool(torch.equal(fresh.local.sampler.priority, per.local.sampler.priority)),
                        bool(torch.equal(fresh.local.state_dict()["data"]["observation"],
                                         per.local.state_dict()["data"]["observation"])),
                        fresh.max_priority == per.max_priority)

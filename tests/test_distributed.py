@@ -14,8 +14,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from gpubuf.prioritized import _f32
-
 WORLD = 4
 TIMEOUT_S = 240  # a bound for a hung collective; the run takes ~20 s on 2 busy cores
 P_MIN = 1e-3  # chi-square p-value floor (seeds are fixed: a pass is reproducible)
@@ -143,7 +141,7 @@ def test_update_priorities_routes_to_owners(runs, name):
     best = np.full(before.size, -np.inf, np.float32)
     for r in res:
         idx, td = r["updates"]
-        new = np.abs(td.astype(np.float32)) + np.float32(_f32(1e-6))
+        new = np.abs(td.astype(np.float32)) + np.float32(1e-6)
         np.maximum.at(best, idx, new)
         updated[idx] = True
     expected = np.where(updated, best, before)

@@ -172,6 +172,8 @@ def test_sample_returns_its_flat_starts_on_request_and_locate_maps_them_back(bac
     env, row, step = buf.locate(np.array([[0, 1], [E * M - 1, 5]]))  # any shape, host arrays
     assert env.shape == (2, 2) and env.tolist() == [[0, 1], [E - 1, 2]] and row.tolist() == [[0, 0], [M - 1, 1]]
     assert step.tolist() == [[24, 24], [23, 25]]  # ring row 0 holds row 24, ring row 23 row 23
+    env, row, step = buf.locate(5)  # a scalar gives 0-d tensors, like the index
+    assert env.shape == row.shape == step.shape == () and (env.item(), row.item(), step.item()) == (2, 1, 25)
 
 
 def test_locate_and_return_indices_reject_bad_input():

@@ -7,6 +7,8 @@ step's row holds the episode's last observation with ``info["is_last"]``, ``trun
 action fill; the next row holds the reset frame.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -307,3 +309,118 @@ def test_bad_extra_examples_are_rejected():
         src.transition_sample(extra={"is_last": False})
     with pytest.raises(TypeError, match="extra: expected a dict of example values, got list"):
         src.transition_sample(extra=[0])
+
+
+# ------------------------------------------------------------------ attaching the transitions buffer
+
+
+def _sample(src, vectorized=True, **changes):
+    """``src.transition_sample(vectorized)`` with some leaves replaced (``info_<key>`` for an info leaf)."""
+    sample = src.transition_sample(vectorized)
+    info = {**sample.info, **{k[5:]: v for k, v in changes.items() if k.startswith("info_")}}
+    return dataclasses.replace(sample, info=info, **{k: v for k, v in changes.items() if not k.startswith("info_")})
+
+
+@pytest.mark.parametrize("vectorized, change, message", [
+    (True, lambda s: _sample(EnvPoolSource(make("CartPole-v1", 2))),
+     r"transitions: the buffer has no leaf info\['elapsed_step'\]"),
+    (True, lambda s: _sample(s, observation=torch.zeros(1, 2, 4, dtype=torch.float64)),
+     r"transitions: leaf observation is torch.float64 \(4,\) per row, this source's rows hold torch.float32 \(4,\)"),
+    (True, lambda s: _sample(s, info_elapsed_step=torch.zeros(1, 2, dtype=torch.int64)),
+     r"transitions: leaf info\['elapsed_step'\] is torch.int64 \(\) per row, this source's rows hold torch.int32"),
+    (True, lambda s: _sample(EnvPoolSource(make("Acrobot-v1", 2), info_keys=("elapsed_step",))),
+     r"transitions: leaf observation is torch.float32 \(6,\) per row, this source's rows hold torch.float32 \(4,\)"),
+    (True, lambda s: _sample(s, next_observation=torch.zeros(1, 2, 4)),
+     r"transitions: the buffer has a leaf next_observation, which this source's rows do not hold"),
+    (True, lambda s: _sample(EnvPoolSource(make("CartPole-v1", 3), info_keys=("elapsed_step",))),
+     "transitions: expected a TransitionBuffer over 2 envs"),
+    (False, lambda s: _sample(s, False, info_is_last=torch.zeros(1, dtype=torch.bool)),
+     r"transitions: the buffer has a leaf info\['is_last'\], which this source's rows do not hold"),
+    (False, lambda s: _sample(s, False, next_observation=None),
+     r"transitions: the buffer has no leaf next_observation"),
+])
+def test_a_buffer_unlike_the_rows_is_rejected_before_anything_steps(device, vectorized, change, message):
+    """At construction and on attaching, a ValueError names the leaf; the env, the history and the source's state
+    are left as they were (it keeps stepping, and a matching buffer attached then stores every row)."""
+    src = EnvPoolSource(make("CartPole-v1", 2), device=device, info_keys=("elapsed_step",))
+    sample = change(src)
+    buf = TransitionBuffer(64, 4, sample, vectorized_env=vectorized, device=device)
+    hist = HistoryBuffer(2, 8, device=device)
+    with pytest.raises(ValueError, match=message):
+        EnvPoolSource(make("CartPole-v1", 2), device=device, info_keys=("elapsed_step",), transitions=buf)
+    src.history = hist
+    twin = make("CartPole-v1", 2)
+    src.reset()
+    twin.reset()
+    src.step(np.ones(2, np.int64))
+    twin.step(np.ones(2, np.int32))
+    with pytest.raises(ValueError, match=message):
+        src.transitions = buf
+    assert src.transitions is None and len(buf) == 0 and hist.num_strided() == [2, 2]
+    step = src.step(np.zeros(2, np.int64))
+    obs, *_ = twin.step(np.zeros(2, np.int32))
+    np.testing.assert_array_equal(step.info["observation"][:, 0].cpu().numpy(), obs)  # nothing was sent meanwhile
+    assert hist.num_strided() == [3, 3]
+    good = TransitionBuffer(64, 4, src.transition_sample(vectorized), vectorized_env=vectorized, device=device)
+    src.transitions = good
+    src.step(np.zeros(2, np.int64))
+    assert len(good) == 2  # the pending row: one transition per env
+
+
+@pytest.mark.parametrize("vectorized", [True, False], ids=["vectorized", "rows"])
+@pytest.mark.parametrize("attach_after", [0, 3], ids=["after_reset", "mid_run"])
+def test_a_buffer_attached_later_stores_the_pending_row(device, vectorized, attach_after):
+    """A buffer attached after ``reset()`` (or after some steps) stores exactly the rows of one attached from the
+    start from that point on: its first row is the observation the source already returned, and ``locate``
+    numbers it 0."""
+    E, K, kw = 2, 14, {"info_keys": ("elapsed_step",)}
+    early = EnvPoolSource(make("CartPole-v1", E, max_steps=5), device=device, **kw)
+    late = EnvPoolSource(make("CartPole-v1", E, max_steps=5), device=device, **kw)
+    full, part = (TransitionBuffer(E * 32, 4, s.transition_sample(vectorized), vectorized_env=vectorized,
+                                   device=device) for s in (early, late))
+    early.transitions = full
+    early.reset()
+    late.reset()
+    rng = np.random.default_rng(3)
+    first_rows = None
+    for k in range(K):
+        if k == attach_after:
+            first_rows = len(full)
+            late.transitions = part
+        act = rng.integers(0, 2, E)
+        early.step(act)
+        late.step(act)
+    assert len(part) == len(full) - first_rows > 0
+    a, b = full.state_dict()["data"], part.state_dict()["data"]
+    R = len(part) // E if vectorized else len(part)
+    start = first_rows // E if vectorized else first_rows
+    for key in a:
+        torch.testing.assert_close(b[key][:R], a[key][start:start + R], equal_nan=True, msg=key)
+    if vectorized:
+        assert (b["info['elapsed_step']"][0].cpu() == attach_after).all()  # the pending observation
+        batch, idx = part.sample(key=0, batch_size=part.num_valid(), with_replacement=False, return_indices=True)
+        _, _, step = part.locate(idx)  # row `step` shows the env after attach_after + step steps (episodes of 6 rows)
+        assert ((step.cpu() + attach_after) % 6 == batch.info["elapsed_step"].cpu()).all()
+
+
+def test_detaching_ends_the_episodes_so_re_attaching_never_joins_two_stretches(device):
+    E = 2
+    src = EnvPoolSource(make("CartPole-v1", E), device=device, info_keys=("elapsed_step",))
+    buf = TransitionBuffer(E * 32, 4, src.transition_sample(), n_steps=2, device=device)
+    src.transitions = buf
+    src.reset()
+    step = src.step(np.ones(E, np.int64))
+    src.transitions = None  # the pending observation ends each episode
+    assert len(buf) == 2 * E
+    src.step(np.zeros(E, np.int64))
+    src.transitions = buf
+    src.transitions = buf  # attaching it again changes nothing
+    src.step(np.zeros(E, np.int64))
+    data = buf.state_dict()["data"]
+    assert len(buf) == 3 * E
+    assert data["info['is_last']"][:3].tolist() == [[False] * E, [True] * E, [False] * E]
+    assert data["info['elapsed_step']"][:3].tolist() == [[0] * E, [1] * E, [2] * E]
+    torch.testing.assert_close(data["observation"][1], step.info["observation"][:, 0].to(data["observation"].device))
+    assert (data["action"][1] == -1).all() and data["truncated"][1].all()
+    batch = buf.sample(key=0, batch_size=buf.num_valid(boundaries="mask"), with_replacement=False, boundaries="mask")
+    assert not batch.info["is_last"][:, 0].any()  # no window starts at the end of the first stretch

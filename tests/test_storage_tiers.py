@@ -75,7 +75,7 @@ def test_a_fresh_process_reopens_rows_counters_and_flushed_priorities(tmp_path):
     assert reopened.max_priority == want.max_priority
     assert torch.equal(reopened.sampling_mass(), want.sampling_mass())
     assert torch.equal(reopened.state_dict()["trunc"], want.state_dict()["trunc"])
-    want._gen.set_state(rng)
+    want.generator.set_state(rng)
     assert torch.equal(reopened.sample()[1], want.sample()[1])
 
 
@@ -140,7 +140,7 @@ def test_host_storage_serves_cuda_batches():
     buf = TransitionBuffer(E * 16, 4, rows(1), n_steps=3, device="cuda", storage_device="cpu", seed=0)
     buf.insert(rows(12))
     batch = buf.sample(batch_size=8)
-    assert batch.observation.device.type == "cuda" and buf._data[("observation",)].device.type == "cpu"
+    assert batch.observation.device.type == "cuda" and buf.storage.data[("observation",)].device.type == "cpu"
     v = batch.observation[..., 0].cpu()
     assert (v[:, 1:] - v[:, :-1] == E).all()
     with pytest.raises(ValueError, match="buffer: a GraphSampler gathers on the sampling device"):
@@ -296,7 +296,7 @@ def test_mapped_leaves_are_advised_random_and_each_sampled_window_is_prefetched(
                           truncated=None)
 
     buf = TransitionBuffer(E3 * M7, 8, wide(1), n_steps=N3, device="cpu", seed=3, storage_dir=tmp_path / "b")
-    obs_file = buf._dir.tensors["observation"]
+    obs_file = buf.storage.dir.tensors["observation"]
     start, size = obs_file.data_ptr(), obs_file.numel() * 4
     assert any(a <= start and start + size <= a + n and adv == mmap.MADV_RANDOM for a, n, adv in calls)
     for t0 in (0, 5, 10):  # 15 steps into 7 rows per env: windows wrap the ring
