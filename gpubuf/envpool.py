@@ -21,7 +21,7 @@ import torch
 from gpubuf import ops
 from gpubuf.inputs import as_flags, as_index_array, as_tensor, check_cast, check_flags, positive_int
 from gpubuf.staging import Staging
-from gpubuf.transition import Transition
+from gpubuf.transition import Transition, flatten, leaf_name
 
 
 @dataclass
@@ -140,7 +140,8 @@ class EnvPoolSource:
         device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
         history: a :class:`~gpubuf.HistoryBuffer` with ``n_envs == num_envs``: each received row is
             appended to its env's history, after flushing envs whose row is a reset frame.
-        transitions: a ``TransitionBuffer`` built from :meth:`transition_sample` (rows below).
+        transitions: a ``TransitionBuffer`` built from :meth:`transition_sample` (rows below); checked against
+            the source's rows here, or when set later as the :attr:`transitions` attribute (also mid-run).
         info_keys: EnvPool info fields to store (e.g. ``("elapsed_step", "lives")``): appended to the history
             under their own names ``(R, 1, ...)`` and stored in the transitions as ``info[name]``, the value
             the env reported with the row's ``observation``. Shapes and dtypes are EnvPool's.
@@ -180,18 +181,7 @@ class EnvPoolSource:
         self.n_envs = int(config["num_envs"])
         self.batch_size = int(config["batch_size"])
         self.is_async = self.batch_size < self.n_envs
-        if history is not None and history.n_envs != self.n_envs:
-            raise ValueError(f"history: expected a HistoryBuffer with n_envs={self.n_envs}, got {history.n_envs}")
-        if transitions is not None and transitions.vectorized_env:
-            if self.is_async:
-                raise ValueError("transitions: an async env needs a buffer with vectorized_env=False "
-                                 "(built from transition_sample(vectorized=False))")
-            if transitions.n_envs != self.n_envs:
-                raise ValueError(f"transitions: expected a TransitionBuffer over {self.n_envs} envs "
-                                 f"(build it from transition_sample()), got {transitions.n_envs}")
         self.info_keys = self._check_info_keys(info_keys, obs_key)
-        self.history = history
-        self.transitions = transitions
         self.stager = StepStager(self.n_envs, obs_key, device=device)
         self.device = self.stager.device
         self._staging = Staging(self.device)
@@ -203,11 +193,14 @@ class EnvPoolSource:
                             np.broadcast_to(env.action_space.high, self.action_shape).astype(self.action_dtype))
         self._sent = np.zeros((self.n_envs, *self.action_shape), dtype=self.action_dtype)  # last sent, per env
         self._in_flight = np.zeros(self.n_envs, dtype=bool)  # sent (or reset), not yet received
-        self._prev_obs = None  # (n_envs, *obs) device copy of each env's last observation (transitions only)
-        self._has_prev = None  # (n_envs,) host: whether _prev_obs holds a real observation
+        self._prev_obs = None  # (n_envs, *obs) device copy of each env's last observation (the pending row)
+        self._has_prev = np.zeros(self.n_envs, dtype=bool)  # host: whether _prev_obs holds one since the reset
         self._prev_info = {k: np.zeros((self.n_envs, *s), d) for k, (s, d) in self._info_spec.items()}
-        self._fresh = np.ones(self.n_envs, dtype=bool)  # _prev_obs is a reset frame no row holds yet
+        self._fresh = np.ones(self.n_envs, dtype=bool)  # the buffer holds no row of the env's current episode
         self._extra = {}  # name -> (n_envs, *shape) device tensor: the extra data last sent, per env
+        self._history = self._transitions = None
+        self.history = history
+        self.transitions = transitions
 
     def _check_info_keys(self, info_keys, obs_key) -> tuple:
         if isinstance(info_keys, (str, bytes)) or not isinstance(info_keys, (tuple, list)):
@@ -227,6 +220,78 @@ class EnvPoolSource:
             self._info_spec[key] = (tuple(int(d) for d in spec.shape if d != -1), np.dtype(spec.dtype))
         return tuple(info_keys)
 
+    # ------------------------------------------------------------------ buffers
+
+    @property
+    def history(self):
+        """The attached :class:`~gpubuf.HistoryBuffer` (or ``None``); may be set at any time (``n_envs`` must
+        match). One attached later starts with the next received row."""
+        return self._history
+
+    @history.setter
+    def history(self, history) -> None:
+        if history is not None and getattr(history, "n_envs", None) != self.n_envs:
+            raise ValueError(f"history: expected a HistoryBuffer with n_envs={self.n_envs}, "
+                             f"got {getattr(history, 'n_envs', type(history).__name__)}")
+        self._history = history
+
+    @property
+    def transitions(self):
+        """The attached ``TransitionBuffer`` (or ``None``); may be set at any time, also after ``reset()`` or
+        mid-run. Its leaves must be those of :meth:`transition_sample` (same paths, shapes and dtypes; any
+        further ``info`` leaves are extra data), else a ``ValueError`` naming the leaf, before anything is
+        attached. A buffer attached later stores the rows from each env's pending observation on (the one
+        already returned by ``reset()``/the last step), so its first row is that observation; extra leaves of
+        actions sent before attaching hold :func:`action_fill`. Replacing or detaching (``None``) a vectorized
+        buffer ends its episodes as a ``reset()`` does (one ``is_last`` row per env holding its pending
+        observation), so re-attaching it later never joins two stretches of a run."""
+        return self._transitions
+
+    @transitions.setter
+    def transitions(self, tb) -> None:
+        if tb is self._transitions:
+            return
+        if tb is not None:
+            self._check_transitions(tb)
+        self._end_episodes()
+        self._transitions = tb
+        self._fresh[:] = True  # the new buffer holds no row of the current episodes
+        self._extra = {name: torch.full((self.n_envs, *s), action_fill(_np_dtype(d)), dtype=d, device=self.device)
+                       for name, (s, d) in self._extra_spec().items()}
+
+    def _check_transitions(self, tb) -> None:
+        """``ValueError`` naming the first leaf of ``tb`` that differs from this source's rows."""
+        leaves = _buffer_leaves(tb)
+        vectorized = bool(tb.vectorized_env)
+        if vectorized and self.is_async:
+            raise ValueError("transitions: an async env needs a buffer with vectorized_env=False "
+                             "(built from transition_sample(vectorized=False))")
+        if vectorized and tb.n_envs != self.n_envs:
+            raise ValueError(f"transitions: expected a TransitionBuffer over {self.n_envs} envs "
+                             f"(build it from transition_sample()), got {tb.n_envs}")
+        lead = 2 if vectorized else 1
+        want = {p: (tuple(t.shape[lead:]), t.dtype)
+                for p, t in flatten(self.transition_sample(vectorized)).items()}
+        how = f"build it from this source's transition_sample({'' if vectorized else 'vectorized=False'})"
+        for path, (shape, dtype) in want.items():
+            if path not in leaves:
+                raise ValueError(f"transitions: the buffer has no leaf {leaf_name(path)}, which this source's rows "
+                                 f"hold ({how})")
+            if leaves[path] != (shape, dtype):
+                raise ValueError(f"transitions: leaf {leaf_name(path)} is {leaves[path][1]} {leaves[path][0]} per "
+                                 f"row, this source's rows hold {dtype} {shape} ({how})")
+        for path in leaves:
+            if path not in want and (path[0] != "info" or len(path) != 2 or path[1] in _RESERVED):
+                raise ValueError(f"transitions: the buffer has a leaf {leaf_name(path)}, which this source's rows "
+                                 f"do not hold (extra data are info leaves; {how})")
+
+    def _end_episodes(self) -> None:
+        """Write each env's pending observation as an ``is_last`` row of a vectorized buffer holding rows of
+        the current episodes (a ``reset()``, or the buffer replaced)."""
+        if self._has_prev.all() and not self._fresh.all() and self._transitions is not None \
+                and self._transitions.vectorized_env:
+            self._insert_last_rows()
+
     # ------------------------------------------------------------------ stepping
 
     def reset(self) -> Step:
@@ -234,12 +299,9 @@ class EnvPoolSource:
         ``transitions`` buffer that holds rows, each env's last observation is first written as an ``is_last``
         row (the episode ends there); an env whose last observation was already a reset frame then holds a
         one-row episode of that frame."""
-        if self._has_prev is not None and self._has_prev.all() and not self._fresh.all() \
-                and self.transitions is not None and self.transitions.vectorized_env:
-            self._insert_last_rows()
+        self._end_episodes()
         self._sent[:] = 0
-        if self._has_prev is not None:
-            self._has_prev[:] = False
+        self._has_prev[:] = False
         if self.is_async:
             self.env.async_reset()
             self._in_flight[:] = True
@@ -327,11 +389,11 @@ class EnvPoolSource:
     def _extra_spec(self) -> dict:
         """``{name: (per-env shape, dtype)}`` of the transitions buffer's ``info`` leaves the source does not
         fill itself: the user's extra data."""
-        tb = self.transitions
+        tb = self._transitions
         if tb is None:
             return {}
         own = set(self.info_keys) | {"is_last"}
-        return {p[1]: (tb._shapes[p], tb._dtypes[p]) for p in tb._shapes
+        return {p[1]: spec for p, spec in _buffer_leaves(tb).items()
                 if p[0] == "info" and len(p) == 2 and p[1] not in own}
 
     def _check_extra(self, extra, R: int) -> dict:
@@ -382,10 +444,23 @@ class EnvPoolSource:
             self.history.append(step.info, env_ids=ids)
         if self.transitions is not None:
             self._insert_transition(step, sent, reward, terminated, truncated, infos)
+        self._remember(step)
         for key, a in infos.items():
             self._prev_info[key][ids] = a
         self._fresh[ids] = first
         return step
+
+    def _remember(self, step: Step) -> None:
+        """Keep each received env's observation: the pending row, stored by the next step (or a buffer attached
+        before it)."""
+        obs, ids = step.info[self.stager.obs_key][:, 0], step.env_ids
+        if self._prev_obs is None:
+            self._prev_obs = torch.zeros((self.n_envs, *obs.shape[1:]), dtype=obs.dtype, device=self.device)
+        if len(ids) == self.n_envs and (ids == np.arange(self.n_envs)).all():
+            self._prev_obs.copy_(obs)  # sync, in env order: a plain copy (index_copy_ is ~40x slower on CPU)
+        else:
+            self._prev_obs.index_copy_(0, self._staging.to_device(torch.from_numpy(ids), "__prev_ids__"), obs)
+        self._has_prev[ids] = True
 
     # ------------------------------------------------------------------ transitions
 
@@ -449,9 +524,8 @@ class EnvPoolSource:
     def _insert_transition(self, step: Step, sent, reward, terminated, truncated, infos: dict) -> None:
         obs = step.info[self.stager.obs_key][:, 0]  # (R, *obs)
         ids = step.env_ids
-        if self._prev_obs is None:
-            self._prev_obs = torch.zeros((self.n_envs, *obs.shape[1:]), dtype=obs.dtype, device=self.device)
-            self._has_prev = np.zeros(self.n_envs, dtype=bool)
+        if not self._has_prev[ids].any():  # nothing pending (after a reset): no row to write
+            return
         dev_ids = self._staging.to_device(torch.from_numpy(ids), "__transition_ids__")
         reward = np.asarray(reward, dtype=np.float32)
         terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
@@ -478,11 +552,15 @@ class EnvPoolSource:
                     observation=self._prev_obs[dev_ids[dev_rows]], next_observation=obs[dev_rows],
                     action=sent[rows], reward=reward[rows], terminated=terminated[rows], truncated=truncated[rows],
                     info=info))
-        if len(ids) == self.n_envs and (ids == np.arange(self.n_envs)).all():
-            self._prev_obs.copy_(obs)  # sync, in env order: a plain copy (index_copy_ is ~40x slower on CPU)
-        else:
-            self._prev_obs.index_copy_(0, dev_ids, obs)
-        self._has_prev[ids] = True
+
+
+def _buffer_leaves(tb) -> dict:
+    """``{path: (per-row shape without the env axis, dtype)}`` of a transitions buffer's stored leaves."""
+    leaves = getattr(getattr(tb, "config", None), "leaves", None)
+    if leaves is None or not hasattr(tb, "vectorized_env") or not hasattr(tb, "insert"):
+        raise TypeError(f"transitions: expected a TransitionBuffer built from transition_sample(), "
+                        f"got {type(tb).__name__}")
+    return {tuple(leaf.path): (tuple(leaf.shape), leaf.dtype) for leaf in leaves}
 
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
