@@ -1,32 +1,36 @@
 """ShardedBuffer: one replay buffer sharded over the ranks of a ``torch.distributed`` process group.
 
 Every rank holds one shard, its own :class:`~gpubuf.TransitionBuffer` or
-:class:`~gpubuf.PrioritizedTransitionBuffer` built with the same configuration (checked collectively at
-construction). Inserts stay local. :meth:`ShardedBuffer.sample` is collective: every rank receives its own
-batch, drawn from the union of the shards with the exact global probabilities (uniform over every valid
-start of every shard, or ``p**alpha / global sum``). Start ``j`` of the shard on group rank ``r`` has the
-global index ``r * S + j``, ``S`` = ``max_size`` (the start slots of one shard).
+:class:`~gpubuf.PrioritizedTransitionBuffer` built with the same configuration (checked collectively
+at construction). Inserts stay local. :meth:`ShardedBuffer.sample` is collective: every rank
+receives its own batch, drawn from the union of the shards with the exact global probabilities
+(uniform over every valid start of every shard, or ``p**alpha / global sum``). Start ``j`` of the
+shard on group rank ``r`` has the global index ``r * S + j``, ``S`` = ``max_size`` (the start slots
+of one shard).
 
 A sample with replacement, ``W`` ranks, ``B`` windows on this rank (three collectives):
 
-1. ``all_gather`` of every shard's mass (its tree's root total; its valid-start count when uniform), valid
-   count and the call's arguments: a bad argument on any rank raises on every rank, so none is left waiting.
-2. The requester draws two float64 uniforms per window: the first picks the owner shard by inverse CDF over
-   the shard masses; the second goes to the owner, in one ``all_to_all`` of padded blocks (to each rank: the
-   count, then the uniforms, padded to the largest batch of the group).
-3. Each owner descends its own tree with the uniforms it received, gathers the windows and sends back one byte
-   row per window (``all_to_all`` with variable splits): every returned leaf as raw bytes, plus the local start
-   (int64) and its mass (float64) when prioritized. The requester puts the rows back in its own order.
+1. ``all_gather`` of every shard's mass (its tree's root total; its valid-start count when uniform),
+   valid count and the call's arguments: a bad argument on any rank raises on every rank, so none is
+   left waiting.
+2. The requester draws two float64 uniforms per window: the first picks the owner shard by inverse
+   CDF over the shard masses; the second goes to the owner, in one ``all_to_all`` of padded blocks
+   (to each rank: the count, then the uniforms, padded to the largest batch of the group).
+3. Each owner descends its own tree with the uniforms it received, gathers the windows and sends
+   back one byte row per window (``all_to_all`` with variable splits): every returned leaf as raw
+   bytes, plus the local start (int64) and its mass (float64) when prioritized. The requester puts
+   the rows back in its own order.
 
 Bytes per window received: ``window_bytes`` (+ 16 when prioritized), where ``window_bytes`` sums
-``n_steps * prod(shape) * itemsize`` over the returned leaves (inferred next observations included). Sent per
-call: ``8 * W * (B_max + 1)`` bytes of padded uniforms and 48 bytes to every rank in the first step. Without
-replacement the starts are drawn first, in rounds (see :meth:`ShardedBuffer.sample`), then fetched: 8 bytes
-sent per window (its local start), ``window_bytes`` received.
+``n_steps * prod(shape) * itemsize`` over the returned leaves (inferred next observations included).
+Sent per call: ``8 * W * (B_max + 1)`` bytes of padded uniforms and 48 bytes to every rank in the
+first step. Without replacement the starts are drawn first, in rounds (see
+:meth:`ShardedBuffer.sample`), then fetched: 8 bytes sent per window (its local start),
+``window_bytes`` received.
 
 Collectives run on the shard's device with NCCL (split sizes are read back to the host: one sync per
-exchange) and on CPU tensors with gloo (a CUDA shard then stages through the host). Both backends implement
-``all_to_all_single`` with variable splits.
+exchange) and on CPU tensors with gloo (a CUDA shard then stages through the host). Both backends
+implement ``all_to_all_single`` with variable splits.
 """
 
 import hashlib
@@ -61,16 +65,18 @@ def _config(local: TransitionBuffer) -> dict:
 
 
 def _bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``columns`` (n, k) uint8, a slice of packed rows, as ``dtype`` values: copied into a fresh tensor first
-    (``contiguous()`` does not copy a one-row slice, whose stride and offset need not fit ``dtype``)."""
-    return torch.empty(columns.shape, dtype=torch.uint8, device=columns.device).copy_(columns).view(dtype)
+    """``columns`` (n, k) uint8, a slice of packed rows, as ``dtype`` values: copied into a fresh
+    tensor first (``contiguous()`` does not copy a one-row slice, whose stride and offset need not
+    fit ``dtype``)."""
+    return torch.empty(columns.shape, dtype=torch.uint8,
+                       device=columns.device).copy_(columns).view(dtype)
 
 
 class ShardedBuffer:
-    """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``: the default
-    group). Construction is collective: every rank checks that all shards share class, ``max_size``,
-    ``n_envs``, ``n_steps``, leaf shapes and dtypes (and ``alpha``, ``eps``); a mismatch raises ``ValueError``
-    on every rank naming the field.
+    """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``:
+    the default group). Construction is collective: every rank checks that all shards share class,
+    ``max_size``, ``n_envs``, ``n_steps``, leaf shapes and dtypes (and ``alpha``, ``eps``); a
+    mismatch raises ``ValueError`` on every rank naming the field.
 
     Collective methods (every rank of the group must call them, in the same order): :meth:`sample`,
     :meth:`update_priorities`, :meth:`num_valid`, :meth:`load`, :meth:`load_state_dict`. Local ones:
@@ -88,8 +94,8 @@ class ShardedBuffer:
         backend = str(dist.get_backend(group))
         mine: dict = {}
         if not isinstance(local, TransitionBuffer):
-            mine["error"] = f"expected a gpubuf TransitionBuffer or PrioritizedTransitionBuffer, got " \
-                            f"{type(local).__name__}"
+            mine["error"] = f"expected a gpubuf TransitionBuffer or PrioritizedTransitionBuffer, " \
+                            f"got {type(local).__name__}"
         elif backend == "nccl" and local.device.type != "cuda":
             mine["error"] = f"an NCCL group needs the shard on a CUDA device, got {local.device}"
         else:
@@ -107,8 +113,9 @@ class ShardedBuffer:
                 raise ValueError(f"local: the shards' configurations differ in {field}: "
                                  + ", ".join(f"rank {r} has {v!r}" for r, v in enumerate(values)))
         if self.world_size > 1 and len({e["rng"] for e in everyone}) == 1:
-            warnings.warn("ShardedBuffer: every shard's generator is in the same state, so sample(key=None) draws "
-                          "the same uniforms on every rank; seed each rank's buffer differently (seed=base + rank)",
+            warnings.warn("ShardedBuffer: every shard's generator is in the same state, so "
+                          "sample(key=None) draws the same uniforms on every rank; seed each "
+                          "rank's buffer differently (seed=base + rank)",
                           stacklevel=2)
         self.local = local
         self.prioritized = isinstance(local, PrioritizedTransitionBuffer)
@@ -144,17 +151,19 @@ class ShardedBuffer:
         return torch.stack(parts)
 
     def _all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        """Rows ``x`` (n, ...) in destination order, ``send[s]`` of them to rank ``s``; returns the ``sum(recv)``
-        rows received, in source order."""
+        """Rows ``x`` (n, ...) in destination order, ``send[s]`` of them to rank ``s``; returns the
+        ``sum(recv)`` rows received, in source order."""
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
         return out
 
-    def _route(self, owner: torch.Tensor, payload: torch.Tensor, recv: list[int] | None = None, width: int = 0):
-        """Send row ``i`` of ``payload`` (n, ...) to rank ``owner[i]`` (n,); returns ``(rows received, in source
-        order; route for :meth:`_reply`)``. ``recv``: how many rows each rank sends here, when every rank knows;
-        else ``payload`` is (n,) float64 and ``width`` the largest ``n`` of any rank: each rank sends each other
-        one padded block of ``width + 1`` float64 (its count, then its rows), one exchange instead of two."""
+    def _route(self, owner: torch.Tensor, payload: torch.Tensor, recv: list[int] | None = None,
+               width: int = 0):
+        """Send row ``i`` of ``payload`` (n, ...) to rank ``owner[i]`` (n,); returns ``(rows
+        received, in source order; route for :meth:`_reply`)``. ``recv``: how many rows each rank
+        sends here, when every rank knows; else ``payload`` is (n,) float64 and ``width`` the
+        largest ``n`` of any rank: each rank sends each other one padded block of ``width + 1``
+        float64 (its count, then its rows), one exchange instead of two."""
         order = torch.argsort(owner, stable=True)
         send_t = torch.bincount(owner, minlength=self.world_size)
         send = send_t.tolist()
@@ -163,8 +172,8 @@ class ShardedBuffer:
         dest = owner[order]
         block = payload.new_zeros((self.world_size, width + 1))
         block[:, 0] = send_t
-        block[dest, 1 + torch.arange(dest.numel(), device=dest.device) - (send_t.cumsum(0) - send_t)[dest]] = \
-            payload[order]
+        block[dest, 1 + torch.arange(dest.numel(), device=dest.device)
+              - (send_t.cumsum(0) - send_t)[dest]] = payload[order]
         blocks = torch.empty_like(block)
         dist.all_to_all_single(blocks, block, group=self.group)
         counts = blocks[:, 0].long()
@@ -172,37 +181,44 @@ class ShardedBuffer:
         return got, (order, send, counts.tolist())
 
     def _reply(self, rows: torch.Tensor, route) -> torch.Tensor:
-        """The answer ``rows`` to what :meth:`_route` delivered, back on the requesters in their own order."""
+        """The answer ``rows`` to what :meth:`_route` delivered, back on the requesters in their own
+        order."""
         order, send, recv = route
         back = self._all_to_all(rows, recv, send)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         return back[inv]
 
-    def _fail(self, call: str, bad_ranks: list[int], error: Exception | None, what: str = "the arguments") -> None:
-        """Raise on every rank when any rank's ``what`` failed: the rank's own error, else a RuntimeError."""
+    def _fail(self, call: str, bad_ranks: list[int], error: Exception | None,
+              what: str = "the arguments") -> None:
+        """Raise on every rank when any rank's ``what`` failed: the rank's own error, else a
+        RuntimeError."""
         if error is not None:
             raise error
         if bad_ranks:
-            raise RuntimeError(f"{call}: {what} of rank(s) {bad_ranks} failed (see the error raised there); every "
-                               "rank of the group stops with it")
+            raise RuntimeError(f"{call}: {what} of rank(s) {bad_ranks} failed (see the error "
+                               "raised there); every rank of the group stops with it")
 
     # ------------------------------------------------------------------ collective queries
 
     def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
-        """Valid sequence starts over every shard (collective), as the local ``num_valid`` counts them."""
-        n = torch.tensor([self.local.num_valid(with_next_obs, boundaries)], dtype=torch.int64, device=self._comm)
+        """Valid sequence starts over every shard (collective), as the local ``num_valid`` counts
+        them."""
+        n = torch.tensor([self.local.num_valid(with_next_obs, boundaries)], dtype=torch.int64,
+                         device=self._comm)
         dist.all_reduce(n, group=self.group)
         return int(n.item())
 
     # ------------------------------------------------------------------ sample
 
     def _generator(self, key) -> torch.Generator:
-        """The requester's generator: an int ``key`` is mixed with the rank, so ranks given one key draw apart."""
+        """The requester's generator: an int ``key`` is mixed with the rank, so ranks given one key
+        draw apart."""
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
             if not -(2**63) <= int(key) < 2**64:
                 raise ValueError(f"key: an int seed must lie in [-2**63, 2**64), got {key}")
-            seed = np.random.SeedSequence([int(key) % 2**64, self.rank]).generate_state(1, np.uint64)[0]
+            seed = np.random.SeedSequence(
+                [int(key) % 2**64, self.rank]).generate_state(1, np.uint64)[0]
             g = torch.Generator()
             g.manual_seed(int(seed))
             return g
@@ -213,7 +229,8 @@ class ShardedBuffer:
         return self.local.sampler.count_valid(kind)
 
     def _shard_mass(self, kind: int) -> torch.Tensor:
-        """1-element float64: this shard's total sampling mass for ``kind`` (the ``is_last`` rows excluded)."""
+        """1-element float64: this shard's total sampling mass for ``kind`` (the ``is_last`` rows
+        excluded)."""
         local = self.local
         if not self.prioritized:  # one per valid start
             return torch.tensor([float(self._valid(kind))], dtype=torch.float64, device=self._comm)
@@ -221,34 +238,42 @@ class ShardedBuffer:
         return local.sampler.trees[kind].total().view(1).to(self._comm)
 
     def _owners(self, weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """(k,) int64 shards drawn by uniforms ``u`` (k,) in proportion to ``weights`` (W,) float64 (host)."""
+        """(k,) int64 shards drawn by uniforms ``u`` (k,) in proportion to ``weights`` (W,) float64
+        (host)."""
         cum = weights.cumsum(0).to(u.device)
-        last = int(torch.nonzero(weights > 0).max())  # rounding never sends a draw past the last shard with mass
+        # rounding never sends a draw past the last shard with mass
+        last = int(torch.nonzero(weights > 0).max())
         return torch.searchsorted(cum, u * cum[-1], right=True).clamp_max_(last)
 
     def _layout(self, with_next_obs: bool) -> list[tuple]:
-        """``(output path, dtype, per-window shape, bytes)`` of every returned leaf, in row order: sorted by path,
-        so shards whose ``info`` dicts list the same keys in another order pack the same rows."""
+        """``(output path, dtype, per-window shape, bytes)`` of every returned leaf, in row order:
+        sorted by path, so shards whose ``info`` dicts list the same keys in another order pack the
+        same rows."""
         dtypes = {leaf.path: leaf.dtype for leaf in self.local.config.leaves}
         return sorted(((d, dtypes[s], shape[1:], math.prod(shape[1:]) * dtypes[s].itemsize)
-                       for d, s, _, shape in self.local.config.jobs(1, with_next_obs)), key=lambda leaf: leaf[0])
+                       for d, s, _, shape in self.local.config.jobs(1, with_next_obs)),
+                      key=lambda leaf: leaf[0])
 
-    def _window_rows(self, idx: torch.Tensor, head: list[torch.Tensor], with_next_obs: bool) -> torch.Tensor:
-        """``(n, R)`` uint8 rows: ``head`` (each ``(n, k)`` uint8), then the windows at local starts ``idx`` (n,)."""
+    def _window_rows(self, idx: torch.Tensor, head: list[torch.Tensor],
+                     with_next_obs: bool) -> torch.Tensor:
+        """``(n, R)`` uint8 rows: ``head`` (each ``(n, k)`` uint8), then the windows at local starts
+        ``idx`` (n,)."""
         local, n = self.local, idx.shape[0]
         parts = list(head)
         if n:
-            jobs = local.storage.check_out(None, local.config.jobs(n, with_next_obs), local.device, ())
+            jobs = local.storage.check_out(None, local.config.jobs(n, with_next_obs), local.device,
+                                           ())
             windows = flatten(local.gather(idx, jobs))
             for d, _, shape, _ in self._layout(with_next_obs):
                 parts.append(windows[d].reshape(n, math.prod(shape)).view(torch.uint8))
         else:
-            parts.append(torch.empty((0, sum(r[3] for r in self._layout(with_next_obs))), dtype=torch.uint8,
-                                     device=local.device))
+            parts.append(torch.empty((0, sum(r[3] for r in self._layout(with_next_obs))),
+                                     dtype=torch.uint8, device=local.device))
         return torch.cat([p.to(local.device) for p in parts], 1).to(self._comm)
 
     def _unpack(self, rows: torch.Tensor, at: int, with_next_obs: bool) -> Transition:
-        """The batch held by ``rows`` (B, R) uint8 from byte ``at`` on, as :meth:`_window_rows` packed it."""
+        """The batch held by ``rows`` (B, R) uint8 from byte ``at`` on, as :meth:`_window_rows`
+        packed it."""
         B, device, leaves = rows.shape[0], self.local.device, {}
         for d, dtype, shape, nbytes in self._layout(with_next_obs):
             if nbytes:
@@ -257,33 +282,37 @@ class ShardedBuffer:
                 t = torch.empty((B,) + shape, dtype=dtype, device=rows.device)
             leaves[d] = t.to(device)
             at += nbytes
-        return unflatten({d: leaves[d] for d, *_ in self.local.config.jobs(1, with_next_obs)})  # the local leaf order
+        # the local leaf order
+        return unflatten({d: leaves[d] for d, *_ in self.local.config.jobs(1, with_next_obs)})
 
     @torch.compiler.disable  # an opaque call under torch.compile, as the local buffers' sample
     def sample(self, key=None, with_replacement: bool | None = None, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow"):
-        """A batch of ``B`` windows (collective; each rank gets its own) drawn from the union of the shards.
+        """A batch of ``B`` windows (collective; each rank gets its own) drawn from the union of the
+        shards.
 
-        Returns what the local buffer's ``sample`` does: a :class:`Transition` of ``(B, n_steps, ...)`` leaves
-        (``(B, ...)`` when ``n_steps == 1``) when uniform; ``(batch, global_indices (B,) int64)`` when
-        prioritized, with ``PER_weights = (N * P_i)**-beta / max over the batch`` (float32, ``N`` and ``P``
-        global; computed as ``(P_i / min_batch P)**-beta``). ``with_replacement`` defaults to the local default
-        (uniform: ``True``; prioritized: ``False``) and, like ``with_next_obs``, must agree on every rank;
-        ``batch_size`` may differ. ``key``: ``None`` (the shard's own generator), a ``torch.Generator``, or an
-        int seed, which is mixed with the rank. ``boundaries`` (``"allow"``, ``"mask"``, ``"forbid"``; must
-        agree on every rank) draws the windows the local ``sample`` would, from every shard, and sets
-        ``is_first``/``mask`` as it does; rows of an :class:`~gpubuf.EnvPoolSource` marked ``info["is_last"]``
-        never start a window.
+        Returns what the local buffer's ``sample`` does: a :class:`Transition` of ``(B, n_steps,
+        ...)`` leaves (``(B, ...)`` when ``n_steps == 1``) when uniform; ``(batch, global_indices
+        (B,) int64)`` when prioritized, with ``PER_weights = (N * P_i)**-beta / max over the batch``
+        (float32, ``N`` and ``P`` global; computed as ``(P_i / min_batch P)**-beta``).
+        ``with_replacement`` defaults to the local default (uniform: ``True``; prioritized:
+        ``False``) and, like ``with_next_obs``, must agree on every rank; ``batch_size`` may differ.
+        ``key``: ``None`` (the shard's own generator), a ``torch.Generator``, or an int seed, which
+        is mixed with the rank. ``boundaries`` (``"allow"``, ``"mask"``, ``"forbid"``; must agree on
+        every rank) draws the windows the local ``sample`` would, from every shard, and sets
+        ``is_first``/``mask`` as it does; rows of an :class:`~gpubuf.EnvPoolSource` marked
+        ``info["is_last"]`` never start a window.
 
-        Without replacement, each rank's batch is exact sequential sampling without replacement from the
-        union: rounds of draws with replacement from the shards' remaining masses (mass less what this rank
-        already drew there), where each owner zeroes, for that requester only, the starts it already drew in
-        its tree, descends and restores them; first appearances are kept (one ``all_gather`` of counts and two
-        ``all_to_all`` per round, usually one or two rounds), then the windows are fetched. A shard's remaining
-        mass is its total less what was drawn there, in float64: when one start's mass exceeds the rest of its
-        shard by about ``2**52`` (priority ratios no TD error produces in practice), that subtraction loses the
-        rest and the shard's share after the big start is drawn is no longer exact; a local buffer has no
-        such limit (its trees sum what remains).
+        Without replacement, each rank's batch is exact sequential sampling without replacement from
+        the union: rounds of draws with replacement from the shards' remaining masses (mass less
+        what this rank already drew there), where each owner zeroes, for that requester only, the
+        starts it already drew in its tree, descends and restores them; first appearances are kept
+        (one ``all_gather`` of counts and two ``all_to_all`` per round, usually one or two rounds),
+        then the windows are fetched. A shard's remaining mass is its total less what was drawn
+        there, in float64: when one start's mass exceeds the rest of its shard by about ``2**52``
+        (priority ratios no TD error produces in practice), that subtraction loses the rest and the
+        shard's share after the big start is drawn is no longer exact; a local buffer has no such
+        limit (its trees sum what remains).
         """
         local = self.local
         if with_replacement is None:
@@ -299,13 +328,15 @@ class ShardedBuffer:
         return self._sample(B, kind, which, error, gen, with_replacement, with_next_obs, boundaries)
 
     def _sample(self, B, kind, which, error, gen, with_replacement, with_next_obs, boundaries):
-        """:meth:`sample` once its arguments are read (``error``: this rank's argument error, raised everywhere)."""
+        """:meth:`sample` once its arguments are read (``error``: this rank's argument error, raised
+        everywhere)."""
         local = self.local
         mass = torch.zeros(1, dtype=torch.float64, device=self._comm)
         if error is None:
             mass = self._shard_mass(kind)
         head = torch.tensor([self._valid(kind) if error is None else 0, B, bool(with_replacement),
-                             bool(with_next_obs), error is not None, which], dtype=torch.float64, device=self._comm)
+                             bool(with_next_obs), error is not None, which], dtype=torch.float64,
+                            device=self._comm)
         info = self._all_gather(torch.cat([mass, head])).cpu()
         masses, counts, sizes = info[:, 0], info[:, 1].long(), info[:, 2].long().tolist()
         self._fail("sample", torch.nonzero(info[:, 5]).view(-1).tolist(), error)
@@ -320,32 +351,33 @@ class ShardedBuffer:
         if N == 0:
             raise ValueError("sample: no valid sequence start in any shard yet")
         if sum(sizes) * (local.n_steps + 1) >= 2**31:
-            raise ValueError(f"batch_size: expected fewer than 2**31 window rows per call over the group, got "
-                             f"{sizes} windows of {local.n_steps} rows by rank")
+            raise ValueError("batch_size: expected fewer than 2**31 window rows per call over the "
+                             f"group, got {sizes} windows of {local.n_steps} rows by rank")
         if not with_replacement:
             over = [r for r, b in enumerate(sizes) if b > N]
             if B > N:
-                raise ValueError(f"batch_size: {B} exceeds the {N} valid starts of the group, which sampling "
-                                 "without replacement needs")
+                raise ValueError(f"batch_size: {B} exceeds the {N} valid starts of the group, "
+                                 "which sampling without replacement needs")
             self._fail("sample", over, None)
         if with_replacement:
-            batch, local_idx, owner, drawn = self._sample_with_replacement(kind, B, max(sizes), gen, masses,
-                                                                           with_next_obs)
+            batch, local_idx, owner, drawn = self._sample_with_replacement(
+                kind, B, max(sizes), gen, masses, with_next_obs)
         else:
-            batch, local_idx, owner, drawn = self._sample_without_replacement(kind, B, gen, masses, counts,
-                                                                              with_next_obs)
+            batch, local_idx, owner, drawn = self._sample_without_replacement(
+                kind, B, gen, masses, counts, with_next_obs)
         batch = local.config.with_flags(batch, boundaries, local.device)
         if not self.prioritized:
             return batch
-        batch.PER_weights = (drawn / drawn.min()).pow_(-local.beta).to(torch.float32).to(local.device)
+        batch.PER_weights = (drawn / drawn.min()).pow_(-local.beta).to(torch.float32).to(
+            local.device)
         return batch, (owner * self.shard_size + local_idx).to(local.device)
 
     def _uniforms(self, gen: torch.Generator, n: int) -> torch.Tensor:
         return torch.rand(n, dtype=torch.float64, generator=gen, device=gen.device).to(self._comm)
 
     def _sample_with_replacement(self, kind, B, width, gen, masses, with_next_obs):
-        """Uniforms to the owners (one padded exchange to ``width``, the largest batch), window rows (with start
-        and mass) back."""
+        """Uniforms to the owners (one padded exchange to ``width``, the largest batch), window rows
+        (with start and mass) back."""
         u = self._uniforms(gen, 2 * B)
         owner = self._owners(masses, u[:B])
         got, route = self._route(owner, u[B:], width=width)
@@ -371,55 +403,65 @@ class ShardedBuffer:
         return self._unpack(rows, 16, with_next_obs), local_idx, owner, drawn
 
     def _sample_without_replacement(self, kind, B, gen, masses, counts, with_next_obs):
-        """Rounds of draws (see :meth:`sample`), then one exchange fetching the windows of the chosen starts."""
+        """Rounds of draws (see :meth:`sample`), then one exchange fetching the windows of the
+        chosen starts."""
         W, S, dev = self.world_size, self.shard_size, self._comm
-        chosen = torch.empty(0, dtype=torch.int64, device=dev)  # global starts, in order of first appearance
+        # global starts, in order of first appearance
+        chosen = torch.empty(0, dtype=torch.int64, device=dev)
         drawn = torch.empty(0, dtype=torch.float64, device=dev)  # their masses
         spent = torch.zeros(W, dtype=torch.float64)  # host: mass drawn from each shard
         taken = torch.zeros(W, dtype=torch.int64)  # host: starts drawn from each shard
         need = B
         while True:
             k = max(2 * need, 16) if need else 0
-            # remaining mass per shard; an exhausted shard (all its valid starts drawn) exactly 0, and rounding
-            # never zeroes one that still has starts
+            # remaining mass per shard; an exhausted shard (all its valid starts drawn) exactly 0,
+            # and rounding never zeroes one that still has starts
             left = torch.where(taken < counts, torch.maximum(masses - spent, masses * 2**-52), 0.0)
             u = self._uniforms(gen, 2 * k)
-            owner = self._owners(left, u[:k]) if k else torch.empty(0, dtype=torch.int64, device=dev)
+            owner = (self._owners(left, u[:k]) if k
+                     else torch.empty(0, dtype=torch.int64, device=dev))
             draws = torch.bincount(owner, minlength=W).cpu()
-            # to each owner drawn from: the starts this rank already drew there, then the uniforms of the draws
+            # to each owner drawn from: the starts this rank already drew there, then the uniforms
+            # of the draws
             excluded = torch.where(draws > 0, taken, 0)
-            plan = self._all_gather(torch.stack([excluded, draws, taken], 1).to(dev)).cpu()  # (requester, owner, 3)
+            # (requester, owner, 3)
+            plan = self._all_gather(torch.stack([excluded, draws, taken], 1).to(dev)).cpu()
             if not bool(plan[:, :, 1].any()):
                 break
             t_order = torch.argsort(chosen.div(S, rounding_mode="floor"), stable=True)
             d_order = torch.argsort(owner, stable=True)
             old = torch.split((chosen[t_order] % S).double(), taken.tolist())
             new = torch.split(u[k:][d_order], draws.tolist())
-            payload = torch.cat([torch.cat([o[:e], n]) for o, e, n in zip(old, excluded.tolist(), new, strict=True)])
+            payload = torch.cat([torch.cat([o[:e], n])
+                                 for o, e, n in zip(old, excluded.tolist(), new, strict=True)])
             send, recv = (excluded + draws).tolist(), plan[:, self.rank, :2].sum(1).tolist()
             got = self._all_to_all(payload, send, recv)
-            found = self._serve_round(kind, got, plan[:, self.rank, 0].tolist(), plan[:, self.rank, 1].tolist())
+            found = self._serve_round(kind, got, plan[:, self.rank, 0].tolist(),
+                                      plan[:, self.rank, 1].tolist())
             back = self._all_to_all(found, plan[:, self.rank, 1].tolist(), draws.tolist())
             res = torch.empty_like(back)
             res[d_order] = back
             g = owner * S + res[:, 0].long()
             uniq, inv = torch.unique(g, return_inverse=True)  # keep first appearances, in order
-            first = torch.full_like(uniq, g.numel()).scatter_reduce_(0, inv, torch.arange(g.numel(), device=dev),
-                                                                      "amin")
-            keep = first.sort().values[:need]
+            first_seen = torch.full_like(uniq, g.numel()).scatter_reduce_(
+                0, inv, torch.arange(g.numel(), device=dev), "amin")
+            keep = first_seen.sort().values[:need]
             chosen, drawn = torch.cat([chosen, g[keep]]), torch.cat([drawn, res[keep, 1]])
             spent.index_add_(0, owner[keep].cpu(), res[keep, 1].cpu())
             taken += torch.bincount(owner[keep].cpu(), minlength=W)
             need -= keep.numel()
         owner = chosen.div(S, rounding_mode="floor")
         local_idx = chosen % S
-        got, route = self._route(owner, local_idx, recv=plan[:, self.rank, 2].tolist())  # counts known to all
+        # counts known to all
+        got, route = self._route(owner, local_idx, recv=plan[:, self.rank, 2].tolist())
         rows = self._reply(self._window_rows(got.to(self.local.device), [], with_next_obs), route)
         return self._unpack(rows, 0, with_next_obs), local_idx, owner, drawn
 
-    def _serve_round(self, kind: int, got: torch.Tensor, n_taken: list[int], n_draws: list[int]) -> torch.Tensor:
-        """Owner side of a round: ``got`` holds per requester its already-drawn local starts and its uniforms
-        (float64); returns ``(sum(n_draws), 2)`` float64 ``(local start, mass)`` per draw, in the same order."""
+    def _serve_round(self, kind: int, got: torch.Tensor, n_taken: list[int],
+                     n_draws: list[int]) -> torch.Tensor:
+        """Owner side of a round: ``got`` holds per requester its already-drawn local starts and its
+        uniforms (float64); returns ``(sum(n_draws), 2)`` float64 ``(local start, mass)`` per draw,
+        in the same order."""
         sampler, device = self.local.sampler, self.local.device
         sampler.activate(kind)
         tree = sampler.trees[kind]
@@ -450,25 +492,31 @@ class ShardedBuffer:
     # ------------------------------------------------------------------ priorities
 
     def _check_update(self, indices, td_errors) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """``(global indices (K,) int64, td_errors (K,) float64, largest new priority or 0)`` on the communication
-        device, validated."""
-        idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
-        td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors, "td_errors")
+        """``(global indices (K,) int64, td_errors (K,) float64, largest new priority or 0)`` on the
+        communication device, validated."""
+        idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices,
+                        "indices")
+        td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors,
+                       "td_errors")
         if idx.dim() == 1 and idx.numel() == 0:
             idx = idx.to(torch.int64)  # an empty list reads as float64
-        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-            raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
-        if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex or td.dtype == torch.bool:
-            raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per index), "
-                             f"got {td.dtype} of shape {tuple(td.shape)}")
+        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex \
+                or idx.dtype == torch.bool:
+            raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape "
+                            f"{tuple(idx.shape)}")
+        if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex \
+                or td.dtype == torch.bool:
+            raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one "
+                             f"per index), got {td.dtype} of shape {tuple(td.shape)}")
         idx, td = idx.to(self._comm, torch.int64), td.to(self._comm, torch.float64)
         if not idx.numel():
             return idx, td, 0.0
         L = self.world_size * self.shard_size
         out = (idx < 0) | (idx >= L)
         if bool(out.any()):
-            raise IndexError(f"indices: expected global start indices in [0, {L}) ({self.world_size} shards of "
-                             f"{self.shard_size}), got {idx[out][:5].tolist()}")
+            raise IndexError(f"indices: expected global start indices in [0, {L}) "
+                             f"({self.world_size} shards of {self.shard_size}), got "
+                             f"{idx[out][:5].tolist()}")
         top = float(td.to(torch.float32).abs().add_(self.local.eps).max())
         if not math.isfinite(top):
             raise ValueError("td_errors: |td| + eps must be finite (float32), got "
@@ -478,16 +526,19 @@ class ShardedBuffer:
 
     @torch.compiler.disable
     def update_priorities(self, indices, td_errors):
-        """Set priorities ``|td| + eps`` of the starts at ``indices`` (K,) (global, as :meth:`sample` returns)
-        from ``td_errors`` (K,) (collective; ``K`` may differ between ranks, and be 0); returns ``self``.
+        """Set priorities ``|td| + eps`` of the starts at ``indices`` (K,) (global, as
+        :meth:`sample` returns) from ``td_errors`` (K,) (collective; ``K`` may differ between ranks,
+        and be 0); returns ``self``.
 
-        Each update travels to its owner (an ``all_gather`` of the counts and of each rank's largest new priority,
-        then one ``all_to_all`` of 16 bytes per update), which applies everything it receives in one local update
-        (duplicates, from any rank, keep their largest value); ``max_priority`` becomes the same maximum on every
-        rank. Invalid arguments on any rank raise on every rank before anything is written.
+        Each update travels to its owner (an ``all_gather`` of the counts and of each rank's largest
+        new priority, then one ``all_to_all`` of 16 bytes per update), which applies everything it
+        receives in one local update (duplicates, from any rank, keep their largest value);
+        ``max_priority`` becomes the same maximum on every rank. Invalid arguments on any rank raise
+        on every rank before anything is written.
         """
         if not self.prioritized:
-            raise TypeError(f"update_priorities: the shards are {type(self.local).__name__}s, which have no priorities")
+            raise TypeError(f"update_priorities: the shards are {type(self.local).__name__}s, "
+                            "which have no priorities")
         error, top = None, 0.0
         try:
             idx, td, top = self._check_update(indices, td_errors)
@@ -499,14 +550,17 @@ class ShardedBuffer:
         order = torch.argsort(owner, stable=True)
         send = torch.bincount(owner, minlength=self.world_size)
         head = torch.tensor([error is not None, top], dtype=torch.float64, device=self._comm)
-        plan = self._all_gather(torch.cat([send.double(), head])).cpu()  # (W, W + 2): counts, failed, top
+        # (W, W + 2): counts, failed, top
+        plan = self._all_gather(torch.cat([send.double(), head])).cpu()
         self._fail("update_priorities", torch.nonzero(plan[:, -2]).view(-1).tolist(), error)
         payload = torch.stack([(idx % self.shard_size).double(), td], 1)[order]
         recv = plan[:, self.rank].long().tolist()
         got = self._all_to_all(payload, send.tolist(), recv).to(self.local.device)
         self.local.update_priorities(got[:, 0].long(), got[:, 1])
-        # every rank's max_priority was the same before: the new one is the largest new priority anywhere
-        self.local.sampler.max_priority = max(self.local.sampler.max_priority, float(plan[:, -1].max()))
+        # every rank's max_priority was the same before: the new one is the largest new priority
+        # anywhere
+        self.local.sampler.max_priority = max(self.local.sampler.max_priority,
+                                              float(plan[:, -1].max()))
         return self
 
     def _sync_max_priority(self) -> None:
@@ -523,18 +577,20 @@ class ShardedBuffer:
     def _path(self, path) -> str:
         path = os.fspath(path)
         if _RANK not in path and self.world_size > 1:
-            raise ValueError(f"path: expected a '{_RANK}' placeholder (replaced by the group rank) so that the "
-                             f"shards write different files, got {path!r}")
+            raise ValueError(f"path: expected a '{_RANK}' placeholder (replaced by the group rank) "
+                             f"so that the shards write different files, got {path!r}")
         return path.replace(_RANK, str(self.rank))
 
     def save(self, path) -> None:
-        """Save this rank's shard to ``path`` with ``{rank}`` replaced by the group rank (local, atomic)."""
+        """Save this rank's shard to ``path`` with ``{rank}`` replaced by the group rank (local,
+        atomic)."""
         self.local.save(self._path(path))
 
     def load(self, path) -> None:
-        """Load every rank's shard from ``path`` with ``{rank}`` replaced by its rank (collective: the maximum
-        priority becomes global again). A rank whose load fails keeps its shard, the others keep what they
-        loaded, ``max_priority`` is made global either way, and every rank then raises."""
+        """Load every rank's shard from ``path`` with ``{rank}`` replaced by its rank (collective:
+        the maximum priority becomes global again). A rank whose load fails keeps its shard, the
+        others keep what they loaded, ``max_priority`` is made global either way, and every rank
+        then raises."""
         self._load(lambda: self.local.load(self._path(path)), "load")
 
     def load_state_dict(self, state) -> None:
@@ -547,7 +603,8 @@ class ShardedBuffer:
             fn()
         except Exception as err:  # re-raised below, once every rank knows
             error = err
-        failed = self._all_gather(torch.tensor([error is not None], dtype=torch.int64, device=self._comm)).cpu()
+        failed = self._all_gather(torch.tensor([error is not None], dtype=torch.int64,
+                                               device=self._comm)).cpu()
         if self.prioritized:  # also after a failure: new rows get the same priority on every rank
             self._sync_max_priority()
         self._fail(call, torch.nonzero(failed.view(-1)).view(-1).tolist(), error, what="the load")

@@ -1,14 +1,14 @@
-"""GraphSampler: replay sampling with fixed tensors, device-side random numbers and no host sync, so that
-a learner step calling it can be captured in a CUDA graph (``torch.cuda.graph``) and replayed.
+"""GraphSampler: replay sampling with fixed tensors, device-side random numbers and no host sync, so
+that a learner step calling it can be captured in a CUDA graph (``torch.cuda.graph``) and replayed.
 
-Everything one draw touches is allocated once, at construction: the uniforms ``(B,)`` float64, the flat
-starts ``(B,)`` int64, the output windows (a :class:`~gpubuf.Transition` of ``(B, n_steps, ...)`` tensors),
-and for a prioritized buffer the masses and ``PER_weights``. The Triton gather launches from tables
-uploaded once. :meth:`GraphSampler.sample` then does, on the device only: ``torch.rand`` into the
-uniforms, the prefix-sum tree descent, the window gather, and the importance weights. Nothing reads the
-device, nothing allocates, and the host decides nothing that depends on the buffer's fill: the tree the
-descent walks is the buffer's own, kept current by every insert and priority update, so a graph replayed
-after more inserts samples the buffer as it is then.
+Everything one draw touches is allocated once, at construction: the uniforms ``(B,)`` float64, the
+flat starts ``(B,)`` int64, the output windows (a :class:`~gpubuf.Transition` of ``(B, n_steps,
+...)`` tensors), and for a prioritized buffer the masses and ``PER_weights``. The Triton gather
+launches from tables uploaded once. :meth:`GraphSampler.sample` then does, on the device only:
+``torch.rand`` into the uniforms, the prefix-sum tree descent, the window gather, and the importance
+weights. Nothing reads the device, nothing allocates, and the host decides nothing that depends on
+the buffer's fill: the tree the descent walks is the buffer's own, kept current by every insert and
+priority update, so a graph replayed after more inserts samples the buffer as it is then.
 """
 
 import torch
@@ -18,38 +18,43 @@ from gpubuf.transition import Transition, unflatten
 
 
 class GraphSampler:
-    """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or prioritized one).
+    """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or
+    prioritized one).
 
-    Built by :meth:`TransitionBuffer.graph_sampler`. Draws are exact: starts with probability proportional to
-    their mass (uniform over valid starts, or ``priority**alpha``), as :meth:`TransitionBuffer.sample` with
-    ``with_replacement=True``, but from a device generator: ``generator`` (a ``torch.Generator`` on the
-    buffer's device; register it with the graph, ``CUDAGraph.register_generator_state``) or, when ``None``,
-    the device's default generator (``torch.manual_seed`` seeds it; CUDA graphs handle it by themselves).
+    Built by :meth:`TransitionBuffer.graph_sampler`. Draws are exact: starts with probability
+    proportional to their mass (uniform over valid starts, or ``priority**alpha``), as
+    :meth:`TransitionBuffer.sample` with ``with_replacement=True``, but from a device generator:
+    ``generator`` (a ``torch.Generator`` on the buffer's device; register it with the graph,
+    ``CUDAGraph.register_generator_state``) or, when ``None``, the device's default generator
+    (``torch.manual_seed`` seeds it; CUDA graphs handle it by themselves).
 
-    ``boundaries`` may be ``"allow"`` or ``"forbid"`` (as in :meth:`TransitionBuffer.sample`; ``"forbid"``
-    sets the constant ``is_first`` / ``mask`` flags once); ``"mask"`` derives its flags from each batch and
-    is not offered here.
+    ``boundaries`` may be ``"allow"`` or ``"forbid"`` (as in :meth:`TransitionBuffer.sample`;
+    ``"forbid"`` sets the constant ``is_first`` / ``mask`` flags once); ``"mask"`` derives its flags
+    from each batch and is not offered here.
 
     ``beta`` (prioritized) is the buffer's own: every draw reads the buffer's device copy of it
     (:attr:`~gpubuf.PrioritizedTransitionBuffer.beta_tensor`), which ``buffer.update_beta``,
-    ``buffer.load_state_dict`` and :meth:`set_beta` refresh in place, so a captured graph replayed after any
-    of them uses the new value (a buffer re-opened from a ``storage_dir`` starts from the saved one). A draw
-    needs at least one valid start; the buffer must not be emptied (``load_state_dict`` of an empty state)
-    while a captured graph is replayed.
+    ``buffer.load_state_dict`` and :meth:`set_beta` refresh in place, so a captured graph replayed
+    after any of them uses the new value (a buffer re-opened from a ``storage_dir`` starts from the
+    saved one). A draw needs at least one valid start; the buffer must not be emptied
+    (``load_state_dict`` of an empty state) while a captured graph is replayed.
     """
 
     def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
                  generator: torch.Generator | None = None, boundaries: str = "allow"):
         if boundaries not in ("allow", "forbid"):
-            raise ValueError(f"boundaries: expected 'allow' or 'forbid' for a GraphSampler, got {boundaries!r}")
+            raise ValueError("boundaries: expected 'allow' or 'forbid' for a GraphSampler, got "
+                             f"{boundaries!r}")
         if buffer.storage_device != buffer.device:
-            raise ValueError(f"buffer: a GraphSampler gathers on the sampling device; this buffer's storage is on "
-                             f"{buffer.storage_device}, not {buffer.device}")
+            raise ValueError("buffer: a GraphSampler gathers on the sampling device; this buffer's "
+                             f"storage is on {buffer.storage_device}, not {buffer.device}")
         B, kind = buffer.check_sample_args(batch_size, True, with_next_obs, boundaries)
         if generator is not None and (not isinstance(generator, torch.Generator)
                                       or generator.device.type != buffer.device.type):
-            got = generator.device if isinstance(generator, torch.Generator) else type(generator).__name__
-            raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, got {got}")
+            got = (generator.device if isinstance(generator, torch.Generator)
+                   else type(generator).__name__)
+            raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, "
+                             f"got {got}")
         buffer.sampler.activate(kind)  # the tree is kept current from now on
         self.buffer, self.batch_size, self.generator = buffer, B, generator
         self._tree = buffer.sampler.trees[kind]
@@ -59,9 +64,11 @@ class GraphSampler:
         storage = buffer.storage
         jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
         result, self._work = storage.outputs(B, jobs, dev)
-        self.out: Transition = buffer.config.with_flags(unflatten(result), boundaries, dev)  # forbid: constant
+        # forbid: constant
+        self.out: Transition = buffer.config.with_flags(unflatten(result), boundaries, dev)
         self._plan = None
-        if buffer.backend == "triton" and storage.dir is None:  # the kernel reads time-major storage
+        # the kernel reads time-major storage
+        if buffer.backend == "triton" and storage.dir is None:
             from gpubuf.kernels import sequence
 
             self._plan = sequence.plan(self._work, B, buffer.n_steps, dev)
@@ -69,22 +76,25 @@ class GraphSampler:
         if self.prioritized:
             self._mass = torch.empty(B, dtype=torch.float64, device=dev)
             self._min = torch.empty((), dtype=torch.float64, device=dev)
-            self._beta = buffer.beta_tensor  # () float64: the buffer's beta, kept current by the buffer
+            # () float64: the buffer's beta, kept current by the buffer
+            self._beta = buffer.beta_tensor
             self._neg_beta = torch.empty((), dtype=torch.float64, device=dev)
             self.out.PER_weights = torch.empty(B, dtype=torch.float32, device=dev)
 
     def set_beta(self, beta: float) -> "GraphSampler":
-        """Set the buffer's importance-sampling exponent (as ``buffer.update_beta``), read by every later draw,
-        graph replay and ``buffer.sample``; returns ``self``. A bad value raises naming ``beta`` and changes
-        nothing."""
+        """Set the buffer's importance-sampling exponent (as ``buffer.update_beta``), read by every
+        later draw, graph replay and ``buffer.sample``; returns ``self``. A bad value raises naming
+        ``beta`` and changes nothing."""
         if not self.prioritized:
-            raise ValueError("set_beta: the buffer is not prioritized (its batches carry no PER_weights)")
+            raise ValueError("set_beta: the buffer is not prioritized (its batches carry no "
+                             "PER_weights)")
         self.buffer.update_beta(beta)
         return self
 
     def sample(self) -> tuple[Transition, torch.Tensor]:
-        """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when prioritized) and
-        ``indices`` (B,) int64 their flat starts; both are the same tensors at every call."""
+        """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when
+        prioritized) and ``indices`` (B,) int64 their flat starts; both are the same tensors at
+        every call."""
         buf, tree = self.buffer, self._tree
         torch.rand(self.u.shape, dtype=torch.float64, generator=self.generator, out=self.u)
         ops.tree_sample(buf.backend, tree.tree, tree.offsets, tree.fanout, self.u, self.indices)
@@ -97,7 +107,8 @@ class GraphSampler:
         if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
             torch.index_select(tree.tree, 0, self.indices, out=self._mass)
             torch.amin(self._mass, 0, out=self._min)
-            torch.neg(self._beta, out=self._neg_beta)  # the buffer's beta when this runs (or is replayed)
+            # the buffer's beta when this runs (or is replayed)
+            torch.neg(self._beta, out=self._neg_beta)
             self._mass.div_(self._min).pow_(self._neg_beta)
             self.out.PER_weights.copy_(self._mass)
         return self.out, self.indices

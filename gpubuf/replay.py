@@ -1,14 +1,15 @@
 """TransitionBuffer: a time-major circular buffer sampled as contiguous n-step windows.
 
-A buffer composes four parts, each behind a small surface and public for companions (``ShardedBuffer``,
-``GraphSampler``): ``config`` (:class:`~gpubuf.replay_config.ReplayConfig`: sizes, leaves and their rules),
-``storage`` (:mod:`gpubuf.storage`: device, host or memory-mapped rows), ``ring``
-(:class:`~gpubuf.ring.StartRing`: host bookkeeping of positions, episode flags and valid starts) and
-``sampler`` (:mod:`gpubuf.samplers`: device validity, prefix-sum trees, priorities, draws), plus the host
-``generator`` that draws. A flat start is ``row * n_envs + env`` in every storage.
+A buffer composes four parts, each behind a small surface and public for companions
+(``ShardedBuffer``, ``GraphSampler``): ``config`` (:class:`~gpubuf.replay_config.ReplayConfig`:
+sizes, leaves and their rules), ``storage`` (:mod:`gpubuf.storage`: device, host or memory-mapped
+rows), ``ring`` (:class:`~gpubuf.ring.StartRing`: host bookkeeping of positions, episode flags and
+valid starts) and ``sampler`` (:mod:`gpubuf.samplers`: device validity, prefix-sum trees,
+priorities, draws), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env``
+in every storage.
 
-Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then committed
-with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
+Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then
+committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
 """
 
 import numpy as np
@@ -35,30 +36,36 @@ class TransitionBuffer(checkpoint.Checkpointable):
         max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows.
         sample_batch_size: default number of windows per :meth:`sample`.
         data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when
-            ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and dtypes.
-        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch on sampling.
-        n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else ``(B, n_steps, ...)``.
-        device: sampling device (validity, prefix-sum trees, priorities, returned batches); ``None`` ->
-            ``cuda`` when available, else ``cpu``.
+            ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and
+            dtypes.
+        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch
+        on sampling. n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else
+        ``(B, n_steps, ...)``. device: sampling device (validity, prefix-sum trees, priorities,
+            returned batches); ``None`` -> ``cuda`` when available, else ``cpu``.
         seed: seed of the buffer's own generator (used when :meth:`sample` gets ``key=None``).
-        storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host memory: a
-            CUDA buffer then gathers sampled windows on the host, reading the starts back once per sample,
-            and moves them to the device through pinned memory with non-blocking copies).
-        storage_dir: a directory of memory-mapped files (one per leaf, env-major ``(E, M, *shape)``). If it
-            holds a buffer of this configuration (a mismatch raises, naming the field), that buffer is
-            re-opened: rows and counts as of its last insert, and what its last :meth:`flush` saved (sampling
-            RNG; priorities, rows inserted after that flush at ``max_priority``). The buffer holds the
-            directory's lock until :meth:`close`; files are allocated up front; a process killed at any
-            instant re-opens to a state the buffer has been in (:mod:`gpubuf.storage_dir` for the guarantee).
+        storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host
+            memory: a CUDA buffer then gathers sampled windows on the host, reading the starts back
+            once per sample, and moves them to the device through pinned memory with non-blocking
+            copies).
+        storage_dir: a directory of memory-mapped files (one per leaf, env-major ``(E, M,
+            *shape)``). If it holds a buffer of this configuration (a mismatch raises, naming the
+            field), that buffer is re-opened: rows and counts as of its last insert, and what its
+            last :meth:`flush` saved (sampling RNG; priorities, rows inserted after that flush at
+            ``max_priority``). The buffer holds the directory's lock until :meth:`close`; files are
+            allocated up front; a process killed at any instant re-opens to a state the buffer has
+            been in (:mod:`gpubuf.storage_dir` for the guarantee).
 
-    Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the capacity.
-    Without replacement the draw is exact sequential sampling without replacement (:mod:`gpubuf.samplers`).
+    Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the
+    capacity. Without replacement the draw is exact sequential sampling without replacement
+    (:mod:`gpubuf.samplers`).
     """
 
-    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
-                 n_steps: int = 1, *, device=None, seed: int | None = None, storage_device=None, storage_dir=None):
-        self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size, data_sample,
-                                                  vectorized_env, n_steps, self._config_extra())
+    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
+                 vectorized_env: bool = True, n_steps: int = 1, *, device=None,
+                 seed: int | None = None, storage_device=None, storage_dir=None):
+        self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size,
+                                                  data_sample, vectorized_env, n_steps,
+                                                  self._config_extra())
         for name in ReplayConfig.STATE_FIELDS:
             setattr(self, name, getattr(config, name))
         self.device = ops.resolve_device(device)
@@ -86,11 +93,13 @@ class TransitionBuffer(checkpoint.Checkpointable):
     def _config_extra(self) -> tuple:  # hook: the subclass's own configuration fields
         return ()
 
-    def _make_sampler(self) -> UniformSampler:  # hook: the sampling policy composed into this buffer
+    # hook: the sampling policy composed into this buffer
+    def _make_sampler(self) -> UniformSampler:
         return UniformSampler(self.ring, self.device, self.backend)
 
     @property
-    def _owned(self) -> tuple:  # memory ranges of every tensor held: inputs reading them are copied first
+    # memory ranges of every tensor held: inputs reading them are copied first
+    def _owned(self) -> tuple:
         if self._owned_at[0] != self.sampler.allocations:
             self._owned_at = (self.sampler.allocations,
                               memory_ranges([*self.storage.tensors(), *self.sampler.tensors()]))
@@ -101,31 +110,38 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: storage, priorities, and the tree and validity mask of each kind used so far."""
-        return sum(t.numel() * t.element_size() for t in [*self.storage.tensors(), *self.sampler.tensors()])
+        """Bytes held: storage, priorities, and the tree and validity mask of each kind used so
+        far."""
+        return sum(t.numel() * t.element_size()
+                   for t in [*self.storage.tensors(), *self.sampler.tensors()])
 
     def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
-        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and ``boundaries``."""
+        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and
+        ``boundaries``."""
         return self.sampler.count_valid(self.config.kind(with_next_obs, boundaries))
 
     def sampling_mass(self, with_next_obs: bool = False, boundaries: str = "allow") -> torch.Tensor:
-        """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample`: 0 when
-        invalid, 1 when valid (uniform), ``priority**alpha`` (prioritized). A read-only diagnostic."""
+        """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample`:
+        0 when invalid, 1 when valid (uniform), ``priority**alpha`` (prioritized). A read-only
+        diagnostic."""
         return self.sampler.sampling_mass(self.config.kind(with_next_obs, boundaries))
 
-    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
     def insert(self, transition: Transition):
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
 
-        Leaves are shaped ``(T, E, ...)`` (``(T, ...)`` when not vectorized), ``1 <= T <= M``, with the key
-        set and per-row shapes of ``data_sample``, and dtypes that store without changing values (narrowing
-        casts of host data are checked on the values: :func:`gpubuf.inputs.check_cast`). Nothing is written
-        on any error. A device ``truncated``/``terminated`` is read back (env outputs are host arrays).
+        Leaves are shaped ``(T, E, ...)`` (``(T, ...)`` when not vectorized), ``1 <= T <= M``, with
+        the key set and per-row shapes of ``data_sample``, and dtypes that store without changing
+        values (narrowing casts of host data are checked on the values:
+        :func:`gpubuf.inputs.check_cast`). Nothing is written on any error. A device
+        ``truncated``/``terminated`` is read back (env outputs are host arrays).
         """
         values, given, T = self.config.rows(transition)
         self.storage.check_open()
         trunc, ends, last = self.config.row_flags(values, T)
-        staged = self.storage.stage(values, given, self._owned)  # phase 1: any conversion error happens here
+        # phase 1: any conversion error happens here
+        staged = self.storage.stage(values, given, self._owned)
         ring = self.ring
         with signals_held():  # phase 2: commit
             self.storage.before_write(ring.pos, ring.count, ring.total, T)
@@ -143,93 +159,110 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self.sampler.check_draw(kind, B, with_replacement)
         return B, kind
 
-    @torch.compiler.disable  # an opaque call under torch.compile: no guards on host state, no recompiles
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
-               with_next_obs: bool = False, boundaries: str = "allow", *, out: Transition | None = None,
-               return_indices: bool = False):
+               with_next_obs: bool = False, boundaries: str = "allow", *,
+               out: Transition | None = None, return_indices: bool = False):
         """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts; with
-        ``return_indices=True``, ``(batch, indices)``: the windows' flat starts ``(B,)`` int64 on the device,
-        ``row * n_envs + env`` (:meth:`locate` maps them to env, ring row and the env's own row count).
+        ``return_indices=True``, ``(batch, indices)``: the windows' flat starts ``(B,)`` int64 on
+        the device, ``row * n_envs + env`` (:meth:`locate` maps them to env, ring row and the env's
+        own row count).
 
         Leaves come back ``(B, n_steps, ...)`` (``(B, ...)`` when ``n_steps == 1``). ``key``: a
-        ``torch.Generator``, an int seed (the same int, the same batch) or ``None`` (the buffer's generator).
-        ``with_next_obs`` fills ``next_observation`` with the observation one row later (unless stored), and
-        then never samples a window whose first ``n_steps`` rows hold a truncation. Raises ``ValueError``
-        when there is no valid start, or fewer than ``batch_size`` without replacement.
+        ``torch.Generator``, an int seed (the same int, the same batch) or ``None`` (the buffer's
+        generator). ``with_next_obs`` fills ``next_observation`` with the observation one row later
+        (unless stored), and then never samples a window whose first ``n_steps`` rows hold a
+        truncation. Raises ``ValueError`` when there is no valid start, or fewer than ``batch_size``
+        without replacement.
 
         ``boundaries`` says what a window may do at an episode end (a row whose ``terminated`` or
         ``truncated`` is set; needs one of those leaves):
 
         - ``"allow"`` (default): windows run on into the next episode, unmarked;
-        - ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and ``mask``
-          ``(B, n_steps)`` bool: ``is_first[:, j]`` is set where row ``j - 1`` ended an episode (and at
-          ``j = 0``), ``mask[:, j]`` while no earlier row of the window ended one;
-        - ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are
-          drawn; the batch carries ``is_first`` and ``mask`` too (first step only, and all set).
+        - ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and
+          ``mask`` ``(B, n_steps)`` bool: ``is_first[:, j]`` is set where row ``j - 1`` ended an
+          episode (and at ``j = 0``), ``mask[:, j]`` while no earlier row of the window ended one;
+        - ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode
+          are drawn; the batch carries ``is_first`` and ``mask`` too (first step only, and all set).
 
         With ``n_steps == 1`` the flags are ``(B,)`` and all set. An ``info["is_last"]`` row (an
-        :class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation, no transition) never
-        starts a window, and with ``"mask"`` the row after it starts the next episode.
+        :class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation, no transition)
+        never starts a window, and with ``"mask"`` the row after it starts the next episode.
 
-        ``out`` may be a :class:`Transition` of preallocated tensors of exactly the returned shapes and
-        dtypes on the buffer's device: the windows are written there and ``out`` is returned.
+        ``out`` may be a :class:`Transition` of preallocated tensors of exactly the returned shapes
+        and dtypes on the buffer's device: the windows are written there and ``out`` is returned.
         """
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
         B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs, boundaries)
-        jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device, self._owned)
+        jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device,
+                                      self._owned)
         idx, mass = self.sampler.draw(kind, B, generator_for(key, self.generator), with_replacement)
         result = self.storage.gather(idx, jobs, self.device)  # the windows, in the storage's layout
-        batch = self.config.with_flags(unflatten(result) if out is None else out, boundaries, self.device)
+        batch = self.config.with_flags(unflatten(result) if out is None else out, boundaries,
+                                       self.device)
         if self.sampler.prioritized:
             batch.PER_weights = self.sampler.weights(mass)
         return (batch, idx) if return_indices else batch
 
     def gather(self, starts, jobs: dict, out=None, boundaries: str = "allow") -> Transition:
-        """The batch of windows of flat ``starts`` (B,) for ``jobs`` (``storage.check_out``), flagged."""
+        """The batch of windows of flat ``starts`` (B,) for ``jobs`` (``storage.check_out``),
+        flagged."""
         result = self.storage.gather(starts, jobs, self.device)
-        return self.config.with_flags(unflatten(result) if out is None else out, boundaries, self.device)
+        return self.config.with_flags(unflatten(result) if out is None else out, boundaries,
+                                      self.device)
 
-    def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None, boundaries="allow"):
-        """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with device-side
-        random numbers and no host sync, for capture in a CUDA graph (``boundaries``: ``"allow"`` or
-        ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the device default)."""
+    def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
+                      boundaries="allow"):
+        """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with
+        device-side random numbers and no host sync, for capture in a CUDA graph (``boundaries``:
+        ``"allow"`` or ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the
+        device default)."""
         from gpubuf.graph_sampling import GraphSampler
 
         return GraphSampler(self, batch_size, with_next_obs, generator, boundaries)
 
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like ``indices`` on their
-        device: ``row * n_envs + env`` splits into ring ``row`` and ``env``; ``step`` counts the env's rows
-        from the first this buffer wrote (a :meth:`load_state_dict` numbers its rows from 0; with an
-        :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step`` shows the env after ``step`` calls of
-        ``step()``). ``IndexError`` for an index outside ``[0, max_size)`` or a row not held."""
-        t = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple, int)) else indices, "indices")
+        """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like
+        ``indices`` on their device: ``row * n_envs + env`` splits into ring ``row`` and ``env``;
+        ``step`` counts the env's rows from the first this buffer wrote (a :meth:`load_state_dict`
+        numbers its rows from 0; with an :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step``
+        shows the env after ``step`` calls of ``step()``). ``IndexError`` for an index outside ``[0,
+        max_size)`` or a row not held."""
+        t = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple, int)) else indices,
+                      "indices")
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TypeError(f"indices: expected integer flat starts, got {t.dtype}")
-        return tuple(torch.from_numpy(a).to(t.device) for a in self.ring.locate(t.detach().cpu().numpy()))
+        return tuple(torch.from_numpy(a).to(t.device)
+                     for a in self.ring.locate(t.detach().cpu().numpy()))
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """Configuration, data, write position, truncation flags and the sampling RNG state (and the sampler's
-        own entries): tensors and plain values only. Data tensors are the storage itself, not copies."""
+        """Configuration, data, write position, truncation flags and the sampling RNG state (and the
+        sampler's own entries): tensors and plain values only. Data tensors are the storage itself,
+        not copies."""
         state = self.config.as_dict()
         state.update(shapes={leaf.name: leaf.shape for leaf in self.config.leaves},
                      data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves},
-                     pos=self.ring.pos, count=self.ring.count, trunc=torch.from_numpy(self.ring.trunc.copy()),
+                     pos=self.ring.pos, count=self.ring.count,
+                     trunc=torch.from_numpy(self.ring.trunc.copy()),
                      rng=self.generator.get_state(), **self.sampler.state())
         return state
 
     def load_state_dict(self, state) -> None:
-        """Restore a :meth:`state_dict` (saved on any device). The whole state is validated first (buffer type,
-        configuration, keys, shapes, dtypes, position and count in range, RNG state, the sampler's entries):
-        a mismatch raises naming the key and leaves the buffer as it was. Should reading the data fail after
-        validation (an I/O error), the buffer is emptied rather than left half-loaded."""
+        """Restore a :meth:`state_dict` (saved on any device). The whole state is validated first
+        (buffer type, configuration, keys, shapes, dtypes, position and count in range, RNG state,
+        the sampler's entries): a mismatch raises naming the key and leaves the buffer as it was.
+        Should reading the data fail after validation (an I/O error), the buffer is emptied rather
+        than left half-loaded."""
         config = self.config
-        check_state(state, self.state_dict(), ("version", *ReplayConfig.STATE_FIELDS, *dict(config.extra), "shapes"))
+        check_state(state, self.state_dict(),
+                    ("version", *ReplayConfig.STATE_FIELDS, *dict(config.extra), "shapes"))
         count = check_range("state_dict['count']", state["count"], 0, self.max_rows)
-        pos = check_range("state_dict['pos']", state["pos"], 0, self.max_rows - 1)  # holds `count` rows before it
+        # holds `count` rows before it
+        pos = check_range("state_dict['pos']", state["pos"], 0, self.max_rows - 1)
         rng = check_rng("state_dict['rng']", state["rng"])
         trunc, ends, last = config.state_flags(state)
         checked = self.sampler.check_state(state, pos, count)
@@ -246,28 +279,31 @@ class TransitionBuffer(checkpoint.Checkpointable):
                 self.ring.restore(0, 0, np.zeros_like(trunc), np.zeros_like(trunc))
                 self.sampler.forget()
                 raise
-            self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends, last=last)
+            self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends,
+                              last=last)
             self.sampler.forget()  # validity and trees are rebuilt from the rows
             self.generator.set_state(rng)
         if self.storage.dir is not None:  # the directory now holds the loaded state
             self.flush()
 
     def flush(self):
-        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``, ``beta``
-        when prioritized) beside the files and write every file back to disk, so that a later process
-        re-opens this buffer as it is now. Without one: nothing to do. Returns ``self``."""
+        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``,
+        ``beta`` when prioritized) beside the files and write every file back to disk, so that a
+        later process re-opens this buffer as it is now. Without one: nothing to do. Returns
+        ``self``."""
         if self.storage.dir is not None:
             self.storage.check_open()
             ring = self.ring
             with signals_held():
                 self.storage.dir.save_state({"total": ring.total, "rng": self.generator.get_state(),
-                                             **self.sampler.flushed()}, (ring.pos, ring.count, ring.total))
+                                             **self.sampler.flushed()},
+                                            (ring.pos, ring.count, ring.total))
         return self
 
     def close(self) -> None:
-        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can still be
-        sampled, no longer written); closing twice is harmless. ``with TransitionBuffer(...) as buf:``
-        closes on exit. Without one: nothing to do."""
+        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
+        still be sampled, no longer written); closing twice is harmless. ``with
+        TransitionBuffer(...) as buf:`` closes on exit. Without one: nothing to do."""
         if self.storage.dir is not None and not self.storage.closed:
             self.flush()
             self.storage.dir.close()

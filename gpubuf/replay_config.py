@@ -1,18 +1,21 @@
 """ReplayConfig: the frozen, validated configuration of a replay buffer and what its leaves imply.
 
-One object answers every "does this agree?" question: ``state_dict`` checks, a ``storage_dir`` re-open and
-the agreement of a sharded buffer's shards all compare its fields. Besides the checks of the constructor's
-arguments it holds the per-leaf rules the buffer applies to every call: an insert's rows, their episode
-flags, the validity kind a sample draws from, and the windows a sample returns.
+One object answers every "does this agree?" question: ``state_dict`` checks, a ``storage_dir``
+re-open and the agreement of a sharded buffer's shards all compare its fields. Besides the checks of
+the constructor's arguments it holds the per-leaf rules the buffer applies to every call: an
+insert's rows, their episode flags, the validity kind a sample draws from, and the windows a sample
+returns.
 
 Glossary (the replay modules use these names with one meaning each):
 
-- ``E``: envs (axis 1 of a vectorized insert; 1 when not vectorized); ``M``: rows per env (``max_rows``);
-  ``T``: rows per env of one insert; ``B``: windows of one sample; ``n``: rows per window (``n_steps``);
+- ``E``: envs (axis 1 of a vectorized insert; 1 when not vectorized); ``M``: rows per env
+  (``max_rows``); ``T``: rows per env of one insert; ``B``: windows of one sample; ``n``: rows per
+  window (``n_steps``);
 - *leaf*: one tensor of a :class:`~gpubuf.Transition`, named by its *path* ``(field, key, ...)``;
-- *flat start*: ``row * E + env``, the index of a window's first row, also the index of its priority;
-- *kind*: a validity kind (:mod:`gpubuf.ring`): which starts may begin a window for one ``with_next_obs``
-  and ``boundaries``;
+- *flat start*: ``row * E + env``, the index of a window's first row, also the index of its
+  priority;
+- *kind*: a validity kind (:mod:`gpubuf.ring`): which starts may begin a window for one
+  ``with_next_obs`` and ``boundaries``;
 - *job*: one returned leaf of a sample: ``(output path, stored path, row shift, output shape)``.
 """
 
@@ -30,12 +33,14 @@ from gpubuf.transition import Transition, flatten, leaf_name
 
 BOUNDARIES = ("allow", "mask", "forbid")
 IS_LAST = ("info", "is_last")  # the leaf marking an env source's row that holds no transition
-NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2)  # no numpy twin
+# no numpy twin
+NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``) and ``dtype``."""
+    """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``) and
+    ``dtype``."""
 
     path: tuple
     name: str
@@ -45,8 +50,8 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class ReplayConfig:
-    """The configuration of a replay buffer (built and checked by :meth:`build`); ``extra`` holds a subclass's
-    own fields (``(("alpha", 0.6), ("eps", 1e-6))`` for a prioritized buffer)."""
+    """The configuration of a replay buffer (built and checked by :meth:`build`); ``extra`` holds a
+    subclass's own fields (``(("alpha", 0.6), ("eps", 1e-6))`` for a prioritized buffer)."""
 
     buffer: str
     max_size: int
@@ -58,17 +63,20 @@ class ReplayConfig:
     leaves: tuple[Leaf, ...]
     extra: tuple[tuple[str, Any], ...] = ()
 
-    STATE_FIELDS = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs", "max_rows")
+    STATE_FIELDS = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs",
+                    "max_rows")
 
     @classmethod
-    def build(cls, buffer: str, max_size, sample_batch_size, data_sample: Transition, vectorized_env: bool,
-              n_steps, extra: tuple = ()) -> "ReplayConfig":
-        """Check the constructor's arguments (``ValueError`` naming the argument) and derive ``E`` and ``M``."""
+    def build(cls, buffer: str, max_size, sample_batch_size, data_sample: Transition,
+              vectorized_env: bool, n_steps, extra: tuple = ()) -> "ReplayConfig":
+        """Check the constructor's arguments (``ValueError`` naming the argument) and derive ``E``
+        and ``M``."""
         max_size = positive_int("max_size", max_size)
         sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
         n_steps = positive_int("n_steps", n_steps)
         vectorized_env = bool(vectorized_env)
-        samples = {p: as_tensor(v, leaf_name(p)) for p, v in flatten(data_sample, "data_sample").items()}
+        samples = {p: as_tensor(v, leaf_name(p))
+                   for p, v in flatten(data_sample, "data_sample").items()}
         if not samples:
             raise ValueError("data_sample: expected at least one non-None field")
         lead = 2 if vectorized_env else 1
@@ -77,27 +85,33 @@ class ReplayConfig:
         for p, t in samples.items():
             if t.dim() < lead:
                 want = "(T, E, ...)" if vectorized_env else "(T, ...)"
-                raise ValueError(f"data_sample.{leaf_name(p)}: expected leaves shaped {want}, got {tuple(t.shape)}")
+                raise ValueError(f"data_sample.{leaf_name(p)}: expected leaves shaped {want}, got "
+                                 f"{tuple(t.shape)}")
         E = 1
         if vectorized_env:
             envs = {p: t.shape[1] for p, t in samples.items()}
             E = next(iter(envs.values()))
             if any(e != E for e in envs.values()) or E < 1:
-                raise ValueError(f"data_sample: every leaf needs the same env axis (axis 1) >= 1, got "
-                                 f"{ {leaf_name(p): e for p, e in envs.items()} }")
+                raise ValueError("data_sample: every leaf needs the same env axis (axis 1) >= 1, "
+                                 f"got { {leaf_name(p): e for p, e in envs.items()} }")
         if max_size < E:
-            raise ValueError(f"max_size: expected at least one row per env ({E} envs), got {max_size}")
+            raise ValueError(f"max_size: expected at least one row per env ({E} envs), got "
+                             f"{max_size}")
         if max_size % E:
-            warnings.warn(f"max_size: {max_size} is not divisible by {E} envs; rounded down to {max_size // E * E}",
+            warnings.warn(f"max_size: {max_size} is not divisible by {E} envs; rounded down to "
+                          f"{max_size // E * E}",
                           stacklevel=3)
         M = max_size // E
         if not 1 <= n_steps <= M:
             raise ValueError(f"n_steps: expected 1 <= n_steps <= {M} rows per env, got {n_steps}")
         most = E * (M - n_steps + 1)
         if sample_batch_size > most:
-            raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got {sample_batch_size}")
-        leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), t.dtype) for p, t in samples.items())
-        return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves, tuple(extra))
+            raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got "
+                             f"{sample_batch_size}")
+        leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), t.dtype)
+                       for p, t in samples.items())
+        return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves,
+                   tuple(extra))
 
     # ------------------------------------------------------------------ what the leaves imply
 
@@ -121,57 +135,67 @@ class ReplayConfig:
 
     @property
     def kinds(self) -> tuple[int, ...]:
-        """Validity kinds (:mod:`gpubuf.ring`): ``NEXT_OBS`` when next observations are read from the following
-        row, ``IN_EPISODE`` when windows may not cross an episode end."""
+        """Validity kinds (:mod:`gpubuf.ring`): ``NEXT_OBS`` when next observations are read from
+        the following row, ``IN_EPISODE`` when windows may not cross an episode end."""
         kinds = (0,) if self.stores_next_obs or not self.paths("observation") else (0, NEXT_OBS)
         return kinds + tuple(k | IN_EPISODE for k in kinds) if self.flag_paths[1] else kinds
 
     def as_dict(self, *, batch: bool = True) -> dict:
-        """Plain values to compare: type, version, sizes and ``extra`` (``batch``: with ``sample_batch_size``)."""
-        fields = {name: getattr(self, name) for name in self.STATE_FIELDS if batch or name != "sample_batch_size"}
+        """Plain values to compare: type, version, sizes and ``extra`` (``batch``: with
+        ``sample_batch_size``)."""
+        fields = {name: getattr(self, name) for name in self.STATE_FIELDS
+                  if batch or name != "sample_batch_size"}
         return {"buffer": self.buffer, "version": 1, **fields, **dict(self.extra)}
 
     def rows(self, transition) -> tuple[dict, dict, int]:
-        """``(tensors, inputs, T)`` of an insert: every leaf as a tensor and as given, after checking the key set,
-        shapes ``(T, E, ...)`` and value-preserving casts (``ValueError``/``TypeError`` naming the leaf)."""
+        """``(tensors, inputs, T)`` of an insert: every leaf as a tensor and as given, after
+        checking the key set, shapes ``(T, E, ...)`` and value-preserving casts
+        (``ValueError``/``TypeError`` naming the leaf)."""
         given = flatten(transition)
         by_path = self.by_path
         if given.keys() != by_path.keys():
             missing = [leaf.name for leaf in self.leaves if leaf.path not in given]
             extra = [leaf_name(p) for p in given if p not in by_path]
-            raise ValueError(f"transition: leaves are fixed by data_sample {[leaf.name for leaf in self.leaves]}; "
-                             f"missing {missing}, unexpected {extra}")
+            raise ValueError("transition: leaves are fixed by data_sample "
+                             f"{[leaf.name for leaf in self.leaves]}; missing {missing}, "
+                             f"unexpected {extra}")
         values, T = {}, None
         env = (self.n_envs,) if self.vectorized_env else ()
         for p, v in given.items():
             leaf = by_path[p]
             t, want = as_tensor(v, leaf.name), env + leaf.shape
             if t.dim() != len(want) + 1 or t.shape[1:] != want:
-                raise ValueError(f"{leaf.name}: expected shape (T, {', '.join(map(str, want))}), got {tuple(t.shape)}")
+                raise ValueError(f"{leaf.name}: expected shape (T, {', '.join(map(str, want))}), "
+                                 f"got {tuple(t.shape)}")
             if T is None:
                 T = t.shape[0]
             elif t.shape[0] != T:
-                raise ValueError(f"{leaf.name}: expected T = {T} rows like the other leaves, got {t.shape[0]}")
+                raise ValueError(f"{leaf.name}: expected T = {T} rows like the other leaves, got "
+                                 f"{t.shape[0]}")
             check_cast(t, leaf.dtype, leaf.name)
             values[p] = t
         if not 1 <= T <= self.max_rows:
-            raise ValueError(f"transition: expected 1 <= T <= {self.max_rows} rows per insert, got T = {T}")
+            raise ValueError(f"transition: expected 1 <= T <= {self.max_rows} rows per insert, got "
+                             f"T = {T}")
         return values, given, T
 
     def row_flags(self, leaves: dict, T: int) -> tuple:
-        """(T, E) host bool ``(truncated, episode ends, no transition)`` of ``T`` rows of ``leaves`` (each None
-        without its leaves; a device leaf is read back)."""
+        """(T, E) host bool ``(truncated, episode ends, no transition)`` of ``T`` rows of ``leaves``
+        (each None without its leaves; a device leaf is read back)."""
         return tuple(self._any_set(leaves, paths, T) for paths in self.flag_paths)
 
     def state_flags(self, state: dict) -> tuple:
-        """(M, E) host bool ``(truncated, episode ends, no transition)`` of a state dict's rows (ends and no
-        transition None without their leaves), checking that its ``trunc`` matches its ``truncated`` rows."""
+        """(M, E) host bool ``(truncated, episode ends, no transition)`` of a state dict's rows
+        (ends and no transition None without their leaves), checking that its ``trunc`` matches its
+        ``truncated`` rows."""
         trunc = host_tensor(state["trunc"]).numpy().copy()
         paths = set(sum(self.flag_paths, []))
-        flags = {leaf.path: host_tensor(state["data"][leaf.name]) for leaf in self.leaves if leaf.path in paths}
+        flags = {leaf.path: host_tensor(state["data"][leaf.name]) for leaf in self.leaves
+                 if leaf.path in paths}
         stored, ends, last = self.row_flags(flags, self.max_rows)
         if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
-            raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
+            raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of "
+                             "state_dict['data']")
         return trunc, ends, last
 
     def _any_set(self, leaves: dict, paths: list, T: int) -> np.ndarray | None:
@@ -192,22 +216,24 @@ class ReplayConfig:
         if boundaries not in BOUNDARIES:
             raise ValueError(f"boundaries: expected one of {BOUNDARIES}, got {boundaries!r}")
         if boundaries != "allow" and not self.flag_paths[1]:
-            raise ValueError(f"boundaries: {boundaries!r} needs episode ends, but the buffer stores neither "
-                             "terminated nor truncated")
+            raise ValueError(f"boundaries: {boundaries!r} needs episode ends, but the buffer "
+                             "stores neither terminated nor truncated")
         kind = (0 if (not with_next_obs or self.stores_next_obs) else NEXT_OBS) | \
             (IN_EPISODE if boundaries == "forbid" else 0)
         if kind not in self.kinds:
-            raise ValueError("with_next_obs: the buffer stores neither next_observation nor observation")
+            raise ValueError("with_next_obs: the buffer stores neither next_observation nor "
+                             "observation")
         return kind
 
     def batch_size(self, batch_size) -> int:
-        """``batch_size`` (``None``: the default) checked: a positive int whose windows fit int32 row indices."""
+        """``batch_size`` (``None``: the default) checked: a positive int whose windows fit int32
+        row indices."""
         B = self.sample_batch_size if batch_size is None else batch_size
         if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
             raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
         if B * (self.n_steps + 1) >= 2**31:
-            raise ValueError(f"batch_size: expected fewer than 2**31 window rows per sample, got {B} windows of "
-                             f"{self.n_steps} rows")
+            raise ValueError("batch_size: expected fewer than 2**31 window rows per sample, got "
+                             f"{B} windows of {self.n_steps} rows")
         return int(B)
 
     def jobs(self, B: int, with_next_obs: bool) -> list[tuple]:
@@ -217,25 +243,29 @@ class ReplayConfig:
         pairs = [(leaf.path, leaf.path, 0) for leaf in self.leaves]
         pairs += [(("next_observation",) + p[1:], p, 1) for p in shifted]
         by_path = self.by_path
-        return [(d, s, shift, ((B, n) if n > 1 else (B,)) + by_path[s].shape) for d, s, shift in pairs]
+        return [(d, s, shift, ((B, n) if n > 1 else (B,)) + by_path[s].shape)
+                for d, s, shift in pairs]
 
     def with_flags(self, batch: Transition, boundaries: str, device) -> Transition:
-        """``batch`` with ``is_first`` and ``mask`` (B, n_steps) bool (``(B,)`` when ``n_steps == 1``) from its
-        sampled episode ends (``info["is_last"]`` rows when stored), unless ``boundaries == "allow"``."""
+        """``batch`` with ``is_first`` and ``mask`` (B, n_steps) bool (``(B,)`` when ``n_steps ==
+        1``) from its sampled episode ends (``info["is_last"]`` rows when stored), unless
+        ``boundaries == "allow"``."""
         if boundaries == "allow":
             return batch
         leaves = flatten(batch, "out")
         ends = self.flag_paths[1]
         B, n = leaves[ends[0]].shape[0], self.n_steps
         ones = torch.ones(B, *((n,) if n > 1 else ()), dtype=torch.bool, device=device)
-        if n == 1 or boundaries == "forbid":  # no episode end before a window's last row: constant flags
+        # no episode end before a window's last row: constant flags
+        if n == 1 or boundaries == "forbid":
             batch.mask = ones
             batch.is_first = ones.clone()
             if n > 1:
                 batch.is_first[:, 1:] = False
             return batch
         done = torch.zeros(B, n, dtype=torch.bool, device=device)
-        # an env source's rows: an episode ends after its `is_last` row (which holds its last observation)
+        # an env source's rows: an episode ends after its `is_last` row (which holds its last
+        # observation)
         for p in [IS_LAST] if IS_LAST in leaves else ends:
             done |= (leaves[p] != 0).reshape(B, n, -1).any(2)
         ended = done[:, :-1]  # (B, n-1): row j ended an episode

@@ -1,10 +1,11 @@
 """Sampling policies of the replay buffers: which flat starts a batch begins at, and with what mass.
 
-A policy is composed into a :class:`~gpubuf.TransitionBuffer`. It owns the device side of sampling: one
-:class:`~gpubuf.prefix_tree.PrefixSumTree` and one validity mask per validity kind (see
-:class:`~gpubuf.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping says
-which starts are valid; the policy turns that into mass: 1 per valid start (:class:`UniformSampler`) or
-``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A valid start's mass is never zero.
+A policy is composed into a :class:`~gpubuf.TransitionBuffer`. It owns the device side of sampling:
+one :class:`~gpubuf.prefix_tree.PrefixSumTree` and one validity mask per validity kind (see
+:class:`~gpubuf.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping
+says which starts are valid; the policy turns that into mass: 1 per valid start
+(:class:`UniformSampler`) or ``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A
+valid start's mass is never zero.
 """
 
 import math
@@ -24,30 +25,35 @@ _LOG_MAX = math.log(torch.finfo(torch.float64).max)
 
 
 class UniformSampler:
-    """Uniform sampling over the valid starts of a :class:`StartRing` (each kind's tree built on first use)."""
+    """Uniform sampling over the valid starts of a :class:`StartRing` (each kind's tree built on
+    first use)."""
 
     prioritized = False
 
     def __init__(self, ring: StartRing, device: torch.device, backend: str):
         self.ring, self.device, self.backend = ring, device, backend
         self.trees: dict[int, PrefixSumTree] = {}  # per kind, allocated on first use
-        self.valid: dict[int, torch.Tensor] = {}  # (M*E,) bool device validity mask per kind, likewise
+        # (M*E,) bool device validity mask per kind, likewise
+        self.valid: dict[int, torch.Tensor] = {}
         self.active: set[int] = set()  # kinds whose tree and mask are kept up to date
         self.allocations = 0  # bumped whenever tensors() grows
         self._staging = Staging(device)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every device tensor the policy holds (trees and masks exist once their kind was first used)."""
+        """Every device tensor the policy holds (trees and masks exist once their kind was first
+        used)."""
         return [*(t.tree for t in self.trees.values()), *self.valid.values()]
 
     def activate(self, kind: int) -> None:
-        """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every row) unless
-        they are kept already; signals are held meanwhile, and the kind counts as kept only once built."""
+        """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every
+        row) unless they are kept already; signals are held meanwhile, and the kind counts as kept
+        only once built."""
         if kind not in self.active:
             if kind not in self.trees:
                 L = self.ring.max_rows * self.ring.n_envs
                 tree = PrefixSumTree(L, self.device, self.backend)
-                self.valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool}, self.device)["valid"]
+                self.valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool},
+                                                self.device)["valid"]
                 self.trees[kind] = tree
                 self.allocations += 1
             with signals_held():
@@ -55,14 +61,15 @@ class UniformSampler:
                 self.active.add(kind)
 
     def forget(self) -> None:
-        """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in use now, so
-        tensors handed out earlier (a GraphSampler's tree) stay current."""
+        """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in
+        use now, so tensors handed out earlier (a GraphSampler's tree) stay current."""
         self.ring.forget_validity()
         for kind in sorted(self.active):
             self.refresh_rows(kind, 0, self.ring.max_rows)
 
-    def rows_written(self, pos: int, first: int, T: int) -> None:
-        """New rows ``pos .. pos+first-1`` and ``0 .. T-first-1`` were written (before validity is refreshed)."""
+    def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
+        """New rows ``pos .. pos+before_wrap-1`` and ``0 .. T-before_wrap-1`` were written (before
+        validity is refreshed)."""
 
     def refresh_after_write(self, old_pos: int, T: int) -> None:
         """Refresh the starts whose windows changed after ``T`` rows were written at ``old_pos``."""
@@ -74,7 +81,8 @@ class UniformSampler:
                 self.refresh_rows(kind, r0, r1)
 
     def refresh_rows(self, kind: int, r0: int, r1: int) -> None:
-        """Validity (host and device mask) and tree leaves of the starts in rows ``[r0, r1)``, then their parents."""
+        """Validity (host and device mask) and tree leaves of the starts in rows ``[r0, r1)``, then
+        their parents."""
         ok, n_ok = self.ring.refresh(kind, r0, r1)
         lo, hi = r0 * self.ring.n_envs, r1 * self.ring.n_envs
         mask = self.valid[kind][lo:hi]
@@ -85,28 +93,30 @@ class UniformSampler:
         self.trees[kind].update_range(lo, self.mass(slice(lo, hi), mask, n_ok == hi - lo))
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
-        """Sampling mass (float64, on the device) of flat ``starts`` (a slice or index tensor) given their device
-        validity ``valid`` (``all_valid``: all of them valid)."""
+        """Sampling mass (float64, on the device) of flat ``starts`` (a slice or index tensor) given
+        their device validity ``valid`` (``all_valid``: all of them valid)."""
         return valid.to(torch.float64)
 
     def count_valid(self, kind: int) -> int:
-        """Valid starts of ``kind`` (from the ring range while they are one, else from the kept validity)."""
+        """Valid starts of ``kind`` (from the ring range while they are one, else from the kept
+        validity)."""
         if self.ring.one_range(kind):
             return self.ring.range_starts(kind)[1]
         self.activate(kind)
         return self.ring.n_valid[kind]
 
     def check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
-        """Raise ``ValueError`` unless ``B`` starts of ``kind`` can be drawn (any, or ``B`` distinct)."""
+        """Raise ``ValueError`` unless ``B`` starts of ``kind`` can be drawn (any, or ``B``
+        distinct)."""
         n = self.count_valid(kind)
         if n == 0:
             what = (" without truncation" if kind & NEXT_OBS else "") + \
                 (" inside one episode" if kind & IN_EPISODE else "")
-            raise ValueError(f"sample: no valid sequence start yet ({self.ring.count} rows written per env, "
-                             f"windows of {self.ring.window(kind)} rows{what})")
+            raise ValueError(f"sample: no valid sequence start yet ({self.ring.count} rows written "
+                             f"per env, windows of {self.ring.window(kind)} rows{what})")
         if not with_replacement and B > n:
-            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement "
-                             "needs")
+            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling "
+                             "without replacement needs")
 
     def sampling_mass(self, kind: int) -> torch.Tensor:
         """``(M*E,)`` float64 copy of every start's mass for ``kind``."""
@@ -119,9 +129,9 @@ class UniformSampler:
         return self._staging.to_device(u, "__uniform__")
 
     def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
-        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator ``g``. With
-        replacement, while the valid starts are one ring range of rows, they are drawn from the range
-        directly (no tree descent, no masses); otherwise the tree is descended."""
+        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator
+        ``g``. With replacement, while the valid starts are one ring range of rows, they are drawn
+        from the range directly (no tree descent, no masses); otherwise the tree is descended."""
         if with_replacement and not self.prioritized and self.ring.one_range(kind):
             return self._range_draw(kind, B, g), None
         self.activate(kind)
@@ -132,23 +142,27 @@ class UniformSampler:
         return self._draw_without_replacement(tree, B, g)
 
     def _range_draw(self, kind: int, B: int, g: torch.Generator) -> torch.Tensor:
-        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where ``g`` draws
-        (for a host generator, on the host, so one copy of the starts reaches the device)."""
+        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where
+        ``g`` draws (for a host generator, on the host, so one copy of the starts reaches the
+        device)."""
         M, E = self.ring.max_rows, self.ring.n_envs
         base, n = self.ring.range_starts(kind)
         u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
         if g.device.type == "cpu":
-            k = np.minimum((u.numpy() * n).astype(np.int64), n - 1)  # uniform over the n valid (row, env) pairs
+            # uniform over the n valid (row, env) pairs
+            k = np.minimum((u.numpy() * n).astype(np.int64), n - 1)
             idx = (k // E + base) % M * E + k % E
             return self._staging.to_device(torch.from_numpy(idx), "__starts__")
         k = u.mul(n).long().clamp_max_(n - 1)
-        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(k.remainder(E)).to(self.device)
+        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(
+            k.remainder(E)).to(self.device)
 
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
-        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping first
-        appearances, with the drawn starts' mass zeroed between rounds and restored at the end (one device
-        read per round). The tree is restored whatever happens: an exception restores it, and asynchronous
-        signals (Ctrl-C, alarms) are held until it is whole again, so their handlers never run half-way."""
+        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping
+        first appearances, with the drawn starts' mass zeroed between rounds and restored at the end
+        (one device read per round). The tree is restored whatever happens: an exception restores
+        it, and asynchronous signals (Ctrl-C, alarms) are held until it is whole again, so their
+        handlers never run half-way."""
         chosen, masses = [], []
         need = B
         with signals_held():
@@ -156,55 +170,62 @@ class UniformSampler:
                 while need > 0:
                     draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
                     uniq, inv = torch.unique(draws, return_inverse=True)
-                    first = torch.full_like(uniq, draws.numel()).scatter_reduce_(
+                    first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
                         0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
-                    new = uniq[torch.argsort(first)][:need]  # distinct draws in order of first appearance
+                    # distinct draws in order of first appearance
+                    new = uniq[torch.argsort(first_seen)][:need]
                     masses.append(tree.leaves(new))
                     chosen.append(new)
-                    tree.update(new, torch.zeros(new.shape, dtype=torch.float64, device=self.device))
+                    tree.update(new,
+                                torch.zeros(new.shape, dtype=torch.float64, device=self.device))
                     need -= new.numel()
             finally:
                 if chosen:
                     idx, mass = torch.cat(chosen), torch.cat(masses)
-                    tree.update(idx, mass)  # restore: leaves as before, parents recomputed from them
+                    # restore: leaves as before, parents recomputed from them
+                    tree.update(idx, mass)
         return idx, mass
 
-    # ------------------------------------------------------------------ state (none for uniform sampling)
+    # ------------------------------------------------------------------ state (none for uniform
+    # sampling)
 
     def state(self) -> dict:
         """The policy's entries of a buffer's ``state_dict``."""
         return {}
 
     def check_state(self, state: dict, pos: int, count: int):
-        """Validate the policy's entries of ``state`` (rows held: the ``count`` rows before ``pos``) before any
-        write; returns what :meth:`load_state` takes."""
+        """Validate the policy's entries of ``state`` (rows held: the ``count`` rows before ``pos``)
+        before any write; returns what :meth:`load_state` takes."""
 
     def load_state(self, state: dict, checked, owned: tuple) -> None:
-        """Write the entries :meth:`check_state` accepted (``owned``: memory ranges a source may alias)."""
+        """Write the entries :meth:`check_state` accepted (``owned``: memory ranges a source may
+        alias)."""
 
     def flushed(self) -> dict:
         """The policy's entries of a ``storage_dir`` flush (host values)."""
         return {}
 
     def reopen(self, state: dict | None, since: int) -> None:
-        """Restore a re-opened directory's flushed entries (``None``: never flushed); the ``since`` newest held
-        rows were written after that flush."""
+        """Restore a re-opened directory's flushed entries (``None``: never flushed); the ``since``
+        newest held rows were written after that flush."""
 
 
 class PrioritizedSampler(UniformSampler):
     """Sampling in proportion to ``priority**alpha`` over valid starts.
 
-    Priorities are ``(M*E,)`` float32 on the device; new starts get the running maximum priority (initially
-    1, never decreasing), mirrored on the host so that inserts never read the device.
+    Priorities are ``(M*E,)`` float32 on the device; new starts get the running maximum priority
+    (initially 1, never decreasing), mirrored on the host so that inserts never read the device.
     """
 
     prioritized = True
 
-    def __init__(self, ring: StartRing, device: torch.device, backend: str, alpha: float, beta: float, eps: float):
+    def __init__(self, ring: StartRing, device: torch.device, backend: str, alpha: float,
+                 beta: float, eps: float):
         super().__init__(ring, device, backend)
         self.alpha, self.eps, self.size = alpha, eps, ring.max_rows * ring.n_envs
         self._beta, self._beta_tensor = beta, None
-        self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32}, device)["priority"]
+        self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32},
+                                     device)["priority"]
         self.max_priority = 1.0
         self._rows = self.priority.view(ring.max_rows, ring.n_envs)
         self.check_mass("alpha", 1.0)
@@ -218,26 +239,29 @@ class PrioritizedSampler(UniformSampler):
     def beta(self, value: float) -> None:
         self._beta = finite_float("beta", value, 0.0)
         if self._beta_tensor is not None:
-            self._beta_tensor.fill_(self._beta)  # in place, no host sync: captured graphs read it at replay
+            # in place, no host sync: captured graphs read it at replay
+            self._beta_tensor.fill_(self._beta)
 
     @property
     def beta_tensor(self) -> torch.Tensor:
-        """``()`` float64 on the device holding :attr:`beta`, the same tensor for the sampler's life."""
+        """``()`` float64 on the device holding :attr:`beta`, the same tensor for the sampler's
+        life."""
         if self._beta_tensor is None:
             self._beta_tensor = torch.full((), self._beta, dtype=torch.float64, device=self.device)
         return self._beta_tensor
 
     def weights(self, mass: torch.Tensor) -> torch.Tensor:
-        """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch P)**-beta``."""
+        """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch
+        P)**-beta``."""
         return (mass / mass.min()).pow_(-self._beta).to(torch.float32)
 
     def tensors(self) -> list[torch.Tensor]:
         return super().tensors() + [self.priority]
 
-    def rows_written(self, pos: int, first: int, T: int) -> None:
-        self._rows[pos:pos + first] = self.max_priority
-        if first < T:  # wrapped
-            self._rows[:T - first] = self.max_priority
+    def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
+        self._rows[pos:pos + before_wrap] = self.max_priority
+        if before_wrap < T:  # wrapped
+            self._rows[:T - before_wrap] = self.max_priority
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         mass = self.priority[starts].to(torch.float64).pow_(self.alpha)
@@ -248,12 +272,13 @@ class PrioritizedSampler(UniformSampler):
     def check_mass(self, name: str, top: float) -> None:
         """Raise unless ``top**alpha`` summed over every start stays finite in float64."""
         if top > 0 and self.alpha * math.log(top) + math.log(self.size) >= _LOG_MAX:
-            raise ValueError(f"{name}: priority {top:g} ** alpha {self.alpha:g} over {self.size} starts "
-                             "overflows float64 sampling mass; lower alpha or scale the TD errors")
+            raise ValueError(f"{name}: priority {top:g} ** alpha {self.alpha:g} over {self.size} "
+                             "starts overflows float64 sampling mass; lower alpha or scale the TD "
+                             "errors")
 
     def check_update(self, idx: torch.Tensor, td: torch.Tensor, new: torch.Tensor) -> float:
-        """Raise on indices outside ``[0, size)``, non-finite ``|td| + eps`` (``new``), or an overflowing mass;
-        returns the largest new priority (one read-back for device inputs)."""
+        """Raise on indices outside ``[0, size)``, non-finite ``|td| + eps`` (``new``), or an
+        overflowing mass; returns the largest new priority (one read-back for device inputs)."""
         lo, hi = torch.aminmax(idx)
         top = new.max()  # NaN or inf here iff anywhere
         if idx.device.type == "cpu":
@@ -273,22 +298,25 @@ class PrioritizedSampler(UniformSampler):
         """Host integer ``indices`` checked in range and widened to int64."""
         bad = (arr >= self.size) if arr.dtype.kind == "u" else (arr < 0) | (arr >= self.size)
         if bad.any():
-            raise IndexError(f"indices: expected flat start indices in [0, {self.size}), got {arr[bad][:5].tolist()}")
+            raise IndexError(f"indices: expected flat start indices in [0, {self.size}), got "
+                             f"{arr[bad][:5].tolist()}")
         return arr.astype(np.int64)
 
     def check_priorities(self, where: str, prio, top: float, pos: int, count: int) -> None:
-        """Raise unless ``prio`` is ``(size,)`` float32 with every value in ``[0, top]`` and those of the starts
-        in the ``count`` rows before row ``pos`` (the rows held) at least ``eps``."""
+        """Raise unless ``prio`` is ``(size,)`` float32 with every value in ``[0, top]`` and those
+        of the starts in the ``count`` rows before row ``pos`` (the rows held) at least ``eps``."""
         check_tensor(where, prio, (self.size,), torch.float32)
         M, E, eps = self.ring.max_rows, self.ring.n_envs, float(np.float32(self.eps))
         oldest, at = (pos - count) % M, 0
         for piece in chunks(prio):
             rows = torch.arange(at, at + piece.numel()) // E
             held = piece[(rows - oldest) % M < count]
-            if not bool(torch.isfinite(piece).all()) or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
+            if not bool(torch.isfinite(piece).all()) \
+                    or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
                     or (held.numel() and float(held.min()) < eps):
-                raise ValueError(f"{where}: expected priorities of held starts in [{eps:g}, max_priority "
-                                 f"{top:g}] and of the others in [0, max_priority], all finite")
+                raise ValueError(f"{where}: expected priorities of held starts in [{eps:g}, "
+                                 f"max_priority {top:g}] and of the others in [0, max_priority], "
+                                 "all finite")
             at += piece.numel()
 
     # ------------------------------------------------------------------ state
@@ -304,12 +332,14 @@ class PrioritizedSampler(UniformSampler):
         return beta, top
 
     def load_state(self, state: dict, checked: tuple[float, float], owned: tuple) -> None:
-        copy_into(self.priority, unaliased({"priority": state["priority"]}, {"priority": self.priority},
-                                           owned)["priority"])
+        copy_into(self.priority,
+                  unaliased({"priority": state["priority"]}, {"priority": self.priority},
+                            owned)["priority"])
         self.beta, self.max_priority = checked
 
     def flushed(self) -> dict:
-        return {"priority": self.priority.cpu(), "max_priority": self.max_priority, "beta": self.beta}
+        return {"priority": self.priority.cpu(), "max_priority": self.max_priority,
+                "beta": self.beta}
 
     def reopen(self, state: dict | None, since: int) -> None:
         if state is not None:  # checked as a load_state_dict would, before anything is restored
@@ -317,8 +347,8 @@ class PrioritizedSampler(UniformSampler):
             top = finite_float("max_priority", state["max_priority"], 1.0)
             self.check_mass("max_priority", top)
             ring = self.ring  # the rows held at the flush: those held now, less the `since` newest
-            self.check_priorities("priority", state["priority"], top, (ring.pos - since) % ring.max_rows,
-                                  ring.count - since)
+            self.check_priorities("priority", state["priority"], top,
+                                  (ring.pos - since) % ring.max_rows, ring.count - since)
             self.priority.copy_(state["priority"])
             self.max_priority, self.beta = top, beta
         if since:  # rows written after the flush: new starts take the running max priority
@@ -327,28 +357,34 @@ class PrioritizedSampler(UniformSampler):
             self.rows_written(first_row, min(since, M - first_row), since)
 
     def update_priorities(self, indices, td_errors) -> None:
-        """Priorities ``|td| + eps`` (float32) of flat starts ``indices`` (duplicates keep their largest), every
-        input checked before any write; host inputs are checked on the host (no device read), device inputs
-        with one read-back. Empty inputs do nothing."""
-        idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
-        td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors, "td_errors")
+        """Priorities ``|td| + eps`` (float32) of flat starts ``indices`` (duplicates keep their
+        largest), every input checked before any write; host inputs are checked on the host (no
+        device read), device inputs with one read-back. Empty inputs do nothing."""
+        idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices,
+                        "indices")
+        td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors,
+                       "td_errors")
         if idx.numel() == 0 and td.numel() == 0 and idx.dim() <= 1 and td.dim() <= 1:
             return
         if idx.dim() != 1 or (idx.numel() and (idx.dtype.is_floating_point or idx.dtype.is_complex
                                                 or idx.dtype == torch.bool)):
-            raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
-        if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex or td.dtype == torch.bool:
-            raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per index), "
-                             f"got {td.dtype} of shape {tuple(td.shape)}")
+            raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape "
+                            f"{tuple(idx.shape)}")
+        if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex \
+                or td.dtype == torch.bool:
+            raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one "
+                             f"per index), got {td.dtype} of shape {tuple(td.shape)}")
         if idx.numel() == 0:
             idx = idx.to(torch.int64)  # an empty list reads as float64
         on_host = idx.device.type == "cpu" and td.device.type == "cpu"
-        if on_host and idx.dtype != torch.int64:  # unsigned and narrow ints: checked and widened on the host
+        # unsigned and narrow ints: checked and widened on the host
+        if on_host and idx.dtype != torch.int64:
             idx = torch.from_numpy(self.host_indices(idx.numpy()))
         new = td.to(torch.float32).abs().add_(self.eps)  # where td lives
         if on_host:  # host inputs are checked where they are: nothing is read back from the device
             top = self.check_update(idx, td, new)
-        idx = self._staging.stage(idx, "__upd_idx__", torch.int64)  # contiguous: the kernels assume unit stride
+        # contiguous: the kernels assume unit stride
+        idx = self._staging.stage(idx, "__upd_idx__", torch.int64)
         new = self._staging.stage(new, "__upd_td__", torch.float32)
         if not on_host:  # device inputs: one read-back of (min index, max index, max value)
             top = self.check_update(idx, td, new)
@@ -356,8 +392,8 @@ class PrioritizedSampler(UniformSampler):
             self.update(idx, new, top)
 
     def update(self, idx: torch.Tensor, new: torch.Tensor, top: float) -> None:
-        """Priorities of flat starts ``idx`` (K,) int64 = ``new`` (K,) float32 (duplicates keep their largest),
-        whose largest value is ``top``; then the masses of every kept tree."""
+        """Priorities of flat starts ``idx`` (K,) int64 = ``new`` (K,) float32 (duplicates keep
+        their largest), whose largest value is ``top``; then the masses of every kept tree."""
         self.priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
         self.max_priority = max(self.max_priority, top)
         for kind in self.active:

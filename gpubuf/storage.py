@@ -1,17 +1,18 @@
 """Where a replay buffer's transitions live: one storage object, chosen once at construction.
 
-Every storage has the same small surface: :meth:`~MemoryStorage.stage` (check and convert an insert's
-leaves, before anything is written), :meth:`~MemoryStorage.write` (commit staged rows at a ring position),
-:meth:`~MemoryStorage.gather` (the windows of sampled starts, on the sampling device), and the journal
-hooks a buffer calls around its writes, flushes and loads (no-ops but for files).
+Every storage has the same small surface: :meth:`~MemoryStorage.stage` (check and convert an
+insert's leaves, before anything is written), :meth:`~MemoryStorage.write` (commit staged rows at a
+ring position), :meth:`~MemoryStorage.gather` (the windows of sampled starts, on the sampling
+device), and the journal hooks a buffer calls around its writes, flushes and loads (no-ops but for
+files).
 
-- :class:`MemoryStorage`: time-major ``(M, E, *shape)`` tensors on the sampling device, or in host memory
-  (``storage_device="cpu"``: windows are gathered on the host into pinned memory and copied over with
-  non-blocking copies). Host RAM keeps the time-major layout: there env-major rows gather large frames only
-  a little faster, small leaves slower, and scatter every insert over the envs.
+- :class:`MemoryStorage`: time-major ``(M, E, *shape)`` tensors on the sampling device, or in host
+  memory (``storage_device="cpu"``: windows are gathered on the host into pinned memory and copied
+  over with non-blocking copies). Host RAM keeps the time-major layout: there env-major rows gather
+  large frames only a little faster, small leaves slower, and scatter every insert over the envs.
 - :class:`MappedStorage`: env-major ``(E, M, *shape)`` files of a ``storage_dir``
-  (:class:`~gpubuf.storage_dir.StorageDir`: allocation, lock, row journal), written through transposed
-  ``(M, E, *shape)`` views and gathered with :func:`gpubuf.tiers.env_major_gather`.
+  (:class:`~gpubuf.storage_dir.StorageDir`: allocation, lock, row journal), written through
+  transposed ``(M, E, *shape)`` views and gathered with :func:`gpubuf.tiers.env_major_gather`.
 """
 
 import numpy as np
@@ -38,13 +39,17 @@ class MemoryStorage:
         self._bind(config, device, base, base)
 
     def _bind(self, config: ReplayConfig, device: torch.device, views: dict, base: dict) -> None:
-        """Keep ``views`` ``{name: (M, E, *shape)}`` (time-major, as written) of contiguous ``base`` tensors."""
+        """Keep ``views`` ``{name: (M, E, *shape)}`` (time-major, as written) of contiguous ``base``
+        tensors."""
         M, E = config.max_rows, config.n_envs
         self.config, self.device, self.backend = config, device, ops.backend_for(device)
         self.data = {leaf.path: views[leaf.name] for leaf in config.leaves}
-        self.flat = {leaf.path: base[leaf.name].view(M * E, -1) for leaf in config.leaves}  # (M*E, D) contiguous
-        self.words = {p: as_words(t)[0] for p, t in self.flat.items()}  # windows are gathered as int words
-        # host storage as numpy views: a same-dtype host array is written by one numpy slice assignment
+        # (M*E, D) contiguous
+        self.flat = {leaf.path: base[leaf.name].view(M * E, -1) for leaf in config.leaves}
+        # windows are gathered as int words
+        self.words = {p: as_words(t)[0] for p, t in self.flat.items()}
+        # host storage as numpy views: a same-dtype host array is written by one numpy slice
+        # assignment
         self.host = {p: t.numpy() for p, t in self.data.items()
                      if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
         self.staging = Staging(device)
@@ -53,20 +58,22 @@ class MemoryStorage:
         return list(self.data.values())
 
     def stage(self, values: dict, given: dict, owned: tuple) -> dict:
-        """Each leaf of an insert converted for storage (where any conversion fails, before any write): a numpy
-        array for a same-dtype host input into host storage, else a staged tensor."""
+        """Each leaf of an insert converted for storage (where any conversion fails, before any
+        write): a numpy array for a same-dtype host input into host storage, else a staged
+        tensor."""
         staged = {}
         for leaf in self.config.leaves:
             t = values[leaf.path]
-            if leaf.path in self.host and type(given[leaf.path]) is np.ndarray and t.dtype == leaf.dtype \
-                    and not overlaps(t, owned):
+            if leaf.path in self.host and type(given[leaf.path]) is np.ndarray \
+                    and t.dtype == leaf.dtype and not overlaps(t, owned):
                 staged[leaf.path] = t.numpy()  # one numpy slice assignment, which cannot fail
             else:
                 staged[leaf.path] = self.staging.stage(t, leaf.name, leaf.dtype, owned)
         return staged
 
     def write(self, staged: dict, pos: int, before_wrap: int, T: int) -> None:
-        """Rows ``pos .. pos + before_wrap - 1`` and ``0 .. T - before_wrap - 1`` = the staged rows."""
+        """Rows ``pos .. pos + before_wrap - 1`` and ``0 .. T - before_wrap - 1`` = the staged
+        rows."""
         for p, src in staged.items():
             dst = self.host[p] if isinstance(src, np.ndarray) else self.data[p]
             if before_wrap == T:
@@ -78,17 +85,20 @@ class MemoryStorage:
     # ------------------------------------------------------------------ windows
 
     def check_out(self, out, jobs: list, device, owned: tuple) -> dict:
-        """``{output path: (tensor or None, stored path, shift, shape)}``, checking a caller's ``out``."""
+        """``{output path: (tensor or None, stored path, shift, shape)}``, checking a caller's
+        ``out``."""
         if out is None:
             return {d: (None, s, shift, shape) for d, s, shift, shape in jobs}
-        given, result, dtypes = flatten(out, "out"), {}, {leaf.path: leaf.dtype for leaf in self.config.leaves}
+        given, result, dtypes = flatten(out, "out"), {}, {leaf.path: leaf.dtype
+                                                          for leaf in self.config.leaves}
         for d, s, shift, shape in jobs:
             t, dtype = given.get(d), dtypes[s]
             if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
                     or t.device != device or not t.is_contiguous()):
-                got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"out.{leaf_name(d)}: expected a contiguous {dtype} tensor of shape {shape} on "
-                                 f"{device}, got {got}")
+                got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"out.{leaf_name(d)}: expected a contiguous {dtype} tensor of "
+                                 f"shape {shape} on {device}, got {got}")
             result[d] = (t, s, shift, shape)
         check_disjoint({f"out.{leaf_name(d)}": t for d, (t, *_) in result.items()}, owned)
         return result
@@ -101,21 +111,26 @@ class MemoryStorage:
             result, work = self.outputs(B, jobs, device)
             self.gather_windows(work, starts)
             return result
-        # host storage: gather on the host (into pinned memory for CUDA), then one non-blocking copy per leaf
-        host, work = self.outputs(B, {d: (None, *rest) for d, (_, *rest) in jobs.items()}, self.device,
-                                  pin=device.type == "cuda")
+        # host storage: gather on the host (into pinned memory for CUDA), then one non-blocking copy
+        # per leaf
+        host, work = self.outputs(B, {d: (None, *rest) for d, (_, *rest) in jobs.items()},
+                                  self.device, pin=device.type == "cuda")
         self.gather_windows(work, starts.to(self.device))
-        return {d: t.to(device, non_blocking=True) if jobs[d][0] is None else jobs[d][0].copy_(t, non_blocking=True)
+        return {d: t.to(device, non_blocking=True) if jobs[d][0] is None
+                else jobs[d][0].copy_(t, non_blocking=True)
                 for d, t in host.items()}
 
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
-        """Fill :meth:`outputs`' ``work`` with the windows of flat ``starts`` (B,) on this storage's device."""
+        """Fill :meth:`outputs`' ``work`` with the windows of flat ``starts`` (B,) on this storage's
+        device."""
         config = self.config
-        ops.sequence_gather(self.backend, work, starts, config.n_steps, config.n_envs, config.max_rows)
+        ops.sequence_gather(self.backend, work, starts, config.n_steps, config.n_envs,
+                            config.max_rows)
 
     def outputs(self, B: int, jobs: dict, device, pin: bool = False) -> tuple[dict, list]:
-        """``({output path: tensor}, [(stored words, output words (B, n, D), shift)])`` for ``jobs``: the given
-        output tensors, or fresh ones on ``device`` (``pin``: in pinned host memory)."""
+        """``({output path: tensor}, [(stored words, output words (B, n, D), shift)])`` for
+        ``jobs``: the given output tensors, or fresh ones on ``device`` (``pin``: in pinned host
+        memory)."""
         n, result, work = self.config.n_steps, {}, []
         dtypes = {leaf.path: leaf.dtype for leaf in self.config.leaves}
         for d, (dst, s, shift, shape) in jobs.items():
@@ -125,10 +140,11 @@ class MemoryStorage:
                 continue
             if dst is None:
                 try:
-                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device, pin_memory=pin)
+                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device,
+                                        pin_memory=pin)
                 except (RuntimeError, torch.OutOfMemoryError) as err:
-                    raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} for "
-                                      f"{leaf_name(d)}, which cannot be allocated on {device} "
+                    raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} "
+                                      f"for {leaf_name(d)}, which cannot be allocated on {device} "
                                       f"({str(err).splitlines()[0]})") from None
                 dst = words.view(torch.uint8).view(dtypes[s]).view(shape)
             else:  # a caller's tensor may sit at any offset: both sides get a word type they share
@@ -156,15 +172,15 @@ class MemoryStorage:
         """About to overwrite every row."""
 
     def reopen(self, ring, sampler, generator: torch.Generator) -> bool:
-        """Restore what a re-opened directory holds into ``ring``, ``sampler`` and ``generator``; returns whether
-        its flushed state was saved by a flush cut short (the buffer then completes it). Nothing to re-open
-        here."""
+        """Restore what a re-opened directory holds into ``ring``, ``sampler`` and ``generator``;
+        returns whether its flushed state was saved by a flush cut short (the buffer then completes
+        it). Nothing to re-open here."""
         return False
 
 
 class MappedStorage(MemoryStorage):
-    """Env-major ``(E, M, *shape)`` files of the ``storage_dir`` ``path`` (re-opened when it holds this
-    configuration; ``reopened`` says so), host memory written through time-major views."""
+    """Env-major ``(E, M, *shape)`` files of the ``storage_dir`` ``path`` (re-opened when it holds
+    this configuration; ``reopened`` says so), host memory written through time-major views."""
 
     def __init__(self, config: ReplayConfig, path):
         M, E = config.max_rows, config.n_envs
@@ -178,7 +194,8 @@ class MappedStorage(MemoryStorage):
 
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
         config = self.config
-        tiers.env_major_gather(work, starts, config.n_steps, config.n_envs, config.max_rows, prefetch=True)
+        tiers.env_major_gather(work, starts, config.n_steps, config.n_envs, config.max_rows,
+                               prefetch=True)
 
     @property
     def closed(self) -> bool:
@@ -186,10 +203,12 @@ class MappedStorage(MemoryStorage):
 
     def check_open(self) -> None:
         if self.dir.closed:
-            raise ValueError(f"storage_dir: {str(self.dir.path)!r} was closed; open a new buffer on it to write")
+            raise ValueError(f"storage_dir: {str(self.dir.path)!r} was closed; open a new buffer "
+                             "on it to write")
 
     def before_write(self, pos: int, count: int, total: int, T: int) -> None:
-        self.dir.before_write(pos, count, total, T, self.config.max_rows)  # held rows about to go: forgotten
+        # held rows about to go: forgotten
+        self.dir.before_write(pos, count, total, T, self.config.max_rows)
 
     def after_write(self, pos: int, count: int, total: int) -> None:
         self.dir.commit(pos, count, total)
@@ -204,5 +223,6 @@ class MappedStorage(MemoryStorage):
         pos, count, total, flushes = self.dir.opened_counters(M)
         trunc, ends, last = self.config.row_flags({p: self.data[p] for p in paths}, M)
         zeros = np.zeros((M, self.config.n_envs), dtype=bool)
-        ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total, last)
+        ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends,
+                     total, last)
         return self.dir.restore_flushed(ring, flushes, sampler.reopen, generator)

@@ -1,9 +1,10 @@
 """Transition: one batch of transitions, the tree of its nested leaves, and its conversions.
 
-A field may be a tensor (numpy array, ``__dlpack__`` array) or a nested dict of them. The buffers see a
-transition as flat leaves ``{(field, key, ...): leaf}`` (:func:`flatten` / :func:`unflatten`, printed by
-:func:`leaf_name`). The conversions (:func:`to`, :func:`items`, :func:`to_tensordict`, :func:`from_tensordict`)
-are also :class:`Transition`'s methods; ``tensordict`` is an optional dependency, imported only when used.
+A field may be a tensor (numpy array, ``__dlpack__`` array) or a nested dict of them. The buffers
+see a transition as flat leaves ``{(field, key, ...): leaf}`` (:func:`flatten` / :func:`unflatten`,
+printed by :func:`leaf_name`). The conversions (:func:`to`, :func:`items`, :func:`to_tensordict`,
+:func:`from_tensordict`) are also :class:`Transition`'s methods; ``tensordict`` is an optional
+dependency, imported only when used.
 """
 
 import dataclasses
@@ -21,11 +22,12 @@ FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_ob
 
 @dataclasses.dataclass
 class Transition:
-    """One batch of transitions; every field may be a tensor, a (nested) dict of tensors, or ``None``.
+    """One batch of transitions; every field may be a tensor, a (nested) dict of tensors, or
+    ``None``.
 
     ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled
-    from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first`` and ``mask`` only on batches sampled
-    with ``boundaries="mask"`` or ``"forbid"``. None of the three is ever stored.
+    from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first`` and ``mask`` only on batches
+    sampled with ``boundaries="mask"`` or ``"forbid"``. None of the three is ever stored.
     """
 
     observation: Any
@@ -40,26 +42,29 @@ class Transition:
     mask: Any = None
 
     def to(self, device, non_blocking: bool = False) -> "Transition":
-        """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy leaves become
-        tensors, ``None`` fields stay ``None``, a leaf already there is not copied. ``self`` is unchanged."""
+        """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy
+        leaves become tensors, ``None`` fields stay ``None``, a leaf already there is not copied.
+        ``self`` is unchanged."""
         return to(self, device, non_blocking)
 
     def __iter__(self):
-        """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in field
-        order, so ``dict(batch)`` holds what a buffer stores plus the sampled ``PER_weights`` / ``is_first`` /
-        ``mask``."""
+        """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in
+        field order, so ``dict(batch)`` holds what a buffer stores plus the sampled ``PER_weights``
+        / ``is_first`` / ``mask``."""
         return items(self)
 
     def to_tensordict(self, batch_dims: int | None = None):
-        """A ``tensordict.TensorDict`` of the set fields (no copy; nested dicts become nested TensorDicts).
-        ``batch_dims``: leading dims that form its batch size; ``None``: the longest leading shape all leaves
-        share, e.g. ``(B, n_steps)``. Needs the optional ``tensordict`` package."""
+        """A ``tensordict.TensorDict`` of the set fields (no copy; nested dicts become nested
+        TensorDicts). ``batch_dims``: leading dims that form its batch size; ``None``: the longest
+        leading shape all leaves share, e.g. ``(B, n_steps)``. Needs the optional ``tensordict``
+        package."""
         return to_tensordict(self, batch_dims)
 
     @classmethod
     def from_tensordict(cls, td) -> "Transition":
-        """The Transition of a ``TensorDict`` whose keys are Transition fields; missing fields are ``None``,
-        an unknown key raises ``ValueError`` naming it. Needs the optional ``tensordict`` package."""
+        """The Transition of a ``TensorDict`` whose keys are Transition fields; missing fields are
+        ``None``, an unknown key raises ``ValueError`` naming it. Needs the optional ``tensordict``
+        package."""
         return from_tensordict(td)
 
 
@@ -69,8 +74,9 @@ def leaf_name(path: tuple) -> str:
 
 
 def flatten(transition, name: str = "transition") -> dict[tuple, Any]:
-    """``{(field, key, ...): leaf}`` over the stored fields, in field order (``None`` fields and values left
-    out); ``name`` is the argument named when ``transition`` is not a :class:`Transition`."""
+    """``{(field, key, ...): leaf}`` over the stored fields, in field order (``None`` fields and
+    values left out); ``name`` is the argument named when ``transition`` is not a
+    :class:`Transition`."""
     if not isinstance(transition, Transition):
         raise TypeError(f"{name}: expected a gpubuf.Transition, got {type(transition).__name__}")
     leaves: dict[tuple, Any] = {}
@@ -112,12 +118,14 @@ def unflatten(leaves: dict[tuple, torch.Tensor]) -> Transition:
 
 
 
-ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask")  # the stored fields, then those only sampling sets
+# the stored fields, then those only sampling sets
+ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask")
 
 
 def _check(transition) -> Transition:
     if not isinstance(transition, Transition):
-        raise TypeError(f"transition: expected a gpubuf.Transition, got {type(transition).__name__}")
+        raise TypeError("transition: expected a gpubuf.Transition, got "
+                        f"{type(transition).__name__}")
     return transition
 
 
@@ -127,9 +135,10 @@ def _is_set(value) -> bool:
 
 
 def items(transition: Transition) -> Iterator[tuple[str, Any]]:
-    """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in field order:
-    ``observation, action, reward, terminated, truncated, next_observation, info, PER_weights, is_first,
-    mask``. So ``dict(transition)`` holds exactly the fields a buffer stores, plus those sampling sets."""
+    """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in
+    field order: ``observation, action, reward, terminated, truncated, next_observation, info,
+    PER_weights, is_first, mask``. So ``dict(transition)`` holds exactly the fields a buffer stores,
+    plus those sampling sets."""
     _check(transition)
     for name in ALL_FIELDS:
         value = getattr(transition, name)
@@ -138,8 +147,8 @@ def items(transition: Transition) -> Iterator[tuple[str, Any]]:
 
 
 def _map_leaves(value, fn, path: str, keep_none: bool):
-    """``fn(leaf, path)`` over the leaves of a nested dict; a ``None`` inside a dict (not stored by the buffers)
-    stays ``None`` when ``keep_none``, else its key is left out."""
+    """``fn(leaf, path)`` over the leaves of a nested dict; a ``None`` inside a dict (not stored by
+    the buffers) stays ``None`` when ``keep_none``, else its key is left out."""
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
@@ -154,19 +163,22 @@ def _map_leaves(value, fn, path: str, keep_none: bool):
 
 
 def to(transition: Transition, device, non_blocking: bool = False) -> Transition:
-    """A new :class:`Transition` with every leaf (nested dicts included) a torch tensor on ``device``.
+    """A new :class:`Transition` with every leaf (nested dicts included) a torch tensor on
+    ``device``.
 
-    Numpy arrays and ``__dlpack__`` arrays become tensors; ``None`` fields (and ``None`` values inside dicts)
-    stay ``None``; a leaf already on
-    ``device`` is the same tensor (no copy), as ``Tensor.to`` does. ``transition`` itself is unchanged.
+    Numpy arrays and ``__dlpack__`` arrays become tensors; ``None`` fields (and ``None`` values
+    inside dicts) stay ``None``; a leaf already on
+    ``device`` is the same tensor (no copy), as ``Tensor.to`` does. ``transition`` itself is
+    unchanged.
     """
     _check(transition)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device: expected a torch device or its name, got {device!r}") from err
-    moved = {name: _map_leaves(value, lambda v, p: as_tensor(v, p).to(device, non_blocking=non_blocking), name,
-                               keep_none=True) for name, value in items(transition)}
+    moved = {name: _map_leaves(value, lambda v, p: as_tensor(v, p).to(device,
+                                                                     non_blocking=non_blocking),
+                               name, keep_none=True) for name, value in items(transition)}
     return Transition(**{**dict.fromkeys(FIELDS[:5]), **moved})
 
 
@@ -174,22 +186,24 @@ def _tensordict():
     try:
         import tensordict
     except ImportError as err:
-        raise ImportError("Transition <-> TensorDict needs the optional tensordict package: pip install "
-                          f"tensordict ({err})") from err
+        raise ImportError("Transition <-> TensorDict needs the optional tensordict package: pip "
+                          f"install tensordict ({err})") from err
     return tensordict
 
 
 def to_tensordict(transition: Transition, batch_dims: int | None = None):
-    """A ``TensorDict`` with one entry per set field (nested dicts become nested TensorDicts; ``None`` values
-    inside dicts, which the buffers do not store either, are left out).
+    """A ``TensorDict`` with one entry per set field (nested dicts become nested TensorDicts;
+    ``None`` values inside dicts, which the buffers do not store either, are left out).
 
-    ``batch_dims``: how many leading dims are the batch (``batch_size`` of the TensorDict); they must agree
-    across leaves. ``None``: the longest leading shape all leaves share, e.g. ``(B, n_steps)`` for a sampled
-    batch of windows. The leaves are the transition's tensors (no copy); numpy leaves become tensors.
+    ``batch_dims``: how many leading dims are the batch (``batch_size`` of the TensorDict); they
+    must agree across leaves. ``None``: the longest leading shape all leaves share, e.g. ``(B,
+    n_steps)`` for a sampled batch of windows. The leaves are the transition's tensors (no copy);
+    numpy leaves become tensors.
     """
     tensordict = _tensordict()
     leaves: dict[str, torch.Tensor] = {}
-    data = {name: _map_leaves(value, lambda v, p: leaves.setdefault(p, as_tensor(v, p)), name, keep_none=False)
+    data = {name: _map_leaves(value, lambda v, p: leaves.setdefault(p, as_tensor(v, p)), name,
+                              keep_none=False)
             for name, value in items(transition)}
     if not leaves:
         raise ValueError("transition: expected at least one field that is set, got none")
@@ -202,28 +216,31 @@ def to_tensordict(transition: Transition, batch_dims: int | None = None):
             batch.append(dims[0])
         batch = batch[: min(len(s) for s in shapes)]
     else:
-        if isinstance(batch_dims, bool) or not isinstance(batch_dims, (int, np.integer)) or batch_dims < 0:
+        if isinstance(batch_dims, bool) or not isinstance(batch_dims, (int, np.integer)) \
+                or batch_dims < 0:
             raise ValueError(f"batch_dims: expected an int >= 0 or None, got {batch_dims!r}")
         batch_dims = int(batch_dims)
         batch = None
         for path, t in leaves.items():
             if t.dim() < batch_dims or (batch is not None and list(t.shape[:batch_dims]) != batch):
-                raise ValueError(f"batch_dims: leaf {path} has shape {tuple(t.shape)}, expected it to start with "
-                                 f"{batch_dims} batch dims shared by all leaves"
+                raise ValueError(f"batch_dims: leaf {path} has shape {tuple(t.shape)}, expected it "
+                                 f"to start with {batch_dims} batch dims shared by all leaves"
                                  + ("" if batch is None else f" ({tuple(batch)})"))
             batch = list(t.shape[:batch_dims])
     return tensordict.TensorDict(data, batch_size=batch)
 
 
 def from_tensordict(td) -> Transition:
-    """The :class:`Transition` of a ``TensorDict`` whose keys are Transition fields (nested TensorDicts become
-    dicts). Missing fields are ``None``; an unknown key raises ``ValueError`` naming it."""
+    """The :class:`Transition` of a ``TensorDict`` whose keys are Transition fields (nested
+    TensorDicts become dicts). Missing fields are ``None``; an unknown key raises ``ValueError``
+    naming it."""
     tensordict = _tensordict()
     if not isinstance(td, tensordict.TensorDictBase):
         raise TypeError(f"td: expected a TensorDict, got {type(td).__name__}")
     unknown = [k for k in td.keys() if k not in ALL_FIELDS]
     if unknown:
-        raise ValueError(f"td: unknown keys {unknown}; expected Transition fields {list(ALL_FIELDS)}")
+        raise ValueError(f"td: unknown keys {unknown}; expected Transition fields "
+                         f"{list(ALL_FIELDS)}")
     fields = {}
     for name in td.keys():
         value = td.get(name)
