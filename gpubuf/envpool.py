@@ -1,15 +1,16 @@
 """Env outputs -> stacked-info device tensors, and an EnvPool driver that feeds the buffers.
 
-:class:`StepStager` turns one batch of env outputs (numpy, torch on any device, or ``__dlpack__`` arrays
-from a GPU simulator) into the stacked-info layout on the device: the observation
-``(R, 1, *obs)``, the executed ``action`` echo ``(R, 1, A)`` float32 with NaN on reset frames, ``reward``
-``(R, 1)`` float32, ``terminated``/``truncated`` ``(R, 1)`` bool. Host arrays go through pinned staging;
-device arrays are used in place (no host round trip, no copy).
+:class:`StepStager` turns one batch of env outputs (numpy, torch on any device, or ``__dlpack__``
+arrays from a GPU simulator) into the stacked-info layout on the device: the observation
+``(R, 1, *obs)``, the executed ``action`` echo ``(R, 1, A)`` float32 with NaN on reset frames,
+``reward`` ``(R, 1)`` float32, ``terminated``/``truncated`` ``(R, 1)`` bool. Host arrays go through
+pinned staging; device arrays are used in place (no host round trip, no copy).
 
-:class:`EnvPoolSource` drives an ``envpool`` env in sync mode (``batch_size == num_envs``) or async mode
-(``send``/``recv`` with ``env_id`` routing) and can append every received row to a :class:`HistoryBuffer`
-(flushing envs on their reset frame) and insert transitions into a ``TransitionBuffer``.
-Imports are absolute, so this module (``gpubuf.envpool``) never shadows the ``envpool`` package.
+:class:`EnvPoolSource` drives an ``envpool`` env in sync mode (``batch_size == num_envs``) or async
+mode (``send``/``recv`` with ``env_id`` routing) and can append every received row to a
+:class:`HistoryBuffer` (flushing envs on their reset frame) and insert transitions into a
+``TransitionBuffer``. Imports are absolute, so this module (``gpubuf.envpool``) never shadows the
+``envpool`` package.
 """
 
 from collections.abc import Mapping
@@ -28,9 +29,9 @@ from gpubuf.transition import Transition, flatten, leaf_name
 class Step:
     """One received batch: ``info`` in the stacked layout (device), and host-side routing.
 
-    ``info`` tensors are valid until the next step: device inputs are passed through without a copy and
-    host inputs bound for CUDA sit in the stager's reusable pinned/device staging. The buffers copy what
-    they store. ``env_ids`` ``(R,)`` int64 and ``first`` ``(R,)`` bool (reset frames)
+    ``info`` tensors are valid until the next step: device inputs are passed through without a copy
+    and host inputs bound for CUDA sit in the stager's reusable pinned/device staging. The buffers
+    copy what they store. ``env_ids`` ``(R,)`` int64 and ``first`` ``(R,)`` bool (reset frames)
     live on the host, where the env already put them.
     """
 
@@ -40,19 +41,21 @@ class Step:
 
 
 class StepStager:
-    """Puts one batch of env outputs on the device in the stacked-info layout, without a host round trip.
+    """Puts one batch of env outputs on the device in the stacked-info layout, without a host round
+    trip.
 
     Args:
         n_envs: number of envs (the most rows one call may carry).
         obs_key: the info key of the observation.
         device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
 
-    Host arrays bound for CUDA go through preallocated pinned staging (one non-blocking copy per key);
-    arrays already on the device are used as they are. Shapes are fixed by the first call.
+    Host arrays bound for CUDA go through preallocated pinned staging (one non-blocking copy per
+    key); arrays already on the device are used as they are. Shapes are fixed by the first call.
     """
 
     def __init__(self, n_envs: int, obs_key: str = "observation", *, device=None):
-        if not isinstance(obs_key, str) or obs_key in ("action", "reward", "terminated", "truncated"):
+        if not isinstance(obs_key, str) or obs_key in ("action", "reward", "terminated",
+                                                       "truncated"):
             raise ValueError(f"obs_key: expected a str other than the step keys, got {obs_key!r}")
         self.n_envs = positive_int("n_envs", n_envs)
         self.obs_key = obs_key
@@ -63,13 +66,15 @@ class StepStager:
         self._dtypes = {"action": torch.float32, "reward": torch.float32, "terminated": torch.bool,
                         "truncated": torch.bool}
 
-    def __call__(self, obs, action, reward, terminated, truncated, env_ids=None, first=None, more=None) -> Step:
-        """Stage ``R`` rows: ``obs (R, *obs)``, ``action (R,)`` or ``(R, A)``, ``reward``/``terminated``/
-        ``truncated`` ``(R,)``; ``env_ids (R,)`` host ints (all envs if ``None``); ``first (R,)`` host bools
-        marking reset frames, whose action echo becomes NaN; ``more``: further keys ``{name: (R, ...)}``
-        staged as ``(R, 1, ...)`` in their own dtype (EnvPool info fields). ``action`` and ``reward`` are
-        stored as float32 and must fit it (:func:`gpubuf.inputs.check_cast`); ``terminated``/``truncated``/
-        ``first`` are bool or 0/1 integers. Every check runs before any write."""
+    def __call__(self, obs, action, reward, terminated, truncated, env_ids=None, first=None,
+                 more=None) -> Step:
+        """Stage ``R`` rows: ``obs (R, *obs)``, ``action (R,)`` or ``(R, A)``,
+        ``reward``/``terminated``/ ``truncated`` ``(R,)``; ``env_ids (R,)`` host ints (all envs if
+        ``None``); ``first (R,)`` host bools marking reset frames, whose action echo becomes NaN;
+        ``more``: further keys ``{name: (R, ...)}`` staged as ``(R, 1, ...)`` in their own dtype
+        (EnvPool info fields). ``action`` and ``reward`` are stored as float32 and must fit it
+        (:func:`gpubuf.inputs.check_cast`); ``terminated``/``truncated``/ ``first`` are bool or 0/1
+        integers. Every check runs before any write."""
         ids = self._all_ids if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         R = len(ids)
         first = np.zeros(R, dtype=bool) if first is None else as_flags(first, "first", (R,))
@@ -83,7 +88,8 @@ class StepStager:
         for key, value in raw.items():
             t = as_tensor(value, key)
             if t.dim() == 0 or t.shape[0] != R:
-                raise ValueError(f"{key}: expected a leading env dim of {R} rows, got shape {tuple(t.shape)}")
+                raise ValueError(f"{key}: expected a leading env dim of {R} rows, got shape "
+                                 f"{tuple(t.shape)}")
             if key == "action" and t.dim() == 1:
                 t = t[:, None]
             elif key in ("reward", "terminated", "truncated") and t.dim() != 1:
@@ -96,15 +102,19 @@ class StepStager:
         if not self._shapes:
             self._shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
         if values.keys() != self._shapes.keys():
-            raise ValueError(f"more: keys are fixed by the first call {sorted(self._shapes)}, got {sorted(values)}")
+            raise ValueError(f"more: keys are fixed by the first call {sorted(self._shapes)}, got "
+                             f"{sorted(values)}")
         for key, t in values.items():
             want = self._shapes[key]
             if tuple(t.shape[1:]) != want:
-                raise ValueError(f"{key}: expected per-env shape {want[1:]}, got {tuple(t.shape[2:])}")
+                raise ValueError(f"{key}: expected per-env shape {want[1:]}, got "
+                                 f"{tuple(t.shape[2:])}")
         info = {}
         for key, t in values.items():
-            dev = self._staging.to_device(t, key)  # ``t`` itself when already on the device: no copy
-            info[key] = dev if dev.dtype == self._dtypes.get(key, dev.dtype) else dev.to(self._dtypes[key])
+            # ``t`` itself when already on the device: no copy
+            dev = self._staging.to_device(t, key)
+            want = self._dtypes.get(key, dev.dtype)
+            info[key] = dev if dev.dtype == want else dev.to(want)
         if first.any():
             mask = self._staging.to_device(torch.from_numpy(first), "__first__")
             info["action"] = torch.where(mask.view(R, 1, 1), float("nan"), info["action"])
@@ -118,8 +128,9 @@ def _space_layout(space) -> tuple[np.dtype, tuple]:
 
 
 def action_fill(dtype) -> float | int | bool:
-    """The action stored on a row whose action the env ignored: NaN for float actions, -1 for signed integer
-    actions (outside every ``Discrete`` space), the largest value for unsigned ones (False for bool)."""
+    """The action stored on a row whose action the env ignored: NaN for float actions, -1 for signed
+    integer actions (outside every ``Discrete`` space), the largest value for unsigned ones (False
+    for bool)."""
     dtype = np.dtype(dtype)
     if dtype.kind in "fc":
         return float("nan")
@@ -135,48 +146,54 @@ class EnvPoolSource:
     """Steps an ``envpool`` env and hands every received row to the buffers as device tensors.
 
     Args:
-        env: an ``envpool.make(..., env_type="gymnasium")`` env; async when ``batch_size < num_envs``.
-        obs_key: info key of the observation (``"pixels"`` suits image envs).
+        env: an ``envpool.make(..., env_type="gymnasium")`` env; async when ``batch_size <
+        num_envs``. obs_key: info key of the observation (``"pixels"`` suits image envs).
         device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
         history: a :class:`~gpubuf.HistoryBuffer` with ``n_envs == num_envs``: each received row is
             appended to its env's history, after flushing envs whose row is a reset frame.
-        transitions: a ``TransitionBuffer`` built from :meth:`transition_sample` (rows below); checked against
-            the source's rows here, or when set later as the :attr:`transitions` attribute (also mid-run).
-        info_keys: EnvPool info fields to store (e.g. ``("elapsed_step", "lives")``): appended to the history
-            under their own names ``(R, 1, ...)`` and stored in the transitions as ``info[name]``, the value
-            the env reported with the row's ``observation``. Shapes and dtypes are EnvPool's.
+        transitions: a ``TransitionBuffer`` built from :meth:`transition_sample` (rows below);
+            checked against the source's rows here, or when set later as the :attr:`transitions`
+            attribute (also mid-run).
+        info_keys: EnvPool info fields to store (e.g. ``("elapsed_step", "lives")``): appended to
+            the history under their own names ``(R, 1, ...)`` and stored in the transitions as
+            ``info[name]``, the value the env reported with the row's ``observation``. Shapes and
+            dtypes are EnvPool's.
 
-    Rows of a vectorized ``transitions`` buffer (sync only; one time row of every env per step). The row
-    written at a step holds ``observation`` (what the env showed before the step), ``action`` (what it
-    executed), ``reward``, ``terminated`` (the env's), ``truncated`` and ``info["is_last"]``; its next
-    observation is the next row's ``observation``. After an episode's last transition (terminated or
-    truncated), EnvPool's next step ignores its action and returns the reset frame (``elapsed_step == 0``):
-    that step's row holds the episode's last observation, ``action`` :func:`action_fill` (NaN for float
-    actions, -1 for integer ones), reward 0, ``terminated`` False, and ``truncated`` and ``is_last`` True.
-    So the terminal observation is the next observation of the episode's last transition, an ``is_last``
-    row never starts a sampled window (``with_next_obs`` never draws one as a transition), the row after it
-    holds the reset frame, and the buffers' ``boundaries="mask"`` marks ``is_first`` exactly there.
-    ``truncated`` is set on ``is_last`` rows only: a truncated episode's last transition keeps
-    ``truncated`` False, as its next observation (the last one) is real and may be bootstrapped from.
-    A ``reset()`` after rows were written ends every episode the same way (one ``is_last`` row per env).
+    Rows of a vectorized ``transitions`` buffer (sync only; one time row of every env per step). The
+    row written at a step holds ``observation`` (what the env showed before the step), ``action``
+    (what it executed), ``reward``, ``terminated`` (the env's), ``truncated`` and
+    ``info["is_last"]``; its next observation is the next row's ``observation``. After an episode's
+    last transition (terminated or truncated), EnvPool's next step ignores its action and returns
+    the reset frame (``elapsed_step == 0``): that step's row holds the episode's last observation,
+    ``action`` :func:`action_fill` (NaN for float actions, -1 for integer ones), reward 0,
+    ``terminated`` False, and ``truncated`` and ``is_last`` True. So the terminal observation is the
+    next observation of the episode's last transition, an ``is_last`` row never starts a sampled
+    window (``with_next_obs`` never draws one as a transition), the row after it holds the reset
+    frame, and the buffers' ``boundaries="mask"`` marks ``is_first`` exactly there. ``truncated`` is
+    set on ``is_last`` rows only: a truncated episode's last transition keeps ``truncated`` False,
+    as its next observation (the last one) is real and may be bootstrapped from. A ``reset()`` after
+    rows were written ends every episode the same way (one ``is_last`` row per env).
 
-    Rows of a buffer with ``vectorized_env=False`` (sync or async): each received row but reset frames is
-    one transition with its ``next_observation`` and the env's ``terminated``/``truncated``.
+    Rows of a buffer with ``vectorized_env=False`` (sync or async): each received row but reset
+    frames is one transition with its ``next_observation`` and the env's
+    ``terminated``/``truncated``.
 
     Extra per-step data: build the buffer from ``transition_sample(extra={name: example})`` and pass
-    ``extra={name: (R, ...)}`` with every ``send``/``step``; each value is stored as ``info[name]`` in the
-    row of the step it was sent with (as sent, on ``is_last`` rows too; :func:`action_fill` on the rows a
-    ``reset()`` adds).
+    ``extra={name: (R, ...)}`` with every ``send``/``step``; each value is stored as ``info[name]``
+    in the row of the step it was sent with (as sent, on ``is_last`` rows too; :func:`action_fill`
+    on the rows a ``reset()`` adds).
 
-    Sync: ``step = src.reset(); step = src.step(actions)``. Async: ``step = src.reset()`` (first batch),
-    then ``src.send(actions, step.env_ids); step = src.recv()``.
+    Sync: ``step = src.reset(); step = src.step(actions)``. Async: ``step = src.reset()`` (first
+    batch), then ``src.send(actions, step.env_ids); step = src.recv()``.
     """
 
-    def __init__(self, env, *, obs_key: str = "observation", device=None, history=None, transitions=None,
+    def __init__(self, env, *, obs_key: str = "observation", device=None, history=None,
+                 transitions=None,
                  info_keys=()):
         config = getattr(env, "config", None)
         if not isinstance(config, dict) or "num_envs" not in config or not hasattr(env, "recv"):
-            raise TypeError(f"env: expected an envpool env (envpool.make(...)), got {type(env).__name__}")
+            raise TypeError("env: expected an envpool env (envpool.make(...)), got "
+                            f"{type(env).__name__}")
         self.env = env
         self.n_envs = int(config["num_envs"])
         self.batch_size = int(config["batch_size"])
@@ -186,46 +203,58 @@ class EnvPoolSource:
         self.device = self.stager.device
         self._staging = Staging(self.device)
         self.action_dtype, self.action_shape = _space_layout(env.action_space)
-        self.n_actions = getattr(env.action_space, "n", None)  # Discrete spaces: actions lie in [0, n)
+        # Discrete spaces: actions lie in [0, n)
+        self.n_actions = getattr(env.action_space, "n", None)
         self._bounds = None  # continuous spaces: (low, high) per action dim, what EnvPool clips to
         if self.action_dtype.kind == "f" and hasattr(env.action_space, "low"):
-            self._bounds = (np.broadcast_to(env.action_space.low, self.action_shape).astype(self.action_dtype),
-                            np.broadcast_to(env.action_space.high, self.action_shape).astype(self.action_dtype))
-        self._sent = np.zeros((self.n_envs, *self.action_shape), dtype=self.action_dtype)  # last sent, per env
+            self._bounds = (np.broadcast_to(env.action_space.low,
+                                            self.action_shape).astype(self.action_dtype),
+                            np.broadcast_to(env.action_space.high,
+                                            self.action_shape).astype(self.action_dtype))
+        # last sent, per env
+        self._sent = np.zeros((self.n_envs, *self.action_shape), dtype=self.action_dtype)
         self._in_flight = np.zeros(self.n_envs, dtype=bool)  # sent (or reset), not yet received
-        self._prev_obs = None  # (n_envs, *obs) device copy of each env's last observation (the pending row)
-        self._has_prev = np.zeros(self.n_envs, dtype=bool)  # host: whether _prev_obs holds one since the reset
-        self._prev_info = {k: np.zeros((self.n_envs, *s), d) for k, (s, d) in self._info_spec.items()}
-        self._fresh = np.ones(self.n_envs, dtype=bool)  # the buffer holds no row of the env's current episode
-        self._extra = {}  # name -> (n_envs, *shape) device tensor: the extra data last sent, per env
+        # (n_envs, *obs) device copy of each env's last observation (the pending row)
+        self._prev_obs = None
+        # host: whether _prev_obs holds one since the reset
+        self._has_prev = np.zeros(self.n_envs, dtype=bool)
+        self._prev_info = {k: np.zeros((self.n_envs, *s), d) for k, (s,
+                                                                     d) in self._info_spec.items()}
+        # the buffer holds no row of the env's current episode
+        self._fresh = np.ones(self.n_envs, dtype=bool)
+        # name -> (n_envs, *shape) device tensor: the extra data last sent, per env
+        self._extra = {}
         self._history = self._transitions = None
         self.history = history
         self.transitions = transitions
 
     def _check_info_keys(self, info_keys, obs_key) -> tuple:
         if isinstance(info_keys, (str, bytes)) or not isinstance(info_keys, (tuple, list)):
-            raise TypeError(f"info_keys: expected a tuple of EnvPool info field names such as ('elapsed_step',), "
-                            f"got {info_keys!r}")
+            raise TypeError("info_keys: expected a tuple of EnvPool info field names such as "
+                            f"('elapsed_step',), got {info_keys!r}")
         specs = getattr(getattr(self.env, "spec", None), "state_array_spec", {}) or {}
         self._info_spec = {}
         for key in info_keys:
             if not isinstance(key, str) or key in _RESERVED or key == obs_key:
-                raise ValueError(f"info_keys: expected field names other than {_RESERVED + (obs_key,)}, got {key!r}")
+                raise ValueError("info_keys: expected field names other than "
+                                 f"{_RESERVED + (obs_key,)}, got {key!r}")
             spec = specs.get(key if key == "elapsed_step" else f"info:{key}")
             if spec is None or key in self._info_spec:
                 have = sorted(k[5:] for k in specs if k.startswith("info:") and k not in (
                     "info:env_id", "info:players.env_id")) + ["elapsed_step"]
-                why = "is listed twice" if key in self._info_spec else f"is not one of this env's fields {have}"
+                why = ("is listed twice" if key in self._info_spec
+                       else f"is not one of this env's fields {have}")
                 raise ValueError(f"info_keys: {key!r} {why}")
-            self._info_spec[key] = (tuple(int(d) for d in spec.shape if d != -1), np.dtype(spec.dtype))
+            self._info_spec[key] = (tuple(int(d) for d in spec.shape if d != -1),
+                                    np.dtype(spec.dtype))
         return tuple(info_keys)
 
     # ------------------------------------------------------------------ buffers
 
     @property
     def history(self):
-        """The attached :class:`~gpubuf.HistoryBuffer` (or ``None``); may be set at any time (``n_envs`` must
-        match). One attached later starts with the next received row."""
+        """The attached :class:`~gpubuf.HistoryBuffer` (or ``None``); may be set at any time
+        (``n_envs`` must match). One attached later starts with the next received row."""
         return self._history
 
     @history.setter
@@ -237,14 +266,15 @@ class EnvPoolSource:
 
     @property
     def transitions(self):
-        """The attached ``TransitionBuffer`` (or ``None``); may be set at any time, also after ``reset()`` or
-        mid-run. Its leaves must be those of :meth:`transition_sample` (same paths, shapes and dtypes; any
-        further ``info`` leaves are extra data), else a ``ValueError`` naming the leaf, before anything is
-        attached. A buffer attached later stores the rows from each env's pending observation on (the one
-        already returned by ``reset()``/the last step), so its first row is that observation; extra leaves of
-        actions sent before attaching hold :func:`action_fill`. Replacing or detaching (``None``) a vectorized
-        buffer ends its episodes as a ``reset()`` does (one ``is_last`` row per env holding its pending
-        observation), so re-attaching it later never joins two stretches of a run."""
+        """The attached ``TransitionBuffer`` (or ``None``); may be set at any time, also after
+        ``reset()`` or mid-run. Its leaves must be those of :meth:`transition_sample` (same paths,
+        shapes and dtypes; any further ``info`` leaves are extra data), else a ``ValueError`` naming
+        the leaf, before anything is attached. A buffer attached later stores the rows from each
+        env's pending observation on (the one already returned by ``reset()``/the last step), so its
+        first row is that observation; extra leaves of actions sent before attaching hold
+        :func:`action_fill`. Replacing or detaching (``None``) a vectorized buffer ends its episodes
+        as a ``reset()`` does (one ``is_last`` row per env holding its pending observation), so
+        re-attaching it later never joins two stretches of a run."""
         return self._transitions
 
     @transitions.setter
@@ -256,7 +286,8 @@ class EnvPoolSource:
         self._end_episodes()
         self._transitions = tb
         self._fresh[:] = True  # the new buffer holds no row of the current episodes
-        self._extra = {name: torch.full((self.n_envs, *s), action_fill(_np_dtype(d)), dtype=d, device=self.device)
+        self._extra = {name: torch.full((self.n_envs, *s), action_fill(_np_dtype(d)), dtype=d,
+                                        device=self.device)
                        for name, (s, d) in self._extra_spec().items()}
 
     def _check_transitions(self, tb) -> None:
@@ -272,22 +303,25 @@ class EnvPoolSource:
         lead = 2 if vectorized else 1
         want = {p: (tuple(t.shape[lead:]), t.dtype)
                 for p, t in flatten(self.transition_sample(vectorized)).items()}
-        how = f"build it from this source's transition_sample({'' if vectorized else 'vectorized=False'})"
+        arg = "" if vectorized else "vectorized=False"
+        how = f"build it from this source's transition_sample({arg})"
         for path, (shape, dtype) in want.items():
             if path not in leaves:
-                raise ValueError(f"transitions: the buffer has no leaf {leaf_name(path)}, which this source's rows "
-                                 f"hold ({how})")
+                raise ValueError(f"transitions: the buffer has no leaf {leaf_name(path)}, which "
+                                 f"this source's rows hold ({how})")
             if leaves[path] != (shape, dtype):
-                raise ValueError(f"transitions: leaf {leaf_name(path)} is {leaves[path][1]} {leaves[path][0]} per "
-                                 f"row, this source's rows hold {dtype} {shape} ({how})")
+                raise ValueError(f"transitions: leaf {leaf_name(path)} is {leaves[path][1]} "
+                                 f"{leaves[path][0]} per row, this source's rows hold {dtype} "
+                                 f"{shape} ({how})")
         for path in leaves:
             if path not in want and (path[0] != "info" or len(path) != 2 or path[1] in _RESERVED):
-                raise ValueError(f"transitions: the buffer has a leaf {leaf_name(path)}, which this source's rows "
-                                 f"do not hold (extra data are info leaves; {how})")
+                raise ValueError(f"transitions: the buffer has a leaf {leaf_name(path)}, which "
+                                 "this source's rows do not hold (extra data are info leaves; "
+                                 f"{how})")
 
     def _end_episodes(self) -> None:
-        """Write each env's pending observation as an ``is_last`` row of a vectorized buffer holding rows of
-        the current episodes (a ``reset()``, or the buffer replaced)."""
+        """Write each env's pending observation as an ``is_last`` row of a vectorized buffer holding
+        rows of the current episodes (a ``reset()``, or the buffer replaced)."""
         if self._has_prev.all() and not self._fresh.all() and self._transitions is not None \
                 and self._transitions.vectorized_env:
             self._insert_last_rows()
@@ -295,10 +329,10 @@ class EnvPoolSource:
     # ------------------------------------------------------------------ stepping
 
     def reset(self) -> Step:
-        """Reset every env (sync) or start the async pool; returns the first received batch. With a vectorized
-        ``transitions`` buffer that holds rows, each env's last observation is first written as an ``is_last``
-        row (the episode ends there); an env whose last observation was already a reset frame then holds a
-        one-row episode of that frame."""
+        """Reset every env (sync) or start the async pool; returns the first received batch. With a
+        vectorized ``transitions`` buffer that holds rows, each env's last observation is first
+        written as an ``is_last`` row (the episode ends there); an env whose last observation was
+        already a reset frame then holds a one-row episode of that frame."""
         self._end_episodes()
         self._sent[:] = 0
         self._has_prev[:] = False
@@ -312,35 +346,43 @@ class EnvPoolSource:
         return self._receive(obs, zeros, zeros.astype(bool), zeros.astype(bool), info)
 
     def send(self, actions, env_ids=None, extra=None) -> None:
-        """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R, *shape)``.
+        """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R,
+        *shape)``.
 
-        ``env_ids`` must be distinct envs that are not in flight (sent or reset and not yet received); with a
-        vectorized ``transitions`` buffer every env steps together, so ``env_ids`` must cover all envs. A
-        discrete env takes integers in ``[0, n)``; floats are accepted only when integral (``2.0``), so a
-        continuous planner's output must be mapped explicitly (e.g. ``(plan > 0).long()``). A continuous env
-        takes finite values that fit its action dtype; values outside its ``Box`` are clipped to it before
-        they are sent, as EnvPool would apply them, so the buffers store what the env executed (clipping, not
-        rejecting: a Gaussian policy's samples routinely leave the box, and the env accepts them).
-        ``actions`` is ``(R, *shape)`` (singleton axes may be added or dropped). ``extra``: ``{name: (R, ...)}``
-        per-env data for the transitions buffer's own ``info`` leaves (see the class). Anything else is a
+        ``env_ids`` must be distinct envs that are not in flight (sent or reset and not yet
+        received); with a vectorized ``transitions`` buffer every env steps together, so ``env_ids``
+        must cover all envs. A discrete env takes integers in ``[0, n)``; floats are accepted only
+        when integral (``2.0``), so a continuous planner's output must be mapped explicitly (e.g.
+        ``(plan > 0).long()``). A continuous env takes finite values that fit its action dtype;
+        values outside its ``Box`` are clipped to it before they are sent, as EnvPool would apply
+        them, so the buffers store what the env executed (clipping, not rejecting: a Gaussian
+        policy's samples routinely leave the box, and the env accepts them). ``actions`` is ``(R,
+        *shape)`` (singleton axes may be added or dropped). ``extra``: ``{name: (R, ...)}`` per-env
+        data for the transitions buffer's own ``info`` leaves (see the class). Anything else is a
         ``ValueError``/``TypeError`` before anything is sent."""
-        ids = np.arange(self.n_envs) if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
+        ids = np.arange(self.n_envs) if env_ids is None else as_index_array(env_ids, "env_ids",
+                                                                            self.n_envs)
         if len(np.unique(ids)) != len(ids):
             dup = np.unique(ids[np.bincount(ids, minlength=self.n_envs)[ids] > 1])
-            raise ValueError(f"env_ids: each env takes one action per send, got duplicates {dup[:5].tolist()}")
+            raise ValueError("env_ids: each env takes one action per send, got duplicates "
+                             f"{dup[:5].tolist()}")
         if self._in_flight[ids].any():
-            raise ValueError(f"env_ids: envs {ids[self._in_flight[ids]][:5].tolist()} are in flight (sent or reset, "
-                             "not yet received): recv() them before sending again")
-        if self.transitions is not None and self.transitions.vectorized_env and len(ids) != self.n_envs:
-            raise ValueError(f"env_ids: a vectorized transitions buffer stores one time row of all {self.n_envs} "
-                             f"envs per step; send an action to every env, got {len(ids)}")
+            raise ValueError(f"env_ids: envs {ids[self._in_flight[ids]][:5].tolist()} are in "
+                             "flight (sent or reset, not yet received): recv() them before sending "
+                             "again")
+        tb = self.transitions
+        if tb is not None and tb.vectorized_env and len(ids) != self.n_envs:
+            raise ValueError("env_ids: a vectorized transitions buffer stores one time row of all "
+                             f"{self.n_envs} envs per step; send an action to every env, got "
+                             f"{len(ids)}")
         acts = self._host_actions(actions, len(ids))
         extras = self._check_extra(extra, len(ids))
         self.env.send(acts, ids.astype(np.int32))
         self._sent[ids] = acts
         self._in_flight[ids] = True
         if extras:
-            dev_ids = self._staging.to_device(torch.from_numpy(ids.astype(np.int64)), "__extra_ids__")
+            dev_ids = self._staging.to_device(torch.from_numpy(ids.astype(np.int64)),
+                                              "__extra_ids__")
             for name, t in extras.items():
                 self._extra[name].index_copy_(0, dev_ids, t)
 
@@ -350,7 +392,8 @@ class EnvPoolSource:
         return self._receive(obs, reward, terminated, truncated, info)
 
     def step(self, actions, env_ids=None, extra=None) -> Step:
-        """``send`` then ``recv`` (in async mode the received envs may differ from the sent ones)."""
+        """``send`` then ``recv`` (in async mode the received envs may differ from the sent
+        ones)."""
         self.send(actions, env_ids, extra)
         return self.recv()
 
@@ -369,26 +412,30 @@ class EnvPoolSource:
             raise ValueError(f"actions: expected shape {want}, got {arr.shape}")
         if self.action_dtype.kind == "f":  # a continuous env: finite values its dtype holds
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                raise ValueError(f"actions: expected finite actions, got {arr[~np.isfinite(arr)][:5].tolist()}")
+                raise ValueError("actions: expected finite actions, got "
+                                 f"{arr[~np.isfinite(arr)][:5].tolist()}")
             check_cast(torch.from_numpy(np.ascontiguousarray(arr)), torch.from_numpy(
                 np.zeros(0, self.action_dtype)).dtype, "actions")
             arr = arr.reshape(want).astype(self.action_dtype)
             if self._bounds is not None:  # what the env executes (EnvPool clips to its box)
                 arr = np.clip(arr, *self._bounds)
             return arr
-        if self.action_dtype.kind in "iu":  # a discrete env: integral actions only, never truncated silently
+        # a discrete env: integral actions only, never truncated silently
+        if self.action_dtype.kind in "iu":
             if arr.dtype.kind == "f" and not np.array_equal(arr, np.trunc(arr)):
                 bad = arr[~(arr == np.trunc(arr))][:5].tolist()
-                raise ValueError(f"actions: a discrete env takes integer actions, got {bad}; map a continuous "
-                                 "planner's output explicitly (e.g. (plan > 0).long() or plan.round())")
-            if self.n_actions is not None and arr.size and not (0 <= arr.min() and arr.max() < self.n_actions):
+                raise ValueError(f"actions: a discrete env takes integer actions, got {bad}; map a "
+                                 "continuous planner's output explicitly (e.g. (plan > 0).long() "
+                                 "or plan.round())")
+            n = self.n_actions
+            if n is not None and arr.size and not (0 <= arr.min() and arr.max() < n):
                 raise ValueError(f"actions: expected actions in [0, {self.n_actions}), got "
                                  f"[{arr.min()}, {arr.max()}]")
         return arr.reshape(want).astype(self.action_dtype, copy=False)
 
     def _extra_spec(self) -> dict:
-        """``{name: (per-env shape, dtype)}`` of the transitions buffer's ``info`` leaves the source does not
-        fill itself: the user's extra data."""
+        """``{name: (per-env shape, dtype)}`` of the transitions buffer's ``info`` leaves the source
+        does not fill itself: the user's extra data."""
         tb = self._transitions
         if tb is None:
             return {}
@@ -397,29 +444,34 @@ class EnvPoolSource:
                 if p[0] == "info" and len(p) == 2 and p[1] not in own}
 
     def _check_extra(self, extra, R: int) -> dict:
-        """``extra`` checked against the buffer's leaves: ``{name: (R, *shape) device tensor}`` in its dtype."""
+        """``extra`` checked against the buffer's leaves: ``{name: (R, *shape) device tensor}`` in
+        its dtype."""
         spec = self._extra_spec()
         if extra is None:
             extra = {}
         if not isinstance(extra, Mapping):
             raise TypeError(f"extra: expected a dict of per-env arrays, got {type(extra).__name__}")
         if extra.keys() != spec.keys():
-            where = "the transitions buffer's own info leaves" if self.transitions is not None else \
-                "a transitions buffer built from transition_sample(extra=...)"
-            raise ValueError(f"extra: expected the keys of {where} {sorted(spec)}, got {sorted(extra)}")
+            where = ("the transitions buffer's own info leaves" if self.transitions is not None
+                     else "a transitions buffer built from transition_sample(extra=...)")
+            raise ValueError(f"extra: expected the keys of {where} {sorted(spec)}, got "
+                             f"{sorted(extra)}")
         out = {}
         for name, value in extra.items():
             shape, dtype = spec[name]
             t = as_tensor(value, f"extra[{name!r}]")
             if tuple(t.shape) != (R, *shape):
-                raise ValueError(f"extra[{name!r}]: expected shape {(R, *shape)}, got {tuple(t.shape)}")
+                raise ValueError(f"extra[{name!r}]: expected shape {(R, *shape)}, got "
+                                 f"{tuple(t.shape)}")
             check_cast(t, dtype, f"extra[{name!r}]")
             out[name] = t
         staged = {}
         for name, t in out.items():
             shape, dtype = spec[name]
-            if name not in self._extra or self._extra[name].shape[1:] != shape or self._extra[name].dtype != dtype:
-                self._extra[name] = torch.full((self.n_envs, *shape), action_fill(_np_dtype(dtype)), dtype=dtype,
+            held = self._extra.get(name)
+            if held is None or held.shape[1:] != shape or held.dtype != dtype:
+                self._extra[name] = torch.full((self.n_envs, *shape), action_fill(_np_dtype(dtype)),
+                                               dtype=dtype,
                                                device=self.device)
             staged[name] = t.to(self.device, dtype)
         return staged
@@ -433,10 +485,11 @@ class EnvPoolSource:
         for key, (shape, dtype) in self._info_spec.items():
             a = np.asarray(info[key])
             if a.shape != (len(ids), *shape) or a.dtype != dtype:
-                raise ValueError(f"info_keys: EnvPool's {key!r} came as {a.dtype} {a.shape}, expected {dtype} "
-                                 f"{(len(ids), *shape)}")
+                raise ValueError(f"info_keys: EnvPool's {key!r} came as {a.dtype} {a.shape}, "
+                                 f"expected {dtype} {(len(ids), *shape)}")
             infos[key] = a
-        step = self.stager(obs, sent.reshape(len(ids), -1).astype(np.float32), reward, terminated, truncated,
+        step = self.stager(obs, sent.reshape(len(ids), -1).astype(np.float32), reward, terminated,
+                           truncated,
                            ids, first, infos)
         if self.history is not None:
             if first.any():
@@ -451,15 +504,19 @@ class EnvPoolSource:
         return step
 
     def _remember(self, step: Step) -> None:
-        """Keep each received env's observation: the pending row, stored by the next step (or a buffer attached
-        before it)."""
+        """Keep each received env's observation: the pending row, stored by the next step (or a
+        buffer attached before it)."""
         obs, ids = step.info[self.stager.obs_key][:, 0], step.env_ids
         if self._prev_obs is None:
-            self._prev_obs = torch.zeros((self.n_envs, *obs.shape[1:]), dtype=obs.dtype, device=self.device)
+            self._prev_obs = torch.zeros((self.n_envs, *obs.shape[1:]), dtype=obs.dtype,
+                                         device=self.device)
         if len(ids) == self.n_envs and (ids == np.arange(self.n_envs)).all():
-            self._prev_obs.copy_(obs)  # sync, in env order: a plain copy (index_copy_ is ~40x slower on CPU)
+            # sync, in env order: a plain copy (index_copy_ is ~40x slower on CPU)
+            self._prev_obs.copy_(obs)
         else:
-            self._prev_obs.index_copy_(0, self._staging.to_device(torch.from_numpy(ids), "__prev_ids__"), obs)
+            self._prev_obs.index_copy_(0,
+                                       self._staging.to_device(torch.from_numpy(ids),
+                                                               "__prev_ids__"), obs)
         self._has_prev[ids] = True
 
     # ------------------------------------------------------------------ transitions
@@ -468,25 +525,28 @@ class EnvPoolSource:
         """A ``Transition`` shaped like one insert, to build the ``transitions`` buffer from.
 
         ``vectorized=True`` (sync only): leaves ``(1, num_envs, ...)``, one time row per step, next
-        observations inferred by the buffer, ``info["is_last"]`` marking the rows that hold no transition (see
-        the class). ``vectorized=False`` (sync or async; build the buffer with ``vectorized_env=False``):
-        leaves ``(1, ...)`` with an explicit ``next_observation``; each received row is one transition and
-        reset frames are skipped. Either way ``info`` holds the ``info_keys`` fields and ``extra``: ``{name:
-        example}``, one env's value of each extra leaf (its shape and dtype; e.g. ``np.float32(0)`` for a
-        log-probability), which every ``send``/``step`` must then pass.
+        observations inferred by the buffer, ``info["is_last"]`` marking the rows that hold no
+        transition (see the class). ``vectorized=False`` (sync or async; build the buffer with
+        ``vectorized_env=False``): leaves ``(1, ...)`` with an explicit ``next_observation``; each
+        received row is one transition and reset frames are skipped. Either way ``info`` holds the
+        ``info_keys`` fields and ``extra``: ``{name: example}``, one env's value of each extra leaf
+        (its shape and dtype; e.g. ``np.float32(0)`` for a log-probability), which every
+        ``send``/``step`` must then pass.
         """
         space = self.env.observation_space
         lead = (1, self.n_envs) if vectorized else (1,)
         obs = torch.from_numpy(np.zeros((*lead, *space.shape), dtype=space.dtype))
         info = {"is_last": torch.zeros(lead, dtype=torch.bool)} if vectorized else {}
-        info.update({k: torch.from_numpy(np.zeros((*lead, *s), d)) for k, (s, d) in self._info_spec.items()})
+        info.update({k: torch.from_numpy(np.zeros((*lead, *s), d))
+                     for k, (s, d) in self._info_spec.items()})
         if extra is not None:
             if not isinstance(extra, Mapping):
-                raise TypeError(f"extra: expected a dict of example values, got {type(extra).__name__}")
+                raise TypeError("extra: expected a dict of example values, got "
+                                f"{type(extra).__name__}")
             for name, value in extra.items():
                 if not isinstance(name, str) or name in info or name in _RESERVED:
-                    raise ValueError(f"extra: expected names other than {sorted(set(info) | set(_RESERVED))}, "
-                                     f"got {name!r}")
+                    raise ValueError("extra: expected names other than "
+                                     f"{sorted(set(info) | set(_RESERVED))}, got {name!r}")
                 t = as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value,
                               f"extra[{name!r}]")
                 info[name] = torch.zeros((*lead, *t.shape), dtype=t.dtype)
@@ -501,7 +561,8 @@ class EnvPoolSource:
         )
 
     def _extra_rows(self, env_ids: np.ndarray) -> dict:
-        """The extra data last sent to ``env_ids`` (host ints), ``{name: (len, *shape)}`` device tensors."""
+        """The extra data last sent to ``env_ids`` (host ints), ``{name: (len, *shape)}`` device
+        tensors."""
         spec = self._extra_spec()
         if not spec:
             return {}
@@ -509,32 +570,41 @@ class EnvPoolSource:
         return {name: self._extra[name].index_select(0, dev) for name in spec}
 
     def _insert_last_rows(self) -> None:
-        """One ``is_last`` row per env: each env's last observation ends its episode (a ``reset()``)."""
+        """One ``is_last`` row per env: each env's last observation ends its episode (a
+        ``reset()``)."""
         n = self.n_envs
-        fill = np.full((n, *self.action_shape), action_fill(self.action_dtype), dtype=self.action_dtype)
+        fill = np.full((n, *self.action_shape), action_fill(self.action_dtype),
+                       dtype=self.action_dtype)
         extra = {name: torch.full((n, *s), action_fill(_np_dtype(d)), dtype=d, device=self.device)
                  for name, (s, d) in self._extra_spec().items()}
-        info = {"is_last": np.ones(n, dtype=bool), **{k: v.copy() for k, v in self._prev_info.items()}, **extra}
+        info = {"is_last": np.ones(n, dtype=bool),
+                **{k: v.copy() for k, v in self._prev_info.items()}, **extra}
         self.transitions.insert(Transition(
-            observation=self._prev_obs[None], action=fill[None], reward=np.zeros((1, n), np.float32),
-            terminated=np.zeros((1, n), bool), truncated=np.ones((1, n), bool), next_observation=None,
+            observation=self._prev_obs[None], action=fill[None],
+                                           reward=np.zeros((1, n), np.float32),
+            terminated=np.zeros((1, n), bool), truncated=np.ones((1, n), bool),
+                                           next_observation=None,
             info={k: v[None] for k, v in info.items()}))
         self._fresh[:] = True
 
-    def _insert_transition(self, step: Step, sent, reward, terminated, truncated, infos: dict) -> None:
+    def _insert_transition(self, step: Step, sent, reward, terminated, truncated,
+                           infos: dict) -> None:
         obs = step.info[self.stager.obs_key][:, 0]  # (R, *obs)
         ids = step.env_ids
         if not self._has_prev[ids].any():  # nothing pending (after a reset): no row to write
             return
         dev_ids = self._staging.to_device(torch.from_numpy(ids), "__transition_ids__")
         reward = np.asarray(reward, dtype=np.float32)
-        terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
+        terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated,
+                                                                               dtype=bool)
         if self.transitions.vectorized_env:
-            if self._has_prev.all():  # rows in env order; a reset frame's row holds the last observation
+            # rows in env order; a reset frame's row holds the last observation
+            if self._has_prev.all():
                 order = np.argsort(ids)
                 first = step.first[order]
                 fill = action_fill(self.action_dtype)
-                action = np.where(first.reshape(-1, *[1] * len(self.action_shape)), fill, sent[order])
+                action = np.where(first.reshape(-1, *[1] * len(self.action_shape)), fill,
+                                  sent[order])
                 info = {"is_last": first, **{k: v.copy() for k, v in self._prev_info.items()},
                         **self._extra_rows(ids[order])}
                 self.transitions.insert(Transition(
@@ -547,15 +617,18 @@ class EnvPoolSource:
             if keep.any():
                 rows = np.flatnonzero(keep)
                 dev_rows = self._staging.to_device(torch.from_numpy(rows), "__transition_rows__")
-                info = {**{k: v[ids[rows]] for k, v in self._prev_info.items()}, **self._extra_rows(ids[rows])}
+                info = {**{k: v[ids[rows]] for k, v in self._prev_info.items()},
+                        **self._extra_rows(ids[rows])}
                 self.transitions.insert(Transition(
                     observation=self._prev_obs[dev_ids[dev_rows]], next_observation=obs[dev_rows],
-                    action=sent[rows], reward=reward[rows], terminated=terminated[rows], truncated=truncated[rows],
+                    action=sent[rows], reward=reward[rows], terminated=terminated[rows],
+                                                   truncated=truncated[rows],
                     info=info))
 
 
 def _buffer_leaves(tb) -> dict:
-    """``{path: (per-row shape without the env axis, dtype)}`` of a transitions buffer's stored leaves."""
+    """``{path: (per-row shape without the env axis, dtype)}`` of a transitions buffer's stored
+    leaves."""
     leaves = getattr(getattr(tb, "config", None), "leaves", None)
     if leaves is None or not hasattr(tb, "vectorized_env") or not hasattr(tb, "insert"):
         raise TypeError(f"transitions: expected a TransitionBuffer built from transition_sample(), "
