@@ -266,18 +266,23 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
-    def get(self, n: int, env_ids=None, out: dict | None = None) -> dict[str, torch.Tensor] | None:
+    def get(self, n: int, env_ids=None, out: dict | None = None,
+            keys=None) -> dict[str, torch.Tensor] | None:
         """The last ``n`` strided entries per selected env, oldest first; ``None`` if one is empty.
 
         Regular keys: ``(rows, n)`` for per-env shape ``()``, else ``(rows, n*T, ...)``. Block keys:
-        ``(rows, n-1, action_block*D)``, omitted when ``n == 1``. ``out`` may hold tensors of
-        exactly these shapes and dtypes on the buffer's device; they are written and returned.
+        ``(rows, n-1, action_block*D)``, omitted when ``n == 1``. ``keys``: an iterable of key
+        names to fetch (``None``: every key; a key not stored raises ``ValueError`` naming ``keys``;
+        a bare string is a ``TypeError``): only those are gathered, so one key costs one key.
+        ``out`` may hold tensors of exactly the returned shapes and dtypes on the buffer's device;
+        they are written and returned.
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise TypeError(f"n: expected an int, got {n!r}")
         ids = self._ids(env_ids)
         if n >= 2**31:
             raise ValueError(f"n: expected fewer than 2**31 frames per row, got {n}")
+        wanted = self._wanted(keys)
         if n <= 0 or not self._data or (self._counts[ids] == 0).any():
             return None
         n, ab = int(n), self.action_block
@@ -285,6 +290,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         k = np.minimum(n, (L - 1) // ab + 1)
         newest = (self._heads[ids] - 1) % self.max_len
         shapes = self._output_shapes(len(ids), n)  # cached per (rows, n)
+        if wanted is not None:
+            shapes = {key: shape for key, shape in shapes.items() if key in wanted}
         if out is None:
             out = self._new_outputs(shapes, n)
         else:
@@ -301,6 +308,19 @@ class HistoryBuffer(checkpoint.Checkpointable):
                 frames.append((storage, dst))
         ops.history_gather_frames(self.backend, frames, meta, n, ab, self.max_len)
         return {key: out[key] for key in shapes}
+
+    def _wanted(self, keys) -> frozenset | None:
+        """The key names ``keys`` asks for (``None``: all), checked against the stored keys."""
+        if keys is None:
+            return None
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            raise TypeError("keys: expected an iterable of key names such as ('pixels',), got "
+                            f"{keys!r}")
+        wanted = frozenset(keys)
+        unknown = sorted(str(k) for k in wanted if k not in self._shapes)
+        if unknown and self._data:
+            raise ValueError(f"keys: {unknown} are not stored; the keys are {list(self._shapes)}")
+        return wanted
 
     def _output_shapes(self, rows: int, n: int) -> dict[str, tuple]:
         if self._shape_cache[0] == (rows, n):

@@ -77,7 +77,10 @@ class Planner:
             shifted by the ``receding_horizon`` steps it executed since, NaN where there is nothing
             to shift in (the tail, and every step of an env that was reset or never planned): the
             solver puts its default there. A solver with a ``horizon`` or ``action_dim`` attribute
-            (not ``None``) must agree with ``config`` and ``action_dim``.
+            (not ``None``) must agree with ``config`` and ``action_dim``. A solver with a
+            ``history_keys`` attribute (key names, not ``None``) gets only those keys of the
+            history: the planner gathers nothing else (a :class:`CEMSolver` with the default
+            ``encode`` reads ``state_key`` only).
         n_envs: number of envs.
         action_dim: size of one env action (``1`` for a discrete or scalar action).
         device: device of the queues (and of an owned history); ``None`` -> the history's device
@@ -205,7 +208,8 @@ class Planner:
                              "history's owner must append the step before act()")
         n = min(cfg.history_len, max(strided))
         key, out = self._history_out
-        history = self.history.get(n, ids, out=out if key == (n, len(ids)) else None)
+        history = self.history.get(n, ids, out=out if key == (n, len(ids)) else None,
+                                   keys=getattr(self.solver, "history_keys", None))
         # lockstep envs re-plan with the same shapes: no allocation
         self._history_out = ((n, len(ids)), history)
         rows = self._staging.to_device(torch.from_numpy(ids), "__replan__")
@@ -354,6 +358,8 @@ class CEMSolver:
         if not self.low < self.high:
             raise ValueError(f"low, high: expected low < high, got {low} and {high}")
         self.encode = encode or (lambda history: history[state_key][:, -1])
+        # the history keys a solve reads (a Planner fetches only these); None: a custom encode
+        self.history_keys = (state_key,) if encode is None else None
         if isinstance(seed, bool) or not isinstance(seed,
                                                     (int, np.integer)) or not 0 <= seed < 2**64:
             raise ValueError(f"seed: expected an int in [0, 2**64), got {seed!r}")

@@ -334,3 +334,25 @@ def test_nbytes_and_allocation_failure_names_bytes_and_device():
     with pytest.raises(MemoryError, match=rf"cannot allocate {(1 << 40) * 8} bytes of storage on cpu"):
         huge.append({"x": np.zeros(1 << 20)})
     assert huge.keys == ()
+
+
+def test_get_fetches_only_the_keys_asked_for(backend, device):
+    buf, _ = make(device=device)
+    for t in range(5):
+        buf.append({"pixels": np.full((3, 1, 2), t, np.float32), "action": np.full((3, 1, 1), t, np.float32),
+                    "reward": np.full(3, t, np.float32)})
+    full = buf.get(3)
+    only = buf.get(3, keys=("pixels",))
+    assert list(only) == ["pixels"] and torch.equal(only["pixels"], full["pixels"])
+    two = buf.get(3, [2, 0], keys=["reward", "action"])
+    assert set(two) == {"reward", "action"}
+    assert torch.equal(two["action"], full["action"][[2, 0]]) and torch.equal(two["reward"], full["reward"][[2, 0]])
+    assert buf.get(1, keys=("action",)) == {}  # block keys are omitted when n == 1, as without keys
+    out = {"pixels": torch.empty_like(only["pixels"])}
+    assert buf.get(3, out=out, keys=("pixels",))["pixels"] is out["pixels"]  # out needs only the keys asked for
+    before = snapshot(buf)
+    with pytest.raises(ValueError, match=r"keys: \['nope'\] are not stored; the keys are \['pixels', 'action', "):
+        buf.get(3, keys=("pixels", "nope"))
+    with pytest.raises(TypeError, match="keys: expected an iterable of key names"):
+        buf.get(3, keys="pixels")
+    assert_unchanged(buf, before)

@@ -507,3 +507,16 @@ def test_a_nan_terminal_state_is_counted():
                        num_samples=16, num_elites=4, terminated=lambda s: s[:, 0].isnan())
     with pytest.raises(ValueError, match=r"dynamics: expected finite values, got NaN/inf in the next state at step 0"):
         solver({"observation": torch.zeros(2, 1, 1)}, [0, 1])
+
+
+def test_a_planner_fetches_only_the_keys_its_solver_reads(device):
+    solver = RecordingSolver(4, 1)
+    solver.history_keys = ("observation",)
+    planner = Planner(PlanConfig(horizon=4, receding_horizon=2, history_len=3), solver, n_envs=2, action_dim=1,
+                      device=device)
+    for t in range(3):
+        planner.act({**info(2, t), "extra": torch.zeros(2, 1, 5)})
+    assert all(set(shapes) == {"observation"} for _, shapes in solver.calls)
+    cem = CEMSolver(cartpole_dynamics, cartpole_cost, state_key="observation")
+    assert cem.history_keys == ("observation",)
+    assert CEMSolver(cartpole_dynamics, cartpole_cost, encode=lambda h: h["x"][:, -1]).history_keys is None
