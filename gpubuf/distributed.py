@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gpubuf.inputs import as_tensor, generator_for
+from gpubuf.inputs import generator_for, priority_updates
 from gpubuf.interrupts import signals_held
 from gpubuf.prioritized import PrioritizedTransitionBuffer
 from gpubuf.replay import BOUNDARIES, TransitionBuffer
@@ -494,20 +494,7 @@ class ShardedBuffer:
     def _check_update(self, indices, td_errors) -> tuple[torch.Tensor, torch.Tensor, float]:
         """``(global indices (K,) int64, td_errors (K,) float64, largest new priority or 0)`` on the
         communication device, validated."""
-        idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices,
-                        "indices")
-        td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors,
-                       "td_errors")
-        if idx.dim() == 1 and idx.numel() == 0:
-            idx = idx.to(torch.int64)  # an empty list reads as float64
-        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex \
-                or idx.dtype == torch.bool:
-            raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape "
-                            f"{tuple(idx.shape)}")
-        if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex \
-                or td.dtype == torch.bool:
-            raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one "
-                             f"per index), got {td.dtype} of shape {tuple(td.shape)}")
+        idx, td = priority_updates(indices, td_errors)
         idx, td = idx.to(self._comm, torch.int64), td.to(self._comm, torch.float64)
         if not idx.numel():
             return idx, td, 0.0

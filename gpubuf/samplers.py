@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gpubuf import ops
-from gpubuf.inputs import as_tensor, finite_float
+from gpubuf.inputs import finite_float, priority_updates
 from gpubuf.interrupts import signals_held
 from gpubuf.prefix_tree import PrefixSumTree
 from gpubuf.ring import IN_EPISODE, NEXT_OBS, StartRing
@@ -360,22 +360,9 @@ class PrioritizedSampler(UniformSampler):
         """Priorities ``|td| + eps`` (float32) of flat starts ``indices`` (duplicates keep their
         largest), every input checked before any write; host inputs are checked on the host (no
         device read), device inputs with one read-back. Empty inputs do nothing."""
-        idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices,
-                        "indices")
-        td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors,
-                       "td_errors")
-        if idx.numel() == 0 and td.numel() == 0 and idx.dim() <= 1 and td.dim() <= 1:
-            return
-        if idx.dim() != 1 or (idx.numel() and (idx.dtype.is_floating_point or idx.dtype.is_complex
-                                                or idx.dtype == torch.bool)):
-            raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape "
-                            f"{tuple(idx.shape)}")
-        if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex \
-                or td.dtype == torch.bool:
-            raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one "
-                             f"per index), got {td.dtype} of shape {tuple(td.shape)}")
+        idx, td = priority_updates(indices, td_errors)
         if idx.numel() == 0:
-            idx = idx.to(torch.int64)  # an empty list reads as float64
+            return
         on_host = idx.device.type == "cpu" and td.device.type == "cpu"
         # unsigned and narrow ints: checked and widened on the host
         if on_host and idx.dtype != torch.int64:
