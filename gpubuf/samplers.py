@@ -160,14 +160,14 @@ class UniformSampler:
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
         """Exact sequential sampling without replacement: rounds of draws with replacement, keeping
         first appearances, with the drawn starts' mass zeroed between rounds and restored at the end
-        (one device read per round). The tree is restored whatever happens: an exception restores
-        it, and asynchronous signals (Ctrl-C, alarms) are held until it is whole again, so their
-        handlers never run half-way."""
-        chosen, masses = [], []
+        (one device read per round; a first round with enough distinct draws touches no mass). The
+        tree is restored whatever happens: an exception restores it, and asynchronous signals
+        (Ctrl-C, alarms) are held until it is whole again, so their handlers never run half-way."""
+        chosen, masses, zeroed = [], [], False
         need = B
         with signals_held():
             try:
-                while need > 0:
+                while True:
                     draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
                     uniq, inv = torch.unique(draws, return_inverse=True)
                     first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
@@ -176,18 +176,18 @@ class UniformSampler:
                     new = uniq[torch.argsort(first_seen)][:need]
                     masses.append(tree.leaves(new))
                     chosen.append(new)
+                    need -= new.numel()
+                    if need <= 0:
+                        break
+                    zeroed = True  # set first: a restore of leaves not yet zeroed is harmless
                     tree.update(new,
                                 torch.zeros(new.shape, dtype=torch.float64, device=self.device))
-                    need -= new.numel()
             finally:
-                if chosen:
-                    idx, mass = torch.cat(chosen), torch.cat(masses)
-                    # restore: leaves as before, parents recomputed from them
-                    tree.update(idx, mass)
-        return idx, mass
+                if zeroed:  # restore: leaves as before, parents recomputed from them
+                    tree.update(torch.cat(chosen), torch.cat(masses))
+        return torch.cat(chosen), torch.cat(masses)
 
-    # ------------------------------------------------------------------ state (none for uniform
-    # sampling)
+    # ------------------------------------------------------------------ state (uniform: none)
 
     def state(self) -> dict:
         """The policy's entries of a buffer's ``state_dict``."""
