@@ -55,13 +55,10 @@ _RANK = "{rank}"
 
 
 def _config(local: TransitionBuffer) -> dict:
-    """What must agree between shards for their union to be one buffer."""
-    cfg = {"class": type(local).__name__, "max_size": local.max_size, "n_envs": local.n_envs,
-           "n_steps": local.n_steps,
-           "leaves": {leaf.name: (leaf.shape, str(leaf.dtype)) for leaf in local.config.leaves}}
-    if isinstance(local, PrioritizedTransitionBuffer):
-        cfg.update(alpha=local.alpha, eps=local.eps)
-    return cfg
+    """What must agree between shards for their union to be one buffer: the local buffers'
+    configuration (but the default batch size) and leaves."""
+    leaves = {leaf.name: (leaf.shape, str(leaf.dtype)) for leaf in local.config.leaves}
+    return {**local.config.as_dict(batch=False), "leaves": leaves}
 
 
 def _bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
