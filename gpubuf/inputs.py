@@ -311,3 +311,13 @@ def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per "
                          f"index), got {td.dtype} of shape {tuple(td.shape)}")
     return idx, td
+
+
+def host_indices(indices) -> tuple[np.ndarray, torch.device]:
+    """``(int64 host copy, device)`` of integer ``indices`` of any shape (a device tensor is read
+    back once); else ``TypeError`` naming ``indices``."""
+    t = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple, int)) else indices,
+                  "indices")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"indices: expected integer flat starts, got {t.dtype}")
+    return t.detach().cpu().numpy().astype(np.int64), t.device

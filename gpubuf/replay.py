@@ -8,6 +8,20 @@ valid starts) and ``sampler`` (:mod:`gpubuf.samplers`: device validity, prefix-s
 priorities, draws), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env``
 in every storage.
 
+Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
+``truncated`` is set; needs one of those leaves):
+
+- ``"allow"`` (default): windows run on into the next episode, unmarked;
+- ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and ``mask``
+  ``(B, n_steps)`` bool: ``is_first[:, j]`` is set where row ``j - 1`` ended an episode (and at
+  ``j = 0``), ``mask[:, j]`` while no earlier row of the window ended one;
+- ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are
+  drawn; the batch carries ``is_first`` and ``mask`` too (first step only, and all set).
+
+With ``n_steps == 1`` the flags are ``(B,)`` and all set. An ``info["is_last"]`` row (an
+:class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation and no transition)
+never starts a window, and with ``"mask"`` the row after it starts the next episode.
+
 Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then
 committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
 """
@@ -16,13 +30,13 @@ import numpy as np
 import torch
 
 from gpubuf import checkpoint, ops, tiers
-from gpubuf.inputs import as_tensor, generator_for
+from gpubuf.inputs import generator_for, host_indices
 from gpubuf.interrupts import signals_held
 from gpubuf.replay_config import BOUNDARIES, ReplayConfig
 from gpubuf.ring import StartRing
 from gpubuf.samplers import UniformSampler
 from gpubuf.staging import memory_ranges
-from gpubuf.state import check_range, check_rng, check_state, copy_into, unaliased
+from gpubuf.state import copy_into, unaliased
 from gpubuf.storage import MappedStorage, MemoryStorage
 from gpubuf.transition import Transition, unflatten
 
@@ -38,10 +52,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
         data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when
             ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and
             dtypes.
-        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch
-        on sampling. n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else
-        ``(B, n_steps, ...)``. device: sampling device (validity, prefix-sum trees, priorities,
-            returned batches); ``None`` -> ``cuda`` when available, else ``cpu``.
+        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the
+            batch on sampling.
+        n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else
+            ``(B, n_steps, ...)``.
+        device: sampling device (validity, prefix-sum trees, priorities, returned batches);
+            ``None`` -> ``cuda`` when available, else ``cpu``.
         seed: seed of the buffer's own generator (used when :meth:`sample` gets ``key=None``).
         storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host
             memory: a CUDA buffer then gathers sampled windows on the host, reading the starts back
@@ -93,13 +109,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
     def _config_extra(self) -> tuple:  # hook: the subclass's own configuration fields
         return ()
 
-    # hook: the sampling policy composed into this buffer
-    def _make_sampler(self) -> UniformSampler:
+    def _make_sampler(self) -> UniformSampler:  # hook: the sampling policy composed here
         return UniformSampler(self.ring, self.device, self.backend)
 
     @property
-    # memory ranges of every tensor held: inputs reading them are copied first
-    def _owned(self) -> tuple:
+    def _owned(self) -> tuple:  # memory ranges of every tensor held: inputs on them are copied
         if self._owned_at[0] != self.sampler.allocations:
             self._owned_at = (self.sampler.allocations,
                               memory_ranges([*self.storage.tensors(), *self.sampler.tensors()]))
@@ -130,13 +144,9 @@ class TransitionBuffer(checkpoint.Checkpointable):
     @torch.compiler.disable
     def insert(self, transition: Transition):
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
-
-        Leaves are shaped ``(T, E, ...)`` (``(T, ...)`` when not vectorized), ``1 <= T <= M``, with
-        the key set and per-row shapes of ``data_sample``, and dtypes that store without changing
-        values (narrowing casts of host data are checked on the values:
-        :func:`gpubuf.inputs.check_cast`). Nothing is written on any error. A device
-        ``truncated``/``terminated`` is read back (env outputs are host arrays).
-        """
+        Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
+        shapes and value-preserving dtypes of ``data_sample`` (:func:`gpubuf.inputs.check_cast`);
+        nothing is written on any error. Device ``truncated``/``terminated`` are read back."""
         values, given, T = self.config.rows(transition)
         self.storage.check_open()
         trunc, ends, last = self.config.row_flags(values, T)
@@ -176,22 +186,10 @@ class TransitionBuffer(checkpoint.Checkpointable):
         truncation. Raises ``ValueError`` when there is no valid start, or fewer than ``batch_size``
         without replacement.
 
-        ``boundaries`` says what a window may do at an episode end (a row whose ``terminated`` or
-        ``truncated`` is set; needs one of those leaves):
-
-        - ``"allow"`` (default): windows run on into the next episode, unmarked;
-        - ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and
-          ``mask`` ``(B, n_steps)`` bool: ``is_first[:, j]`` is set where row ``j - 1`` ended an
-          episode (and at ``j = 0``), ``mask[:, j]`` while no earlier row of the window ended one;
-        - ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode
-          are drawn; the batch carries ``is_first`` and ``mask`` too (first step only, and all set).
-
-        With ``n_steps == 1`` the flags are ``(B,)`` and all set. An ``info["is_last"]`` row (an
-        :class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation, no transition)
-        never starts a window, and with ``"mask"`` the row after it starts the next episode.
-
-        ``out`` may be a :class:`Transition` of preallocated tensors of exactly the returned shapes
-        and dtypes on the buffer's device: the windows are written there and ``out`` is returned.
+        ``boundaries``: ``"allow"``, ``"mask"`` or ``"forbid"``, what a window may do at an episode
+        end (the module docstring says how). ``out`` may be a :class:`Transition` of preallocated
+        tensors of exactly the returned shapes and dtypes on the buffer's device: the windows are
+        written there and ``out`` is returned.
         """
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
@@ -207,8 +205,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return (batch, idx) if return_indices else batch
 
     def gather(self, starts, jobs: dict, out=None, boundaries: str = "allow") -> Transition:
-        """The batch of windows of flat ``starts`` (B,) for ``jobs`` (``storage.check_out``),
-        flagged."""
+        """The flagged batch of windows of flat ``starts`` (B,) for ``storage.check_out``'s
+        jobs."""
         result = self.storage.gather(starts, jobs, self.device)
         return self.config.with_flags(unflatten(result) if out is None else out, boundaries,
                                       self.device)
@@ -230,19 +228,14 @@ class TransitionBuffer(checkpoint.Checkpointable):
         numbers its rows from 0; with an :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step``
         shows the env after ``step`` calls of ``step()``). ``IndexError`` for an index outside ``[0,
         max_size)`` or a row not held."""
-        t = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple, int)) else indices,
-                      "indices")
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"indices: expected integer flat starts, got {t.dtype}")
-        return tuple(torch.from_numpy(a).to(t.device)
-                     for a in self.ring.locate(t.detach().cpu().numpy()))
+        flat, device = host_indices(indices)
+        return tuple(torch.from_numpy(a).to(device) for a in self.ring.locate(flat))
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """Configuration, data, write position, truncation flags and the sampling RNG state (and the
-        sampler's own entries): tensors and plain values only. Data tensors are the storage itself,
-        not copies."""
+        """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG
+        state and the sampler's own entries: tensors and plain values only."""
         state = self.config.as_dict()
         state.update(shapes={leaf.name: leaf.shape for leaf in self.config.leaves},
                      data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves},
@@ -252,21 +245,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return state
 
     def load_state_dict(self, state) -> None:
-        """Restore a :meth:`state_dict` (saved on any device). The whole state is validated first
-        (buffer type, configuration, keys, shapes, dtypes, position and count in range, RNG state,
-        the sampler's entries): a mismatch raises naming the key and leaves the buffer as it was.
-        Should reading the data fail after validation (an I/O error), the buffer is emptied rather
-        than left half-loaded."""
-        config = self.config
-        check_state(state, self.state_dict(),
-                    ("version", *ReplayConfig.STATE_FIELDS, *dict(config.extra), "shapes"))
-        count = check_range("state_dict['count']", state["count"], 0, self.max_rows)
-        # holds `count` rows before it
-        pos = check_range("state_dict['pos']", state["pos"], 0, self.max_rows - 1)
-        rng = check_rng("state_dict['rng']", state["rng"])
-        trunc, ends, last = config.state_flags(state)
+        """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch
+        raises naming the key and changes nothing. Should reading the data fail after validation
+        (an I/O error), the buffer is emptied rather than left half-loaded."""
+        pos, count, rng, (trunc, ends, last) = self.config.check_state(state, self.state_dict())
         checked = self.sampler.check_state(state, pos, count)
-        data = {leaf.name: self.storage.data[leaf.path] for leaf in config.leaves}
+        data = {leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves}
         sources = unaliased({name: state["data"][name] for name in data}, data, self._owned)
         self.storage.check_open()
         with signals_held():
@@ -283,30 +267,23 @@ class TransitionBuffer(checkpoint.Checkpointable):
                               last=last)
             self.sampler.forget()  # validity and trees are rebuilt from the rows
             self.generator.set_state(rng)
-        if self.storage.dir is not None:  # the directory now holds the loaded state
-            self.flush()
+        self.flush()  # a storage_dir now holds the loaded state
 
     def flush(self):
         """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``,
         ``beta`` when prioritized) beside the files and write every file back to disk, so that a
         later process re-opens this buffer as it is now. Without one: nothing to do. Returns
         ``self``."""
-        if self.storage.dir is not None:
-            self.storage.check_open()
-            ring = self.ring
-            with signals_held():
-                self.storage.dir.save_state({"total": ring.total, "rng": self.generator.get_state(),
-                                             **self.sampler.flushed()},
-                                            (ring.pos, ring.count, ring.total))
+        self.storage.flush(self.ring, {"rng": self.generator.get_state(), **self.sampler.flushed()})
         return self
 
     def close(self) -> None:
         """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
         still be sampled, no longer written); closing twice is harmless. ``with
         TransitionBuffer(...) as buf:`` closes on exit. Without one: nothing to do."""
-        if self.storage.dir is not None and not self.storage.closed:
+        if not self.storage.closed:
             self.flush()
-            self.storage.dir.close()
+            self.storage.close()
 
     def __enter__(self):
         return self

@@ -28,7 +28,7 @@ import torch
 
 from gpubuf.inputs import as_tensor, check_cast, check_storable, positive_int
 from gpubuf.ring import IN_EPISODE, NEXT_OBS
-from gpubuf.state import host_tensor
+from gpubuf.state import check_range, check_rng, check_state, host_tensor
 from gpubuf.transition import Transition, flatten, leaf_name
 
 BOUNDARIES = ("allow", "mask", "forbid")
@@ -183,6 +183,15 @@ class ReplayConfig:
         """(T, E) host bool ``(truncated, episode ends, no transition)`` of ``T`` rows of ``leaves``
         (each None without its leaves; a device leaf is read back)."""
         return tuple(self._any_set(leaves, paths, T) for paths in self.flag_paths)
+
+    def check_state(self, state, template: dict) -> tuple:
+        """``(pos, count, rng, row flags)`` of a ``state_dict`` checked against this configuration
+        and a current ``template`` state (type, configuration, keys, shapes, dtypes, counters, RNG,
+        flags); a mismatch raises naming the key. The rows held are the ``count`` before ``pos``."""
+        check_state(state, template, ("version", *self.STATE_FIELDS, *dict(self.extra), "shapes"))
+        count = check_range("state_dict['count']", state["count"], 0, self.max_rows)
+        pos = check_range("state_dict['pos']", state["pos"], 0, self.max_rows - 1)
+        return pos, count, check_rng("state_dict['rng']", state["rng"]), self.state_flags(state)
 
     def state_flags(self, state: dict) -> tuple:
         """(M, E) host bool ``(truncated, episode ends, no transition)`` of a state dict's rows

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from gpubuf import ops, tiers
+from gpubuf.interrupts import signals_held
 from gpubuf.kernels.words import as_words
 from gpubuf.replay_config import NOT_IN_NUMPY, ReplayConfig
 from gpubuf.staging import Staging, check_disjoint, overlaps
@@ -171,6 +172,13 @@ class MemoryStorage:
     def before_load(self, total: int) -> None:
         """About to overwrite every row."""
 
+    def flush(self, ring, state: dict) -> None:
+        """Save ``state`` (host values) and the ring's counters beside the rows so that a later
+        process re-opens them (a ``storage_dir``: every file written back); here nothing."""
+
+    def close(self) -> None:
+        """Release what lets this storage be written (a ``storage_dir``'s lock)."""
+
     def reopen(self, ring, sampler, generator: torch.Generator) -> bool:
         """Restore what a re-opened directory holds into ``ring``, ``sampler`` and ``generator``;
         returns whether its flushed state was saved by a flush cut short (the buffer then completes
@@ -226,3 +234,11 @@ class MappedStorage(MemoryStorage):
         ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends,
                      total, last)
         return self.dir.restore_flushed(ring, flushes, sampler.reopen, generator)
+
+    def flush(self, ring, state: dict) -> None:
+        self.check_open()
+        with signals_held():
+            self.dir.save_state({"total": ring.total, **state}, (ring.pos, ring.count, ring.total))
+
+    def close(self) -> None:
+        self.dir.close()
