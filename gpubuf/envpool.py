@@ -146,8 +146,9 @@ class EnvPoolSource:
     """Steps an ``envpool`` env and hands every received row to the buffers as device tensors.
 
     Args:
-        env: an ``envpool.make(..., env_type="gymnasium")`` env; async when ``batch_size <
-        num_envs``. obs_key: info key of the observation (``"pixels"`` suits image envs).
+        env: an ``envpool.make(..., env_type="gymnasium")`` env; async when
+            ``batch_size < num_envs``.
+        obs_key: info key of the observation (``"pixels"`` suits image envs).
         device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
         history: a :class:`~gpubuf.HistoryBuffer` with ``n_envs == num_envs``: each received row is
             appended to its env's history, after flushing envs whose row is a reset frame.

@@ -54,9 +54,9 @@ class HistoryBuffer(checkpoint.Checkpointable):
         n_envs: number of parallel envs (rows of every appended value).
         max_len: entries (env steps since the last reset) kept per env.
         action_block: stride between returned frames (frameskip of the planner).
-        block_keys: keys returned as action blocks between frames
-        (a bare string is a ``TypeError``); their
-            values must be real floats (16 to 64 bits), ``uint8``, signed ints or bool.
+        block_keys: keys returned as action blocks between frames (a bare string is a
+            ``TypeError``); their values must be real floats (16 to 64 bits), ``uint8``, signed ints
+            or bool.
         device: storage device; ``None`` -> ``cuda`` when available, else ``cpu``.
 
     ``append({'pixels': (n_envs, 1, H, W, C), 'action': (n_envs, 1, A)})`` stores one entry per env;

@@ -68,13 +68,11 @@ class EnsembleDynamics(nn.Module):
         obs_dim: size of an observation.
         n_actions: number of discrete actions.
         members: ensemble size; each member is trained on its own batches and, in planning, rolls
-        out its own
-            share of the candidate action sequences (trajectory sampling).
+            out its own share of the candidate action sequences (trajectory sampling).
         hidden: width of the two hidden layers of every network.
         task_cost: ``task_cost(next_obs (N, obs_dim), action (N, 1)) -> (N,)``, a known cost of the
-        task added to
-            the planning cost (PETS assumes the task's cost is known), or ``None``: plan on the
-            learned reward only.
+            task added to the planning cost (PETS assumes the task's cost is known), or ``None``:
+            plan on the learned reward only.
 
     Per member, two MLPs: ``step`` maps (normalised observation, one-hot action) to the normalised
     change of the observation; ``outcome`` maps a next observation to the reward and a termination
@@ -380,8 +378,10 @@ class MBRLAgent(EnvLoop):
         env: an ``envpool.make(..., env_type="gymnasium")`` env with ``batch_size == num_envs``.
         config: an :class:`MBRLConfig`.
         task_cost: a known cost of the task for planning (see :class:`EnsembleDynamics`), or
-        ``None``. device: where buffers, model and planning live; ``None`` -> ``cuda`` when
-        available, else ``cpu``. seed: seeds torch, the replay sampler and CEM.
+            ``None``.
+        device: where buffers, model and planning live; ``None`` -> ``cuda`` when available, else
+            ``cpu``.
+        seed: seeds torch, the replay sampler and CEM.
 
     Parts, all public: ``history`` (the last observation per env, appended by ``source``),
     ``source`` (an :class:`~gpubuf.EnvPoolSource` that inserts every step into ``buffer``),

@@ -68,24 +68,22 @@ class Planner:
     Args:
         config: a :class:`PlanConfig` (the horizon is stated there only).
         solver: ``solver(history, env_ids[, init]) -> actions (R, horizon, action_block *
-        action_dim)``, ``R =
-            len(env_ids)``; ``history`` is :meth:`HistoryBuffer.get`'s dict for those envs with ``n
-            = min(history_len, max(num_strided(env_ids)))`` frames. Its tensors are reused by the
-            next re-plan of the same shape (zero allocation): copy what the solver keeps beyond its
-            call. A solver whose call takes an ``init`` keyword (or ``**kwargs``) gets the warm
-            start ``init (R, horizon, action_block * action_dim)`` float32: each env's previous plan
-            shifted by the ``receding_horizon`` steps it executed since, NaN where there is nothing
-            to shift in (the tail, and every step of an env that was reset or never planned): the
-            solver puts its default there. A solver with a ``horizon`` or ``action_dim`` attribute
-            (not ``None``) must agree with ``config`` and ``action_dim``. A solver with a
-            ``history_keys`` attribute (key names, not ``None``) gets only those keys of the
-            history: the planner gathers nothing else (a :class:`CEMSolver` with the default
+            action_dim)``, ``R = len(env_ids)``; ``history`` is :meth:`HistoryBuffer.get`'s dict for
+            those envs with ``n = min(history_len, max(num_strided(env_ids)))`` frames. Its tensors
+            are reused by the next re-plan of the same shape (zero allocation): copy what the solver
+            keeps beyond its call. A solver whose call takes an ``init`` keyword (or ``**kwargs``)
+            gets the warm start ``init (R, horizon, action_block * action_dim)`` float32: each env's
+            previous plan shifted by the ``receding_horizon`` steps it executed since, NaN where
+            there is nothing to shift in (the tail, and every step of an env that was reset or never
+            planned): the solver puts its default there. A solver with a ``horizon`` or
+            ``action_dim`` attribute (not ``None``) must agree with ``config`` and ``action_dim``. A
+            solver with a ``history_keys`` attribute (key names, not ``None``) gets only those keys
+            of the history: the planner gathers nothing else (a :class:`CEMSolver` with the default
             ``encode`` reads ``state_key`` only).
         n_envs: number of envs.
         action_dim: size of one env action (``1`` for a discrete or scalar action).
         device: device of the queues (and of an owned history); ``None`` -> the history's device
-        when
-            ``history`` is given, else ``cuda`` when available, else ``cpu``.
+            when ``history`` is given, else ``cuda`` when available, else ``cpu``.
         history: an existing :class:`HistoryBuffer` to read, e.g. the one an
             :class:`~gpubuf.EnvPoolSource` appends every step to. Its owner appends and flushes it:
             the planner only reads it (:meth:`act` then takes ``info=None``). It must have
@@ -283,29 +281,26 @@ class CEMSolver:
     Args:
         dynamics: ``dynamics(state (N, ...), action (N, action_dim)) -> next state (N, ...)``.
         cost: ``cost(next_state (N, ...), action (N, action_dim)) -> (N,)``: the cost of taking
-        ``action``,
-            evaluated on the state **after** the step. A rollout's return is
-            ``sum_t discount**t * cost_t`` over the horizon, minimised.
+            ``action``, evaluated on the state **after** the step. A rollout's return is ``sum_t
+            discount**t * cost_t`` over the horizon, minimised.
         horizon, action_dim: the plan's shape per env (``action_dim`` includes any action block).
-        Leave them
-            ``None`` under a :class:`Planner`, which hands them over through ``init``; they are
-            needed only to call the solver without ``init``.
-        terminated: ``terminated(next_state (N, ...)) -> (N,) bool``, or ``None``
-        (nothing terminates). The
-            step into a terminal state still pays its cost; nothing after it does
+            Leave them ``None`` under a :class:`Planner`, which hands them over through ``init``;
+            they are needed only to call the solver without ``init``.
+        terminated: ``terminated(next_state (N, ...)) -> (N,) bool``, or ``None`` (nothing
+            terminates). The step into a terminal state still pays its cost; nothing after it does
             (the return is frozen).
         terminal_cost: ``terminal_cost(last_state (N, ...)) -> (N,)``, or ``None``: the cost of
-        where a rollout
-            ends (e.g. minus a learned value), added with weight ``discount**horizon`` to rollouts
-            that did not terminate.
+            where a rollout ends (e.g. minus a learned value), added with weight
+            ``discount**horizon`` to rollouts that did not terminate.
         discount: factor in ``(0, 1]`` on each later step's cost.
         encode: ``encode(history) -> state (R, ...)``; default: the last frame of
-        ``history[state_key]``. num_samples, num_elites, iterations: CEM sizes.
+            ``history[state_key]``.
+        num_samples, num_elites, iterations: CEM sizes.
         init_std, low, high: initial spread and action bounds; the default mean is
-        ``(low + high) / 2``. seed: seed of the solver's generator (an int in ``[0, 2**64)``); one
-        generator per device, created on
-            first use. Its draws are not rolled back when a model call raises: a retried solve
-            samples anew.
+            ``(low + high) / 2``.
+        seed: seed of the solver's generator (an int in ``[0, 2**64)``); one generator per device,
+            created on first use. Its draws are not rolled back when a model call raises: a retried
+            solve samples anew.
 
     ``solver(history, env_ids, init=None) -> (R, horizon, action_dim)``: the elites' mean after the
     last iteration. ``init (R, horizon, action_dim)`` is the first iteration's mean (warm start),

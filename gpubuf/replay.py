@@ -52,8 +52,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
         data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when
             ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and
             dtypes.
-        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the
-            batch on sampling.
+        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch
+            on sampling.
         n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else
             ``(B, n_steps, ...)``.
         device: sampling device (validity, prefix-sum trees, priorities, returned batches);

@@ -183,11 +183,9 @@ class StorageDir:
     Args:
         path: the directory (created when missing).
         config: the buffer's configuration (JSON values): must equal the one stored when re-opening
-        (the
-            file layout is added to it).
+            (the file layout is added to it).
         shapes, dtypes: ``{leaf name: (E, M, *shape)}`` and ``{leaf name: dtype}``: ``tensors``
-        holds
-            contiguous ``(E, M, *shape)`` views of the files.
+            holds contiguous ``(E, M, *shape)`` views of the files.
 
     ``reopened`` says whether the directory already held this buffer
     (its files are then mapped as they are). The lock is taken before anything is read or written;
