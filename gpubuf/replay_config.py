@@ -182,7 +182,17 @@ class ReplayConfig:
     def row_flags(self, leaves: dict, T: int) -> tuple:
         """(T, E) host bool ``(truncated, episode ends, no transition)`` of ``T`` rows of ``leaves``
         (each None without its leaves; a device leaf is read back)."""
-        return tuple(self._any_set(leaves, paths, T) for paths in self.flag_paths)
+        trunc, ends, last = self.flag_paths
+        rows = {p: self._set_rows(leaves[p], T) for p in dict.fromkeys(ends + last)}  # one pass
+
+        def any_of(paths):
+            if not paths:
+                return None
+            if len(paths) == 1:
+                return rows[paths[0]]
+            return np.logical_or.reduce([rows[p] for p in paths])
+
+        return any_of(trunc), any_of(ends), any_of(last)
 
     def check_state(self, state, template: dict) -> tuple:
         """``(pos, count, rng, row flags)`` of a ``state_dict`` checked against this configuration
@@ -207,18 +217,17 @@ class ReplayConfig:
                              "state_dict['data']")
         return trunc, ends, last
 
-    def _any_set(self, leaves: dict, paths: list, T: int) -> np.ndarray | None:
-        if not paths:
-            return None
-        flags = []
-        for p in paths:
-            t = leaves[p].detach()
-            if t.device.type == "cpu" and t.dtype not in NOT_IN_NUMPY:
-                a = t.numpy().reshape(T, self.n_envs, -1)  # host flags: numpy, a few microseconds
-                flags.append(a.any(2) if a.dtype == np.bool_ else (a != 0).any(2))
-            else:
-                flags.append((t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy())
-        return flags[0] if len(flags) == 1 else np.logical_or.reduce(flags)
+    def _set_rows(self, t: torch.Tensor, T: int) -> np.ndarray:
+        """(T, E) host bool: whether leaf ``t`` (T, E, ...) is nonzero anywhere in each row (maybe
+        a view of a (T, E) bool host leaf: callers copy what they keep)."""
+        t = t.detach()
+        if t.device.type == "cpu" and t.dtype not in NOT_IN_NUMPY:
+            a = t.numpy()  # host flags: numpy, a few microseconds
+            if a.dtype == np.bool_ and a.size == T * self.n_envs:
+                return a.reshape(T, self.n_envs)
+            a = a.reshape(T, self.n_envs, -1)
+            return a.any(2) if a.dtype == np.bool_ else (a != 0).any(2)
+        return (t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy()
 
     def kind(self, with_next_obs: bool, boundaries: str = "allow") -> int:
         """The validity kind that ``with_next_obs`` and ``boundaries`` sample from."""

@@ -183,9 +183,11 @@ class StartRing:
                 total: int | None = None,
                 last: np.ndarray | None = None) -> None:
         """Set the write position, row count, truncation flags, episode ends, (default: ``count``)
-        rows ever written and rows holding no transition (default: none); validity is forgotten."""
-        self.pos, self.count, self.trunc, self.ends = pos, count, trunc, ends
-        self.last = np.zeros_like(trunc) if last is None else last
+        rows ever written and rows holding no transition (default: none); the flags are copied;
+        validity is forgotten."""
+        self.pos, self.count = pos, count
+        self.trunc, self.ends = np.array(trunc, dtype=bool), np.array(ends, dtype=bool)
+        self.last = np.zeros_like(self.trunc) if last is None else np.array(last, dtype=bool)
         self.total = count if total is None else total
         self.n_trunc, self.n_ends = int(np.count_nonzero(trunc)), int(np.count_nonzero(ends))
         self.n_last = int(np.count_nonzero(self.last))

@@ -224,3 +224,23 @@ def test_rows_marked_is_last_never_start_a_window(backend, device):
     assert not mass[last].any() and int((mass > 0).sum()) == n_ok
     _, idx = buf.graph_sampler(batch_size=200, generator=torch.Generator(device=device).manual_seed(0)).sample()
     assert not last.reshape(-1)[idx.cpu().numpy()].any()
+
+
+def test_a_loaded_state_is_never_written_through_the_flags_it_was_read_from():
+    """The ring keeps copies of the row flags a load or a re-open reads from the state's leaves."""
+    T = 6
+    v = np.zeros((T, E), np.float32)
+    flags = np.zeros((T, E), bool)
+    rows = Transition(observation=v[..., None], action=v, reward=v, terminated=flags.copy(), truncated=flags.copy(),
+                      info={"is_last": flags.copy()})
+    source = TransitionBuffer(E * M, 4, rows, n_steps=2, device="cpu").insert(rows)
+    state = source.state_dict()
+    before = {k: t.clone() for k, t in state["data"].items()}
+    target = TransitionBuffer(E * M, 4, rows, n_steps=2, device="cpu")
+    target.load_state_dict(state)
+    ones = np.ones((M, E), bool)
+    target.insert(Transition(observation=np.zeros((M, E, 1), np.float32), action=np.zeros((M, E), np.float32),
+                             reward=np.zeros((M, E), np.float32), terminated=ones, truncated=ones,
+                             info={"is_last": ones}))
+    for k, t in source.state_dict()["data"].items():
+        assert torch.equal(t, before[k]), k
