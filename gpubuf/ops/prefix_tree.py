@@ -41,12 +41,29 @@ def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
     chosen: when rounding (subnormal or huge masses) puts the remaining mass at or past the node's
     total, the last child of positive mass is taken. So, whenever the tree holds any mass, every
     returned leaf has positive mass (a valid start) and lies below the capacity
-    (padding leaves are zero).
+    (padding leaves are zero). On the host the descent runs unchecked first and the drawn leaves'
+    masses are read once; only a draw that met a zero-mass leaf runs again, child by child checked.
     """
-    B = u.shape[0]
-    if B == 0:
+    if u.shape[0] == 0:
         return
+    if tree.device.type != "cpu":
+        _descend(tree, offsets, fanout, u, out, True)
+        return
+    try:
+        _descend(tree, offsets, fanout, u, out, False)
+        ok = bool((tree.index_select(0, out) > 0).all())
+    except IndexError:  # rounding walked into a padding node, which has no children
+        ok = False
+    if not ok:
+        _descend(tree, offsets, fanout, u, out, True)
+
+
+def _descend(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
+             out: torch.Tensor, checked: bool) -> None:
+    """:func:`sample_twin`'s descent; ``checked``: step to the last child of positive mass wherever
+    rounding lands on a child of zero mass (else only clamp to the node's children)."""
     F = fanout
+    pick = _positive_child if checked else (lambda j, c: j.clamp_max_(c.shape[-1] - 1))
     # The lowest level holding at most _SHARED entries is searched whole: one cumsum shared by all
     # samples (bounded work, whatever the capacity), then the descent goes node by node below it.
     shared = 0
@@ -56,7 +73,7 @@ def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
     cs = level.cumsum(0)
     total = cs[-1]
     target = torch.minimum(u * total, total * _BELOW_ONE)
-    node = _positive_child(torch.searchsorted(cs, target, right=True), level)
+    node = pick(torch.searchsorted(cs, target, right=True), level)
     target = target.sub_(cs.sub_(level).index_select(0, node)).clamp_min_(0).unsqueeze_(1)  # (B, 1)
     base = tree.storage_offset()
     for k in range(shared - 1, -1, -1):
@@ -65,7 +82,7 @@ def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Te
         c = children.index_select(0, node)  # (B, F) children
         cs = c.cumsum(1)
         target = torch.minimum(target, cs[:, -1:] * _BELOW_ONE)  # stay below the node's mass
-        j = _positive_child(torch.searchsorted(cs, target, right=True), c)  # (B, 1)
+        j = pick(torch.searchsorted(cs, target, right=True), c)  # (B, 1)
         target = target.sub_(cs.sub_(c).gather(1, j)).clamp_min_(0)
         node = torch.add(j.view(-1), node, alpha=F)
     out.copy_(node)
