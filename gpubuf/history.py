@@ -15,6 +15,8 @@ ring position of an env (``max_len`` per env); head: the next slot an env writes
 env holds; ``ab`` (``action_block``): entries per action block; strided: every ``ab``-th entry.
 """
 
+import ctypes
+import sys
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -27,16 +29,66 @@ from gpubuf.inputs import (
     as_tensor,
     check_cast,
     check_storable,
+    lossless,
     positive_int,
 )
 from gpubuf.interrupts import signals_held
-from gpubuf.staging import Staging, check_disjoint, memory_ranges
+from gpubuf.staging import Staging, check_disjoint, memory_ranges, overlaps
 from gpubuf.state import check_state, check_tensor, copy_into, host_tensor, unaliased
 
 BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
                 torch.int8, torch.int16,
                 # what action blocks may hold (NaN/inf are cleaned per dtype)
                 torch.int32, torch.int64, torch.bool)
+
+
+# index_select runs on these in their own dtype; other dtypes (and rows of 64 bytes or more, which
+# move at memcpy speed as int words) are gathered through word views
+_NATIVE = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
+                     torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+                     torch.complex64, torch.complex128))
+_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
+_BIG = 2 << 20  # fresh host outputs of at least this many bytes: reused when free, else huge pages
+_SPARES = 2  # large outputs' memory kept per key for reuse
+_PLAN_BYTES = 32 << 20  # the most index bytes the lockstep get plans hold
+
+
+def _madvise():
+    """libc's ``madvise`` on Linux, else ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+# references to a storage (tensors, views, numpy arrays and DLPack capsules over it all hold one);
+# without it (another torch), large outputs are never reused
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # noqa: SLF001
+_MADV_HUGEPAGE = 14
+
+
+def _advise_huge(t: torch.Tensor) -> None:
+    """Ask for transparent huge pages under a fresh (untouched) host tensor: its first write then
+    faults once per 2 MiB instead of once per 4 KiB. Advice only: a kernel that declines changes
+    nothing."""
+    if _MADVISE is None:
+        return
+    ptr, huge = t.data_ptr(), 2 << 20
+    lo, hi = -(-ptr // huge) * huge, (ptr + t.numel() * t.element_size()) // huge * huge
+    if hi > lo:
+        _MADVISE(lo, hi - lo, _MADV_HUGEPAGE)
+
+
+def _word(dtype: torch.dtype, row_bytes: int) -> torch.dtype | None:
+    """The int word to gather rows of ``row_bytes`` through, or ``None``: the dtype itself."""
+    if dtype in _NATIVE and row_bytes < 64:
+        return None
+    return next(w for w, size in _WORDS if row_bytes % size == 0)
 
 
 def _new_storage_dtype(value, t: torch.Tensor) -> torch.dtype:
@@ -91,6 +143,17 @@ class HistoryBuffer(checkpoint.Checkpointable):
         # byte ranges of the storage: inputs reading them are copied before a write
         self._owned = ()
         self._staging = Staging(self.device)
+        # steady state (torch backend): ``_lock`` = (common head or -1, common count or -1), None
+        # when unknown; ``_sig`` the last accepted all-env append's input signature and the
+        # storage views it writes; ``_plans`` lockstep get plans; ``_spare`` large outputs' memory
+        self._fast = self.backend == "torch"  # the Triton kernels keep their own launch paths
+        self._lock = None
+        self._sig = None
+        self._slots: dict[int, list] = {}
+        self._plans: dict = {}
+        self._plan_bytes = 0
+        self._out_ok = None
+        self._spare: dict[str, list[torch.UntypedStorage]] = {}
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -122,6 +185,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         overwrite its oldest slots first."""
         ids = self._ids(env_ids)
         self._counts[ids] = 0
+        self._lock = None
 
     def mark(self) -> tuple:
         """A token for :meth:`rollback`: the write heads, entry counts and (before the first append)
@@ -139,6 +203,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
         if not had_keys and self._data:
             self._set_storage({}, {})
         self._heads, self._counts = heads.copy(), counts.copy()
+        self._lock = None
 
     def _ids(self, env_ids) -> np.ndarray:
         if env_ids is None:
@@ -161,6 +226,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         (a new key from a Python float takes torch's default float dtype, as ``torch.tensor(1.5)``
         does). Every check runs before any write.
         """
+        if env_ids is None and self._sig is not None and self._append_lockstep(info_dict):
+            return
         if not isinstance(info_dict, Mapping) or not info_dict:
             raise TypeError(f"info_dict: expected a non-empty dict of arrays, "
                             f"got {info_dict!r:.80}")
@@ -205,6 +272,98 @@ class HistoryBuffer(checkpoint.Checkpointable):
             ops.history_append(self.backend,
                                [(self._data[key], rows) for key, rows in staged.items()], dst)
             self._heads, self._counts = heads, counts
+            self._lock = None
+        if env_ids is None and self.backend == "torch":
+            self._sig = self._signature(info_dict, values)
+
+    # ------------------------------------------------------------------ append: steady state
+
+    def _signature(self, info_dict: Mapping, values: dict):
+        """What an all-env append just accepted, as the lockstep path compares it: per key
+        ``(key, type, dtype, shape[, device, requires_grad, layout])``, with the storage's
+        slot-major view each key writes; ``None`` unless every value is a plain numpy array or
+        dense tensor of rows ``(n_envs, *entry)`` whose cast into storage is lossless (others take
+        the checked path every time)."""
+        if type(info_dict) is not dict:
+            return None
+        sig, views = [], []
+        for key, v in info_dict.items():
+            t, storage = values[key], self._data[key]
+            if type(v) is np.ndarray and v.dtype.isnative:
+                sig.append((key, np.ndarray, v.dtype, v.shape))
+            elif (type(v) is torch.Tensor and not v.requires_grad and not v.is_nested
+                  and v.layout == torch.strided):
+                sig.append((key, torch.Tensor, v.dtype, v.shape, v.device, False, v.layout))
+            else:
+                return None
+            entry = self._shapes[key]
+            if tuple(t.shape) != (self.n_envs, *entry) or not lossless(t.dtype, storage.dtype):
+                return None
+            views.append(storage.view(self.max_len, self.n_envs, *entry))
+        self._slots = {}
+        return tuple(sig), views
+
+    def _append_lockstep(self, info_dict) -> bool:
+        """The steady-state append: every env, the accepted signature, heads in lockstep. Writes
+        one contiguous slot block per key and returns ``True``; returns ``False`` (having written
+        nothing) for anything else, which then takes the checked path."""
+        sig, views = self._sig
+        if type(info_dict) is not dict or len(info_dict) != len(sig):
+            return False
+        h, c = self._lock or self._lockstep()
+        if h < 0:
+            return False
+        srcs = []
+        owned = self._owned
+        try:
+            for (key, v), want in zip(info_dict.items(), sig, strict=True):
+                cls = type(v)
+                if cls is np.ndarray:
+                    if (key, cls, v.dtype, v.shape) != want:
+                        return False
+                    t = torch.from_numpy(v)
+                elif cls is torch.Tensor:
+                    if (key, cls, v.dtype, v.shape, v.device, v.requires_grad, v.layout) != want:
+                        return False
+                    t = v
+                else:
+                    return False
+                if overlaps(t, owned):  # reads the storage: the checked path copies it first
+                    return False
+                srcs.append(t)
+        except Exception:  # noqa: BLE001 - anything unusual: the checked path raises or copes
+            return False
+        dsts = self._slots.get(h)
+        if dsts is None:
+            dsts = [view.select(0, h) for view in views]
+            if self.max_len <= 4096:
+                self._slots[h] = dsts
+        staging = self._staging
+        with signals_held():  # commit: copies that cannot fail on checked, lossless inputs
+            for dst, t in zip(dsts, srcs, strict=True):
+                dst.copy_(t if t.device == dst.device else staging.to_device(t, "__lockstep__"))
+            h = (h + 1) % self.max_len
+            self._heads.fill(h)
+            counts = self._counts
+            if c >= 0:
+                if c < self.max_len:
+                    c += 1
+                    counts.fill(c)
+            else:
+                np.add(counts, 1, out=counts)
+                np.minimum(counts, self.max_len, out=counts)
+                first = counts[0]
+                c = int(first) if (counts == first).all() else -1
+            self._lock = (h, c)
+        return True
+
+    def _lockstep(self) -> tuple[int, int]:
+        """``(head, count)`` shared by every env (-1 where they differ), cached in ``_lock`` until
+        anything but the lockstep paths moves the mirror."""
+        heads, counts = self._heads, self._counts
+        h, c = int(heads[0]), int(counts[0])
+        self._lock = (h if (heads == h).all() else -1, c if (counts == c).all() else -1)
+        return self._lock
 
     def _check_value(self, key, value, R: int) -> torch.Tensor:
         if not isinstance(key, str):
@@ -240,6 +399,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         self._data, self._shapes = data, shapes
         self._shape_cache = (None, {})
         self._owned = memory_ranges(data.values())
+        self._lock, self._sig, self._slots = None, None, {}
+        self._plans, self._plan_bytes, self._out_ok, self._spare = {}, 0, None, {}
 
     def _plan_append(self, ids: np.ndarray):
         """Storage rows for each input row, which rows to keep (None = all), and the mirror's next
@@ -277,6 +438,10 @@ class HistoryBuffer(checkpoint.Checkpointable):
         ``out`` may hold tensors of exactly the returned shapes and dtypes on the buffer's device;
         they are written and returned.
         """
+        if env_ids is None and type(n) is int and self._fast:
+            got = self._get_lockstep(n, out, keys)
+            if got is not None:
+                return got
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise TypeError(f"n: expected an int, got {n!r}")
         ids = self._ids(env_ids)
@@ -308,6 +473,137 @@ class HistoryBuffer(checkpoint.Checkpointable):
                 frames.append((storage, dst))
         ops.history_gather_frames(self.backend, frames, meta, n, ab, self.max_len)
         return {key: out[key] for key in shapes}
+
+    # ------------------------------------------------------------------ get: steady state
+
+    def _get_lockstep(self, n: int, out, keys):
+        """The steady-state get: every env, heads and counts in lockstep, a plan (source rows per
+        key) cached per ``(n, head, frames used, keys)``. ``None`` for anything else (nothing
+        written), which then takes the checked path."""
+        h, c = self._lock or self._lockstep()
+        if h < 0 or c <= 0 or not 0 < n < 2**31:
+            return None
+        if keys is not None:
+            if type(keys) is list:
+                keys = tuple(keys)
+            elif type(keys) is not tuple:
+                return None
+        k = min(n, (c - 1) // self.action_block + 1)
+        try:
+            plan = self._plans.get((n, h, k, keys), False)
+        except TypeError:  # unhashable key names: the checked path says so
+            return None
+        if plan is False:
+            plan = self._plan(n, h, k, keys)
+        if not plan:
+            return None if plan is None else {}
+        if out is None:
+            outs = []
+            try:
+                for key, shape, dtype, nbytes, *_ in plan:
+                    outs.append(self._fresh(key, shape, dtype, nbytes))
+            except (RuntimeError, torch.OutOfMemoryError):  # the checked path names the bytes
+                return None
+        else:
+            outs = self._lockstep_out(out, plan)
+            if outs is None:
+                return None
+        result = {}
+        for (key, _, _, _, src, idx, rows, word, nan, zero), o in zip(plan, outs, strict=True):
+            dst = o.view(rows) if word is None else o.view(rows).view(word)
+            torch.index_select(src, 0, idx, out=dst)
+            if nan:
+                torch.nan_to_num(o, nan=0.0, out=o)
+            if zero:
+                o.narrow(1, 0, zero).zero_()
+            result[key] = o
+        return result
+
+    def _lockstep_out(self, out, plan) -> list | None:
+        """``out``'s tensors for ``plan``, or ``None`` where the checked path must look at them
+        (it raises for a bad one). Disjointness is checked once per set of addresses."""
+        if type(out) is not dict:
+            return None
+        outs, ptrs, shapes = [], [], []
+        device = self.device
+        for key, shape, dtype, _, _, _, _, word, _, _ in plan:
+            t = out.get(key)
+            if (type(t) is not torch.Tensor or t.shape != shape or t.dtype != dtype
+                    or t.device != device or t.requires_grad or not t.is_contiguous()):
+                return None
+            if word is not None and t.storage_offset() * t.element_size() % word.itemsize:
+                return None
+            outs.append(t)
+            ptrs.append(t.data_ptr())
+            shapes.append(shape)
+        seen = (tuple(ptrs), tuple(shapes))
+        if self._out_ok != seen:
+            # raises as the checked path would, before any write
+            self._check_out(out, {p[0]: p[1] for p in plan})
+            self._out_ok = seen
+        return outs
+
+    def _plan(self, n: int, h: int, k: int, keys):
+        """Per key: ``(key, out shape, dtype, out bytes, source rows view, row indices,
+        (rows, D) view shape, word dtype or None, NaN zeroing, leading zero blocks)``, for
+        every env with newest slot ``h - 1`` and ``k`` strided frames; ``None`` when this state
+        takes the checked path (zero-width entries, unknown keys)."""
+        wanted = self._wanted(keys) if keys is not None else None  # raises for unknown keys
+        if not self._data:
+            return None
+        E, ab, ml = self.n_envs, self.action_block, self.max_len
+        newest = (h - 1) % ml
+        envs = np.arange(E, dtype=np.int64).reshape(E, 1)
+        back = np.minimum(np.arange(n - 1, -1, -1), k - 1) * ab
+        frame_idx = ((newest - back) % ml * E + envs).reshape(-1)
+        blocks = (np.arange(n - 2, -1, -1).reshape(-1, 1) * ab
+                  + np.arange(ab - 1, -1, -1)).reshape(-1)
+        block_idx = ((newest - blocks) % ml * E + envs).reshape(-1)
+        indices = {}
+        plan = []
+        for key, shape in self._output_shapes(E, n).items():
+            if wanted is not None and key not in wanted:
+                continue
+            storage = self._data[key]
+            D = storage.shape[1]
+            if D == 0:
+                return None
+            block = key in self.block_keys
+            rows = E * (n - 1) * ab if block else E * n
+            word = _word(storage.dtype, D * storage.element_size())
+            src = storage if word is None else storage.view(word)
+            if block not in indices:
+                idx = block_idx if block else frame_idx
+                indices[block] = torch.from_numpy(idx).to(self.device)
+            nbytes = rows * D * storage.element_size()
+            nan = block and storage.dtype.is_floating_point
+            plan.append((key, torch.Size(shape), storage.dtype, nbytes, src, indices[block],
+                         (rows, D), word, nan, (n - k) if block else 0))
+        plan = tuple(plan)
+        self._plan_bytes += sum(t.numel() * 8 for t in indices.values())
+        if self._plan_bytes > _PLAN_BYTES:
+            self._plans, self._plan_bytes = {}, 0
+        self._plans[(n, h, k, keys)] = plan
+        return plan
+
+    def _fresh(self, key: str, shape, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """A new output tensor. A large host one reuses the memory of one of this key's last two
+        large outputs once nothing else holds it (no tensor, view, numpy array or DLPack capsule:
+        its storage's only reference is this buffer's, and it is not shared with another
+        process); else it is fresh memory advised into huge pages, so that its first write does
+        not fault per 4 KiB page."""
+        if nbytes < _BIG or self.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        spares = self._spare.setdefault(key, [])
+        for spare in spares:
+            if (_USE_COUNT is not None and spare.nbytes() == nbytes and not spare.is_shared()
+                    and _USE_COUNT(spare._cdata) == 1):  # noqa: SLF001
+                return torch.empty(0, dtype=dtype).set_(spare, 0, shape)
+        t = torch.empty(shape, dtype=dtype)
+        _advise_huge(t)
+        spares.insert(0, t.untyped_storage())
+        del spares[_SPARES:]  # a caller holding its last output still finds one free
+        return t
 
     def _wanted(self, keys) -> frozenset | None:
         """The key names ``keys`` asks for (``None``: all), checked against the stored keys."""
@@ -341,7 +637,9 @@ class HistoryBuffer(checkpoint.Checkpointable):
         """Fresh output tensors; a size that cannot be allocated raises ``MemoryError`` naming
         ``n``."""
         try:
-            return {k: torch.empty(shape, dtype=self._data[k].dtype, device=self.device)
+            return {k: self._fresh(k, shape, self._data[k].dtype,
+                                   int(np.prod(shape, dtype=object))
+                                   * self._data[k].element_size())
                     for k, shape in shapes.items()}
         except (RuntimeError, torch.OutOfMemoryError) as err:
             nbytes = sum(int(np.prod(s, dtype=object)) * self._data[k].element_size()
@@ -424,6 +722,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
                     copy_into(t, data[key])
             except BaseException:
                 self._counts[:], self._heads[:] = 0, 0  # the data is half-read: forget every entry
+                self._lock = None
                 raise
             self._set_storage(storage, shapes)
             self._counts, self._heads = counts, heads
