@@ -13,6 +13,7 @@ mode (``send``/``recv`` with ``env_id`` routing) and can append every received r
 ``envpool`` package.
 """
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,7 +21,15 @@ import numpy as np
 import torch
 
 from gpubuf import ops
-from gpubuf.inputs import as_flags, as_index_array, as_tensor, check_cast, check_flags, positive_int
+from gpubuf.inputs import (
+    as_flags,
+    as_index_array,
+    as_tensor,
+    check_cast,
+    check_flags,
+    lossless,
+    positive_int,
+)
 from gpubuf.staging import Staging
 from gpubuf.transition import Transition, flatten, leaf_name
 
@@ -65,6 +74,11 @@ class StepStager:
         self._shapes: dict[str, tuple] = {}  # key -> (1, *per_env), fixed by the first call
         self._dtypes = {"action": torch.float32, "reward": torch.float32, "terminated": torch.bool,
                         "truncated": torch.bool}
+        # the last accepted call's layout, per key: (key, numpy dtype, shape, (R, 1, *per_env)
+        # view); and (key, value check or None, dtype to cast to or None) of the keys that need
+        # more than a view (all of them off the CPU); see _fast
+        self._plan = None
+        self._plan_post = ()
 
     def __call__(self, obs, action, reward, terminated, truncated, env_ids=None, first=None,
                  more=None) -> Step:
@@ -78,13 +92,55 @@ class StepStager:
         ids = self._all_ids if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         R = len(ids)
         first = np.zeros(R, dtype=bool) if first is None else as_flags(first, "first", (R,))
+        return self.stage(obs, action, reward, terminated, truncated, ids, first, more)
+
+    def stage(self, obs, action, reward, terminated, truncated, ids: np.ndarray,
+              first: np.ndarray, more) -> Step:
+        """:meth:`__call__` for a caller whose ``ids`` (host int64 ids in ``[0, n_envs)``) and
+        ``first`` (host bool ``(R,)``) are already checked; the values are checked as there. An
+        unchanged layout (numpy arrays of the last call's dtypes and shapes) takes a cached path."""
+        R = len(ids)
         raw = {self.obs_key: obs, "action": action, "reward": reward, "terminated": terminated,
                "truncated": truncated}
-        for key, value in (more or {}).items():
-            if key in raw:
-                raise ValueError(f"more: key {key!r} collides with a step key")
-            raw[key] = value
+        if more:
+            for key, value in more.items():
+                if key in raw:
+                    raise ValueError(f"more: key {key!r} collides with a step key")
+                raw[key] = value
+        info = self._fast(raw)
+        if info is None:
+            info = self._checked(raw, R)
+        if np.count_nonzero(first):  # (``first.any()`` costs 4x more on a handful of flags)
+            mask = self._staging.to_device(torch.from_numpy(first), "__first__")
+            info["action"] = torch.where(mask.view(R, 1, 1), float("nan"), info["action"])
+        return Step(info, ids, first)
+
+    def _fast(self, raw: dict) -> dict | None:
+        """The steady state: every value a C-contiguous numpy array of the dtype and shape of the
+        last accepted call (the keys in the same order). ``None`` when anything differs (the
+        checked path then decides). Value checks that depend on the data (flags given as integers,
+        narrowing casts) still run."""
+        plan = self._plan
+        if plan is None or len(raw) != len(plan):
+            return None
+        info = {}
+        for (key, value), (want_key, dtype, shape, view) in zip(raw.items(), plan, strict=True):
+            if (key != want_key or value.__class__ is not np.ndarray or value.dtype != dtype
+                    or value.shape != shape or not value.flags.c_contiguous):
+                return None
+            info[key] = torch.from_numpy(value.reshape(view))  # numpy's view: cheaper than torch's
+        for key, check, cast in self._plan_post:  # keys that need a value check, a copy or a cast
+            t = info[key]
+            if check is not None:
+                check(t, key)
+            t = self._staging.to_device(t, key)
+            info[key] = t if cast is None else t.to(cast)
+        return info
+
+    def _checked(self, raw: dict, R: int) -> dict:
+        """Every check, then the staged info; remembers the call's layout for :meth:`_fast`."""
         values = {}
+        checks = {}
         for key, value in raw.items():
             t = as_tensor(value, key)
             if t.dim() == 0 or t.shape[0] != R:
@@ -94,10 +150,15 @@ class StepStager:
                 t = t[:, None]
             elif key in ("reward", "terminated", "truncated") and t.dim() != 1:
                 raise ValueError(f"{key}: expected shape ({R},), got {tuple(t.shape)}")
+            checks[key] = None
             if key in ("terminated", "truncated"):
                 check_flags(t, key)
+                if t.dtype != torch.bool:
+                    checks[key] = check_flags
             elif key in self._dtypes:
                 check_cast(t, self._dtypes[key], key)
+                if not lossless(t.dtype, self._dtypes[key]):
+                    checks[key] = functools.partial(_check_cast_as, self._dtypes[key])
             values[key] = t.reshape(R, 1, *t.shape[1:])
         if not self._shapes:
             self._shapes = {k: tuple(t.shape[1:]) for k, t in values.items()}
@@ -115,10 +176,20 @@ class StepStager:
             dev = self._staging.to_device(t, key)
             want = self._dtypes.get(key, dev.dtype)
             info[key] = dev if dev.dtype == want else dev.to(want)
-        if first.any():
-            mask = self._staging.to_device(torch.from_numpy(first), "__first__")
-            info["action"] = torch.where(mask.view(R, 1, 1), float("nan"), info["action"])
-        return Step(info, ids, first)
+        plain = all(type(v) is np.ndarray and v.dtype.isnative and v.flags.c_contiguous
+                    for v in raw.values())
+        self._plan = None if not plain else tuple(
+            (key, value.dtype, value.shape, values[key].shape) for key, value in raw.items())
+        casts = {key: None if info[key].dtype == t.dtype else info[key].dtype
+                 for key, t in values.items()}
+        self._plan_post = tuple((key, checks[key], casts[key]) for key in raw if
+                                checks[key] is not None or casts[key] is not None
+                                or self.device.type != "cpu")
+        return info
+
+
+def _check_cast_as(dtype: torch.dtype, t: torch.Tensor, name: str) -> None:
+    check_cast(t, dtype, name)
 
 
 def _space_layout(space) -> tuple[np.dtype, tuple]:
@@ -212,6 +283,12 @@ class EnvPoolSource:
                                             self.action_shape).astype(self.action_dtype),
                             np.broadcast_to(env.action_space.high,
                                             self.action_shape).astype(self.action_dtype))
+        self._action_torch_dtype = torch.from_numpy(np.zeros(0, self.action_dtype)).dtype
+        # the last accepted actions' (type, dtype, shape, lossless) (see _fast_actions)
+        self._action_sig = None
+        self._action_buf = np.zeros((self.n_envs, *self.action_shape), dtype=self.action_dtype)
+        self._order = np.arange(self.n_envs, dtype=np.int64)  # env ids in order (never returned)
+        self._order_bytes = self._order.tobytes()  # a received batch of every env, in order
         # last sent, per env
         self._sent = np.zeros((self.n_envs, *self.action_shape), dtype=self.action_dtype)
         self._in_flight = np.zeros(self.n_envs, dtype=bool)  # sent (or reset), not yet received
@@ -226,6 +303,7 @@ class EnvPoolSource:
         # name -> (n_envs, *shape) device tensor: the extra data last sent, per env
         self._extra = {}
         self._history = self._transitions = None
+        self._extra_spec_of = {}  # _extra_spec() of the attached transitions buffer
         self.history = history
         self.transitions = transitions
 
@@ -286,6 +364,7 @@ class EnvPoolSource:
             self._check_transitions(tb)
         self._end_episodes()
         self._transitions = tb
+        self._extra_spec_of = self._buffer_extra_spec()
         self._fresh[:] = True  # the new buffer holds no row of the current episodes
         self._extra = {name: torch.full((self.n_envs, *s), action_fill(_np_dtype(d)), dtype=d,
                                         device=self.device)
@@ -361,16 +440,25 @@ class EnvPoolSource:
         *shape)`` (singleton axes may be added or dropped). ``extra``: ``{name: (R, ...)}`` per-env
         data for the transitions buffer's own ``info`` leaves (see the class). Anything else is a
         ``ValueError``/``TypeError`` before anything is sent."""
-        ids = np.arange(self.n_envs) if env_ids is None else as_index_array(env_ids, "env_ids",
-                                                                            self.n_envs)
+        if env_ids is None:  # every env, in order: distinct by construction
+            if np.count_nonzero(self._in_flight):
+                self._raise_in_flight(self._order)
+            acts = self._host_actions(actions, self.n_envs)
+            extras = ({} if extra is None and not self._extra_spec_of
+                      else self._check_extra(extra, self.n_envs))
+            self.env.send(acts)  # EnvPool's own all-envs path
+            self._sent[...] = acts
+            self._in_flight[...] = True
+            for name, t in extras.items():
+                self._extra[name].copy_(t)
+            return
+        ids = as_index_array(env_ids, "env_ids", self.n_envs)
         if len(np.unique(ids)) != len(ids):
             dup = np.unique(ids[np.bincount(ids, minlength=self.n_envs)[ids] > 1])
             raise ValueError("env_ids: each env takes one action per send, got duplicates "
                              f"{dup[:5].tolist()}")
         if self._in_flight[ids].any():
-            raise ValueError(f"env_ids: envs {ids[self._in_flight[ids]][:5].tolist()} are in "
-                             "flight (sent or reset, not yet received): recv() them before sending "
-                             "again")
+            self._raise_in_flight(ids)
         tb = self.transitions
         if tb is not None and tb.vectorized_env and len(ids) != self.n_envs:
             raise ValueError("env_ids: a vectorized transitions buffer stores one time row of all "
@@ -387,6 +475,11 @@ class EnvPoolSource:
             for name, t in extras.items():
                 self._extra[name].index_copy_(0, dev_ids, t)
 
+    def _raise_in_flight(self, ids: np.ndarray) -> None:
+        raise ValueError(f"env_ids: envs {ids[self._in_flight[ids]][:5].tolist()} are in "
+                         "flight (sent or reset, not yet received): recv() them before sending "
+                         "again")
+
     def recv(self) -> Step:
         """Receive the next batch (``batch_size`` rows), stage it and feed the attached buffers."""
         obs, reward, terminated, truncated, info = self.env.recv()
@@ -399,6 +492,75 @@ class EnvPoolSource:
         return self.recv()
 
     def _host_actions(self, actions, R: int) -> np.ndarray:
+        """``actions`` as the ``(R, *shape)`` host array to send (clipped for a ``Box``), checked.
+        The returned array may be reused by the next call."""
+        sig = self._action_sig
+        if (sig is not None and type(actions) is sig[0] and actions.dtype == sig[1]
+                and actions.shape == sig[2] and sig[2][0] == R):
+            arr = self._fast_actions(actions, R, sig[3])
+            if arr is not None:
+                return arr
+        arr = self._checked_actions(actions, R)
+        self._action_sig = self._signature(actions)
+        return arr
+
+    def _signature(self, actions):
+        """The steady-state signature of accepted ``actions``: numpy arrays, and CPU tensors that
+        read as one (``None`` for anything else: the checked path every time)."""
+        if type(actions) is torch.Tensor:
+            if actions.device.type != "cpu" or actions.dtype not in (
+                    torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+                    torch.int32, torch.int64, torch.uint8):
+                return None
+            dtype = torch.empty(0, dtype=actions.dtype).numpy().dtype
+        elif type(actions) is np.ndarray and actions.dtype.isnative:
+            dtype = actions.dtype
+        else:
+            return None
+        if dtype.kind != self.action_dtype.kind and not (self.action_dtype.kind == "u"
+                                                         and dtype.kind == "i"):
+            return None  # float actions for a discrete env: checked path (integrality)
+        ok = lossless(torch.from_numpy(np.zeros(0, dtype)).dtype, self._action_torch_dtype)
+        return type(actions), actions.dtype, tuple(actions.shape), ok
+
+    def _fast_actions(self, actions, R: int, is_lossless: bool) -> np.ndarray | None:
+        """The steady state: actions of the last accepted type, dtype and shape. ``None`` to take
+        the checked path (a bad value: it raises there, with its message)."""
+        if type(actions) is torch.Tensor:
+            if actions.device.type != "cpu":
+                return None
+            try:
+                arr = actions.detach().numpy()
+            except RuntimeError:  # a lazy negation: the checked path resolves it
+                return None
+        else:
+            arr = actions
+        want = self._action_buf[:R] if R != self.n_envs else self._action_buf
+        if self.action_dtype.kind == "f":
+            if np.count_nonzero(np.isfinite(arr)) != arr.size:
+                return None
+            if not is_lossless:
+                try:
+                    check_cast(torch.from_numpy(np.ascontiguousarray(arr)),
+                               self._action_torch_dtype, "actions")
+                except (TypeError, ValueError):
+                    return None
+            arr = arr.reshape(want.shape)
+            if self._bounds is None:
+                np.copyto(want, arr)
+            else:  # np.clip, as ufuncs (the wrapper costs more than the work)
+                np.minimum(arr, self._bounds[1], out=want)
+                np.maximum(want, self._bounds[0], out=want)
+            return want
+        n = self.n_actions
+        if n is not None and arr.size and not (0 <= arr.min() and arr.max() < n):
+            return None
+        if not is_lossless and n is None:
+            return None
+        np.copyto(want, arr.reshape(want.shape), casting="unsafe")
+        return want
+
+    def _checked_actions(self, actions, R: int) -> np.ndarray:
         if isinstance(actions, torch.Tensor):
             actions = actions.detach().cpu()  # envpool steps on the host: one read per step
             if actions.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
@@ -436,7 +598,10 @@ class EnvPoolSource:
 
     def _extra_spec(self) -> dict:
         """``{name: (per-env shape, dtype)}`` of the transitions buffer's ``info`` leaves the source
-        does not fill itself: the user's extra data."""
+        does not fill itself: the user's extra data (fixed while the buffer is attached)."""
+        return self._extra_spec_of
+
+    def _buffer_extra_spec(self) -> dict:
         tb = self._transitions
         if tb is None:
             return {}
@@ -479,9 +644,17 @@ class EnvPoolSource:
 
     def _receive(self, obs, reward, terminated, truncated, info) -> Step:
         ids = np.asarray(info["env_id"], dtype=np.int64)
-        self._in_flight[ids] = False
+        n = self.n_envs
+        # every env, in env order (sync mode): whole-array updates instead of scatters
+        in_order = ids.tobytes() == self._order_bytes
+        if in_order:
+            self._in_flight[...] = False
+            sent = self._sent
+        else:
+            ids = as_index_array(ids, "env_ids", n)
+            self._in_flight[ids] = False
+            sent = self._sent[ids]
         first = np.asarray(info["elapsed_step"]) == 0
-        sent = self._sent[ids]
         infos = {}
         for key, (shape, dtype) in self._info_spec.items():
             a = np.asarray(info[key])
@@ -489,35 +662,44 @@ class EnvPoolSource:
                 raise ValueError(f"info_keys: EnvPool's {key!r} came as {a.dtype} {a.shape}, "
                                  f"expected {dtype} {(len(ids), *shape)}")
             infos[key] = a
-        step = self.stager(obs, sent.reshape(len(ids), -1).astype(np.float32), reward, terminated,
-                           truncated,
-                           ids, first, infos)
-        if self.history is not None:
-            if first.any():
-                self.history.reset(ids[first])
-            self.history.append(step.info, env_ids=ids)
-        if self.transitions is not None:
+        # the action echo: a fresh float32 copy (``sent`` may be the source's own array)
+        echo = sent.reshape(len(ids), -1).astype(np.float32)
+        step = self.stager.stage(obs, echo, reward, terminated, truncated, ids, first, infos)
+        if self._history is not None:
+            if np.count_nonzero(first):
+                self._history.reset(ids[first])
+            self._history.append(step.info, env_ids=ids)
+        if self._transitions is not None:
             self._insert_transition(step, sent, reward, terminated, truncated, infos)
-        self._remember(step)
+        self._remember(step, in_order)
         for key, a in infos.items():
-            self._prev_info[key][ids] = a
-        self._fresh[ids] = first
+            if in_order:
+                self._prev_info[key][...] = a
+            else:
+                self._prev_info[key][ids] = a
+        if in_order:
+            self._fresh[...] = first
+        else:
+            self._fresh[ids] = first
         return step
 
-    def _remember(self, step: Step) -> None:
+    def _remember(self, step: Step, in_order: bool) -> None:
         """Keep each received env's observation: the pending row, stored by the next step (or a
         buffer attached before it)."""
-        obs, ids = step.info[self.stager.obs_key][:, 0], step.env_ids
+        rows, ids = step.info[self.stager.obs_key], step.env_ids  # (R, 1, *obs)
         if self._prev_obs is None:
-            self._prev_obs = torch.zeros((self.n_envs, *obs.shape[1:]), dtype=obs.dtype,
+            self._prev_obs = torch.zeros((self.n_envs, *rows.shape[2:]), dtype=rows.dtype,
                                          device=self.device)
-        if len(ids) == self.n_envs and (ids == np.arange(self.n_envs)).all():
+            self._prev_rows = self._prev_obs[:, None]
+        if in_order:
             # sync, in env order: a plain copy (index_copy_ is ~40x slower on CPU)
-            self._prev_obs.copy_(obs)
-        else:
-            self._prev_obs.index_copy_(0,
-                                       self._staging.to_device(torch.from_numpy(ids),
-                                                               "__prev_ids__"), obs)
+            self._prev_rows.copy_(rows)
+            self._has_prev[...] = True
+            return
+        obs = rows[:, 0]
+        self._prev_obs.index_copy_(0,
+                                   self._staging.to_device(torch.from_numpy(ids),
+                                                           "__prev_ids__"), obs)
         self._has_prev[ids] = True
 
     # ------------------------------------------------------------------ transitions

@@ -1,5 +1,7 @@
 """EnvPoolSource and StepStager on real EnvPool envs (sync and async), no mocks."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -316,3 +318,99 @@ def test_continuous_env_rejects_bad_actions_before_sending(actions, exc, message
     step = src.step(np.array([0.5, -0.5], np.float32))  # (R,) for a (1,)-shaped action: a singleton axis dropped
     obs, *_ = twin.step(np.array([[0.5], [-0.5]], np.float32))
     np.testing.assert_array_equal(step.info["observation"][:, 0].numpy(), obs)
+
+
+def test_cached_action_path_falls_back_when_the_action_dtype_or_shape_changes():
+    """The steady-state path is taken for actions like the last accepted ones; any other dtype,
+    type or shape takes the checked path, and bad values raise there, with nothing sent."""
+    src, twin = EnvPoolSource(make("Pendulum-v1", num_envs=2), device="cpu"), make("Pendulum-v1", num_envs=2)
+    src.reset()
+    twin.reset()
+
+    def check(actions, executed):
+        step = src.step(actions)
+        obs, *_ = twin.step(np.asarray(executed, np.float32).reshape(2, 1))
+        np.testing.assert_array_equal(step.info["observation"][:, 0].numpy(), obs)
+        np.testing.assert_array_equal(step.info["action"][:, 0, 0].numpy(), np.asarray(executed, np.float32))
+        assert step.info["action"].dtype == torch.float32
+
+    with mock.patch.object(EnvPoolSource, "_checked_actions", autospec=True,
+                           side_effect=EnvPoolSource.__dict__["_checked_actions"]) as checked:
+        check(np.array([[0.5], [-3.0]], np.float32), [0.5, -2.0])
+        check(np.array([[1.0], [9.0]], np.float32), [1.0, 2.0])  # the cached path, clipped
+        assert checked.call_count == 1
+        check(np.array([5.0, -0.25]), [2.0, -0.25])  # float64 (2,): the checked path, then cached
+        check(np.array([0.125, 0.0]), [0.125, 0.0])
+        assert checked.call_count == 2
+    check(torch.tensor([[0.75], [-7.0]], requires_grad=True), [0.75, -2.0])  # a CPU tensor
+    check(torch.tensor([[0.75], [-7.0]], dtype=torch.float16), [0.75, -2.0])
+    check(np.array([[1.5], [0.0]], np.float16), [1.5, 0.0])
+    for bad, exc, message in [
+        (np.array([[np.nan], [0.0]], np.float16), ValueError, r"actions: expected finite actions, got \[nan\]"),
+        (np.array([[np.inf], [0.0]], np.float32), ValueError, r"actions: expected finite actions, got \[inf\]"),
+        (np.zeros((1, 2), np.float32), ValueError, r"actions: expected shape \(2, 1\), got \(1, 2\)"),
+        (np.zeros((3, 1), np.float32), ValueError, r"actions: expected shape \(2, 1\), got \(3, 1\)"),
+    ]:
+        with pytest.raises(exc, match=message):
+            src.step(bad)
+    check(np.array([1e30, 0.0]), [2.0, 0.0])
+    with pytest.raises(TypeError, match=r"actions: cannot store torch.float64 .*torch.float32"):
+        src.step(np.array([1e300, 0.0]))  # same signature as the last accepted: a value check
+    with pytest.raises(ValueError, match="actions: expected finite actions"):
+        src.step(torch.tensor([[0.0], [float("nan")]]))
+    check(np.array([[0.5], [-0.5]], np.float32), [0.5, -0.5])  # nothing was sent by the bad calls
+
+    disc, dtwin = EnvPoolSource(make(num_envs=3), device="cpu"), make(num_envs=3)
+    disc.reset()
+    dtwin.reset()
+    for actions in (np.array([0, 1, 1]), np.array([1, 1, 0]), np.array([[1], [0], [1]], np.int32),
+                    np.array([1.0, 0.0, 0.0]), torch.tensor([0, 0, 1]), np.array([1, 0, 1], np.uint8)):
+        step = disc.step(actions)
+        obs, *_ = dtwin.step(np.asarray(actions).reshape(3).astype(np.int32))
+        np.testing.assert_array_equal(step.info["observation"][:, 0].numpy(), obs)
+        bad = np.array([0, 2, 1]).reshape(np.shape(actions)).astype(np.asarray(actions).dtype)
+        bad = torch.from_numpy(bad) if isinstance(actions, torch.Tensor) else bad  # same signature
+        with pytest.raises(ValueError, match=r"actions: expected actions in \[0, 2\), got \[0(\.0)?, 2"):
+            disc.step(bad)
+    with pytest.raises(ValueError, match="a discrete env takes integer actions"):
+        disc.step(np.array([0.5, 0.0, 1.0]))
+    step = disc.step(np.array([0, 0, 0]))
+    obs, *_ = dtwin.step(np.zeros(3, np.int32))
+    np.testing.assert_array_equal(step.info["observation"][:, 0].numpy(), obs)
+
+
+def test_cached_stager_path_falls_back_when_a_layout_changes():
+    stager = StepStager(2)
+    obs = np.arange(6, dtype=np.float32).reshape(2, 3)
+    step = stager(obs, np.zeros(2, np.float32), np.zeros(2, np.float32), np.zeros(2, bool), np.zeros(2, bool))
+    with mock.patch.object(StepStager, "_checked", autospec=True,
+                           side_effect=StepStager.__dict__["_checked"]) as checked:
+        stager(obs + 1, np.zeros(2, np.float32), np.zeros(2, np.float32), np.zeros(2, bool), np.zeros(2, bool))
+        assert checked.call_count == 0  # the cached path
+        step = stager(obs, np.ones(2, np.float32), np.array([1.5, 2.0]), np.array([0, 1]), np.zeros(2, bool))
+        assert step.info["reward"].dtype == torch.float32 and step.info["terminated"].dtype == torch.bool
+        np.testing.assert_array_equal(step.info["reward"][:, 0].numpy(), [1.5, 2.0])
+        np.testing.assert_array_equal(step.info["terminated"][:, 0].numpy(), [False, True])
+        stager(obs, np.ones(2, np.float32), np.array([1.5, 2.0]), np.array([0, 1]), np.zeros(2, bool))
+        assert checked.call_count == 1
+    # the cached layout (float64 reward, int flags) still checks values
+    with pytest.raises(ValueError, match=r"terminated: expected flags 0 or 1, got \[2\]"):
+        stager(obs, np.ones(2, np.float32), np.zeros(2), np.array([0, 2]), np.zeros(2, bool))
+    with pytest.raises(TypeError, match="reward: cannot store torch.float64"):
+        stager(obs, np.ones(2, np.float32), np.array([1e300, 0.0]), np.array([0, 1]), np.zeros(2, bool))
+    with pytest.raises(ValueError, match=r"observation: expected per-env shape"):
+        stager(np.zeros((2, 4), np.float32), np.ones(2, np.float32), np.zeros(2), np.zeros(2, bool),
+               np.zeros(2, bool))
+    step = stager(obs[:, ::-1], torch.ones(2, 1), np.zeros(2, np.float16), np.zeros(2, bool), np.zeros(2, bool),
+                  first=np.array([True, False]))  # a strided view, a tensor: the checked path
+    np.testing.assert_array_equal(step.info["observation"][:, 0].numpy(), obs[:, ::-1])
+    assert torch.isnan(step.info["action"][0]).all() and step.info["action"][1, 0, 0] == 1
+    assert step.info["reward"].dtype == torch.float32
+
+
+def test_sending_to_every_env_while_some_are_in_flight_is_rejected():
+    src = EnvPoolSource(make(num_envs=4, batch_size=2), device="cpu")
+    step = src.reset()
+    with pytest.raises(ValueError, match="are in flight"):
+        src.send(np.zeros(4, np.int64))
+    src.send(np.zeros(2, np.int64), env_ids=step.env_ids)
