@@ -481,8 +481,8 @@ class HistoryBuffer(checkpoint.Checkpointable):
         key) cached per ``(n, head, frames used, keys)``. ``None`` for anything else (nothing
         written), which then takes the checked path."""
         h, c = self._lock or self._lockstep()
-        if h < 0 or c <= 0 or not 0 < n < 2**31:
-            return None
+        if h < 0 or c <= 0 or not 0 < n < 2**31 or n * self.n_envs * 8 > _PLAN_BYTES:
+            return None  # a plan past the cache's bound: the checked path sizes outputs first
         if keys is not None:
             if type(keys) is list:
                 keys = tuple(keys)
