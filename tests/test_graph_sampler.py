@@ -119,15 +119,7 @@ def test_a_cuda_graph_replays_the_sampler(prioritized):
     buf = cls(E * M, 64, make_transition(0, 1, E), n_steps=n, device="cuda", seed=0)
     buf.insert(make_transition(0, 100, E))
     gs = buf.graph_sampler()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm up: Triton compiles outside the capture
-            gs.sample()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, idx = gs.sample()
+    graph, out, idx = captured(gs)
     seen = set()
     for t in range(5):
         buf.insert(make_transition(100 + 10 * t, 10, E))
@@ -220,18 +212,25 @@ def test_a_captured_graph_follows_the_buffers_beta():
         pytest.skip("needs CUDA")
     buf = _prioritized("cuda")
     gs = buf.graph_sampler(batch_size=16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm up: Triton compiles outside the capture
-            gs.sample()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, idx = gs.sample()
+    graph, out, idx = captured(gs)
     for change, beta in ((lambda: buf.update_beta(1.0), 1.0), (lambda: gs.set_beta(0.6), 0.6),
                          (lambda: buf.load_state_dict(_prioritized("cuda", beta=0.2).state_dict()), 0.2)):
         change()
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.PER_weights, _per_weights(buf, idx, beta))
+
+
+def captured(gs):
+    """``(graph, out, indices)``: ``gs.sample()`` captured in a CUDA graph after warm-up calls on a side
+    stream (Triton compiles outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            gs.sample()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, idx = gs.sample()
+    return graph, out, idx
