@@ -35,6 +35,7 @@ from gpubuf.interrupts import signals_held
 from gpubuf.replay_config import BOUNDARIES, ReplayConfig
 from gpubuf.ring import StartRing
 from gpubuf.samplers import UniformSampler
+from gpubuf.stacked_sampling import StackedGather, StackSpec
 from gpubuf.staging import memory_ranges
 from gpubuf.state import copy_into, unaliased
 from gpubuf.storage import MappedStorage, MemoryStorage
@@ -93,6 +94,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self.ring = StartRing(config.max_rows, config.n_envs, config.n_steps, config.kinds)
             self.sampler = self._make_sampler()
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
+            self._marks = None  # EpisodeMarks, built by the first sample that needs them
             # a host generator draws: one seed, the same starts on every device
             self.generator = torch.Generator()
             if seed is None:
@@ -159,6 +161,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self.storage.write(staged, pos, before_wrap, T)
             self.sampler.rows_written(pos, before_wrap, T)
             self.sampler.refresh_after_write(pos, T)
+            if self._marks is not None:
+                self._marks.rows_written(ring, pos, before_wrap, T)
             self.storage.after_write(ring.pos, ring.count, ring.total)
         return self
 
@@ -173,7 +177,9 @@ class TransitionBuffer(checkpoint.Checkpointable):
     @torch.compiler.disable
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow", *,
-               out: Transition | None = None, return_indices: bool = False):
+               out: Transition | None = None, return_indices: bool = False,
+               frame_stack: int | None = None, frame_stride: int = 1,
+               n_step_return: tuple[int, float] | None = None):
         """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts; with
         ``return_indices=True``, ``(batch, indices)``: the windows' flat starts ``(B,)`` int64 on
         the device, ``row * n_envs + env`` (:meth:`locate` maps them to env, ring row and the env's
@@ -190,19 +196,62 @@ class TransitionBuffer(checkpoint.Checkpointable):
         end (the module docstring says how). ``out`` may be a :class:`Transition` of preallocated
         tensors of exactly the returned shapes and dtypes on the buffer's device: the windows are
         written there and ``out`` is returned.
+
+        Pixel replay (each frame stored once, in ``observation``; no stored ``next_observation``):
+
+        - ``frame_stack=k``: every observation leaf comes back as the stack of its row's last ``k``
+          frames, ``frame_stride`` rows apart, oldest first, ``(B, [n_steps,] k, ...)``
+          (``next_observation`` too, with ``with_next_obs``). At an episode start the stack is
+          padded with the episode's first frame, and never reaches a frame of the previous
+          episode: an episode ends after a ``terminated`` or ``truncated`` row, or, when the
+          buffer stores ``info["is_last"]`` (an env source's rows), after that row only. A stack
+          never reaches a row the ring no longer holds: once the oldest rows of an episode are
+          overwritten, its oldest frame held pads instead. Validity and probabilities of the
+          starts are those of ``frame_stack=None``.
+        - ``n_step_return=(n, gamma)`` (a buffer of ``n_steps=1``): each transition becomes the
+          n-step one: ``reward`` the discounted sum of the rewards of up to ``n`` rows from the
+          start (float32; float64 for a float64 reward), ``discount`` the bootstrap value's factor
+          ``gamma**m`` after ``m`` rewards, 0 when they end in a termination (``terminated``
+          True), ``next_observation`` the observation (stacked with ``frame_stack``) to bootstrap
+          from, ``truncated`` True where fewer than ``n`` rewards were taken without a
+          termination: at a truncation (or an ``info["is_last"]`` row) the return stops before
+          that row and bootstraps from its observation; at the newest row held it stops there.
+          Other leaves (``action``, ``info``) are the start row's. Starts are drawn as with
+          ``with_next_obs=True``. ``out`` is not offered with either argument.
         """
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
-        B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs, boundaries)
-        jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device,
-                                      self._owned)
+        spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
+        if spec is not None and out is not None:
+            raise ValueError("out: not offered with frame_stack or n_step_return; got a "
+                             f"{type(out).__name__}")
+        returns = spec is not None and spec.n is not None
+        B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
+                                         boundaries)
+        if spec is None:
+            jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device,
+                                          self._owned)
+        else:
+            stacked = StackedGather(self, spec, B, with_next_obs)
         idx, mass = self.sampler.draw(kind, B, generator_for(key, self.generator), with_replacement)
-        result = self.storage.gather(idx, jobs, self.device)  # the windows, in the storage's layout
-        batch = self.config.with_flags(unflatten(result) if out is None else out, boundaries,
-                                       self.device)
+        if spec is None:  # the windows, in the storage's layout
+            result = self.storage.gather(idx, jobs, self.device)
+            result = unflatten(result) if out is None else out
+        else:
+            result = stacked.run(idx)
+        batch = self.config.with_flags(result, boundaries, self.device)
         if self.sampler.prioritized:
             batch.PER_weights = self.sampler.weights(mass)
         return (batch, idx) if return_indices else batch
+
+    def episode_marks(self):
+        """The :class:`~gpubuf.episode_marks.EpisodeMarks` of this buffer (built on first use, then
+        kept current by every write)."""
+        if self._marks is None:
+            from gpubuf.episode_marks import EpisodeMarks
+
+            self._marks = EpisodeMarks(self.config, self.storage, self.ring)
+        return self._marks
 
     def gather(self, starts, jobs: dict, out=None, boundaries: str = "allow") -> Transition:
         """The flagged batch of windows of flat ``starts`` (B,) for ``storage.check_out``'s
@@ -262,10 +311,14 @@ class TransitionBuffer(checkpoint.Checkpointable):
             except BaseException:  # the data is half-read (a read error): forget every row
                 self.ring.restore(0, 0, np.zeros_like(trunc), np.zeros_like(trunc))
                 self.sampler.forget()
+                if self._marks is not None:
+                    self._marks.set_held(self.ring)
                 raise
             self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends,
                               last=last)
             self.sampler.forget()  # validity and trees are rebuilt from the rows
+            if self._marks is not None:
+                self._marks.rebuild(self.ring)
             self.generator.set_state(rng)
         self.flush()  # a storage_dir now holds the loaded state
 

@@ -27,7 +27,8 @@ class Transition:
 
     ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled
     from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first`` and ``mask`` only on batches
-    sampled with ``boundaries="mask"`` or ``"forbid"``. None of the three is ever stored.
+    sampled with ``boundaries="mask"`` or ``"forbid"``; ``discount`` (the factor of the bootstrap
+    value) only on batches sampled with ``n_step_return``. None of the four is ever stored.
     """
 
     observation: Any
@@ -40,6 +41,7 @@ class Transition:
     PER_weights: Any = None
     is_first: Any = None
     mask: Any = None
+    discount: Any = None
 
     def to(self, device, non_blocking: bool = False) -> "Transition":
         """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy
@@ -119,7 +121,7 @@ def unflatten(leaves: dict[tuple, torch.Tensor]) -> Transition:
 
 
 # the stored fields, then those only sampling sets
-ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask")
+ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask", "discount")
 
 
 def _check(transition) -> Transition:
@@ -137,8 +139,8 @@ def _is_set(value) -> bool:
 def items(transition: Transition) -> Iterator[tuple[str, Any]]:
     """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in
     field order: ``observation, action, reward, terminated, truncated, next_observation, info,
-    PER_weights, is_first, mask``. So ``dict(transition)`` holds exactly the fields a buffer stores,
-    plus those sampling sets."""
+    PER_weights, is_first, mask, discount``. So ``dict(transition)`` holds exactly the fields a
+    buffer stores, plus those sampling sets."""
     _check(transition)
     for name in ALL_FIELDS:
         value = getattr(transition, name)

@@ -1,8 +1,8 @@
 """Triton kernels and their launchers (shipped as ``gpubuf.kernels``); the only place importing
 triton.
 
-One module per kernel family (``history``, ``prefix_tree``, ``sequence``): its kernels, their
-launchers and ``variants()``, every (signature, constexprs) the launchers compile
+One module per kernel family (``history``, ``prefix_tree``, ``sequence``, ``stacks``): its kernels,
+their launchers and ``variants()``, every (signature, constexprs) the launchers compile
 (``signatures.py`` compiles them ahead of time). This package imports nothing from ``gpubuf``; this
 file and ``words.py`` import no Triton.
 
@@ -26,6 +26,11 @@ import torch
 from gpubuf.kernels.words import as_words
 
 INDEX = ("i32", "i64")  # Triton passes a Python int as i32, or i64 from 2**31 on
+
+# bits of a replay row's episode mark (one uint8 per flat row, ``stacks`` kernels): the row's
+# transition terminated; a return stops before this row (truncated, or a row holding no
+# transition); an episode ends after this row (a frame stack never reaches past it)
+MARK_TERM, MARK_STOP, MARK_BOUNDARY = 1, 2, 4
 
 
 def on_device(t: torch.Tensor):

@@ -1,14 +1,14 @@
 """The device operations, registered as ``torch.library`` ops ``torch.ops.gpubuf.*``, and the device
 helpers.
 
-One module per kernel family (``history``, ``prefix_tree``, ``sequence``, beside ``kernels/`` of the
-same names) holds, for each of its ops: the pure-torch twin, the schema with its CPU (twin), CUDA
-(Triton launcher) and fake registrations, so the dispatcher picks the kernel by device and
-``torch.compile`` traces the ops without graph breaks, and the function the buffers call. That
-function takes the buffer's backend and Python containers; eager calls run the twin or the launcher
-directly, traced ones the op (:func:`~gpubuf.ops.device.route`). Every op writes into tensors it is
-given (declared mutable in its schema) and returns nothing. Triton is imported only when a kernel
-runs, so ``import gpubuf`` works without a GPU or driver.
+One module per kernel family (``history``, ``prefix_tree``, ``sequence``, ``stacks``, beside
+``kernels/`` of the same names) holds, for each of its ops: the pure-torch twin, the schema with its
+CPU (twin), CUDA (Triton launcher) and fake registrations, so the dispatcher picks the kernel by
+device and ``torch.compile`` traces the ops without graph breaks, and the function the buffers call.
+That function takes the buffer's backend and Python containers; eager calls run the twin or the
+launcher directly, traced ones the op (:func:`~gpubuf.ops.device.route`). Every op writes into
+tensors it is given (declared mutable in its schema) and returns nothing. Triton is imported only
+when a kernel runs, so ``import gpubuf`` works without a GPU or driver.
 """
 
 from gpubuf.ops.device import (
@@ -23,9 +23,9 @@ from gpubuf.ops.device import (
 from gpubuf.ops.history import history_append, history_gather_frames, history_pack_blocks
 from gpubuf.ops.prefix_tree import tree_sample, tree_update, tree_update_range
 from gpubuf.ops.sequence import sequence_gather
+from gpubuf.ops.stacks import frame_stack, n_step_return
 
-__all__ = ["BACKENDS", "allocate", "backend_for", "history_append", "history_gather_frames",
-           "history_pack_blocks",
-           "interpreting", "resolve_device", "route", "sequence_gather", "tree_sample",
-           "tree_update",
+__all__ = ["BACKENDS", "allocate", "backend_for", "frame_stack", "history_append",
+           "history_gather_frames", "history_pack_blocks", "interpreting", "n_step_return",
+           "resolve_device", "route", "sequence_gather", "tree_sample", "tree_update",
            "tree_update_range", "triton_runs_on"]
