@@ -1,38 +1,133 @@
-"""Host overhead per call of every buffer op at small sizes, in microseconds and in units of one trivial
-torch op dispatch measured in the same run.
+"""Host overhead per call of every buffer op at small sizes, beside its floor and cpprb, in units of
+one trivial torch op dispatch measured in the same run.
 
 Sizes: 16 envs, CartPole-sized observations (4 float32), batch 32, 16k capacity (1024 rows x 16 envs),
-history get(4) with action_block 1. The unit is the mean time of 8 trivial ops on 16-element tensors (add,
-mul, sub with out=, index_select, empty, copy_, fill_, a slice). Ops run interleaved in rotating order
-(:func:`gpubuf.benchmarking.timing.median_us`), one thread, median of many repeats; the trees are built
-before timing.
+history get(4) with action_block 1. Columns per call:
+
+- gpubuf: the buffer call;
+- tight: the same steady-state work in the fewest torch ops, no checks (``tight_reference.py``);
+- cpprb (when importable): ReplayBuffer / PrioritizedReplayBuffer with the same fields (next
+  observations through ``next_of``), add of 16 rows, sample(32), update_priorities of 32;
+- host-only: the gpubuf call with its device work replaced by nothing (:class:`HostOnly`): the
+  Python and glue ops that the GPU path pays too.
+
+The unit is one ``torch.add(a, b, out=out)`` on 16 float32 elements (timed as 8 in a row); the mean of
+8 different trivial ops (add, mul, sub with out=, index_select, empty, copy_, fill_, a slice) is
+reported beside it. Everything runs interleaved in rotating order (:func:`gpubuf.benchmarking.timing.
+median_us`: per round one untimed call, then two timed), one thread, medians; trees are built before
+timing. Measure on a quiet machine.
 
     python benchmarks/bench_overhead.py            # -> results/overhead_cpu.json and a markdown table
 """
 
 import argparse
 import json
-import platform
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from tight_reference import History, Replay
 
 import gpubuf
+import gpubuf.ops.history as history_ops
+import gpubuf.ops.prefix_tree as tree_ops
+import gpubuf.ops.sequence as sequence_ops
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
-from gpubuf.benchmarking.timing import median_us, syncer
+from gpubuf.benchmarking.timing import machine, median_us, syncer
+from gpubuf.storage import MemoryStorage
 
-E, OBS, B, ROWS = 16, 4, 32, 1024
-TARGETS = {"history append": 15, "history get(4)": 15, "replay insert": 15, "PER insert": 15,
-           "uniform sample": 20, "PER sample": 20, "PER update": 20, "PER sample without replacement": 40}
+E, OBS, B, ROWS, N = 16, 4, 32, 1024, 4
+# issue 20's targets in units: (call, host-only)
+TARGETS = {"history append": (10, 15), "history get(4)": (15, 15), "history get(4, out=)": (11, 15),
+           "replay insert": (25, 15), "PER insert": (25, 15), "uniform sample": (80, 15),
+           "PER sample": (80, 15), "PER sample without replacement": (125, 25), "PER update": (55, 15)}
+LEAVES = {"observation": ((OBS,), torch.float32), "action": ((), torch.int64), "reward": ((), torch.float32),
+          "terminated": ((), torch.bool), "truncated": ((), torch.bool)}
 
 
-def trivial_ops(device):
+def _nothing(*args, **kwargs):
+    return None
+
+
+def _distinct_leaves(*args):
+    """A tree sample's fake: leaves 0 .. B-1 into its ``out`` (the last argument), so a draw without
+    replacement ends after one round."""
+    torch.arange(args[-1].shape[0], out=args[-1])
+
+
+class HostOnly:
+    """Benchmark-only switch: while on, the gpubuf ops (history append and gathers, window gathers,
+    tree samples and updates, entry points and torch twins, wherever a gpubuf module holds them),
+    storage writes and the data moves the history fast paths make inline (``torch.index_select``,
+    ``torch.nan_to_num``, ``Tensor.copy_``) do nothing; a tree sample writes leaves 0 .. B-1 (one op).
+    The time spent switching is left out by :meth:`clock`."""
+
+    def __init__(self):
+        writes = (history_ops.history_append, history_ops.append_twin, history_ops.history_gather_frames,
+                  history_ops.gather_frames_twin, history_ops.history_pack_blocks, history_ops.pack_blocks_twin,
+                  sequence_ops.sequence_gather, sequence_ops.gather_twin, tree_ops.tree_update,
+                  tree_ops.update_twin, tree_ops.tree_update_range, tree_ops.update_range_twin)
+        fakes = {id(f): _nothing for f in writes}
+        fakes.update({id(f): _distinct_leaves for f in (tree_ops.tree_sample, tree_ops.sample_twin)})
+        modules = [m for key, m in list(sys.modules.items()) if key.split(".")[0] == "gpubuf"]
+        self.swaps = [(m, name, fakes[id(value)], value)
+                      for m in modules for name, value in list(vars(m).items()) if id(value) in fakes]
+        self.swaps += [(MemoryStorage, "write", _nothing, MemoryStorage.write),
+                       (torch, "index_select", lambda *a, out=None, **k: out, torch.index_select),
+                       (torch, "nan_to_num", lambda *a, out=None, **k: out, torch.nan_to_num),
+                       (torch.Tensor, "copy_", lambda self, *a, **k: self, None)]  # None: inherited
+        self.switching = 0.0  # seconds spent turning the switch on and off
+
+    def wrap(self, fn):
+        """``fn`` run with the switch on."""
+        def run():
+            t0 = time.perf_counter()
+            for owner, name, fake, _ in self.swaps:
+                setattr(owner, name, fake)
+            t1 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                t2 = time.perf_counter()
+                for owner, name, _, original in self.swaps:
+                    if original is None:
+                        delattr(owner, name)
+                    else:
+                        setattr(owner, name, original)
+                self.switching += t1 - t0 + time.perf_counter() - t2
+        return run
+
+    def clock(self, sync):
+        """:func:`gpubuf.benchmarking.timing.wall_clock` less the time spent switching."""
+        def start():
+            sync()
+            t0, s0 = time.perf_counter(), self.switching
+
+            def stop() -> float:
+                sync()
+                return (time.perf_counter() - t0 - (self.switching - s0)) * 1e6
+            return stop
+        return start
+
+
+def unit_ops(device):
+    """(8 x the unit op, the 8 trivial ops once)."""
     a, b, out = (torch.rand(16, device=device) for _ in range(3))
     idx = torch.arange(8, device=device)
-    return [lambda: torch.add(a, b, out=out), lambda: torch.mul(a, b, out=out), lambda: torch.sub(a, b, out=out),
-            lambda: torch.index_select(a, 0, idx), lambda: torch.empty(16, device=device),
-            lambda: out.copy_(a), lambda: out.fill_(1.0), lambda: a[2:10]]
+    trivial = [lambda: torch.add(a, b, out=out), lambda: torch.mul(a, b, out=out), lambda: torch.sub(a, b, out=out),
+               lambda: torch.index_select(a, 0, idx), lambda: torch.empty(16, device=device),
+               lambda: out.copy_(a), lambda: out.fill_(1.0), lambda: a[2:10]]
+
+    def unit8():
+        for _ in range(8):
+            torch.add(a, b, out=out)
+
+    def trivial8():
+        for f in trivial:
+            f()
+    return unit8, trivial8
 
 
 def rollout(T, rng):
@@ -41,62 +136,139 @@ def rollout(T, rng):
                       terminated=np.zeros((T, E), bool), truncated=np.zeros((T, E), bool))
 
 
+def fields(t: Transition) -> dict:
+    return {k: getattr(t, k) for k in LEAVES}
+
+
 def cases(device):
+    """``{call: {contender: fn}}`` for gpubuf, tight (CPU only) and cpprb, on the same data."""
     rng = np.random.default_rng(0)
     hist = HistoryBuffer(E, 8, 1, ("action",), device=device)
+    tight_hist = History(E, 8, {"observation": ((1, OBS), torch.float32), "action": ((1, 1), torch.float32)}, 1,
+                         ("action",))
     info = {"observation": rng.standard_normal((E, 1, OBS)).astype(np.float32),
             "action": np.zeros((E, 1, 1), np.float32)}
     for _ in range(8):
         hist.append(info)
-    uni = TransitionBuffer(E * ROWS, B, rollout(1, rng), device=device, seed=0)
-    per = PrioritizedTransitionBuffer(E * ROWS, B, rollout(1, rng), device=device, seed=0)
-    one = rollout(1, rng)
+        tight_hist.append(info)
+    outs = {k: torch.empty_like(v) for k, v in hist.get(N).items()}
+    tight_outs = {k: torch.empty_like(v) for k, v in outs.items()}
+    fill, one = rollout(ROWS, rng), rollout(1, rng)
+    uni = TransitionBuffer(E * ROWS, B, one, device=device, seed=0)
+    per = PrioritizedTransitionBuffer(E * ROWS, B, one, device=device, seed=0)
+    tight_uni, tight_per = Replay(ROWS, E, LEAVES), Replay(ROWS, E, LEAVES, prioritized=True)
     for buf in (uni, per):
-        buf.insert(rollout(ROWS, rng))
+        buf.insert(fill)
         buf.sample(with_next_obs=True)  # trees built
+    for t in range(ROWS):
+        row = {k: v[t:t + 1] for k, v in fields(fill).items()}
+        tight_uni.insert(row)
+        tight_per.insert(row)
+    row = fields(one)
     idx = np.arange(B, dtype=np.int64)
     td = rng.random(B).astype(np.float32)
     cfg = gpubuf.PlanConfig(horizon=4, receding_horizon=1, history_len=2)
     planner = gpubuf.Planner(cfg, lambda history, ids: torch.zeros(len(ids), 4, 1, device=device), E, 1,
                              device=device)
     step = {"observation": torch.zeros(E, 1, OBS, device=device), "action": torch.zeros(E, 1, 1, device=device)}
-    return {
-        "history append": lambda: hist.append(info),
-        "history get(4)": lambda: hist.get(4),
-        "replay insert": lambda: uni.insert(one),
-        "PER insert": lambda: per.insert(one),
-        "uniform sample": lambda: uni.sample(with_next_obs=True),
-        "PER sample": lambda: per.sample(with_replacement=True, with_next_obs=True),
-        "PER sample without replacement": lambda: per.sample(with_next_obs=True),
-        "PER update": lambda: per.update_priorities(idx, td),
-        "Planner.act (trivial model)": lambda: planner.act(step),
+    calls = {
+        "history append": {"gpubuf": lambda: hist.append(info), "tight": lambda: tight_hist.append(info)},
+        "history get(4)": {"gpubuf": lambda: hist.get(N), "tight": lambda: tight_hist.get(N)},
+        "history get(4, out=)": {"gpubuf": lambda: hist.get(N, out=outs),
+                                 "tight": lambda: tight_hist.get(N, out=tight_outs)},
+        "replay insert": {"gpubuf": lambda: uni.insert(one), "tight": lambda: tight_uni.insert(row)},
+        "PER insert": {"gpubuf": lambda: per.insert(one), "tight": lambda: tight_per.insert(row)},
+        "uniform sample": {"gpubuf": lambda: uni.sample(with_next_obs=True), "tight": lambda: tight_uni.sample(B)},
+        "PER sample": {"gpubuf": lambda: per.sample(with_replacement=True, with_next_obs=True),
+                       "tight": lambda: tight_per.sample(B)},
+        "PER sample without replacement": {"gpubuf": lambda: per.sample(with_next_obs=True),
+                                           "tight": lambda: tight_per.sample(B, with_replacement=False)},
+        "PER update": {"gpubuf": lambda: per.update_priorities(idx, td),
+                       "tight": lambda: tight_per.update_priorities(idx, td)},
+        "Planner.act (trivial model)": {"gpubuf": lambda: planner.act(step)},
     }
+    if device.type != "cpu":
+        for c in calls.values():
+            c.pop("tight", None)
+    for call, fn in cpprb_cases(rng, idx, td).items():
+        calls[call]["cpprb"] = fn
+    return calls
+
+
+def cpprb_cases(rng, idx, td) -> dict:
+    """cpprb's insert, sample and update on a full 16k buffer; ``{}`` when cpprb does not import."""
+    try:
+        import cpprb
+    except ImportError:
+        return {}
+    env = {"obs": {"shape": OBS, "dtype": np.float32}, "act": {"dtype": np.int64}, "rew": {"dtype": np.float32},
+           "terminated": {"dtype": np.bool_}, "truncated": {"dtype": np.bool_}}
+
+    def rows(n):
+        return {"obs": rng.standard_normal((n, OBS)).astype(np.float32), "act": rng.integers(0, 2, n),
+                "rew": np.ones(n, np.float32), "terminated": np.zeros(n, bool), "truncated": np.zeros(n, bool),
+                "next_obs": rng.standard_normal((n, OBS)).astype(np.float32)}
+
+    uni = cpprb.ReplayBuffer(E * ROWS, env, next_of="obs")
+    per = cpprb.PrioritizedReplayBuffer(E * ROWS, env, next_of="obs", alpha=0.6, eps=1e-6)
+    fill, one = rows(E * ROWS), rows(E)
+    uni.add(**fill)
+    per.add(**fill)
+    return {"replay insert": lambda: uni.add(**one), "PER insert": lambda: per.add(**one),
+            "uniform sample": lambda: uni.sample(B), "PER sample": lambda: per.sample(B, beta=0.4),
+            "PER update": lambda: per.update_priorities(idx, td)}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=400)
+    p.add_argument("--out", type=Path, help="JSON path (default: results/overhead_<device>.json)")
     args = p.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    ops = cases(device)
-    trivial = trivial_ops(device)
-    ops["trivial op (unit)"] = lambda: [f() for f in trivial]
-    med = median_us(ops, args.repeats, 1, syncer(device), skip=0)  # one timed call of each op per round
-    unit = med.pop("trivial op (unit)") / len(trivial)
-    rows = [{"op": k, "us": v, "units": v / unit, "target_units": TARGETS.get(k)} for k, v in med.items()]
-    meta = {"machine": platform.processor() or platform.machine(), "device": str(device), "torch": torch.__version__,
-            "threads": 1, "repeats": args.repeats, "unit_us": unit}
-    out = Path(__file__).parent / "results" / f"overhead_{device.type}.json"
+    calls = cases(device)
+    host = HostOnly()
+    fns = {(call, who): fn for call, c in calls.items() for who, fn in c.items()}
+    fns.update({(call, "host_only"): host.wrap(c["gpubuf"]) for call, c in calls.items()})
+    fns[("unit", "one op")], fns[("unit", "8 ops")] = unit_ops(device)
+    med = median_us(fns, args.repeats, 1, clock=host.clock(syncer(device)), skip=1, calls=2)
+    unit, unit8 = med.pop(("unit", "one op")) / 8, med.pop(("unit", "8 ops")) / 8
+    rows = []
+    for call in calls:
+        us = {who: med.get((call, who)) for who in ("gpubuf", "tight", "cpprb", "host_only")}
+        target, host_target = TARGETS.get(call, (None, None))
+        r = {"op": call, **{f"{who}_us": v for who, v in us.items()},
+             **{f"{who}_units": None if v is None else v / unit for who, v in us.items()},
+             "gpubuf_units_of_8_ops": us["gpubuf"] / unit8,
+             "gpubuf_over_tight": None if us["tight"] is None else us["gpubuf"] / us["tight"],
+             "target_units": target, "host_only_target_units": host_target}
+        r["met"] = None if target is None else r["gpubuf_units"] <= target
+        r["host_only_met"] = None if host_target is None else r["host_only_units"] <= host_target
+        rows.append(r)
+    meta = {**machine(device), "torch": torch.__version__, "threads": 1, "repeats": args.repeats,
+            "unit": "one torch.add(a, b, out=out) on 16 float32 elements", "unit_us": unit,
+            "unit_of_8_ops": "mean of 8 trivial ops (add, mul, sub with out=, index_select, empty, copy_, "
+                             "fill_, a slice)", "unit_of_8_ops_us": unit8}
+    out = args.out or Path(__file__).parent / "results" / f"overhead_{device.type}.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"host overhead on {device}, torch {torch.__version__}, 1 thread, median of {args.repeats}; "
-          f"unit = one trivial op = {unit:.2f} us")
-    print("\n| op | us | units | target (units) |\n|---|---:|---:|---:|")
+          f"unit = one trivial op = {unit:.2f} us (mean of 8 trivial ops: {unit8:.2f} us)")
+    print("\n| call | gpubuf us | gpubuf | tight | gpubuf / tight | cpprb | host-only | target | host-only target |"
+          "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        t = r["target_units"]
-        mark = "" if t is None else (" (met)" if r["units"] <= t else " (not met)")
-        print(f"| {r['op']} | {r['us']:.0f} | {r['units']:.1f} | {t if t else '-'}{mark} |")
+        print(f"| {r['op']} | {r['gpubuf_us']:.0f} | {r['gpubuf_units']:.1f} | {_num(r['tight_units'])} | "
+              f"{_num(r['gpubuf_over_tight'], 'x')} | {_num(r['cpprb_units'])} | {_num(r['host_only_units'])} | "
+              f"{_target(r['target_units'], r['met'])} | {_target(r['host_only_target_units'], r['host_only_met'])} |")
+    print("\nunits: multiples of one trivial op; target marks: met / NOT met")
+
+
+def _num(v, suffix="") -> str:
+    return "-" if v is None else f"{v:.1f}{suffix}"
+
+
+def _target(t, met) -> str:
+    return "-" if t is None else f"<= {t} ({'met' if met else 'NOT met'})"
 
 
 if __name__ == "__main__":
