@@ -14,6 +14,7 @@ priority update, so a graph replayed after more inserts samples the buffer as it
 import torch
 
 from gpubuf import ops
+from gpubuf.stacked_sampling import StackedGather, StackSpec
 from gpubuf.transition import Transition, unflatten
 
 
@@ -28,6 +29,10 @@ class GraphSampler:
     ``CUDAGraph.register_generator_state``) or, when ``None``, the device's default generator
     (``torch.manual_seed`` seeds it; CUDA graphs handle it by themselves).
 
+    ``frame_stack``, ``frame_stride`` and ``n_step_return`` build stacks and n-step returns from
+    single frames as :meth:`TransitionBuffer.sample` does (from the buffer's episode marks and held
+    rows, device tensors every insert keeps current).
+
     ``boundaries`` may be ``"allow"`` or ``"forbid"`` (as in :meth:`TransitionBuffer.sample`;
     ``"forbid"`` sets the constant ``is_first`` / ``mask`` flags once); ``"mask"`` derives its flags
     from each batch and is not offered here.
@@ -41,14 +46,18 @@ class GraphSampler:
     """
 
     def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
-                 generator: torch.Generator | None = None, boundaries: str = "allow"):
+                 generator: torch.Generator | None = None, boundaries: str = "allow", *,
+                 frame_stack: int | None = None, frame_stride: int = 1,
+                 n_step_return: tuple[int, float] | None = None):
         if boundaries not in ("allow", "forbid"):
             raise ValueError("boundaries: expected 'allow' or 'forbid' for a GraphSampler, got "
                              f"{boundaries!r}")
         if buffer.storage_device != buffer.device:
             raise ValueError("buffer: a GraphSampler gathers on the sampling device; this buffer's "
                              f"storage is on {buffer.storage_device}, not {buffer.device}")
-        B, kind = buffer.check_sample_args(batch_size, True, with_next_obs, boundaries)
+        spec = StackSpec.build(buffer.config, frame_stack, frame_stride, n_step_return)
+        returns = spec is not None and spec.n is not None
+        B, kind = buffer.check_sample_args(batch_size, True, with_next_obs or returns, boundaries)
         if generator is not None and (not isinstance(generator, torch.Generator)
                                       or generator.device.type != buffer.device.type):
             got = (generator.device if isinstance(generator, torch.Generator)
@@ -62,13 +71,18 @@ class GraphSampler:
         self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
         self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
         storage = buffer.storage
-        jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
-        result, self._work = storage.outputs(B, jobs, dev)
+        self._plan, self._stacked = None, None
+        if spec is not None:
+            self._stacked = StackedGather(buffer, spec, B, with_next_obs, fixed=True)
+            result = self._stacked.assemble(self._stacked.out, self._stacked.out["plain"])
+        else:
+            jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
+            result, self._work = storage.outputs(B, jobs, dev)
+            result = unflatten(result)
         # forbid: constant
-        self.out: Transition = buffer.config.with_flags(unflatten(result), boundaries, dev)
-        self._plan = None
+        self.out: Transition = buffer.config.with_flags(result, boundaries, dev)
         # the kernel reads time-major storage
-        if buffer.backend == "triton" and storage.dir is None:
+        if spec is None and buffer.backend == "triton" and storage.dir is None:
             from gpubuf.kernels import sequence
 
             self._plan = sequence.plan(self._work, B, buffer.n_steps, dev)
@@ -98,7 +112,9 @@ class GraphSampler:
         buf, tree = self.buffer, self._tree
         torch.rand(self.u.shape, dtype=torch.float64, generator=self.generator, out=self.u)
         ops.tree_sample(buf.backend, tree.tree, tree.offsets, tree.fanout, self.u, self.indices)
-        if self._plan is not None:
+        if self._stacked is not None:
+            self._stacked.run(self.indices)
+        elif self._plan is not None:
             from gpubuf.kernels import sequence
 
             sequence.gather_planned(self._plan, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)

@@ -78,17 +78,20 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     @torch.compiler.disable
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow", *,
-               out: Transition | None = None) -> tuple[Transition, torch.Tensor]:
+               out: Transition | None = None, frame_stack: int | None = None,
+               frame_stride: int = 1,
+               n_step_return: tuple[int, float] | None = None) -> tuple[Transition, torch.Tensor]:
         """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch
-        carries ``PER_weights`` (B,) float32. Shapes, ``key``, ``with_next_obs``, ``boundaries`` and
-        ``out`` as in :meth:`TransitionBuffer.sample` (``out.PER_weights`` is replaced by a fresh
-        tensor). Note the default ``with_replacement=False``. ``flat_indices`` (B,) int64 are flat
-        starts ``row * n_envs + env`` (:meth:`~TransitionBuffer.locate` maps them to env, ring row
-        and the env's own row count). Rows of an :class:`~gpubuf.EnvPoolSource` that hold no
-        transition (``info["is_last"]``) never start a window; ``P_i`` is then taken over the other
-        starts."""
+        carries ``PER_weights`` (B,) float32. Shapes, ``key``, ``with_next_obs``, ``boundaries``,
+        ``out``, ``frame_stack``, ``frame_stride`` and ``n_step_return`` as in
+        :meth:`TransitionBuffer.sample` (``out.PER_weights`` is replaced by a fresh tensor). Note
+        the default ``with_replacement=False``. ``flat_indices`` (B,) int64 are flat starts ``row *
+        n_envs + env`` (:meth:`~TransitionBuffer.locate` maps them to env, ring row and the env's
+        own row count). Rows of an :class:`~gpubuf.EnvPoolSource` that hold no transition
+        (``info["is_last"]``) never start a window; ``P_i`` is then taken over the other starts."""
         return super().sample(key, with_replacement, batch_size, with_next_obs, boundaries, out=out,
-                              return_indices=True)
+                              return_indices=True, frame_stack=frame_stack,
+                              frame_stride=frame_stride, n_step_return=n_step_return)
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable

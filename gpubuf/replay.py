@@ -126,10 +126,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: storage, priorities, and the tree and validity mask of each kind used so
-        far."""
+        """Bytes held: storage, priorities, the tree and validity mask of each kind used so far, and
+        the episode marks (one byte per row) once frame stacks or n-step returns were sampled."""
+        marks = [] if self._marks is None else [self._marks.marks, self._marks.held]
         return sum(t.numel() * t.element_size()
-                   for t in [*self.storage.tensors(), *self.sampler.tensors()])
+                   for t in [*self.storage.tensors(), *self.sampler.tensors(), *marks])
 
     def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
         """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and
@@ -261,14 +262,18 @@ class TransitionBuffer(checkpoint.Checkpointable):
                                       self.device)
 
     def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
-                      boundaries="allow"):
+                      boundaries="allow", *, frame_stack: int | None = None,
+                      frame_stride: int = 1, n_step_return: tuple[int, float] | None = None):
         """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with
         device-side random numbers and no host sync, for capture in a CUDA graph (``boundaries``:
         ``"allow"`` or ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the
-        device default)."""
+        device default; ``frame_stack``, ``frame_stride``, ``n_step_return``: as in
+        :meth:`sample`)."""
         from gpubuf.graph_sampling import GraphSampler
 
-        return GraphSampler(self, batch_size, with_next_obs, generator, boundaries)
+        return GraphSampler(self, batch_size, with_next_obs, generator, boundaries,
+                            frame_stack=frame_stack, frame_stride=frame_stride,
+                            n_step_return=n_step_return)
 
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like

@@ -190,10 +190,16 @@ class StackedGather:
                 ops.frame_stack(storage.backend, self._jobs(self.boots, out), returns[2],
                                 marks.marks, marks.held, 1, k, spec.stride, E, M,
                                 self.env_major)
+        return self.assemble(out, result)
+
+    def assemble(self, out: dict, plain: dict) -> Transition:
+        """The batch of :meth:`_outputs`' tensors ``out`` and the plain windows ``plain``, on the
+        buffer's device (a ``fixed`` gather's tensors themselves)."""
+        result = dict(plain)
         for d, *_ in self.stacks + self.boots:
             result[d] = out[d].to(self.device, non_blocking=True)
         batch = unflatten(result)
-        if spec.n is not None:
+        if self.spec.n is not None:
             ret, disc, _, term, cut = (t.to(self.device, non_blocking=True)
                                        for t in out["returns"])
             batch.reward, batch.discount, batch.terminated, batch.truncated = ret, disc, term, cut

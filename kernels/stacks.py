@@ -25,6 +25,9 @@ from gpubuf.kernels import (
 from gpubuf.kernels.words import WORDS
 
 BLOCK = 1024
+# the mark bits as compile-time constants (a kernel reads only constexpr globals)
+_TERM, _STOP = tl.constexpr(MARK_TERM), tl.constexpr(MARK_STOP)
+_BOUNDARY = tl.constexpr(MARK_BOUNDARY)
 REWARDS = ("fp16", "bf16", "fp32", "fp64", "i8", "u8", "i16", "i32", "i64")
 
 
@@ -61,7 +64,7 @@ def _stack_kernel(
     back = reach * 0  # rows this frame may go back: stops at an episode end or the oldest row
     for i in range(0, reach):
         mark = tl.load(marks_ptr + ((t - i - 1 + M) % M) * E + env)
-        ok = (back == i) & (i < age) & ((mark & MARK_BOUNDARY) == 0)
+        ok = (back == i) & (i < age) & ((mark & _BOUNDARY) == 0)
         back = tl.where(ok, i + 1, back)
     row = ((t - back + M) % M) * E + env
     offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -101,13 +104,13 @@ def _return_kernel(
     for i in range(0, n):
         row = ((r + i) % M) * E + env
         mark = tl.load(marks_ptr + row)
-        stop = ((i >= 1) & ((mark & MARK_STOP) != 0)) | (i >= avail)
+        stop = ((i >= 1) & ((mark & _STOP) != 0)) | (i >= avail)
         alive = tl.where(stop, 0, alive)
         reward = tl.load(reward_ptr + row).to(tl.float64)
         total = tl.where(alive != 0, total + factor * reward, total)
         factor = tl.where(alive != 0, factor * gamma, factor)
         m = m + alive
-        end = (alive != 0) & ((mark & MARK_TERM) != 0)
+        end = (alive != 0) & ((mark & _TERM) != 0)
         ended = tl.where(end, 1, ended)
         alive = tl.where(end, 0, alive)
     tl.store(ret_ptr + b, total.to(ret_ptr.dtype.element_ty))

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from gpubuf.ops import history, prefix_tree, sequence
+from gpubuf.ops import history, prefix_tree, sequence, stacks
 from gpubuf.prefix_tree import PrefixSumTree
 
 # every op registered in the gpubuf namespace
@@ -13,7 +13,8 @@ OPS = sorted(s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s
 CPU = {"history_append": history.append_cpu, "history_gather_frames": history.gather_frames_cpu,
        "history_pack_blocks": history.pack_blocks_cpu, "tree_sample": prefix_tree.sample_twin,
        "tree_update": prefix_tree.update_twin, "tree_update_range": prefix_tree.update_range_twin,
-       "sequence_gather": sequence.gather_cpu}
+       "sequence_gather": sequence.gather_cpu, "frame_stack": stacks.stack_cpu,
+       "n_step_return": stacks.return_cpu}
 
 
 def _tree(capacity: int, fanout: int = 4) -> PrefixSumTree:
@@ -27,6 +28,7 @@ def _samples() -> dict:
     t = _tree(37)
     storage = torch.arange(6 * 5, dtype=torch.int64).view(6, 5)  # (M*E, D), M = 3, E = 2
     meta = torch.tensor([[0, 1], [2, 1], [0, 0]])  # (env, newest slot, k) per row
+    marks = torch.tensor([0, 0, 5, 0, 0, 0], dtype=torch.uint8)
     return {
         "history_append": ([storage.clone()], [torch.full((2, 5), -1, dtype=torch.int64)], torch.tensor([1, 4])),
         "history_gather_frames": ([storage], [torch.zeros(2, 2, 5, dtype=torch.int64)], meta, 2, 1, 3),
@@ -38,13 +40,21 @@ def _samples() -> dict:
         "tree_update_range": (t.tree.clone(), t.offsets, t.fanout, 5, torch.ones(7, dtype=torch.float64)),
         "sequence_gather": ([storage, storage], [torch.zeros(4, 2, 5, dtype=torch.int64)] * 2, [0, 1],
                             torch.tensor([0, 3, 4, 5]), 2, 2, 3),
+        # marks of (M*E,) rows: an episode ends after row 2 (step 1, env 0); 3 rows held from row 0
+        "frame_stack": ([storage, storage], [torch.zeros(3, 1, 2, 5, dtype=torch.int64)] * 2, [0, 1],
+                        torch.tensor([2, 4, 5]), marks, torch.tensor([0, 3]), 1, 2, 1, 2, 3),
+        "n_step_return": (torch.tensor([0, 1, 3]), torch.arange(6.0), marks, torch.tensor([0, 3]),
+                          torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.int64),
+                          torch.zeros(3, dtype=torch.bool), torch.zeros(3, dtype=torch.bool),
+                          torch.tensor([0.5], dtype=torch.float64), 2, 2, 3),
     }
 
 
 def test_every_operation_is_a_registered_op_that_declares_what_it_writes():
     want = {"history_append": ["storages"], "history_gather_frames": ["outs"], "history_pack_blocks": ["out"],
             "tree_sample": ["out"], "tree_update": ["tree"], "tree_update_range": ["tree"],
-            "sequence_gather": ["outs"]}
+            "sequence_gather": ["outs"], "frame_stack": ["outs"],
+            "n_step_return": ["ret", "disc", "boot", "term", "cut"]}
     written = {}
     for name in OPS:
         op = getattr(torch.ops.gpubuf, name).default

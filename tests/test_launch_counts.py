@@ -7,11 +7,12 @@ import torch
 from test_replay_helpers import make_transition
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TransitionBuffer
-from gpubuf.kernels import history, prefix_tree, sequence
+from gpubuf.kernels import history, prefix_tree, sequence, stacks
 
 KERNELS = {"append": history._append_kernel, "gather_frames": history._gather_frames_kernel,
            "pack_blocks": history._pack_blocks_kernel, "gather": sequence._gather_kernel,
-           "sample": prefix_tree._sample_kernel, "update": prefix_tree._update_kernel}
+           "sample": prefix_tree._sample_kernel, "update": prefix_tree._update_kernel,
+           "stack": stacks._stack_kernel, "returns": stacks._return_kernel}
 
 
 @pytest.fixture
@@ -58,6 +59,17 @@ def test_replay_sample_launches_the_descent_and_one_gather_per_word_type(priorit
     # buffer descends its tree only when truncations make validity more than one ring range of rows.
     descent = {"sample": 1} if prioritized or truncated else {}
     assert launches == {**descent, "gather": 3}
+
+
+def test_stacked_n_step_sample_launches_one_copy_per_word_type_per_part(launches, device):
+    buf = PrioritizedTransitionBuffer(2**10 * 3, 8, make_transition(0, 1, 3), device=device, seed=0)
+    buf.insert(make_transition(0, 40, 3))
+    buf.sample(with_replacement=True, frame_stack=4, n_step_return=(3, 0.99))  # marks and tree built
+    launches.clear()
+    buf.sample(with_replacement=True, frame_stack=4, n_step_return=(3, 0.99))
+    # plain leaves: action float32 (int32 words), info.step int64; observation float32 x 2 (int64 words):
+    # one stack launch for the observations, one for the bootstrap observations, one for the returns
+    assert launches == {"sample": 1, "gather": 2, "stack": 2, "returns": 1}
 
 
 def test_priority_update_launches_one_kernel(launches, device):
