@@ -50,7 +50,8 @@ torch.cuda.device_count())'"
     step wheels 25 wheels.txt "$WHEELS_INSTALL"
     # every kernel against its twin on GPU tensors, launch counts, the simulated-device tests
     step kernel_tests 90 kernel_tests.txt "$PYTEST -m 'not cuda' tests/test_history_kernels.py \
-tests/test_prefix_tree_kernels.py tests/test_custom_ops.py tests/test_launch_counts.py tests/test_device_paths.py"
+tests/test_prefix_tree_kernels.py tests/test_custom_ops.py tests/test_launch_counts.py tests/test_device_paths.py \
+tests/test_frame_stacks.py"
     # the cuda-marked tests: every op on the GPU vs its twin, the tree at 2**20 leaves, a CUDA graph replaying the
     # GraphSampler, host-memory storage serving CUDA batches, no host syncs, EnvPool on CUDA
     step cuda_tests 80 cuda_tests.txt "$PYTEST -m cuda tests"

@@ -290,3 +290,23 @@ def test_an_envpool_source_s_rows_stack_and_return_by_its_is_last_convention(bac
         assert batch.reward[b].item() == pytest.approx(ret) and batch.discount[b].item() == pytest.approx(disc)
         frames = rows["observation"][model_stack(rows, env_[b], boot, 4, 1, True), env_[b]]
         np.testing.assert_array_equal(batch.next_observation[b].cpu().numpy(), frames)
+
+
+@pytest.mark.cuda
+def test_a_cuda_graph_replays_stacks_and_returns_after_inserts_without_syncs():
+    from test_graph_sampler import captured
+
+    src = Rows(10, True)
+    buf = PrioritizedTransitionBuffer(E * M, 16, example(True), device="cuda", seed=0)
+    buf.insert(src.next(12))
+    graph, out, idx = captured(buf.graph_sampler(frame_stack=4, frame_stride=2, n_step_return=(3, 0.9)))
+    for T in (5, 9, 14):
+        torch.cuda.set_sync_debug_mode("error")  # inserts keep the marks current on the device, no sync
+        try:
+            buf.insert(src.next(T))
+            graph.replay()
+            buf.sample(with_replacement=True, frame_stack=4, frame_stride=2, n_step_return=(3, 0.9))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        check_batch(buf, out, idx, 4, 2, 3, 0.9, True)
