@@ -38,6 +38,7 @@ from gpubuf.samplers import UniformSampler
 from gpubuf.stacked_sampling import StackedGather, StackSpec
 from gpubuf.staging import memory_ranges
 from gpubuf.state import copy_into, unaliased
+from gpubuf.steady_insert import SteadyInsert
 from gpubuf.storage import MappedStorage, MemoryStorage
 from gpubuf.transition import Transition, unflatten
 
@@ -95,6 +96,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self.sampler = self._make_sampler()
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             self._marks = None  # EpisodeMarks, built by the first sample that needs them
+            self._steady = SteadyInsert(config, self.storage)
             # a host generator draws: one seed, the same starts on every device
             self.generator = torch.Generator()
             if seed is None:
@@ -149,12 +151,20 @@ class TransitionBuffer(checkpoint.Checkpointable):
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
         Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
         shapes and value-preserving dtypes of ``data_sample`` (:func:`gpubuf.inputs.check_cast`);
-        nothing is written on any error. Device ``truncated``/``terminated`` are read back."""
-        values, given, T = self.config.rows(transition)
-        self.storage.check_open()
-        trunc, ends, last = self.config.row_flags(values, T)
-        # phase 1: any conversion error happens here
-        staged = self.storage.stage(values, given, self._owned)
+        nothing is written on any error. Device ``truncated``/``terminated`` are read back. Host
+        storage: an insert of numpy arrays with the signature of the last one accepted takes the
+        steady-state path (:mod:`gpubuf.steady_insert`)."""
+        staged = steady = self._steady.match(transition, self._owned)
+        if steady is not None:  # the last accepted signature: numpy arrays of the stored layout
+            self.storage.check_open()
+            T = next(iter(staged.values())).shape[0]
+            trunc, ends, last = self._steady.row_flags(staged, T)
+        else:
+            values, given, T = self.config.rows(transition)
+            self.storage.check_open()
+            trunc, ends, last = self.config.row_flags(values, T)
+            # phase 1: any conversion error happens here
+            staged = self.storage.stage(values, given, self._owned)
         ring = self.ring
         with signals_held():  # phase 2: commit
             self.storage.before_write(ring.pos, ring.count, ring.total, T)
@@ -165,6 +175,8 @@ class TransitionBuffer(checkpoint.Checkpointable):
             if self._marks is not None:
                 self._marks.rows_written(ring, pos, before_wrap, T)
             self.storage.after_write(ring.pos, ring.count, ring.total)
+        if steady is None:
+            self._steady.learn(transition, given)
         return self
 
     def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
