@@ -241,21 +241,34 @@ class TransitionBuffer(checkpoint.Checkpointable):
         returns = spec is not None and spec.n is not None
         B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
                                          boundaries)
-        if spec is None:
+        plan = None if spec is not None or out is not None else \
+            self.storage.host_plan(B, with_next_obs, self.device)
+        if spec is not None:
+            stacked = StackedGather(self, spec, B, with_next_obs)
+        elif plan is None:
             jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device,
                                           self._owned)
-        else:
-            stacked = StackedGather(self, spec, B, with_next_obs)
         idx, mass = self.sampler.draw(kind, B, generator_for(key, self.generator), with_replacement)
-        if spec is None:  # the windows, in the storage's layout
+        if spec is not None:
+            result = stacked.run(idx)
+        elif plan is not None:  # the steady host path: fresh outputs in their own dtypes
+            result = unflatten(self.gather_host(plan, idx, B, with_next_obs))
+        else:  # the windows, in the storage's layout
             result = self.storage.gather(idx, jobs, self.device)
             result = unflatten(result) if out is None else out
-        else:
-            result = stacked.run(idx)
         batch = self.config.with_flags(result, boundaries, self.device)
         if self.sampler.prioritized:
             batch.PER_weights = self.sampler.weights(mass)
         return (batch, idx) if return_indices else batch
+
+    def gather_host(self, plan: list, idx: torch.Tensor, B: int, with_next_obs: bool) -> dict:
+        """The storage's planned host gather; an allocation failure takes the general path, which
+        raises ``MemoryError`` naming ``batch_size``."""
+        try:
+            return self.storage.gather_planned(plan, idx)
+        except RuntimeError:
+            jobs = self.storage.check_out(None, self.config.jobs(B, with_next_obs), self.device, ())
+            return self.storage.gather(idx, jobs, self.device)
 
     def episode_marks(self):
         """The :class:`~gpubuf.episode_marks.EpisodeMarks` of this buffer (built on first use, then

@@ -149,10 +149,12 @@ class UniformSampler:
         base, n = self.ring.range_starts(kind)
         u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
         if g.device.type == "cpu":
-            # uniform over the n valid (row, env) pairs
-            k = np.minimum((u.numpy() * n).astype(np.int64), n - 1)
-            idx = (k // E + base) % M * E + k % E
-            return self._staging.to_device(torch.from_numpy(idx), "__starts__")
+            # uniform over the n valid (row, env) pairs: flat starts base * E + k, wrapped
+            k = (u.numpy() * n).astype(np.int64)
+            np.minimum(k, n - 1, out=k)
+            k += base * E
+            k %= M * E
+            return self._staging.to_device(torch.from_numpy(k), "__starts__")
         k = u.mul(n).long().clamp_max_(n - 1)
         return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(
             k.remainder(E)).to(self.device)

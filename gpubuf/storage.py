@@ -54,6 +54,7 @@ class MemoryStorage:
         self.host = {p: t.numpy() for p, t in self.data.items()
                      if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
         self.staging = Staging(device)
+        self._host_plans: dict = {}  # (B, with_next_obs) -> host_plan
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.data.values())
@@ -120,6 +121,47 @@ class MemoryStorage:
         return {d: t.to(device, non_blocking=True) if jobs[d][0] is None
                 else jobs[d][0].copy_(t, non_blocking=True)
                 for d, t in host.items()}
+
+    def host_plan(self, B: int, with_next_obs: bool, device) -> list | None:
+        """The steady-state gather of fresh outputs on the host with the torch twin (``None``
+        elsewhere): ``[(output path, source rows (M*E, D), shift, output shape, dtype to view the
+        words as or None)]``, cached per ``(B, with_next_obs)``. Narrow leaves are gathered in
+        their own dtype, rows of 256 bytes or more as int words."""
+        if device != self.device or self.device.type != "cpu" or self.backend != "torch" \
+                or self.dir is not None:
+            return None
+        plan = self._host_plans.get((B, with_next_obs))
+        if plan is None:
+            plan, dtypes = [], {leaf.path: leaf.dtype for leaf in self.config.leaves}
+            for d, s, shift, shape in self.config.jobs(B, with_next_obs):
+                src = self.flat[s]
+                if src.shape[1] == 0:
+                    return None
+                wide = src.shape[1] * src.element_size() >= 256
+                plan.append((d, self.words[s] if wide else src, shift, shape,
+                             dtypes[s] if wide else None))
+            if len(self._host_plans) >= 8:
+                self._host_plans.clear()
+            self._host_plans[(B, with_next_obs)] = plan
+        return plan
+
+    def gather_planned(self, plan: list, starts: torch.Tensor) -> dict:
+        """``{output path: tensor}``: the windows of flat ``starts`` (B,) for a :meth:`host_plan`
+        (the twin's rows: ``((start // E + j + shift) % M) * E + start % E``)."""
+        n, E, M = self.config.n_steps, self.config.n_envs, self.config.max_rows
+        rows, result = {}, {}
+        for d, src, shift, shape, dtype in plan:
+            r = rows.get(shift)
+            if r is None:
+                if n == 1:
+                    r = starts if shift == 0 else torch.add(starts, shift * E).remainder_(M * E)
+                else:
+                    j = torch.arange(shift * E, (n + shift) * E, E)
+                    r = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
+                rows[shift] = r
+            t = torch.index_select(src, 0, r)
+            result[d] = (t if dtype is None else t.view(dtype)).view(shape)
+        return result
 
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
         """Fill :meth:`outputs`' ``work`` with the windows of flat ``starts`` (B,) on this storage's
@@ -199,6 +241,47 @@ class MappedStorage(MemoryStorage):
         views = {k: t.transpose(0, 1) if config.vectorized_env else t[0] for k, t in base.items()}
         self._bind(config, torch.device("cpu"), views, base)
         self.reopened = self.dir.reopened
+
+    def host_plan(self, B: int, with_next_obs: bool, device) -> list | None:
+        """The steady-state gather of fresh outputs on the host with the torch twin (``None``
+        elsewhere): ``[(output path, source rows (M*E, D), shift, output shape, dtype to view the
+        words as or None)]``, cached per ``(B, with_next_obs)``. Narrow leaves are gathered in
+        their own dtype, rows of 256 bytes or more as int words."""
+        if device != self.device or self.device.type != "cpu" or self.backend != "torch" \
+                or self.dir is not None:
+            return None
+        plan = self._host_plans.get((B, with_next_obs))
+        if plan is None:
+            plan, dtypes = [], {leaf.path: leaf.dtype for leaf in self.config.leaves}
+            for d, s, shift, shape in self.config.jobs(B, with_next_obs):
+                src = self.flat[s]
+                if src.shape[1] == 0:
+                    return None
+                wide = src.shape[1] * src.element_size() >= 256
+                plan.append((d, self.words[s] if wide else src, shift, shape,
+                             dtypes[s] if wide else None))
+            if len(self._host_plans) >= 8:
+                self._host_plans.clear()
+            self._host_plans[(B, with_next_obs)] = plan
+        return plan
+
+    def gather_planned(self, plan: list, starts: torch.Tensor) -> dict:
+        """``{output path: tensor}``: the windows of flat ``starts`` (B,) for a :meth:`host_plan`
+        (the twin's rows: ``((start // E + j + shift) % M) * E + start % E``)."""
+        n, E, M = self.config.n_steps, self.config.n_envs, self.config.max_rows
+        rows, result = {}, {}
+        for d, src, shift, shape, dtype in plan:
+            r = rows.get(shift)
+            if r is None:
+                if n == 1:
+                    r = starts if shift == 0 else torch.add(starts, shift * E).remainder_(M * E)
+                else:
+                    j = torch.arange(shift * E, (n + shift) * E, E)
+                    r = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
+                rows[shift] = r
+            t = torch.index_select(src, 0, r)
+            result[d] = (t if dtype is None else t.view(dtype)).view(shape)
+        return result
 
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
         config = self.config
