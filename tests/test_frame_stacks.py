@@ -310,3 +310,57 @@ def test_a_cuda_graph_replays_stacks_and_returns_after_inserts_without_syncs():
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         check_batch(buf, out, idx, 4, 2, 3, 0.9, True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_host_port_and_the_kernels_match_the_twins_on_random_marks(seed, device):
+    """Random marks, held rows, starts and odd sizes; storage rows hold their own index (value = row), so any
+    wrong row shows. The numpy host port (time-major and env-major) and, on the device, the Triton kernels
+    give exactly the twins' results."""
+    from conftest import INTERPRET
+
+    from gpubuf.kernels import stacks as kernels
+    from gpubuf.ops import stacks as ops_stacks
+
+    g = torch.Generator().manual_seed(seed)
+    E, M, D, B, n, k, stride, N = 3, 11, 5, 13, 2, 3, 2, 4
+    marks = torch.randint(0, 8, (M * E,), generator=g, dtype=torch.uint8)
+    held = torch.tensor([int(torch.randint(0, M, (1,), generator=g)), int(torch.randint(2, M + 1, (1,), generator=g))])
+    starts = torch.randint(0, M * E, (B,), generator=g)
+    storage = torch.arange(M * E, dtype=torch.int64).unsqueeze(1).repeat(1, D)  # row r holds r
+    env_major = storage.view(M, E, D).transpose(0, 1).contiguous().view(M * E, D)  # the same rows, env-major
+    reward = torch.randn(M * E, generator=g)
+    gamma = torch.tensor([0.9], dtype=torch.float64)
+
+    def stacked(fn, src, dev, **kw):
+        out = torch.zeros(B, n, k, D, dtype=torch.int64, device=dev)
+        fn([(src.to(dev), out, 1)], starts.to(dev), marks.to(dev), held.to(dev), n, k, stride, E, M, **kw)
+        return out.cpu()
+
+    def returns(fn, dev, rewards=reward, **kw):
+        outs = (torch.zeros(B, device=dev), torch.zeros(B, device=dev), torch.zeros(B, dtype=torch.int64, device=dev),
+                torch.zeros(B, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.bool, device=dev))
+        fn(starts.to(dev), rewards.to(dev), marks.to(dev), held.to(dev), outs, gamma.to(dev), N, E, M, **kw)
+        return [t.cpu() for t in outs]
+
+    def kernel_returns(starts, reward, marks, held, outs, gamma, n, E, M):
+        ret, disc, boot, term, cut = outs
+        kernels.returns(starts, reward, marks, held, (ret, disc, boot, term.view(torch.uint8), cut.view(torch.uint8)),
+                        gamma, n, E, M)
+
+    want = stacked(ops_stacks.stack_twin, storage, "cpu")
+    assert torch.equal(stacked(ops_stacks.stack_host, storage, "cpu"), want)
+    # env-major row env * M + step holds its time-major index step * E + env: the same values come back
+    assert torch.equal(stacked(ops_stacks.stack_host, env_major, "cpu", env_major=True), want)
+    assert torch.equal(stacked(ops_stacks.stack_twin, env_major, "cpu", env_major=True), want)
+    want_r = returns(ops_stacks.return_twin, "cpu")
+    reward_env_major = reward.view(M, E).t().contiguous().view(-1)
+    for got in (returns(ops_stacks.return_host, "cpu"),
+                returns(ops_stacks.return_host, "cpu", reward_env_major, env_major=True),
+                returns(ops_stacks.return_twin, "cpu", reward_env_major, env_major=True)):
+        for a, b in zip(got, want_r, strict=True):
+            torch.testing.assert_close(a, b)
+    if device == "cuda" or INTERPRET:
+        assert torch.equal(stacked(kernels.stack, storage, device), want)
+        for a, b in zip(returns(kernel_returns, device), want_r, strict=True):
+            torch.testing.assert_close(a, b)
