@@ -228,9 +228,11 @@ class TransitionBuffer(checkpoint.Checkpointable):
           True), ``next_observation`` the observation (stacked with ``frame_stack``) to bootstrap
           from, ``truncated`` True where fewer than ``n`` rewards were taken without a
           termination: at a truncation (or an ``info["is_last"]`` row) the return stops before
-          that row and bootstraps from its observation; at the newest row held it stops there.
-          Other leaves (``action``, ``info``) are the start row's. Starts are drawn as with
-          ``with_next_obs=True``. ``out`` is not offered with either argument.
+          that row and bootstraps from its observation (a row both terminated and truncated is a
+          termination); at the newest row held it stops there. Other leaves (``action``,
+          ``info``) are the start row's. Starts are drawn as with ``with_next_obs=True`` (never a
+          truncated row). Needs a ``terminated`` leaf. ``out`` is not offered with either
+          argument.
         """
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")

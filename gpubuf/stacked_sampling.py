@@ -70,6 +70,9 @@ class StackSpec:
             if config.by_path[rewards[0]].dtype in (torch.bool, torch.complex64, torch.complex128):
                 raise ValueError("n_step_return: needs a real-valued reward, the buffer stores "
                                  f"{config.by_path[rewards[0]].dtype}")
+            if not config.paths("terminated"):
+                raise ValueError("n_step_return: needs a terminated leaf (returns stop at a "
+                                 "termination, with discount 0); the buffer stores none")
             if config.n_steps != 1:
                 raise ValueError("n_step_return: returns are per transition; this buffer samples "
                                  f"windows of n_steps={config.n_steps} rows (build it with "

@@ -104,7 +104,8 @@ def _return_kernel(
     for i in range(0, n):
         row = ((r + i) % M) * E + env
         mark = tl.load(marks_ptr + row)
-        stop = ((i >= 1) & ((mark & _STOP) != 0)) | (i >= avail)
+        # a truncation stops the return before its row, unless the row also terminated
+        stop = ((i >= 1) & ((mark & _STOP) != 0) & ((mark & _TERM) == 0)) | (i >= avail)
         alive = tl.where(stop, 0, alive)
         reward = tl.load(reward_ptr + row).to(tl.float64)
         total = tl.where(alive != 0, total + factor * reward, total)

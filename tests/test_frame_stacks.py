@@ -82,7 +82,8 @@ def model_return(rows: dict, env: int, t: int, n: int, gamma: float, is_last: bo
     total, m, ended = 0.0, 0, False
     for i in range(n):
         s = t + i
-        stop = rows["truncated"][s, env] or (is_last and rows["info['is_last']"][s, env])
+        stop = (rows["truncated"][s, env] or (is_last and rows["info['is_last']"][s, env])) \
+            and not rows["terminated"][s, env]  # a terminal transition needs no next observation
         if (i >= 1 and stop) or s >= newest:
             break
         total += gamma ** i * float(rows["reward"][s, env])
@@ -364,3 +365,30 @@ def test_the_host_port_and_the_kernels_match_the_twins_on_random_marks(seed, dev
         assert torch.equal(stacked(kernels.stack, storage, device), want)
         for a, b in zip(returns(kernel_returns, device), want_r, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_a_row_both_terminated_and_truncated_ends_the_return_as_a_termination(backend, device):
+    T = 12
+    step = np.arange(T)[:, None]
+    ends = (step == 5)  # row 5: the episode terminates on its time-limit step
+    rows = Transition(observation=np.repeat(step, 2, 1)[..., None].astype(np.int64), action=np.repeat(step, 2, 1),
+                      reward=np.ones((T, 2), np.float32), terminated=np.repeat(ends, 2, 1),
+                      truncated=np.repeat(ends, 2, 1))
+    buf = TransitionBuffer(2 * 16, 8, rows, device=device, seed=0)
+    buf.insert(rows)
+    batch, idx = buf.sample(batch_size=64, n_step_return=(3, 0.5), return_indices=True, key=0)
+    start = buf.locate(idx)[2].cpu().numpy()
+    for b in np.flatnonzero((start >= 3) & (start <= 4)):  # returns reaching row 5 take its reward
+        assert batch.terminated[b] and batch.discount[b] == 0
+        assert batch.reward[b].item() == pytest.approx(sum(0.5 ** i for i in range(6 - start[b])))
+    assert ((start >= 3) & (start <= 4)).any()
+
+
+def test_returns_need_a_terminated_leaf():
+    one = Rows(11, False).next(1)
+    no_term = Transition(observation=one.observation["id"], action=one.action, reward=one.reward, terminated=None,
+                         truncated=one.truncated)
+    buf = TransitionBuffer(E * M, 4, no_term, device="cpu")
+    buf.insert(no_term)
+    with pytest.raises(ValueError, match="n_step_return: needs a terminated leaf"):
+        buf.sample(n_step_return=(3, 0.9))

@@ -13,9 +13,9 @@ ring no longer holds.
 
 An n-step return from start row ``r`` takes rewards ``r, r + 1, ...``: at most ``n``; never a row
 marked ``MARK_STOP`` but the first (a truncation, or a row holding no transition: the return stops
-before it and bootstraps from its observation), never a row whose next row is not held; a
-``MARK_TERM`` row is the last taken. With ``m`` rewards taken, the bootstrap row is ``r + m`` and
-its factor ``gamma**m`` (0 after a termination).
+before it and bootstraps from its observation) unless it is also marked ``MARK_TERM``, never a row
+whose next row is not held; a ``MARK_TERM`` row is the last taken. With ``m`` rewards taken, the
+bootstrap row is ``r + m`` and its factor ``gamma**m`` (0 after a termination).
 
 The pure-torch twins (the tests' oracle and the torch backend on a GPU, with their launchers'
 signatures), their numpy ports for host tensors (the CPU implementation: small index arithmetic
@@ -77,7 +77,7 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
     step = (r + i) % M  # (B, n)
     mark = marks[step * E + env]
     ends = mark & MARK_TERM != 0
-    stop = ((i >= 1) & (mark & MARK_STOP != 0)) | (i >= avail)
+    stop = ((i >= 1) & (mark & MARK_STOP != 0) & ~ends) | (i >= avail)
     # reward i is taken when no stop at or before i and no termination before i
     blocked = stop.clone()
     blocked[:, 1:] |= ends[:, :-1]
@@ -137,7 +137,7 @@ def return_host(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
     step = (r + i) % M  # (B, n)
     mark = mk[step * E + env]
     ends = (mark & MARK_TERM) != 0
-    blocked = (i >= count - 1 - (r - oldest) % M) | ((mark & MARK_STOP) != 0) & (i >= 1)
+    blocked = (i >= count - 1 - (r - oldest) % M) | ((mark & MARK_STOP) != 0) & ~ends & (i >= 1)
     blocked[:, 1:] |= ends[:, :-1]
     taken = np.cumprod(~blocked, 1, dtype=bool)
     factors = np.cumprod(np.concatenate([[1.0], np.full(n, g)]))  # gamma ** i, i <= n
