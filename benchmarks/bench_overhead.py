@@ -57,11 +57,18 @@ def _distinct_leaves(*args):
     torch.arange(args[-1].shape[0], out=args[-1])
 
 
+def _selected(src, dim, index, out=None):
+    """The host-only ``torch.index_select``: ``out``, or an empty tensor of the selection's shape
+    (one allocation, no copy)."""
+    return out if out is not None else src.new_empty((index.shape[0], *src.shape[1:]))
+
+
 class HostOnly:
     """Benchmark-only switch: while on, the gpubuf ops (history append and gathers, window gathers,
     tree samples and updates, entry points and torch twins, wherever a gpubuf module holds them),
     storage writes and the data moves the history fast paths make inline (``torch.index_select``,
-    ``torch.nan_to_num``, ``Tensor.copy_``) do nothing; a tree sample writes leaves 0 .. B-1 (one op).
+    ``torch.nan_to_num``, ``Tensor.copy_``) do nothing (an ``index_select`` without ``out`` returns an
+    empty tensor of its shape); a tree sample writes leaves 0 .. B-1 (one op).
     The time spent switching is left out by :meth:`clock`."""
 
     def __init__(self):
@@ -75,7 +82,7 @@ class HostOnly:
         self.swaps = [(m, name, fakes[id(value)], value)
                       for m in modules for name, value in list(vars(m).items()) if id(value) in fakes]
         self.swaps += [(MemoryStorage, "write", _nothing, MemoryStorage.write),
-                       (torch, "index_select", lambda *a, out=None, **k: out, torch.index_select),
+                       (torch, "index_select", _selected, torch.index_select),
                        (torch, "nan_to_num", lambda *a, out=None, **k: out, torch.nan_to_num),
                        (torch.Tensor, "copy_", lambda self, *a, **k: self, None)]  # None: inherited
         self.switching = 0.0  # seconds spent turning the switch on and off
