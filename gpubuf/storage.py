@@ -242,47 +242,6 @@ class MappedStorage(MemoryStorage):
         self._bind(config, torch.device("cpu"), views, base)
         self.reopened = self.dir.reopened
 
-    def host_plan(self, B: int, with_next_obs: bool, device) -> list | None:
-        """The steady-state gather of fresh outputs on the host with the torch twin (``None``
-        elsewhere): ``[(output path, source rows (M*E, D), shift, output shape, dtype to view the
-        words as or None)]``, cached per ``(B, with_next_obs)``. Narrow leaves are gathered in
-        their own dtype, rows of 256 bytes or more as int words."""
-        if device != self.device or self.device.type != "cpu" or self.backend != "torch" \
-                or self.dir is not None:
-            return None
-        plan = self._host_plans.get((B, with_next_obs))
-        if plan is None:
-            plan, dtypes = [], {leaf.path: leaf.dtype for leaf in self.config.leaves}
-            for d, s, shift, shape in self.config.jobs(B, with_next_obs):
-                src = self.flat[s]
-                if src.shape[1] == 0:
-                    return None
-                wide = src.shape[1] * src.element_size() >= 256
-                plan.append((d, self.words[s] if wide else src, shift, shape,
-                             dtypes[s] if wide else None))
-            if len(self._host_plans) >= 8:
-                self._host_plans.clear()
-            self._host_plans[(B, with_next_obs)] = plan
-        return plan
-
-    def gather_planned(self, plan: list, starts: torch.Tensor) -> dict:
-        """``{output path: tensor}``: the windows of flat ``starts`` (B,) for a :meth:`host_plan`
-        (the twin's rows: ``((start // E + j + shift) % M) * E + start % E``)."""
-        n, E, M = self.config.n_steps, self.config.n_envs, self.config.max_rows
-        rows, result = {}, {}
-        for d, src, shift, shape, dtype in plan:
-            r = rows.get(shift)
-            if r is None:
-                if n == 1:
-                    r = starts if shift == 0 else torch.add(starts, shift * E).remainder_(M * E)
-                else:
-                    j = torch.arange(shift * E, (n + shift) * E, E)
-                    r = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
-                rows[shift] = r
-            t = torch.index_select(src, 0, r)
-            result[d] = (t if dtype is None else t.view(dtype)).view(shape)
-        return result
-
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
         config = self.config
         tiers.env_major_gather(work, starts, config.n_steps, config.n_envs, config.max_rows,
