@@ -21,6 +21,7 @@ import torch
 from gpubuf import ops, tiers
 from gpubuf.interrupts import signals_held
 from gpubuf.kernels.words import as_words
+from gpubuf.ops.sequence import window_rows
 from gpubuf.replay_config import NOT_IN_NUMPY, ReplayConfig
 from gpubuf.staging import Staging, check_disjoint, overlaps
 from gpubuf.storage_dir import StorageDir
@@ -147,19 +148,13 @@ class MemoryStorage:
 
     def gather_planned(self, plan: list, starts: torch.Tensor) -> dict:
         """``{output path: tensor}``: the windows of flat ``starts`` (B,) for a :meth:`host_plan`
-        (the twin's rows: ``((start // E + j + shift) % M) * E + start % E``)."""
+        (the twin's rows, :func:`gpubuf.ops.sequence.window_rows`)."""
         n, E, M = self.config.n_steps, self.config.n_envs, self.config.max_rows
         rows, result = {}, {}
         for d, src, shift, shape, dtype in plan:
-            r = rows.get(shift)
-            if r is None:
-                if n == 1:
-                    r = starts if shift == 0 else torch.add(starts, shift * E).remainder_(M * E)
-                else:
-                    j = torch.arange(shift * E, (n + shift) * E, E)
-                    r = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
-                rows[shift] = r
-            t = torch.index_select(src, 0, r)
+            if shift not in rows:
+                rows[shift] = window_rows(starts, n, shift, E, M)
+            t = torch.index_select(src, 0, rows[shift])
             result[d] = (t if dtype is None else t.view(dtype)).view(shape)
         return result
 

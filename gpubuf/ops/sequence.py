@@ -14,6 +14,16 @@ from gpubuf.kernels.words import as_words
 from gpubuf.ops.device import route, writes_only
 
 
+def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> torch.Tensor:
+    """(B * n,) time-major rows of the windows of flat starts (B,): ``((start // E + j + shift) %
+    M) * E + start % E`` for j < n (``starts`` itself for single unshifted rows)."""
+    if n == 1 and shift == 0:
+        return starts  # row of start s = step * E + env is s itself
+    # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
+    j = torch.arange(shift * E, (n + shift) * E, E, device=starts.device)
+    return (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
+
+
 def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
     ``((start//E + j + shift) % M) * E + start % E``, j < n, for flat starts (B,). Rows are computed
@@ -24,11 +34,7 @@ def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> Non
     rows = {}
     for storage, out, shift in jobs:
         if shift not in rows:
-            if n == 1 and shift == 0:
-                rows[shift] = starts  # row of start s = step * E + env is s itself
-            else:  # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
-                j = torch.arange(shift * E, (n + shift) * E, E, device=starts.device)
-                rows[shift] = (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)  # (B * n,)
+            rows[shift] = window_rows(starts, n, shift, E, M)
         src, dst = as_words(storage, out.view(B * n, storage.shape[1]))
         torch.index_select(src, 0, rows[shift], out=dst)
 
