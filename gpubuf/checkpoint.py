@@ -41,8 +41,9 @@ class Checkpointable:
 
     def save(self, path) -> None:
         """Write a checkpoint to ``path`` atomically, streaming storage in bounded chunks
-        (:func:`save`)."""
-        save(self, path)
+        (:func:`save`); other threads' calls wait until it is written (it holds ``self.lock``)."""
+        with self.lock:
+            save(self, path)
 
     def load(self, path) -> None:
         """Restore a checkpoint written by :meth:`save` (saved on any device); the file is verified

@@ -42,6 +42,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gpubuf.concurrency import locked
+from gpubuf.copies import refuse_copies
 from gpubuf.inputs import generator_for, priority_updates
 from gpubuf.interrupts import signals_held
 from gpubuf.prioritized import PrioritizedTransitionBuffer
@@ -69,6 +71,8 @@ def _bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                        device=columns.device).copy_(columns).view(dtype)
 
 
+@refuse_copies("it is bound to a torch.distributed process group; copy its local buffer (local) "
+               "and build a ShardedBuffer from the copy in each rank")
 class ShardedBuffer:
     """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``:
     the default group). Construction is collective: every rank checks that all shards share class,
@@ -78,6 +82,10 @@ class ShardedBuffer:
     Collective methods (every rank of the group must call them, in the same order): :meth:`sample`,
     :meth:`update_priorities`, :meth:`num_valid`, :meth:`load`, :meth:`load_state_dict`. Local ones:
     :meth:`insert`, :meth:`state_dict`, :meth:`save`.
+
+    Threads: every method holds the local buffer's lock (collectives too, while they wait for the
+    other ranks), so an actor thread may insert into the local buffer while a learner thread runs
+    the collective calls.
     """
 
     def __init__(self, local: TransitionBuffer, group=None):
@@ -115,6 +123,7 @@ class ShardedBuffer:
                           "rank's buffer differently (seed=base + rank)",
                           stacklevel=2)
         self.local = local
+        self._guard = local.guard  # calls hold the local buffer's lock
         self.prioritized = isinstance(local, PrioritizedTransitionBuffer)
         self.shard_size = local.max_size
         cuda_comm = local.device.type == "cuda" and "nccl" in backend
@@ -124,6 +133,7 @@ class ShardedBuffer:
 
     # ------------------------------------------------------------------ local
 
+    @locked
     def insert(self, transition: Transition):
         """Insert into this rank's shard (no communication); returns ``self``."""
         self.local.insert(transition)
@@ -134,6 +144,7 @@ class ShardedBuffer:
         """The running maximum priority over every shard (kept equal on all ranks)."""
         return self.local.max_priority
 
+    @locked
     def update_beta(self, beta: float):
         """Set this rank's importance-sampling exponent; returns ``self``."""
         self.local.update_beta(beta)
@@ -198,6 +209,7 @@ class ShardedBuffer:
 
     # ------------------------------------------------------------------ collective queries
 
+    @locked
     def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
         """Valid sequence starts over every shard (collective), as the local ``num_valid`` counts
         them."""
@@ -283,6 +295,7 @@ class ShardedBuffer:
         return unflatten({d: leaves[d] for d, *_ in self.local.config.jobs(1, with_next_obs)})
 
     @torch.compiler.disable  # an opaque call under torch.compile, as the local buffers' sample
+    @locked
     def sample(self, key=None, with_replacement: bool | None = None, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow"):
         """A batch of ``B`` windows (collective; each rank gets its own) drawn from the union of the
@@ -509,6 +522,7 @@ class ShardedBuffer:
         return idx, td, top
 
     @torch.compiler.disable
+    @locked
     def update_priorities(self, indices, td_errors):
         """Set priorities ``|td| + eps`` of the starts at ``indices`` (K,) (global, as
         :meth:`sample` returns) from ``td_errors`` (K,) (collective; ``K`` may differ between ranks,
@@ -554,6 +568,7 @@ class ShardedBuffer:
 
     # ------------------------------------------------------------------ state
 
+    @locked
     def state_dict(self) -> dict:
         """This rank's shard state (the local buffer's ``state_dict``)."""
         return self.local.state_dict()
@@ -565,11 +580,13 @@ class ShardedBuffer:
                              f"so that the shards write different files, got {path!r}")
         return path.replace(_RANK, str(self.rank))
 
+    @locked
     def save(self, path) -> None:
         """Save this rank's shard to ``path`` with ``{rank}`` replaced by the group rank (local,
         atomic)."""
         self.local.save(self._path(path))
 
+    @locked
     def load(self, path) -> None:
         """Load every rank's shard from ``path`` with ``{rank}`` replaced by its rank (collective:
         the maximum priority becomes global again). A rank whose load fails keeps its shard, the
@@ -577,6 +594,7 @@ class ShardedBuffer:
         then raises."""
         self._load(lambda: self.local.load(self._path(path)), "load")
 
+    @locked
     def load_state_dict(self, state) -> None:
         """Load this rank's shard from ``state`` (collective, as :meth:`load`)."""
         self._load(lambda: self.local.load_state_dict(state), "load_state_dict")

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from gpubuf import ops
+from gpubuf.concurrency import CallGuard, locked
+from gpubuf.copies import refuse_copies
 from gpubuf.inputs import (
     as_flags,
     as_index_array,
@@ -213,6 +215,8 @@ def action_fill(dtype) -> float | int | bool:
 _RESERVED = ("action", "reward", "terminated", "truncated", "env_id", "players", "is_last")
 
 
+@refuse_copies("it drives a live EnvPool env; make a new source in the other process and copy "
+               "its buffers (state_dict) there")
 class EnvPoolSource:
     """Steps an ``envpool`` env and hands every received row to the buffers as device tensors.
 
@@ -257,6 +261,10 @@ class EnvPoolSource:
 
     Sync: ``step = src.reset(); step = src.step(actions)``. Async: ``step = src.reset()`` (first
     batch), then ``src.send(actions, step.env_ids); step = src.recv()``.
+
+    Threads: one call at a time runs (a lock of the source's own; the buffers keep theirs), so an
+    actor thread may step the source while learner threads sample its buffers. Copies and pickles
+    are refused (the env cannot be copied).
     """
 
     def __init__(self, env, *, obs_key: str = "observation", device=None, history=None,
@@ -273,6 +281,8 @@ class EnvPoolSource:
         self.info_keys = self._check_info_keys(info_keys, obs_key)
         self.stager = StepStager(self.n_envs, obs_key, device=device)
         self.device = self.stager.device
+        # one call at a time (threads); a call enters its buffers' calls, hence level 0
+        self._guard = CallGuard(self.device, level=0)
         self._staging = Staging(self.device)
         self.action_dtype, self.action_shape = _space_layout(env.action_space)
         # Discrete spaces: actions lie in [0, n)
@@ -337,6 +347,7 @@ class EnvPoolSource:
         return self._history
 
     @history.setter
+    @locked
     def history(self, history) -> None:
         if history is not None and getattr(history, "n_envs", None) != self.n_envs:
             raise ValueError(f"history: expected a HistoryBuffer with n_envs={self.n_envs}, "
@@ -357,6 +368,7 @@ class EnvPoolSource:
         return self._transitions
 
     @transitions.setter
+    @locked
     def transitions(self, tb) -> None:
         if tb is self._transitions:
             return
@@ -408,6 +420,7 @@ class EnvPoolSource:
 
     # ------------------------------------------------------------------ stepping
 
+    @locked
     def reset(self) -> Step:
         """Reset every env (sync) or start the async pool; returns the first received batch. With a
         vectorized ``transitions`` buffer that holds rows, each env's last observation is first
@@ -425,6 +438,7 @@ class EnvPoolSource:
         zeros = np.zeros(n, dtype=np.float32)
         return self._receive(obs, zeros, zeros.astype(bool), zeros.astype(bool), info)
 
+    @locked
     def send(self, actions, env_ids=None, extra=None) -> None:
         """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R,
         *shape)``.
@@ -480,11 +494,19 @@ class EnvPoolSource:
                          "flight (sent or reset, not yet received): recv() them before sending "
                          "again")
 
+    @locked
     def recv(self) -> Step:
-        """Receive the next batch (``batch_size`` rows), stage it and feed the attached buffers."""
+        """Receive the next batch (``batch_size`` rows), stage it and feed the attached buffers.
+        Fewer than ``batch_size`` envs in flight (sent or reset, not yet received) raise
+        ``RuntimeError`` instead of waiting forever (the pool returns only full batches)."""
+        waiting = int(np.count_nonzero(self._in_flight))
+        if waiting < self.batch_size:
+            raise RuntimeError(f"recv: {waiting} envs are in flight, fewer than the batch_size "
+                               f"{self.batch_size} the pool returns; send() actions first")
         obs, reward, terminated, truncated, info = self.env.recv()
         return self._receive(obs, reward, terminated, truncated, info)
 
+    @locked
     def step(self, actions, env_ids=None, extra=None) -> Step:
         """``send`` then ``recv`` (in async mode the received envs may differ from the sent
         ones)."""
@@ -704,6 +726,7 @@ class EnvPoolSource:
 
     # ------------------------------------------------------------------ transitions
 
+    @locked
     def transition_sample(self, vectorized: bool = True, extra=None):
         """A ``Transition`` shaped like one insert, to build the ``transitions`` buffer from.
 

@@ -14,10 +14,14 @@ priority update, so a graph replayed after more inserts samples the buffer as it
 import torch
 
 from gpubuf import ops
+from gpubuf.concurrency import locked
+from gpubuf.copies import refuse_copies
 from gpubuf.stacked_sampling import StackedGather, StackSpec
 from gpubuf.transition import Transition, unflatten
 
 
+@refuse_copies("its tensors may be captured in a CUDA graph of its buffer; build a new one with "
+               "copy.graph_sampler(...) on the buffer's copy")
 class GraphSampler:
     """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or
     prioritized one).
@@ -43,6 +47,10 @@ class GraphSampler:
     after any of them uses the new value (a buffer re-opened from a ``storage_dir`` starts from the
     saved one). A draw needs at least one valid start; the buffer must not be emptied
     (``load_state_dict`` of an empty state) while a captured graph is replayed.
+
+    :meth:`sample` and :meth:`set_beta` hold the buffer's lock, as the buffer's own calls do; a
+    captured graph replays outside any call: replay it under ``buffer.lock`` when other threads
+    write the buffer.
     """
 
     def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
@@ -65,6 +73,7 @@ class GraphSampler:
             raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, "
                              f"got {got}")
         buffer.sampler.activate(kind)  # the tree is kept current from now on
+        self._guard = buffer.guard  # calls hold the buffer's lock
         self.buffer, self.batch_size, self.generator = buffer, B, generator
         self._tree = buffer.sampler.trees[kind]
         dev = buffer.device
@@ -95,6 +104,7 @@ class GraphSampler:
             self._neg_beta = torch.empty((), dtype=torch.float64, device=dev)
             self.out.PER_weights = torch.empty(B, dtype=torch.float32, device=dev)
 
+    @locked
     def set_beta(self, beta: float) -> "GraphSampler":
         """Set the buffer's importance-sampling exponent (as ``buffer.update_beta``), read by every
         later draw, graph replay and ``buffer.sample``; returns ``self``. A bad value raises naming
@@ -105,6 +115,7 @@ class GraphSampler:
         self.buffer.update_beta(beta)
         return self
 
+    @locked
     def sample(self) -> tuple[Transition, torch.Tensor]:
         """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when
         prioritized) and ``indices`` (B,) int64 their flat starts; both are the same tensors at

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from gpubuf import checkpoint, ops
+from gpubuf.concurrency import CallGuard, locked
+from gpubuf.copies import CopiedByState
 from gpubuf.inputs import (
     STORABLE,
     as_index_array,
@@ -99,7 +101,7 @@ def _new_storage_dtype(value, t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-class HistoryBuffer(checkpoint.Checkpointable):
+class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
     """Per-env ring buffer over batched info dicts with strided, warm-up padded reads.
 
     Args:
@@ -116,6 +118,11 @@ class HistoryBuffer(checkpoint.Checkpointable):
     ``(n_envs, n-1, action_block*A)``. Until an env has lived ``(n-1)*action_block+1`` steps its
     frames are left-padded with its oldest strided entry and its blocks with zero blocks
     (synthetic warm-up, as in stable-worldmodel).
+
+    Threads: any number of threads may call any method at once; each call runs whole, between the
+    others (:attr:`lock`; :mod:`gpubuf.concurrency`), so a planner thread's ``get`` never mixes two
+    appends. ``copy.deepcopy``, ``pickle`` and ``torch.save`` give an independent, complete buffer
+    (:mod:`gpubuf.copies`).
     """
 
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1,
@@ -133,6 +140,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
                 raise TypeError(f"block_keys: expected str key names, got {key!r}")
         self.device = ops.resolve_device(device)
         self.backend = ops.backend_for(self.device)
+        self._guard = CallGuard(self.device)
         self._counts = np.zeros(self.n_envs, dtype=np.int64)  # entries held per env (host mirror)
         self._heads = np.zeros(self.n_envs, dtype=np.int64)  # next ring slot per env (host mirror)
         self._all_ids = np.arange(self.n_envs, dtype=np.int64)
@@ -157,19 +165,33 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # ------------------------------------------------------------------ bookkeeping
 
+    @locked
     def __len__(self) -> int:
         """The minimum entry count over all envs."""
         return int(self._counts.min())
+
+    @property
+    def lock(self):
+        """The re-entrant lock every call holds: hold it to make several calls one step, as
+        another thread sees them (``with history.lock: ...``)."""
+        return self._guard.lock
+
+    def copy_args(self) -> dict:
+        """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into."""
+        return {"n_envs": self.n_envs, "max_len": self.max_len, "action_block": self.action_block,
+                "block_keys": self.block_keys, "device": str(self.device)}
 
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(self._data)
 
     @property
+    @locked
     def nbytes(self) -> int:
         """Device bytes held by the storage."""
         return sum(t.numel() * t.element_size() for t in self._data.values())
 
+    @locked
     def num_strided(self, env_ids=None) -> list[int]:
         """Strided frames available per env: ``(L-1)//action_block + 1``, or 0 for an empty env."""
         ids = self._ids(env_ids)
@@ -178,6 +200,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def reset(self, env_ids=None) -> None:
         """Forget the listed envs' entries (all envs if ``None``; ``[]`` does nothing).
 
@@ -187,12 +210,14 @@ class HistoryBuffer(checkpoint.Checkpointable):
         self._counts[ids] = 0
         self._lock = None
 
+    @locked
     def mark(self) -> tuple:
         """A token for :meth:`rollback`: the write heads, entry counts and (before the first append)
         the fact that no key is fixed yet. Host state only: taking it reads nothing from the
         device."""
         return self._heads.copy(), self._counts.copy(), bool(self._data)
 
+    @locked
     def rollback(self, mark: tuple) -> None:
         """Undo the appends and resets made since :meth:`mark` returned ``mark``. A buffer that held
         no key then forgets the keys, shapes and dtypes its first append fixed
@@ -217,6 +242,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def append(self, info_dict: Mapping, env_ids=None) -> None:
         """Append one entry per selected env: values ``(R, T, ...)`` or ``(R,)``,
         ``R = len(env_ids)``.
@@ -427,6 +453,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def get(self, n: int, env_ids=None, out: dict | None = None,
             keys=None) -> dict[str, torch.Tensor] | None:
         """The last ``n`` strided entries per selected env, oldest first; ``None`` if one is empty.
@@ -668,6 +695,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
 
     _CONFIG = ("n_envs", "max_len", "action_block", "block_keys")
 
+    @locked
     def state_dict(self) -> dict:
         """Configuration, data and counters: tensors and plain Python values only
         (``torch.load`` reads it with its defaults). Data tensors are the storage itself, not copies
@@ -685,6 +713,7 @@ class HistoryBuffer(checkpoint.Checkpointable):
             "heads": torch.from_numpy(self._heads.copy()),
         }
 
+    @locked
     def load_state_dict(self, state) -> None:
         """Restore a :meth:`state_dict` (saved on any device). The whole state is validated first
         (buffer type, configuration, keys, shapes, dtypes, counters in range): a mismatch raises

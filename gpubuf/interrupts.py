@@ -6,6 +6,11 @@ half-done. Inside :func:`signals_held` the Python handlers of those signals are 
 only records them; on exit the original handlers are put back and each recorded signal is raised
 again, so every original handler runs once, as it would have. A handler that raises does not stop
 the others: the first exception propagates once all have run.
+
+Putting the handlers back is itself interruptible: ``signal.signal`` first runs the handlers of
+signals already pending, and a handler already put back may raise there (Ctrl-C arriving while the
+handlers are restored). :func:`put_back` therefore retries until every handler is in place, keeping
+what such handlers raised for after the restore; the write was complete by then.
 """
 
 import contextlib
@@ -22,17 +27,37 @@ except ImportError:  # pragma: no cover - other Python implementations
 HELD = tuple(int(getattr(signal, name))
              for name in ("SIGINT", "SIGTERM", "SIGALRM", "SIGVTALRM", "SIGPROF",
                           "SIGHUP", "SIGUSR1", "SIGUSR2")
-                                                      if hasattr(signal, name))
+             if hasattr(signal, name))
+
+
+def put_back(handlers: dict) -> list:
+    """Install ``{signum: handler}``; returns what the handlers run meanwhile raised, in order.
+
+    Every handler is installed however often a pending signal's handler raises on the way: an
+    interrupted ``signal.signal`` is simply called again (installing a handler twice is harmless).
+    """
+    raised: list = []
+    todo = list(handlers)
+    while todo:
+        try:
+            while todo:
+                _raw.signal(todo[-1], handlers[todo[-1]])
+                todo.pop()
+        except BaseException as err:  # noqa: B036 - kept, raised once every handler is back
+            raised.append(err)
+    return raised
 
 
 @contextlib.contextmanager
 def signals_held():
     """Delay the Python handlers of Ctrl-C, termination, timer and user signals until the block
-    exits.
+    exits; on exit every handler the caller had is back, each signal recorded meanwhile is
+    delivered once, and the first exception a handler raised propagates.
 
     Only the main thread runs Python signal handlers, so elsewhere this does nothing (nothing can
     interrupt). Signals left to the OS's default action (``SIG_DFL``) are not Python handlers: they
-    still end the process at once, as they would anyway."""
+    still end the process at once, as they would anyway. Nesting is fine: an inner block records
+    into the outer one's recorder."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -43,22 +68,19 @@ def signals_held():
         if signum not in pending:
             pending.append(signum)
 
-    swapped = []
+    swapped: dict = {}
     try:
         # a signal arriving half-way through this loop still finds its handler restored below
-        for s in saved:
-            # listed first: restoring a handler that was not swapped yet is harmless
-            swapped.append(s)
+        for s, h in saved.items():
+            swapped[s] = h  # listed first: restoring a handler that was not swapped yet is harmless
             _raw.signal(s, record)
         yield
     finally:
-        for s in swapped:
-            _raw.signal(s, saved[s])
-        first_err = None
+        raised = put_back(swapped)
         for signum in pending:  # delivered again: Python runs the original handler at once
             try:
                 signal.raise_signal(signum)
             except BaseException as err:  # noqa: B036 - re-raised below, after the others ran
-                first_err = first_err or err
-        if first_err is not None:
-            raise first_err
+                raised.append(err)
+        if raised:
+            raise raised[0]

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import torch
 
+from gpubuf.concurrency import locked
 from gpubuf.inputs import finite_float
 from gpubuf.replay import TransitionBuffer
 from gpubuf.samplers import PrioritizedSampler
@@ -76,6 +77,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow", *,
                out: Transition | None = None, frame_stack: int | None = None,
@@ -95,6 +97,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def update_priorities(self, indices, td_errors):
         """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
 
@@ -107,6 +110,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         self.sampler.update_priorities(indices, td_errors)
         return self
 
+    @locked
     def update_beta(self, beta: float):
         """Set the importance-sampling exponent; returns ``self``. Every
         :class:`~gpubuf.GraphSampler` of this buffer follows it, in captured graphs too (through
@@ -124,6 +128,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return self.sampler.beta
 
     @beta.setter
+    @locked
     def beta(self, value: float) -> None:
         self.sampler.beta = value
 

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from gpubuf import checkpoint, ops, tiers
+from gpubuf.concurrency import CallGuard, locked
+from gpubuf.copies import CopiedByState
 from gpubuf.inputs import generator_for, host_indices
 from gpubuf.interrupts import signals_held
 from gpubuf.replay_config import BOUNDARIES, ReplayConfig
@@ -45,7 +47,7 @@ from gpubuf.transition import Transition, unflatten
 __all__ = ["BOUNDARIES", "Transition", "TransitionBuffer"]
 
 
-class TransitionBuffer(checkpoint.Checkpointable):
+class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
     """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
 
     Args:
@@ -76,6 +78,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
     Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the
     capacity. Without replacement the draw is exact sequential sampling without replacement
     (:mod:`gpubuf.samplers`).
+
+    Threads: any number of threads may call any method at once; each call runs whole, between the
+    others (:attr:`lock`, re-entrant; on CUDA, calls from different streams are ordered on the
+    device as on the host: :mod:`gpubuf.concurrency`). ``copy.deepcopy``, ``pickle`` and
+    ``torch.save`` give an independent, complete buffer (:mod:`gpubuf.copies`); a ``storage_dir``
+    buffer refuses (use :meth:`save` or ``state_dict``).
     """
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
@@ -84,10 +92,12 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size,
                                                   data_sample, vectorized_env, n_steps,
                                                   self._config_extra())
+        self._init_storage = (storage_device, storage_dir)  # as given, for copies
         for name in ReplayConfig.STATE_FIELDS:
             setattr(self, name, getattr(config, name))
         self.device = ops.resolve_device(device)
         self.backend = ops.backend_for(self.device)
+        self._guard = CallGuard(self.device)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
         self.storage = MemoryStorage(config, self.storage_device) if storage_dir is None else \
             MappedStorage(config, storage_dir)
@@ -117,6 +127,39 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return UniformSampler(self.ring, self.device, self.backend)
 
     @property
+    def lock(self):
+        """The re-entrant lock every call holds: hold it to make several calls one step, as
+        another thread sees them (``with buf.lock: ...``), or around the replay of a captured
+        graph that samples this buffer."""
+        return self._guard.lock
+
+    @property
+    def guard(self):
+        """The :class:`~gpubuf.concurrency.CallGuard` of this buffer's calls (:attr:`lock` and the
+        stream order), shared by the companions that call into it."""
+        return self._guard
+
+    def copy_args(self) -> dict:
+        """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into (what
+        its copies are built from)."""
+        c = self.config
+        lead = (1, c.n_envs) if c.vectorized_env else (1,)
+        sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype)
+                            for leaf in c.leaves})
+        return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size,
+                "data_sample": sample, "vectorized_env": c.vectorized_env, "n_steps": c.n_steps,
+                "device": str(self.device), "storage_device": self._init_storage[0],
+                **dict(c.extra)}
+
+    def copy_refusal(self) -> str | None:
+        if self.storage.dir is None:
+            return None
+        return (f"its rows live in the files of storage_dir {str(self.storage.dir.path)!r}, which "
+                "one buffer at a time may hold; save a checkpoint (buffer.save(path)) or load "
+                "buffer.state_dict() into a new buffer, or close() it and re-open the directory "
+                "where it is needed")
+
+    @property
     def _owned(self) -> tuple:  # memory ranges of every tensor held: inputs on them are copied
         if self._owned_at[0] != self.sampler.allocations:
             self._owned_at = (self.sampler.allocations,
@@ -127,6 +170,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return self.ring.count * self.n_envs
 
     @property
+    @locked
     def nbytes(self) -> int:
         """Bytes held: storage, priorities, the tree and validity mask of each kind used so far, and
         the episode marks (one byte per row) once frame stacks or n-step returns were sampled."""
@@ -134,11 +178,13 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return sum(t.numel() * t.element_size()
                    for t in [*self.storage.tensors(), *self.sampler.tensors(), *marks])
 
+    @locked
     def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
         """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and
         ``boundaries``."""
         return self.sampler.count_valid(self.config.kind(with_next_obs, boundaries))
 
+    @locked
     def sampling_mass(self, with_next_obs: bool = False, boundaries: str = "allow") -> torch.Tensor:
         """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample`:
         0 when invalid, 1 when valid (uniform), ``priority**alpha`` (prioritized). A read-only
@@ -147,6 +193,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def insert(self, transition: Transition):
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
         Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
@@ -179,6 +226,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self._steady.learn(transition, given)
         return self
 
+    @locked
     def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
                           boundaries: str = "allow") -> tuple[int, int]:
         """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises."""
@@ -188,6 +236,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow", *,
                out: Transition | None = None, return_indices: bool = False,
@@ -272,6 +321,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             jobs = self.storage.check_out(None, self.config.jobs(B, with_next_obs), self.device, ())
             return self.storage.gather(idx, jobs, self.device)
 
+    @locked
     def episode_marks(self):
         """The :class:`~gpubuf.episode_marks.EpisodeMarks` of this buffer (built on first use, then
         kept current by every write)."""
@@ -281,6 +331,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self._marks = EpisodeMarks(self.config, self.storage, self.ring)
         return self._marks
 
+    @locked
     def gather(self, starts, jobs: dict, out=None, boundaries: str = "allow") -> Transition:
         """The flagged batch of windows of flat ``starts`` (B,) for ``storage.check_out``'s
         jobs."""
@@ -288,6 +339,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         return self.config.with_flags(unflatten(result) if out is None else out, boundaries,
                                       self.device)
 
+    @locked
     def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
                       boundaries="allow", *, frame_stack: int | None = None,
                       frame_stride: int = 1, n_step_return: tuple[int, float] | None = None):
@@ -302,6 +354,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
                             frame_stack=frame_stack, frame_stride=frame_stride,
                             n_step_return=n_step_return)
 
+    @locked
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like
         ``indices`` on their device: ``row * n_envs + env`` splits into ring ``row`` and ``env``;
@@ -314,6 +367,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
 
     # ------------------------------------------------------------------ state
 
+    @locked
     def state_dict(self) -> dict:
         """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG
         state and the sampler's own entries: tensors and plain values only."""
@@ -325,6 +379,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
                      rng=self.generator.get_state(), **self.sampler.state())
         return state
 
+    @locked
     def load_state_dict(self, state) -> None:
         """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch
         raises naming the key and changes nothing. Should reading the data fail after validation
@@ -354,6 +409,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
             self.generator.set_state(rng)
         self.flush()  # a storage_dir now holds the loaded state
 
+    @locked
     def flush(self):
         """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``,
         ``beta`` when prioritized) beside the files and write every file back to disk, so that a
@@ -362,6 +418,7 @@ class TransitionBuffer(checkpoint.Checkpointable):
         self.storage.flush(self.ring, {"rng": self.generator.get_state(), **self.sampler.flushed()})
         return self
 
+    @locked
     def close(self) -> None:
         """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
         still be sampled, no longer written); closing twice is harmless. ``with

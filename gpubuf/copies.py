@@ -1,0 +1,84 @@
+"""Copies of a buffer (``copy.copy``, ``copy.deepcopy``, ``pickle``, ``torch.save``), made through
+its state.
+
+A buffer's parts share memory (host views of its storage, cached gather plans, staging), and a
+field-by-field copy splits them: such a copy writes into memory its reads never see. So a buffer is
+copied as a user would copy it by hand: a new buffer built with the original's constructor
+arguments, then loaded with its ``state_dict()``. The copy is independent (storage, generator and
+caches of its own) and complete (rows, counters, priorities, ``beta``, RNG state); it is made under
+the original's lock, so another thread's call lands wholly before or after it. ``copy.copy`` gives
+such an independent copy too (a shallow one would share storage with half of its bookkeeping).
+Pickling holds a clone of the state until the pickler has written it (twice the buffer's memory for
+that time); ``torch.load`` of a pickled buffer needs ``weights_only=False``, as for any object.
+
+What cannot be copied this way refuses with ``TypeError`` naming what to use instead: a buffer on
+a ``storage_dir`` (one buffer at a time holds its directory), and objects bound to a live env,
+process group or captured graph.
+"""
+
+import torch
+
+
+def rebuild(cls, kwargs: dict, state: dict):
+    """A new ``cls(**kwargs)`` loaded with ``state``: how a pickled buffer comes back."""
+    buffer = cls(**kwargs)
+    buffer.load_state_dict(state)
+    return buffer
+
+
+def _cloned(value):
+    """``value`` with every tensor inside (dicts, lists, tuples) cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+class CopiedByState:
+    """``__copy__`` / ``__deepcopy__`` / ``__reduce__`` through ``state_dict`` for a buffer with a
+    ``lock``; subclasses say how they are built (:meth:`copy_args`) and why they may not be
+    (:meth:`copy_refusal`)."""
+
+    def copy_args(self) -> dict:  # hook: keyword arguments that build an empty twin of this buffer
+        raise NotImplementedError
+
+    def copy_refusal(self) -> str | None:  # hook: why this buffer cannot be copied, or None
+        return None
+
+    def _check_copyable(self) -> None:
+        why = self.copy_refusal()
+        if why is not None:
+            raise TypeError(f"{type(self).__name__}: cannot be copied or pickled: {why}")
+
+    def __copy__(self):
+        return self.__deepcopy__({})
+
+    def __deepcopy__(self, memo):
+        with self.lock:
+            self._check_copyable()
+            twin = type(self)(**self.copy_args())
+            twin.load_state_dict(self.state_dict())
+        memo[id(self)] = twin
+        return twin
+
+    def __reduce__(self):
+        with self.lock:
+            self._check_copyable()
+            return rebuild, (type(self), self.copy_args(), _cloned(self.state_dict()))
+
+
+def refuse_copies(why: str):
+    """A class decorator: ``__copy__``/``__deepcopy__``/``__reduce_ex__`` raise ``TypeError`` saying
+    ``why`` (an object bound to something a copy cannot take along)."""
+
+    def refuse(self, *args):
+        raise TypeError(f"{type(self).__name__}: cannot be copied or pickled: {why}")
+
+    def decorate(cls):
+        cls.__copy__ = cls.__deepcopy__ = cls.__reduce_ex__ = refuse
+        return cls
+
+    return decorate
