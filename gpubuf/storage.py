@@ -225,7 +225,14 @@ class MemoryStorage:
 
 class MappedStorage(MemoryStorage):
     """Env-major ``(E, M, *shape)`` files of the ``storage_dir`` ``path`` (re-opened when it holds
-    this configuration; ``reopened`` says so), host memory written through time-major views."""
+    this configuration; ``reopened`` says so), host memory written through time-major views.
+
+    One process writes: the one that opened the directory. In another (a child forked after the
+    buffer was made, which inherits the mapping and the lock), :meth:`check_open`, which every write
+    passes first (insert, load, flush, priority and beta updates), raises ``RuntimeError`` naming
+    the directory and both pids, and :attr:`closed` is true, so the buffer's ``close()`` does
+    nothing there (the owner's lock and files untouched). Sampling there reads the shared mapping.
+    """
 
     def __init__(self, config: ReplayConfig, path):
         M, E = config.max_rows, config.n_envs
@@ -243,12 +250,17 @@ class MappedStorage(MemoryStorage):
                                prefetch=True)
 
     @property
-    def closed(self) -> bool:
+    def closed(self) -> bool:  # closed, or (a forked child) open in another process
         return self.dir.closed
 
     def check_open(self) -> None:
-        if self.dir.closed:
-            raise ValueError(f"storage_dir: {str(self.dir.path)!r} was closed; open a new buffer "
+        """Raise unless this process may write the directory now: ``RuntimeError`` in a process
+        other than the one that opened it (:meth:`~gpubuf.storage_dir.StorageDir.check_writer`),
+        ``ValueError`` once closed. One pid comparison: cheap enough for every insert."""
+        d = self.dir
+        d.check_writer()
+        if d.lock.file.closed:
+            raise ValueError(f"storage_dir: {str(d.path)!r} was closed; open a new buffer "
                              "on it to write")
 
     def before_write(self, pos: int, count: int, total: int, T: int) -> None:
@@ -262,7 +274,10 @@ class MappedStorage(MemoryStorage):
         self.dir.before_load(total)  # a load killed half-way re-opens as an empty buffer
 
     def reopen(self, ring, sampler, generator: torch.Generator) -> bool:
+        # everything is restored and checked before the directory is claimed (lock file, a journal
+        # of the earlier format converted): a refused re-open leaves it as it was
         if not self.reopened:
+            self.dir.claim()
             return False
         M, paths = self.config.max_rows, sum(self.config.flag_paths, [])
         pos, count, total, flushes = self.dir.opened_counters(M)
@@ -270,7 +285,9 @@ class MappedStorage(MemoryStorage):
         zeros = np.zeros((M, self.config.n_envs), dtype=bool)
         ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends,
                      total, last)
-        return self.dir.restore_flushed(ring, flushes, sampler.reopen, generator)
+        ahead = self.dir.restore_flushed(ring, flushes, sampler.reopen, generator)
+        self.dir.claim()
+        return ahead
 
     def flush(self, ring, state: dict) -> None:
         self.check_open()

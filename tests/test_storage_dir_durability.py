@@ -230,11 +230,31 @@ def test_an_os_crash_after_unflushed_writes_reopens_empty_with_a_warning(tmp_pat
     assert held_rows(crashed).unique().tolist() == [9.0]
 
 
+def as_before_the_journal(path, counters):
+    """Make the flushed directory ``path`` one that a buffer written before the row journal left: three counters
+    ``(position, rows held, rows ever written)``, a description that names no journal, a state without a flush
+    number."""
+    (path / "counters.bin").write_bytes(np.array(counters, np.int64).tobytes())
+    meta = json.loads((path / "gpubuf.json").read_text())
+    del meta["journal"]
+    (path / "gpubuf.json").write_text(json.dumps(meta, indent=1))
+    if (path / "state.pt").exists():
+        state = torch.load(path / "state.pt", weights_only=True)
+        del state["flush"]
+        torch.save(state, path / "state.pt")
+
+
 def test_a_directory_without_the_journal_is_upgraded(tmp_path):
     path = _flushed(tmp_path, TransitionBuffer)
-    (path / "counters.bin").write_bytes(np.array([5, 5, 5], np.int64).tobytes())  # the earlier format
+    rng = torch.load(path / "state.pt", weights_only=True)["rng"]
+    as_before_the_journal(path, (5, 5, 5))
     buf = _reopen(path, TransitionBuffer)
     assert len(buf) == 5 * E and held_rows(buf).unique().tolist() == [3.0]
+    assert torch.equal(buf.generator.get_state(), rng)  # its flushed state restored
+    assert (path / "counters.bin").stat().st_size == 12 * 8  # converted to the journal once it opened
+    buf.insert(rows(2, 4, width=3)).close()
+    again = _reopen(path, TransitionBuffer)
+    assert len(again) == 7 * E and held_rows(again).unique().tolist() == [3.0, 4.0]
 
 
 def test_a_state_holding_rows_before_a_later_position_loads_and_samples_only_them():
