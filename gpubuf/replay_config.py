@@ -265,15 +265,31 @@ class ReplayConfig:
                 for d, s, shift in pairs]
 
     def with_flags(self, batch: Transition, boundaries: str, device) -> Transition:
-        """``batch`` with ``is_first`` and ``mask`` (B, n_steps) bool (``(B,)`` when ``n_steps ==
-        1``) from its sampled episode ends (``info["is_last"]`` rows when stored), unless
-        ``boundaries == "allow"``."""
+        """``batch`` with ``is_first``, ``mask`` and ``has_transition`` (B, n_steps) bool (``(B,)``
+        when ``n_steps == 1``) from its sampled rows, unless ``boundaries == "allow"``.
+
+        ``is_first`` and ``mask`` follow the episode ends (``info["is_last"]`` rows when stored: an
+        episode ends after the row holding its last observation, so that row stays inside its
+        episode's ``mask``). ``has_transition`` is False exactly on the rows that hold no
+        transition, the ``info["is_last"]`` rows (an :class:`~gpubuf.EnvPoolSource`'s row after an
+        episode's last transition, or after a life loss: the last observation, the action fill and
+        reward 0), and True everywhere else, so also everywhere in a buffer that stores no such
+        leaf. It is a flag of its own, not folded into ``mask``, because a world model needs those
+        rows inside the episode (the last observation is the next-observation target of the
+        episode's last transition) while a learner of transitions must drop them: its per-step
+        losses are weighed by ``mask & has_transition``. With ``n_steps == 1`` it is all set (such a
+        row never starts a window); ``"forbid"`` windows may end on one (their last row). A batch
+        refilled in place (a ``GraphSampler``'s) keeps it current with :meth:`refresh_flags`."""
         if boundaries == "allow":
             return batch
         leaves = flatten(batch, "out")
         ends = self.flag_paths[1]
         B, n = leaves[ends[0]].shape[0], self.n_steps
         ones = torch.ones(B, *((n,) if n > 1 else ()), dtype=torch.bool, device=device)
+        if n == 1 or IS_LAST not in leaves:
+            batch.has_transition = ones.clone()
+        else:
+            batch.has_transition = (leaves[IS_LAST] == 0).reshape(B, n, -1).all(2)
         # no episode end before a window's last row: constant flags
         if n == 1 or boundaries == "forbid":
             batch.mask = ones
@@ -290,3 +306,18 @@ class ReplayConfig:
         batch.is_first = torch.cat([ones[:, :1], ended], 1)
         batch.mask = torch.cat([ones[:, :1], (~ended).cumprod(1).bool()], 1)
         return batch
+
+    def refresh_flags(self, batch: Transition) -> None:
+        """Recompute, in place, ``batch.has_transition`` of a batch :meth:`with_flags` flagged whose
+        rows were refilled since (a ``GraphSampler``'s fixed outputs after each gather): from its
+        ``info["is_last"]`` rows, without allocating for a ``(B, n_steps)`` bool leaf (the
+        source's), so a captured CUDA graph may hold it. Nothing to do for an unflagged batch, for
+        ``n_steps == 1`` or without that leaf (the flag is constant then)."""
+        has = batch.has_transition
+        if has is None or self.n_steps == 1 or IS_LAST not in self.by_path:
+            return
+        last = batch.info[IS_LAST[1]]
+        if last.dtype == torch.bool and last.shape == has.shape:
+            torch.logical_not(last, out=has)
+        else:
+            has.copy_((last == 0).reshape(*has.shape, -1).all(2))

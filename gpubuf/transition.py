@@ -26,10 +26,17 @@ class Transition:
     ``None``.
 
     ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled
-    from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first`` and ``mask`` only on batches
-    sampled with ``boundaries="mask"`` or ``"forbid"``; ``discount`` (the factor of the bootstrap
-    value) only on batches sampled with ``n_step_return``. None of the four is ever stored.
-    """
+    from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first``, ``mask`` and
+    ``has_transition`` only on batches sampled with ``boundaries="mask"`` or ``"forbid"``;
+    ``discount`` (the factor of the bootstrap value) only on batches sampled with
+    ``n_step_return``. None of the five is ever stored.
+
+    ``has_transition`` (shaped like ``mask``) is False exactly on the rows that hold no transition:
+    an :class:`~gpubuf.EnvPoolSource`'s ``info["is_last"]`` rows, which hold an episode's last
+    observation, the action fill and reward 0 (see
+    :meth:`gpubuf.replay_config.ReplayConfig.with_flags`). A learner of transitions weighs its
+    per-step losses by ``mask & has_transition``; a world model keeps those rows' observations
+    (they stay inside ``mask``)."""
 
     observation: Any
     action: Any
@@ -42,6 +49,7 @@ class Transition:
     is_first: Any = None
     mask: Any = None
     discount: Any = None
+    has_transition: Any = None
 
     def to(self, device, non_blocking: bool = False) -> "Transition":
         """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy
@@ -51,8 +59,8 @@ class Transition:
 
     def __iter__(self):
         """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in
-        field order, so ``dict(batch)`` holds what a buffer stores plus the sampled ``PER_weights``
-        / ``is_first`` / ``mask``."""
+        field order, so ``dict(batch)`` holds what a buffer stores plus what sampling set
+        (``PER_weights``, ``is_first``, ``mask``, ``has_transition``, ``discount``)."""
         return items(self)
 
     def to_tensordict(self, batch_dims: int | None = None):
@@ -121,7 +129,7 @@ def unflatten(leaves: dict[tuple, torch.Tensor]) -> Transition:
 
 
 # the stored fields, then those only sampling sets
-ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask", "discount")
+ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask", "has_transition", "discount")
 
 
 def _check(transition) -> Transition:
@@ -139,8 +147,8 @@ def _is_set(value) -> bool:
 def items(transition: Transition) -> Iterator[tuple[str, Any]]:
     """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in
     field order: ``observation, action, reward, terminated, truncated, next_observation, info,
-    PER_weights, is_first, mask, discount``. So ``dict(transition)`` holds exactly the fields a
-    buffer stores, plus those sampling sets."""
+    PER_weights, is_first, mask, has_transition, discount``. So ``dict(transition)`` holds exactly
+    the fields a buffer stores, plus those sampling sets."""
     _check(transition)
     for name in ALL_FIELDS:
         value = getattr(transition, name)

@@ -226,6 +226,35 @@ def test_rows_marked_is_last_never_start_a_window(backend, device):
     assert not last.reshape(-1)[idx.cpu().numpy()].any()
 
 
+def test_has_transition_is_set_beside_the_flags_and_false_exactly_on_is_last_rows(backend, device):
+    """``has_transition`` rides with ``is_first`` and ``mask``: False on the rows marked ``info["is_last"]`` (a flag
+    leaf of any dtype: set where nonzero), which stay inside ``mask``; True on every row of a buffer without that
+    leaf and on single-row windows; absent with ``"allow"``. ``refresh_flags`` recomputes it in place."""
+    T = 20
+    rng = np.random.default_rng(4)
+    last = rng.random((T, E)) < 0.2
+    v = (np.arange(T)[:, None] * E + np.arange(E)).astype(np.float32)
+    marks = np.where(last, rng.integers(1, 5, (T, E)), 0).astype(np.int8)  # nonzero counts as set
+    rows = Transition(observation=v[..., None], action=v, reward=v, terminated=np.zeros((T, E), bool), truncated=last,
+                      info={"is_last": marks})
+    buf = TransitionBuffer(E * M, 8, rows, n_steps=4, device=device, seed=0).insert(rows)
+    for boundaries in ("mask", "forbid"):
+        batch = buf.sample(key=1, batch_size=60, boundaries=boundaries)
+        steps, envs = rows_of(batch, 4)
+        assert batch.has_transition.dtype == torch.bool and batch.has_transition.shape == (60, 4)
+        np.testing.assert_array_equal(batch.has_transition.cpu().numpy(), ~last[steps, envs])
+        if boundaries == "mask":
+            assert (batch.mask & ~batch.has_transition).any()
+        batch.has_transition.fill_(False)
+        buf.config.refresh_flags(batch)
+        np.testing.assert_array_equal(batch.has_transition.cpu().numpy(), ~last[steps, envs])
+    assert buf.sample(key=1, boundaries="allow").has_transition is None
+    one = TransitionBuffer(E * M, 8, rows, device=device, seed=0).insert(rows)
+    assert one.sample(key=1, boundaries="mask").has_transition.all()
+    plain, _, _ = build(TransitionBuffer, 4, device)  # no is_last leaf: every row holds a transition
+    assert plain.sample(key=2, boundaries="mask").has_transition.all()
+
+
 def test_a_loaded_state_is_never_written_through_the_flags_it_was_read_from():
     """The ring keeps copies of the row flags a load or a re-open reads from the state's leaves."""
     T = 6

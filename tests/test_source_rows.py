@@ -98,6 +98,7 @@ def test_rows_and_windows_follow_the_convention(backend, device, task):
         elapsed, last = batch.info["elapsed_step"].cpu().numpy(), batch.info["is_last"].cpu().numpy()
         assert not (elapsed[:, 1:] == 0).any() and not last[:, :-1].any()
         assert batch.mask.all() and batch.is_first[:, 0].all() and not batch.is_first[:, 1:].any()
+        np.testing.assert_array_equal(batch.has_transition.cpu().numpy(), ~last)
         if with_next_obs:
             assert not last.any()
             env, row, _ = (t.cpu().numpy() for t in buf.locate(idx))
@@ -116,6 +117,7 @@ def check_mask_windows(batch, idx, buf, want):
     np.testing.assert_array_equal(mask, np.cumsum(is_first, 1) == 1)  # the start's episode ...
     assert (mask & last).any(), "no window held a last observation inside its mask"  # ... to its last frame
     assert (last[:, :-1] == is_first[:, 1:]).all()  # one last-observation row, then the reset frame
+    np.testing.assert_array_equal(batch.has_transition.cpu().numpy(), ~last)  # a last observation: no transition
     env, row, step = (t.cpu().numpy() for t in buf.locate(idx))
     np.testing.assert_array_equal(step, row)  # no wrap: a row's number is its ring row
     rows = row[:, None] + np.arange(n)
