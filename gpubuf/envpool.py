@@ -2,7 +2,9 @@
 
 :class:`StepStager` turns one batch of env outputs (numpy, torch on any device, or ``__dlpack__``
 arrays from a GPU simulator) into the stacked-info layout on the device: the observation
-``(R, 1, *obs)``, the executed ``action`` echo ``(R, 1, A)`` float32 with NaN on reset frames,
+``(R, 1, *obs)``, the executed ``action`` echo ``(R, 1, A)`` float32 with a fill (NaN unless chosen)
+on rows whose action the env ignored (reset frames, and with an :class:`EnvPoolSource` the step
+after a life loss of ``episodic_life=True``),
 ``reward`` ``(R, 1)`` float32, ``terminated``/``truncated`` ``(R, 1)`` bool. Host arrays go through
 pinned staging; device arrays are used in place (no host round trip, no copy).
 
@@ -59,12 +61,17 @@ class StepStager:
         n_envs: number of envs (the most rows one call may carry).
         obs_key: the info key of the observation.
         device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
+        action_fill: the ``action`` echo of rows whose action the env ignored (``first`` rows, or
+            the ``ignored`` rows given to :meth:`stage`); NaN by default; a real number within
+            float32's range (NaN and inf too), else ``TypeError``/``ValueError`` naming it.
 
     Host arrays bound for CUDA go through preallocated pinned staging (one non-blocking copy per
     key); arrays already on the device are used as they are. Shapes are fixed by the first call.
     """
 
-    def __init__(self, n_envs: int, obs_key: str = "observation", *, device=None):
+    def __init__(self, n_envs: int, obs_key: str = "observation", *, device=None,
+                 action_fill: float = float("nan")):
+        self.action_fill = _echo_fill(action_fill)
         if not isinstance(obs_key, str) or obs_key in ("action", "reward", "terminated",
                                                        "truncated"):
             raise ValueError(f"obs_key: expected a str other than the step keys, got {obs_key!r}")
@@ -86,7 +93,8 @@ class StepStager:
                  more=None) -> Step:
         """Stage ``R`` rows: ``obs (R, *obs)``, ``action (R,)`` or ``(R, A)``,
         ``reward``/``terminated``/ ``truncated`` ``(R,)``; ``env_ids (R,)`` host ints (all envs if
-        ``None``); ``first (R,)`` host bools marking reset frames, whose action echo becomes NaN;
+        ``None``); ``first (R,)`` host bools marking reset frames, whose action echo becomes
+        ``action_fill`` (NaN by default);
         ``more``: further keys ``{name: (R, ...)}`` staged as ``(R, 1, ...)`` in their own dtype
         (EnvPool info fields). ``action`` and ``reward`` are stored as float32 and must fit it
         (:func:`gpubuf.inputs.check_cast`); ``terminated``/``truncated``/ ``first`` are bool or 0/1
@@ -97,10 +105,12 @@ class StepStager:
         return self.stage(obs, action, reward, terminated, truncated, ids, first, more)
 
     def stage(self, obs, action, reward, terminated, truncated, ids: np.ndarray,
-              first: np.ndarray, more) -> Step:
+              first: np.ndarray, more, ignored: np.ndarray | None = None) -> Step:
         """:meth:`__call__` for a caller whose ``ids`` (host int64 ids in ``[0, n_envs)``) and
-        ``first`` (host bool ``(R,)``) are already checked; the values are checked as there. An
-        unchanged layout (numpy arrays of the last call's dtypes and shapes) takes a cached path."""
+        ``first`` (host bool ``(R,)``) are already checked; the values are checked as there.
+        ``ignored`` (host bool ``(R,)``, ``first`` when ``None``): the rows whose action echo
+        becomes ``action_fill``. An unchanged layout (numpy arrays of the last call's dtypes and
+        shapes) takes a cached path."""
         R = len(ids)
         raw = {self.obs_key: obs, "action": action, "reward": reward, "terminated": terminated,
                "truncated": truncated}
@@ -112,9 +122,10 @@ class StepStager:
         info = self._fast(raw)
         if info is None:
             info = self._checked(raw, R)
-        if np.count_nonzero(first):  # (``first.any()`` costs 4x more on a handful of flags)
-            mask = self._staging.to_device(torch.from_numpy(first), "__first__")
-            info["action"] = torch.where(mask.view(R, 1, 1), float("nan"), info["action"])
+        ignored = first if ignored is None else ignored
+        if np.count_nonzero(ignored):  # (``.any()`` costs 4x more on a handful of flags)
+            mask = self._staging.to_device(torch.from_numpy(ignored), "__first__")
+            info["action"] = torch.where(mask.view(R, 1, 1), self.action_fill, info["action"])
         return Step(info, ids, first)
 
     def _fast(self, raw: dict) -> dict | None:
@@ -212,6 +223,62 @@ def action_fill(dtype) -> float | int | bool:
     return -1 if dtype.kind == "i" else int(np.iinfo(dtype).max)
 
 
+def _real_number(value, name: str) -> float:
+    """``value`` as a Python float when it is a real number (not a bool), else ``TypeError``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                     np.floating)):
+        raise TypeError(f"{name}: expected a real number, got {value!r}")
+    return float(value)
+
+
+def _echo_fill(value) -> float:
+    """The float32 action echo's fill, checked: a real number float32 holds (NaN and inf too)."""
+    v = _real_number(value, "action_fill")
+    if np.isfinite(v) and abs(v) > float(np.finfo(np.float32).max):
+        raise ValueError(f"action_fill: {value!r} does not fit the float32 action echo")
+    return v
+
+
+def check_action_fill(value, dtype) -> tuple:
+    """``(stored fill, echo fill)`` of an ``action_fill`` argument for actions of numpy ``dtype``.
+
+    ``None``: :func:`action_fill` stored and NaN echoed (the defaults). A value is stored as the
+    action of every row whose action the env ignored and echoed (as float32) in the history; it
+    must fit ``dtype`` exactly (an integer within the range of an integer dtype, 0/1 for bool, any
+    real number within the range of a float dtype, NaN and inf included) and the float32 echo
+    (integers up to ``2**24`` in magnitude), else ``ValueError`` naming ``action_fill``; a value
+    that is not a real number is a ``TypeError``."""
+    dtype = np.dtype(dtype)
+    if value is None:
+        return action_fill(dtype), float("nan")
+    if dtype.kind == "b" and isinstance(value, (bool, np.bool_)):
+        return bool(value), float(value)
+    v = _real_number(value, "action_fill")
+    why = None
+    if dtype.kind == "f":
+        if np.isfinite(v) and abs(v) > float(np.finfo(dtype).max):
+            why = f"a {dtype} action cannot hold it"
+    elif not np.isfinite(v) or v != int(v):
+        why = f"{dtype} actions are integers"
+    else:
+        lo, hi = (0, 1) if dtype.kind == "b" else (int(np.iinfo(dtype).min),
+                                                   int(np.iinfo(dtype).max))
+        if not lo <= int(value) <= hi:
+            why = f"{dtype} actions lie in [{lo}, {hi}]"
+        elif abs(int(value)) > 2**24:
+            why = "the float32 action echo holds integers up to 2**24 exactly"
+    if why is None and dtype.kind == "f":
+        try:
+            echo = _echo_fill(v)
+        except ValueError:
+            why = "the float32 action echo cannot hold it"
+    if why is not None:
+        raise ValueError(f"action_fill: {value!r} does not fit the actions ({why})")
+    if dtype.kind == "f":
+        return float(np.asarray(v, dtype)), echo
+    return (bool(v) if dtype.kind == "b" else int(value)), float(int(value))
+
+
 _RESERVED = ("action", "reward", "terminated", "truncated", "env_id", "players", "is_last")
 
 
@@ -234,6 +301,12 @@ class EnvPoolSource:
             the history under their own names ``(R, 1, ...)`` and stored in the transitions as
             ``info[name]``, the value the env reported with the row's ``observation``. Shapes and
             dtypes are EnvPool's.
+        action_fill: the action stored on every row whose action the env ignored (rows below) and
+            echoed in the history's ``action`` there. ``None`` (default): :func:`action_fill`
+            (NaN for float actions, -1 for signed integer ones) in the transitions and NaN in the
+            history's float32 echo. A value must fit the action dtype and the float32 echo (e.g.
+            ``0`` keeps ``F.one_hot`` valid on those rows), else ``ValueError`` naming
+            ``action_fill`` before anything is built (:func:`check_action_fill`).
 
     Rows of a vectorized ``transitions`` buffer (sync only; one time row of every env per step). The
     row written at a step holds ``observation`` (what the env showed before the step), ``action``
@@ -241,11 +314,24 @@ class EnvPoolSource:
     ``info["is_last"]``; its next observation is the next row's ``observation``. After an episode's
     last transition (terminated or truncated), EnvPool's next step ignores its action and returns
     the reset frame (``elapsed_step == 0``): that step's row holds the episode's last observation,
-    ``action`` :func:`action_fill` (NaN for float actions, -1 for integer ones), reward 0,
-    ``terminated`` False, and ``truncated`` and ``is_last`` True. So the terminal observation is the
-    next observation of the episode's last transition, an ``is_last`` row never starts a sampled
-    window (``with_next_obs`` never draws one as a transition), the row after it holds the reset
-    frame, and the buffers' ``boundaries="mask"`` marks ``is_first`` exactly there. ``truncated`` is
+    ``action`` the fill (``action_fill``; by default NaN for float actions, -1 for integer ones),
+    reward 0, ``terminated`` False, and ``truncated`` and ``is_last`` True. So the terminal
+    observation is the next observation of the episode's last transition, an ``is_last`` row never
+    starts a sampled window (``with_next_obs`` never draws one as a transition), the row after it
+    holds the reset frame, and the buffers' ``boundaries="mask"`` marks ``is_first`` exactly there.
+    An ``is_last`` row holds no transition: batches sampled with ``boundaries="mask"``/``"forbid"``
+    carry ``has_transition`` False exactly there (its observation stays inside ``mask``, as a
+    world model's target), which a learner of transitions must drop.
+
+    EnvPool's life-loss soft reset (Atari ``episodic_life=True``) is treated like an episode end for
+    the ignored action: on a life loss EnvPool reports ``terminated`` (``info["terminated"]`` stays
+    False until the game is over) with the observation of the lost life, and its next step ignores
+    the action and returns the frame the game resumes from, with the same ``elapsed_step`` and
+    reward 0. That step's row is written as after an episode end (the life's last observation,
+    the fill, ``is_last`` and ``truncated`` set), so each life is an episode of the buffer; its
+    history row echoes the fill (the history is not flushed: the game goes on). The source tells the
+    step after any ``terminated`` or ``truncated`` row of an env from its reset frame by
+    ``elapsed_step``: a row that is not a reset frame is the soft reset. ``truncated`` is
     set on ``is_last`` rows only: a truncated episode's last transition keeps ``truncated`` False,
     as its next observation (the last one) is real and may be bootstrapped from. A ``reset()`` after
     rows were written ends every episode the same way (one ``is_last`` row per env).
@@ -259,6 +345,10 @@ class EnvPoolSource:
     in the row of the step it was sent with (as sent, on ``is_last`` rows too; :func:`action_fill`
     on the rows a ``reset()`` adds).
 
+    Rows whose action the env ignored (reset frames, and the soft reset after a life loss) echo the
+    fill in ``step.info["action"]`` and in the history; with ``vectorized=False`` they are no
+    transitions and are skipped.
+
     Sync: ``step = src.reset(); step = src.step(actions)``. Async: ``step = src.reset()`` (first
     batch), then ``src.send(actions, step.env_ids); step = src.recv()``.
 
@@ -269,7 +359,7 @@ class EnvPoolSource:
 
     def __init__(self, env, *, obs_key: str = "observation", device=None, history=None,
                  transitions=None,
-                 info_keys=()):
+                 info_keys=(), action_fill=None):
         config = getattr(env, "config", None)
         if not isinstance(config, dict) or "num_envs" not in config or not hasattr(env, "recv"):
             raise TypeError("env: expected an envpool env (envpool.make(...)), got "
@@ -279,12 +369,14 @@ class EnvPoolSource:
         self.batch_size = int(config["batch_size"])
         self.is_async = self.batch_size < self.n_envs
         self.info_keys = self._check_info_keys(info_keys, obs_key)
-        self.stager = StepStager(self.n_envs, obs_key, device=device)
+        self.action_dtype, self.action_shape = _space_layout(env.action_space)
+        # the stored action of rows whose action the env ignored, and its float32 echo
+        self.action_fill, echo = check_action_fill(action_fill, self.action_dtype)
+        self.stager = StepStager(self.n_envs, obs_key, device=device, action_fill=echo)
         self.device = self.stager.device
         # one call at a time (threads); a call enters its buffers' calls, hence level 0
         self._guard = CallGuard(self.device, level=0)
         self._staging = Staging(self.device)
-        self.action_dtype, self.action_shape = _space_layout(env.action_space)
         # Discrete spaces: actions lie in [0, n)
         self.n_actions = getattr(env.action_space, "n", None)
         self._bounds = None  # continuous spaces: (low, high) per action dim, what EnvPool clips to
@@ -310,6 +402,8 @@ class EnvPoolSource:
                                                                      d) in self._info_spec.items()}
         # the buffer holds no row of the env's current episode
         self._fresh = np.ones(self.n_envs, dtype=bool)
+        # the env's last received row was terminated or truncated: EnvPool ignores its next action
+        self._ended = np.zeros(self.n_envs, dtype=bool)
         # name -> (n_envs, *shape) device tensor: the extra data last sent, per env
         self._extra = {}
         self._history = self._transitions = None
@@ -429,6 +523,7 @@ class EnvPoolSource:
         self._end_episodes()
         self._sent[:] = 0
         self._has_prev[:] = False
+        self._ended[:] = False
         if self.is_async:
             self.env.async_reset()
             self._in_flight[:] = True
@@ -677,6 +772,10 @@ class EnvPoolSource:
             self._in_flight[ids] = False
             sent = self._sent[ids]
         first = np.asarray(info["elapsed_step"]) == 0
+        # the rows whose action the env ignored: reset frames, and the soft reset that follows an
+        # end without one (a life loss with episodic_life=True)
+        was_ended = self._ended if in_order else self._ended[ids]
+        ignored = first | was_ended if np.count_nonzero(was_ended) else first
         infos = {}
         for key, (shape, dtype) in self._info_spec.items():
             a = np.asarray(info[key])
@@ -686,23 +785,27 @@ class EnvPoolSource:
             infos[key] = a
         # the action echo: a fresh float32 copy (``sent`` may be the source's own array)
         echo = sent.reshape(len(ids), -1).astype(np.float32)
-        step = self.stager.stage(obs, echo, reward, terminated, truncated, ids, first, infos)
+        step = self.stager.stage(obs, echo, reward, terminated, truncated, ids, first, infos,
+                                 ignored)
         if self._history is not None:
             if np.count_nonzero(first):
                 self._history.reset(ids[first])
             self._history.append(step.info, env_ids=ids)
         if self._transitions is not None:
-            self._insert_transition(step, sent, reward, terminated, truncated, infos)
+            self._insert_transition(step, ignored, sent, reward, terminated, truncated)
         self._remember(step, in_order)
         for key, a in infos.items():
             if in_order:
                 self._prev_info[key][...] = a
             else:
                 self._prev_info[key][ids] = a
+        ended = np.asarray(terminated, dtype=bool) | np.asarray(truncated, dtype=bool)
         if in_order:
-            self._fresh[...] = first
+            self._fresh[...] = ignored
+            self._ended[...] = ended
         else:
-            self._fresh[ids] = first
+            self._fresh[ids] = ignored
+            self._ended[ids] = ended
         return step
 
     def _remember(self, step: Step, in_order: bool) -> None:
@@ -779,8 +882,7 @@ class EnvPoolSource:
         """One ``is_last`` row per env: each env's last observation ends its episode (a
         ``reset()``)."""
         n = self.n_envs
-        fill = np.full((n, *self.action_shape), action_fill(self.action_dtype),
-                       dtype=self.action_dtype)
+        fill = np.full((n, *self.action_shape), self.action_fill, dtype=self.action_dtype)
         extra = {name: torch.full((n, *s), action_fill(_np_dtype(d)), dtype=d, device=self.device)
                  for name, (s, d) in self._extra_spec().items()}
         info = {"is_last": np.ones(n, dtype=bool),
@@ -793,8 +895,11 @@ class EnvPoolSource:
             info={k: v[None] for k, v in info.items()}))
         self._fresh[:] = True
 
-    def _insert_transition(self, step: Step, sent, reward, terminated, truncated,
-                           infos: dict) -> None:
+    def _insert_transition(self, step: Step, ignored: np.ndarray, sent, reward, terminated,
+                           truncated) -> None:
+        """Write the rows of a received step; ``ignored`` (R,) marks the rows whose action the env
+        ignored (reset frames and soft resets), written as ``is_last`` rows (vectorized) or
+        skipped."""
         obs = step.info[self.stager.obs_key][:, 0]  # (R, *obs)
         ids = step.env_ids
         if not self._has_prev[ids].any():  # nothing pending (after a reset): no row to write
@@ -804,13 +909,13 @@ class EnvPoolSource:
         terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated,
                                                                                dtype=bool)
         if self.transitions.vectorized_env:
-            # rows in env order; a reset frame's row holds the last observation
+            # rows in env order; the row of a step whose action was ignored holds the last
+            # observation
             if self._has_prev.all():
                 order = np.argsort(ids)
-                first = step.first[order]
-                fill = action_fill(self.action_dtype)
-                action = np.where(first.reshape(-1, *[1] * len(self.action_shape)), fill,
-                                  sent[order])
+                first = ignored[order]
+                action = np.where(first.reshape(-1, *[1] * len(self.action_shape)),
+                                  np.asarray(self.action_fill, self.action_dtype), sent[order])
                 info = {"is_last": first, **{k: v.copy() for k, v in self._prev_info.items()},
                         **self._extra_rows(ids[order])}
                 self.transitions.insert(Transition(
@@ -819,7 +924,7 @@ class EnvPoolSource:
                     terminated=(terminated[order] & ~first)[None], truncated=first[None],
                     info={k: v[None] for k, v in info.items()}))
         else:
-            keep = self._has_prev[ids] & ~step.first
+            keep = self._has_prev[ids] & ~ignored
             if keep.any():
                 rows = np.flatnonzero(keep)
                 dev_rows = self._staging.to_device(torch.from_numpy(rows), "__transition_rows__")
