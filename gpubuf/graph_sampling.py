@@ -38,8 +38,9 @@ class GraphSampler:
     rows, device tensors every insert keeps current).
 
     ``boundaries`` may be ``"allow"`` or ``"forbid"`` (as in :meth:`TransitionBuffer.sample`;
-    ``"forbid"`` sets the constant ``is_first`` / ``mask`` flags once); ``"mask"`` derives its flags
-    from each batch and is not offered here.
+    ``"forbid"`` sets the constant ``is_first`` / ``mask`` flags once and refreshes
+    ``has_transition`` from each draw); ``"mask"`` derives its flags from each batch and is not
+    offered here.
 
     ``beta`` (prioritized) is the buffer's own: every draw reads the buffer's device copy of it
     (:attr:`~gpubuf.PrioritizedTransitionBuffer.beta_tensor`), which ``buffer.update_beta``,
@@ -131,6 +132,7 @@ class GraphSampler:
             sequence.gather_planned(self._plan, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
         else:
             buf.storage.gather_windows(self._work, self.indices)
+        buf.config.refresh_flags(self.out)  # has_transition from the rows just gathered
         if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
             torch.index_select(tree.tree, 0, self.indices, out=self._mass)
             torch.amin(self._mass, 0, out=self._min)

@@ -149,8 +149,6 @@ def test_graph_sampler_outputs_refresh_the_flag_in_place(device):
     assert seen
 
 
-@pytest.mark.xfail(reason="GraphSampler.sample (gpubuf/graph_sampling.py) must call "
-                          "buffer.config.refresh_flags(self.out) after each gather", strict=False)
 def test_graph_sampler_flag_follows_each_draw_by_itself(device):
     _, buf = fed("CartPole-v1", 4, 60, device)
     gs = buf.graph_sampler(batch_size=64, boundaries="forbid", generator=torch.Generator(device=device).manual_seed(0))

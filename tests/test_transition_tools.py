@@ -127,7 +127,7 @@ def sampled_with_flags():
 def test_methods_are_the_functions():
     t = sampled_with_flags()
     assert [k for k, _ in t] == ["observation", "action", "reward", "terminated", "truncated",
-                                 "PER_weights", "is_first", "mask"]
+                                 "PER_weights", "is_first", "mask", "has_transition"]
     assert list(dict(t)) == [k for k, _ in items(t)]
     moved = t.to("cpu", non_blocking=True)
     assert moved is not t and moved.is_first is t.is_first and moved.mask is t.mask  # nothing is dropped
