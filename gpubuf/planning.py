@@ -269,7 +269,13 @@ def check_history(history, config: PlanConfig, n_envs: int, device) -> None:
         raise ValueError(f"history: expected max_len >= {config.history_steps} ((history_len - 1) "
                          "* action_block "
                          f"+ 1 env steps), got a HistoryBuffer with max_len={history.max_len}")
-    if device is not None and ops.resolve_device(device) != history.device:
+    if device is None:
+        return
+    try:
+        same = ops.resolve_device(device) == history.device
+    except ValueError:  # names no usable device
+        same = False
+    if not same:
         raise ValueError(f"device: expected the history's device ({history.device}) or None, got "
                          f"{device!r}")
 

@@ -13,9 +13,14 @@ when a kernel runs, so ``import gpubuf`` works without a GPU or driver.
 
 from gpubuf.ops.device import (
     BACKENDS,
+    LRU,
     allocate,
+    allocation_failed,
     backend_for,
+    capacity,
+    check_fits,
     interpreting,
+    memory_error,
     resolve_device,
     route,
     triton_runs_on,
@@ -25,7 +30,8 @@ from gpubuf.ops.prefix_tree import tree_sample, tree_update, tree_update_range
 from gpubuf.ops.sequence import sequence_gather
 from gpubuf.ops.stacks import frame_stack, n_step_return
 
-__all__ = ["BACKENDS", "allocate", "backend_for", "frame_stack", "history_append",
+__all__ = ["BACKENDS", "LRU", "allocate", "allocation_failed", "backend_for", "capacity",
+           "check_fits", "frame_stack", "history_append", "memory_error",
            "history_gather_frames", "history_pack_blocks", "interpreting", "n_step_return",
            "resolve_device", "route", "sequence_gather", "tree_sample", "tree_update",
            "tree_update_range", "triton_runs_on"]

@@ -6,7 +6,10 @@ compiles for GPUs only: a host (CPU) tensor goes to a Triton kernel only while T
 is on (``TRITON_INTERPRET=1``), never otherwise, whatever is forced.
 """
 
+import functools
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import numpy as np
@@ -16,20 +19,141 @@ BACKENDS = ("torch", "triton")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` -> ``cuda`` when available, else ``cpu``; a bare ``cuda`` gets the current index.
+    """The device ``device`` names, checked usable here, else ``ValueError`` naming ``device``.
 
-    The index matters: tensors report ``cuda:0``, and
-    ``torch.device("cuda") != torch.device("cuda:0")``.
+    ``None`` -> ``cuda`` when available, else ``cpu``; a bare ``cuda`` gets the current index
+    (the index matters: tensors report ``cuda:0``, and
+    ``torch.device("cuda") != torch.device("cuda:0")``); ``cpu:0`` is ``cpu`` (tensors report
+    ``cpu``, and ``torch.device("cpu:0") != torch.device("cpu")``). Refused: CUDA on a machine
+    without it, a CUDA index past the devices present, ``meta`` (its tensors hold no data), another
+    CPU index, and any other device no tensor can be created on.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as err:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
         raise ValueError(f"device: expected a torch device or its name, got {device!r}") from err
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    kind, index = resolved.type, resolved.index
+    if kind == "cpu":
+        if index not in (None, 0):
+            raise ValueError(f"device: the host is one device, 'cpu' (or 'cpu:0'), got {device!r}")
+        return _CPU
+    if kind == "meta":
+        raise ValueError(f"device: meta tensors hold no data; expected a device that stores them "
+                         f"(cpu, cuda), got {device!r}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: CUDA is not available on this machine, got {device!r}")
+        count = torch.cuda.device_count()
+        index = torch.cuda.current_device() if index is None else index
+        if not 0 <= index < count:
+            raise ValueError(f"device: {device!r} does not exist; this machine has {count} CUDA "
+                             f"device(s), cuda:0 to cuda:{count - 1}")
+        return torch.device("cuda", index)
+    try:  # another backend (mps, xpu...): usable where a tensor can be created
+        torch.empty(0, device=resolved)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"device: cannot create tensors on {device!r} ({why})") from None
+    return resolved
+
+
+_CPU = torch.device("cpu")
+
+
+# ---- memory: what a call may ask for, and how its failure reads
+
+
+@functools.lru_cache(maxsize=16)  # one entry per device used (resolve_device checks them)
+def capacity(device: torch.device) -> int | None:
+    """The bytes ``device`` has in all: a GPU's total memory; the host's physical memory plus swap
+    (what Linux's default overcommit lets one allocation reach); ``None`` where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type != "cpu":
+        return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            swap = next((int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("SwapTotal:")), 0)
+    except (OSError, ValueError, IndexError):
+        swap = 0
+    return int(total) + swap
+
+
+def check_fits(name: str, what, nbytes: int, device: torch.device) -> None:
+    """Raise ``MemoryError`` naming ``name`` when a call needs ``nbytes`` bytes on ``device``, more
+    than it has in all (:func:`capacity`): such a request is refused before anything runs.
+    ``what()`` says what the call needs (``"get(n=9) needs 123 bytes of output on cpu"``; a
+    callable, so that a call that fits formats nothing)."""
+    total = capacity(device)
+    if total is not None and nbytes > total:
+        raise MemoryError(f"{name}: {what()}, more than the {total} bytes {device} has in all")
+
+
+def allocation_failed(err: BaseException) -> bool:
+    """Whether ``err`` is an allocator's failure (torch's on the host or a GPU, pinned memory,
+    numpy's), as opposed to any other error."""
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    if not isinstance(err, RuntimeError):
+        return False
+    text = str(err).lower()
+    return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory",
+                                   "cannot allocate memory", "failed to allocate"))
+
+
+def memory_error(name: str, what, err: BaseException) -> MemoryError:
+    """The ``MemoryError`` naming ``name`` for a call (``what()`` it needs, as for
+    :func:`check_fits`) whose allocation failed with ``err``."""
+    why = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return MemoryError(f"{name}: {what()}, which cannot be allocated ({why})")
+
+
+class LRU:
+    """At most ``size`` cached values, the least recently used dropped first: every cache of the
+    library keyed by values a caller picks (``n``, ``gamma``, a fanout...) is one, so none grows
+    with them. ``get(key, make)`` returns ``key``'s value, else caches and returns ``make()`` (a
+    ``make`` that raises caches nothing; ``get(key, make, *args)`` calls ``make(*args)``). Safe to
+    share between threads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key, make, *args):
+        entries = self._entries
+        with self._lock:
+            value = entries.get(key, _MISSING)
+            if value is not _MISSING:
+                entries.move_to_end(key)
+                return value
+        value = make(*args)  # outside the lock: another thread may build the same value meanwhile
+        with self._lock:
+            entries[key] = value
+            while len(entries) > self.size:
+                entries.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def values(self) -> list:
+        with self._lock:
+            return list(self._entries.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_MISSING = object()
 
 
 def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], device) -> dict:

@@ -10,17 +10,27 @@ signature), the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and 
 buffers call. Vectorised torch only in the twins: no Python loop over envs or rows.
 """
 
-from functools import lru_cache
-
 import torch
 
 from gpubuf.kernels.words import as_words
-from gpubuf.ops.device import route, writes_only
+from gpubuf.ops.device import LRU, route, writes_only
+
+# The twins' index tensors, cached per (n, device) and (n, ab, device): 16 of each at most, and
+# only those of at most _CACHED elements (512 KiB of int64), so the caches hold at most 16 MiB
+# whatever ``n`` callers ask for; larger ones are built per call.
+_CACHED = 1 << 16
+_COUNTDOWNS = LRU(16)
+_BLOCK_BACKS = LRU(16)
 
 
-@lru_cache(maxsize=64)
 def _countdown(n: int, device: torch.device) -> torch.Tensor:
     """(n,) int64: n-1, n-2, ..., 0."""
+    if n > _CACHED:
+        return _make_countdown(n, device)
+    return _COUNTDOWNS.get((n, device), _make_countdown, n, device)
+
+
+def _make_countdown(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n - 1, -1, -1, device=device)
 
 
@@ -135,10 +145,15 @@ def history_gather_frames(backend: str, pairs: list, meta, n, ab, max_len) -> No
 # ---- history_pack_blocks
 
 
-@lru_cache(maxsize=64)
 def _block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
     """(1, (n-1)*ab) int64: env steps before the newest entry of each entry of the n-1 action
     blocks."""
+    if (n - 1) * ab > _CACHED:
+        return _make_block_back(n, ab, device)
+    return _BLOCK_BACKS.get((n, ab, device), _make_block_back, n, ab, device)
+
+
+def _make_block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
     return (_countdown(n - 1, device).view(-1, 1) * ab + _countdown(ab, device)).view(1, -1)
 
 

@@ -11,20 +11,24 @@ signature), the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and 
 buffers call.
 """
 
-from functools import lru_cache
-
 import torch
 
-from gpubuf.ops.device import route, writes_only
+from gpubuf.ops.device import LRU, route, writes_only
 
 _BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
 _SHARED = 4096  # tree levels up to this size are searched whole by sample_twin
 _DENSE = 1024  # parent levels up to this size are recomputed whole by update_twin
 
 
-@lru_cache(maxsize=64)
+_ASCENDING = LRU(16)  # (fanout, device) -> arange(fanout): 16 entries at most
+
+
 def _ascending(n: int, device: torch.device) -> torch.Tensor:
     """(n,) int64: 0, 1, ..., n-1."""
+    return _ASCENDING.get((n, device), _make_ascending, n, device)
+
+
+def _make_ascending(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
