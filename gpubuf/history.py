@@ -16,6 +16,7 @@ env holds; ``ab`` (``action_block``): entries per action block; strided: every `
 """
 
 import ctypes
+import math
 import sys
 from collections.abc import Iterable, Mapping
 
@@ -52,7 +53,10 @@ _NATIVE = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64
 _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 _BIG = 2 << 20  # fresh host outputs of at least this many bytes: reused when free, else huge pages
 _SPARES = 2  # large outputs' memory kept per key for reuse
-_PLAN_BYTES = 32 << 20  # the most index bytes the lockstep get plans hold
+# the lockstep get's plans (one per (n, head, frames used, keys); a steady loop cycles through
+# max_len heads) hold at most this many index bytes and entries, whatever n callers ask for
+_PLAN_BYTES = 32 << 20
+_PLAN_ENTRIES = 4096
 
 
 def _madvise():
@@ -459,11 +463,16 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         """The last ``n`` strided entries per selected env, oldest first; ``None`` if one is empty.
 
         Regular keys: ``(rows, n)`` for per-env shape ``()``, else ``(rows, n*T, ...)``. Block keys:
-        ``(rows, n-1, action_block*D)``, omitted when ``n == 1``. ``keys``: an iterable of key
-        names to fetch (``None``: every key; a key not stored raises ``ValueError`` naming ``keys``;
-        a bare string is a ``TypeError``): only those are gathered, so one key costs one key.
+        ``(rows, n-1, action_block*D)``, omitted when ``n == 1``. ``keys``: an iterable of ``str``
+        key names to fetch (``None``: every key; a key not stored raises ``ValueError`` naming
+        ``keys``; a bare string, a non-iterable or a non-``str`` entry is a ``TypeError`` naming
+        ``keys``): only those are gathered, so one key costs one key.
         ``out`` may hold tensors of exactly the returned shapes and dtypes on the buffer's device;
         they are written and returned.
+
+        Memory: a get whose outputs (and, on the torch backend, row indices) exceed what the device
+        has in all raises ``MemoryError`` naming ``n`` and the bytes before allocating anything; an
+        allocation that fails raises the same, and the buffer keeps none of that call's memory.
         """
         if env_ids is None and type(n) is int and self._fast:
             got = self._get_lockstep(n, out, keys)
@@ -484,22 +493,60 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         shapes = self._output_shapes(len(ids), n)  # cached per (rows, n)
         if wanted is not None:
             shapes = {key: shape for key, shape in shapes.items() if key in wanted}
-        if out is None:
-            out = self._new_outputs(shapes, n)
-        else:
-            self._check_out(out, shapes)
-        meta_np = np.empty((3, len(ids)), dtype=np.int64)
-        meta_np[0], meta_np[1], meta_np[2] = ids, newest, k
-        meta = self._upload(meta_np, "__meta__")
-        frames = []
-        for key in shapes:
-            storage, dst = self._data[key], out[key]
-            if key in self.block_keys:
-                ops.history_pack_blocks(self.backend, storage, meta, n, ab, self.max_len, dst)
+        sizes = {key: math.prod(shape) * self._data[key].element_size()
+                 for key, shape in shapes.items()}
+        what, nbytes = self._needs(shapes, sizes, n, len(ids), out is None)
+        ops.check_fits("n", what, nbytes, self.device)  # refused before any allocation
+        spares = self._spares_before(nbytes)
+        try:
+            if out is None:
+                out = {key: self._fresh(key, shape, self._data[key].dtype, sizes[key])
+                       for key, shape in shapes.items()}
             else:
-                frames.append((storage, dst))
-        ops.history_gather_frames(self.backend, frames, meta, n, ab, self.max_len)
+                self._check_out(out, shapes)
+            meta_np = np.empty((3, len(ids)), dtype=np.int64)
+            meta_np[0], meta_np[1], meta_np[2] = ids, newest, k
+            meta = self._upload(meta_np, "__meta__")
+            frames = []
+            for key in shapes:
+                storage, dst = self._data[key], out[key]
+                if key in self.block_keys:
+                    ops.history_pack_blocks(self.backend, storage, meta, n, ab, self.max_len, dst)
+                else:
+                    frames.append((storage, dst))
+            ops.history_gather_frames(self.backend, frames, meta, n, ab, self.max_len)
+        except BaseException as err:
+            if spares is not None:  # the memory of this call's outputs is not kept
+                self._spare = spares
+            if ops.allocation_failed(err):
+                raise ops.memory_error("n", what, err) from None
+            raise
         return {key: out[key] for key in shapes}
+
+    def _needs(self, shapes: dict, sizes: dict, n: int, rows: int, fresh: bool) -> tuple:
+        """``(what, bytes)`` a checked get of ``shapes`` (outputs of ``sizes`` bytes) needs on the
+        device: its fresh outputs, plus, for the torch twins, their int64 row indices (a few arrays
+        of one index per output row live at once); ``what()`` says so, for a ``MemoryError``."""
+        out = sum(sizes.values()) if fresh else 0
+        idx = 0
+        if self.backend == "torch":
+            frames = any(key not in self.block_keys for key in shapes)
+            blocks = any(key in self.block_keys for key in shapes)
+            idx = 3 * 8 * rows * (n * frames + (n - 1) * self.action_block * blocks)
+
+        def what() -> str:
+            said = f"get(n={n}) needs {out} bytes of output on {self.device}"
+            return said + (f" (and {idx} bytes of row indices: {out + idx} in all)" if idx else "")
+
+        return what, out + idx
+
+    def _spares_before(self, nbytes: int) -> dict | None:
+        """A copy of the large outputs' memory kept for reuse, taken before a call that may add to
+        it (``None`` when the call's outputs are too small to be kept): restored when the call
+        fails, so a failed get keeps none of its memory."""
+        if nbytes < _BIG or self.device.type != "cpu":
+            return None
+        return {key: list(spares) for key, spares in self._spare.items()}
 
     # ------------------------------------------------------------------ get: steady state
 
@@ -526,11 +573,14 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
             return None if plan is None else {}
         if out is None:
             outs = []
+            spares = self._spares_before(sum(p[3] for p in plan)) if len(plan) > 1 else None
             try:
                 for key, shape, dtype, nbytes, *_ in plan:
                     outs.append(self._fresh(key, shape, dtype, nbytes))
-            except (RuntimeError, torch.OutOfMemoryError):  # the checked path names the bytes
-                return None
+            except (RuntimeError, torch.OutOfMemoryError, MemoryError):
+                if spares is not None:  # keeps none of this call's memory
+                    self._spare = spares
+                return None  # the checked path names the bytes
         else:
             outs = self._lockstep_out(out, plan)
             if outs is None:
@@ -607,9 +657,10 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
             plan.append((key, torch.Size(shape), storage.dtype, nbytes, src, indices[block],
                          (rows, D), word, nan, (n - k) if block else 0))
         plan = tuple(plan)
-        self._plan_bytes += sum(t.numel() * 8 for t in indices.values())
-        if self._plan_bytes > _PLAN_BYTES:
-            self._plans, self._plan_bytes = {}, 0
+        nbytes = sum(t.numel() * 8 for t in indices.values())
+        if self._plan_bytes + nbytes > _PLAN_BYTES or len(self._plans) >= _PLAN_ENTRIES:
+            self._plans, self._plan_bytes = {}, 0  # bounded: start over
+        self._plan_bytes += nbytes
         self._plans[(n, h, k, keys)] = plan
         return plan
 
@@ -633,14 +684,24 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         return t
 
     def _wanted(self, keys) -> frozenset | None:
-        """The key names ``keys`` asks for (``None``: all), checked against the stored keys."""
+        """The key names ``keys`` asks for (``None``: all), checked against the stored keys: a bare
+        string (one name or many? ambiguous), a non-iterable, or an entry that is not a ``str`` is a
+        ``TypeError``, a name not stored a ``ValueError``, all naming ``keys``."""
         if keys is None:
             return None
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
             raise TypeError("keys: expected an iterable of key names such as ('pixels',), got "
-                            f"{keys!r}")
-        wanted = frozenset(keys)
-        unknown = sorted(str(k) for k in wanted if k not in self._shapes)
+                            f"{keys!r:.80}")
+        try:
+            names = list(keys)
+        except Exception as err:  # noqa: BLE001 - an iterable that fails while iterated
+            raise TypeError(f"keys: could not iterate {type(keys).__name__} ({err})") from None
+        bad = [k for k in names if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"keys: expected str key names such as ('pixels',), got {bad[0]!r:.80} "
+                            f"({type(bad[0]).__name__})")
+        wanted = frozenset(names)
+        unknown = sorted(k for k in wanted if k not in self._shapes)
         if unknown and self._data:
             raise ValueError(f"keys: {unknown} are not stored; the keys are {list(self._shapes)}")
         return wanted
@@ -659,21 +720,6 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
                 shapes[key] = (rows, n * entry[0], *entry[1:])
         self._shape_cache = ((rows, n), shapes)
         return shapes
-
-    def _new_outputs(self, shapes: dict, n: int) -> dict[str, torch.Tensor]:
-        """Fresh output tensors; a size that cannot be allocated raises ``MemoryError`` naming
-        ``n``."""
-        try:
-            return {k: self._fresh(k, shape, self._data[k].dtype,
-                                   int(np.prod(shape, dtype=object))
-                                   * self._data[k].element_size())
-                    for k, shape in shapes.items()}
-        except (RuntimeError, torch.OutOfMemoryError) as err:
-            nbytes = sum(int(np.prod(s, dtype=object)) * self._data[k].element_size()
-                         for k, s in shapes.items())
-            raise MemoryError(f"n: get(n={n}) needs {nbytes} bytes of output on {self.device}, "
-                              "which cannot be "
-                              f"allocated ({str(err).splitlines()[0]})") from None
 
     def _check_out(self, out: dict, shapes: dict) -> None:
         for key, shape in shapes.items():
