@@ -73,37 +73,44 @@ class GraphSampler:
                    else type(generator).__name__)
             raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, "
                              f"got {got}")
+        # a batch that cannot fit is refused before anything is built
+        what = buffer.check_sample_memory(B, with_next_obs, spec, True)
         buffer.sampler.activate(kind)  # the tree is kept current from now on
         self._guard = buffer.guard  # calls hold the buffer's lock
         self.buffer, self.batch_size, self.generator = buffer, B, generator
         self._tree = buffer.sampler.trees[kind]
         dev = buffer.device
-        self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
-        self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
-        storage = buffer.storage
-        self._plan, self._stacked = None, None
-        if spec is not None:
-            self._stacked = StackedGather(buffer, spec, B, with_next_obs, fixed=True)
-            result = self._stacked.assemble(self._stacked.out, self._stacked.out["plain"])
-        else:
-            jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
-            result, self._work = storage.outputs(B, jobs, dev)
-            result = unflatten(result)
-        # forbid: constant
-        self.out: Transition = buffer.config.with_flags(result, boundaries, dev)
-        # the kernel reads time-major storage
-        if spec is None and buffer.backend == "triton" and storage.dir is None:
-            from gpubuf.kernels import sequence
+        try:  # a failed allocation raises MemoryError naming batch_size
+            self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
+            self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
+            storage = buffer.storage
+            self._plan, self._stacked = None, None
+            if spec is not None:
+                self._stacked = StackedGather(buffer, spec, B, with_next_obs, fixed=True).prepare()
+                result = self._stacked.assemble(self._stacked.out, self._stacked.out["plain"])
+            else:
+                jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
+                result, self._work = storage.outputs(B, jobs, dev)
+                result = unflatten(result)
+            # forbid: constant
+            self.out: Transition = buffer.config.with_flags(result, boundaries, dev)
+            # the kernel reads time-major storage
+            if spec is None and buffer.backend == "triton" and storage.dir is None:
+                from gpubuf.kernels import sequence
 
-            self._plan = sequence.plan(self._work, B, buffer.n_steps, dev)
-        self.prioritized = buffer.sampler.prioritized
-        if self.prioritized:
-            self._mass = torch.empty(B, dtype=torch.float64, device=dev)
-            self._min = torch.empty((), dtype=torch.float64, device=dev)
-            # () float64: the buffer's beta, kept current by the buffer
-            self._beta = buffer.beta_tensor
-            self._neg_beta = torch.empty((), dtype=torch.float64, device=dev)
-            self.out.PER_weights = torch.empty(B, dtype=torch.float32, device=dev)
+                self._plan = sequence.plan(self._work, B, buffer.n_steps, dev)
+            self.prioritized = buffer.sampler.prioritized
+            if self.prioritized:
+                self._mass = torch.empty(B, dtype=torch.float64, device=dev)
+                self._min = torch.empty((), dtype=torch.float64, device=dev)
+                # () float64: the buffer's beta, kept current by the buffer
+                self._beta = buffer.beta_tensor
+                self._neg_beta = torch.empty((), dtype=torch.float64, device=dev)
+                self.out.PER_weights = torch.empty(B, dtype=torch.float32, device=dev)
+        except Exception as err:
+            if ops.allocation_failed(err):
+                raise ops.memory_error("batch_size", what, err) from None
+            raise
 
     @locked
     def set_beta(self, beta: float) -> "GraphSampler":

@@ -26,6 +26,8 @@ Writes are two-phase: every leaf is checked and staged first (where any conversi
 committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -34,6 +36,7 @@ from gpubuf.concurrency import CallGuard, locked
 from gpubuf.copies import CopiedByState
 from gpubuf.inputs import generator_for, host_indices
 from gpubuf.interrupts import signals_held
+from gpubuf.prefix_tree import FANOUT
 from gpubuf.replay_config import BOUNDARIES, ReplayConfig
 from gpubuf.ring import StartRing
 from gpubuf.samplers import UniformSampler
@@ -254,6 +257,11 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         truncation. Raises ``ValueError`` when there is no valid start, or fewer than ``batch_size``
         without replacement.
 
+        Memory: a batch whose outputs and working memory (estimated up front) exceed what the
+        device has in all raises ``MemoryError`` naming ``batch_size`` and the bytes before anything
+        is drawn; an allocation that fails raises the same. A sample that raises leaves the
+        generator (the buffer's or ``key``'s), the priorities and the counts as they were.
+
         ``boundaries``: ``"allow"``, ``"mask"`` or ``"forbid"``, what a window may do at an episode
         end (the module docstring says how). ``out`` may be a :class:`Transition` of preallocated
         tensors of exactly the returned shapes and dtypes on the buffer's device: the windows are
@@ -262,7 +270,8 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         Pixel replay (each frame stored once, in ``observation``; no stored ``next_observation``):
 
         - ``frame_stack=k``: every observation leaf comes back as the stack of its row's last ``k``
-          frames, ``frame_stride`` rows apart, oldest first, ``(B, [n_steps,] k, ...)``
+          frames, ``frame_stride`` rows apart (a ``frame_stride`` other than 1 without
+          ``frame_stack`` is a ``ValueError``), oldest first, ``(B, [n_steps,] k, ...)``
           (``next_observation`` too, with ``with_next_obs``). At an episode start the stack is
           padded with the episode's first frame, and never reaches a frame of the previous
           episode: an episode ends after a ``terminated`` or ``truncated`` row, or, when the
@@ -292,25 +301,78 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         returns = spec is not None and spec.n is not None
         B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
                                          boundaries)
-        plan = None if spec is not None or out is not None else \
-            self.storage.host_plan(B, with_next_obs, self.device)
-        if spec is not None:
-            stacked = StackedGather(self, spec, B, with_next_obs)
-        elif plan is None:
-            jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device,
-                                          self._owned)
-        idx, mass = self.sampler.draw(kind, B, generator_for(key, self.generator), with_replacement)
-        if spec is not None:
-            result = stacked.run(idx)
-        elif plan is not None:  # the steady host path: fresh outputs in their own dtypes
-            result = unflatten(self.gather_host(plan, idx, B, with_next_obs))
-        else:  # the windows, in the storage's layout
-            result = self.storage.gather(idx, jobs, self.device)
-            result = unflatten(result) if out is None else out
-        batch = self.config.with_flags(result, boundaries, self.device)
-        if self.sampler.prioritized:
-            batch.PER_weights = self.sampler.weights(mass)
+        g = generator_for(key, self.generator)
+        what = self.check_sample_memory(B, with_next_obs, spec, with_replacement, out is None)
+        rng = g.get_state()  # a failed sample leaves the generator as it was
+        try:
+            plan = None if spec is not None or out is not None else \
+                self.storage.host_plan(B, with_next_obs, self.device)
+            if spec is not None:
+                stacked = StackedGather(self, spec, B, with_next_obs)
+                stacked.prepare()  # the stacks' outputs, before the draw
+            elif plan is None:
+                jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device,
+                                              self._owned)
+            idx, mass = self.sampler.draw(kind, B, g, with_replacement)
+            if spec is not None:
+                result = stacked.run(idx)
+            elif plan is not None:  # the steady host path: fresh outputs in their own dtypes
+                result = unflatten(self.gather_host(plan, idx, B, with_next_obs))
+            else:  # the windows, in the storage's layout
+                result = self.storage.gather(idx, jobs, self.device)
+                result = unflatten(result) if out is None else out
+            batch = self.config.with_flags(result, boundaries, self.device)
+            if self.sampler.prioritized:
+                batch.PER_weights = self.sampler.weights(mass)
+        except BaseException as err:
+            g.set_state(rng)
+            if ops.allocation_failed(err):
+                raise ops.memory_error("batch_size", what, err) from None
+            raise
         return (batch, idx) if return_indices else batch
+
+    def check_sample_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool,
+                            fresh: bool = True):
+        """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes, for a
+        ``MemoryError``), after checking it fits: ``MemoryError`` naming ``batch_size`` when that
+        is more than the sampling (or storage) device has in all (:func:`gpubuf.ops.capacity`)."""
+        nbytes = self.sample_bytes(B, with_next_obs, spec, with_replacement, fresh)
+        what = lambda: (f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and "
+                        f"working memory on {self.device}")
+        ops.check_fits("batch_size", what, nbytes, self.device)
+        if self.storage.device != self.device:
+            ops.check_fits("batch_size", what, nbytes, self.storage.device)
+        return what
+
+    def sample_bytes(self, B: int, with_next_obs: bool, spec=None, with_replacement: bool = True,
+                     fresh: bool = True, draw: bool = True) -> int:
+        """About how many bytes a sample of ``B`` windows allocates at once: its outputs (``fresh``:
+        not the caller's ``out``), flags, starts and masses, plus the working memory of the draw
+        (``draw``; the torch twin's descent holds ``(B, fanout)`` children, a draw without
+        replacement rounds of ``2 B`` draws) and of the gathers (row indices; stacks' and returns'
+        masks). An estimate, to refuse a sample that cannot fit before it starts."""
+        config, n = self.config, self.config.n_steps
+        row = {leaf.path: math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in config.leaves}
+        obs = sum(row[p] for p in config.paths("observation"))
+        k = 1 if spec is None or spec.k is None else spec.k
+        returns = spec is not None and spec.n is not None
+        per = (n * sum(row.values()) + n * (k - 1) * obs) if fresh else 0  # windows, stacks
+        if fresh and with_next_obs and not config.stores_next_obs and not returns:
+            per += n * k * obs  # next observations
+        if returns:
+            per += k * obs + 26  # bootstrap stacks; return, discount, row, terminated, cut
+        per += 2 * n + 24  # is_first and mask; starts, masses, weights
+        work = 8 * n * 2  # window rows
+        if draw:
+            if self.backend == "torch":
+                work += 2 * FANOUT * 8 + 48  # the twin's descent: children and their sums
+            if not with_replacement:
+                work = 2 * (work + 64)  # rounds of 2 B draws, made unique
+        if spec is not None and self.storage.backend == "torch":
+            reach = (k - 1) * spec.stride
+            stack = reach * 18 + k * 8  # the back-reach masks and frame rows of one stack
+            work += n * stack * (spec.k is not None) + (spec.n * 48 + stack if returns else 0)
+        return B * (per + work)
 
     def gather_host(self, plan: list, idx: torch.Tensor, B: int, with_next_obs: bool) -> dict:
         """The storage's planned host gather; an allocation failure takes the general path, which

@@ -17,6 +17,15 @@ from gpubuf import ops
 from gpubuf.transition import Transition, unflatten
 
 RETURN_FIELDS = ("reward", "terminated", "truncated")  # replaced by the n-step transition's
+# (1,) float64 tensors of the discounts asked for, per (gamma, device): 8 at most, so an annealed
+# gamma keeps none of its past values (a GraphSampler keeps its own)
+_GAMMAS = ops.LRU(8)
+
+
+def gamma_tensor(gamma: float, device: torch.device) -> torch.Tensor:
+    """``(1,)`` float64 tensor of ``gamma`` on ``device`` (cached: :data:`_GAMMAS`)."""
+    return _GAMMAS.get((gamma, device),
+                       lambda: torch.tensor([gamma], dtype=torch.float64, device=device))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +42,13 @@ class StackSpec:
     def build(cls, config, frame_stack, frame_stride, n_step_return) -> "StackSpec | None":
         """The spec of a sample call (``None`` when it asks for neither), or ``ValueError`` naming
         the argument."""
-        if frame_stack is None and n_step_return is None:
-            if frame_stride != 1:
+        if frame_stack is None:  # a stride means nothing without stacks, returns or not
+            if isinstance(frame_stride, bool) or not isinstance(frame_stride, (int, np.integer)) \
+                    or frame_stride != 1:
                 raise ValueError("frame_stride: needs frame_stack, got "
                                  f"frame_stride={frame_stride!r} and frame_stack=None")
-            return None
+            if n_step_return is None:
+                return None
         M = config.max_rows
         k = None if frame_stack is None else _int("frame_stack", frame_stack, 1, M)
         stride = _int("frame_stride", frame_stride, 1, M)
@@ -91,9 +102,11 @@ class StackedGather:
     """The outputs and jobs of one batch of ``B`` flat starts for ``spec``: ``run(starts)`` fills
     and returns them (a :class:`Transition` of tensors on ``device``).
 
-    ``fixed``: the output tensors are allocated once, here, and refilled by every run (a
-    ``GraphSampler``'s, whose storage is on its device); with Triton the copy tables are uploaded
-    once too.
+    ``fixed``: the output tensors are allocated once, by :meth:`prepare`, and refilled by every
+    run (a ``GraphSampler``'s, whose storage is on its device); with Triton the copy tables are
+    uploaded once too. Otherwise :meth:`prepare` allocates the stacks' and returns' outputs of the
+    one run that follows (a sample calls it before drawing, so that a failed allocation draws
+    nothing).
     """
 
     def __init__(self, buffer, spec: StackSpec, B: int, with_next_obs: bool, fixed: bool = False):
@@ -125,10 +138,17 @@ class StackedGather:
             self.reward = storage.flat[reward].view(-1)
             rtype = torch.float64 if by_path[reward].dtype == torch.float64 else torch.float32
             self.return_types = (rtype, rtype, torch.int64, torch.bool, torch.bool)
+            self.gamma = gamma_tensor(spec.gamma, here)  # held: a captured graph reads it
         self.plain = storage.check_out(None, plain, self.device, ())
-        self.out = self._outputs() if fixed else None
-        self.plans = self._plans() if fixed and buffer.backend == "triton" and not self.env_major \
-            else None
+        self.out, self.plans = None, None
+
+    def prepare(self) -> "StackedGather":
+        """Allocate the outputs (and, ``fixed`` with Triton, upload the copy tables); returns
+        ``self``."""
+        self.out = self._outputs()
+        if self.fixed and self.buffer.backend == "triton" and not self.env_major:
+            self.plans = self._plans()
+        return self
 
     def _outputs(self) -> dict:
         """Fresh output tensors: ``{path: tensor}`` on the storage's device (pinned for a CUDA
@@ -164,7 +184,9 @@ class StackedGather:
         buf, config, spec = self.buffer, self.buffer.config, self.spec
         storage, marks = buf.storage, self.marks
         n, k, E, M = config.n_steps, spec.k or 1, config.n_envs, config.max_rows
-        out = self.out if self.fixed else self._outputs()
+        out = self.out if self.out is not None else self._outputs()
+        if not self.fixed:
+            self.out = None  # the next run gets fresh outputs
         here = storage.device
         local = starts.to(here)  # host storage: the starts are read back once
         if self.plans is not None:
@@ -183,7 +205,7 @@ class StackedGather:
         if spec.n is not None:
             returns = out["returns"]
             ops.n_step_return(storage.backend, local, self.reward, marks.marks, marks.held,
-                              returns, marks.gamma(spec.gamma), spec.n, E, M, self.env_major)
+                              returns, self.gamma, spec.n, E, M, self.env_major)
             if self.plans is not None:
                 from gpubuf.kernels import stacks
 
