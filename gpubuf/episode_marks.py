@@ -33,7 +33,6 @@ class EpisodeMarks:
         last = [IS_LAST] if IS_LAST in config.by_path else []
         self._bits = [(p, MARK_TERM) for p in term] + [(p, MARK_STOP) for p in trunc + last]
         self._bits += [(p, MARK_BOUNDARY) for p in (last or term + trunc)]
-        self._gammas: dict[float, torch.Tensor] = {}
         self.rebuild(ring)
 
     def rebuild(self, ring) -> None:
@@ -52,13 +51,6 @@ class EpisodeMarks:
     def set_held(self, ring) -> None:
         self.held[0] = ring.oldest
         self.held[1] = ring.count
-
-    def gamma(self, value: float) -> torch.Tensor:
-        """``(1,)`` float64 tensor of ``value`` on the storage's device (one per value, kept)."""
-        if value not in self._gammas:
-            self._gammas[value] = torch.tensor([value], dtype=torch.float64,
-                                               device=self.storage.device)
-        return self._gammas[value]
 
     def _refresh(self, a: int, b: int) -> None:
         E, data = self.config.n_envs, self.storage.data

@@ -85,11 +85,9 @@ def storage_device_for(device: torch.device, storage_device, storage_dir) -> tor
     """The device the storage lives on: ``device`` unless ``storage_device`` says ``"cpu"`` or a
     ``storage_dir`` is given (memory-mapped files are host memory)."""
     if storage_dir is not None:
-        if storage_device is not None and _named_device("storage_device",
-                                                        storage_device).type != "cpu":
+        if storage_device is not None and str(storage_device) not in ("cpu", "cpu:0"):
             raise ValueError("storage_device: a storage_dir maps files into host memory; expected "
-                             "None or 'cpu', "
-                             f"got {storage_device!r}")
+                             f"None or 'cpu', got {storage_device!r}")
         return torch.device("cpu")
     if storage_device is None:
         return device
