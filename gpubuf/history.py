@@ -155,11 +155,12 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         # byte ranges of the storage: inputs reading them are copied before a write
         self._owned = ()
         self._staging = Staging(self.device)
-        # steady state (torch backend): ``_lock`` = (common head or -1, common count or -1), None
-        # when unknown; ``_sig`` the last accepted all-env append's input signature and the
-        # storage views it writes; ``_plans`` lockstep get plans; ``_spare`` large outputs' memory
+        # steady state (torch backend): ``_lockstep_at`` = (common head or -1, common count or
+        # -1), None when unknown; ``_sig`` the last accepted all-env append's input signature and
+        # the storage views it writes; ``_plans`` lockstep get plans; ``_spare`` large outputs'
+        # memory
         self._fast = self.backend == "torch"  # the Triton kernels keep their own launch paths
-        self._lock = None
+        self._lockstep_at = None
         self._sig = None
         self._slots: dict[int, list] = {}
         self._plans: dict = {}
@@ -212,7 +213,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         overwrite its oldest slots first."""
         ids = self._ids(env_ids)
         self._counts[ids] = 0
-        self._lock = None
+        self._lockstep_at = None
 
     @locked
     def mark(self) -> tuple:
@@ -232,7 +233,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         if not had_keys and self._data:
             self._set_storage({}, {})
         self._heads, self._counts = heads.copy(), counts.copy()
-        self._lock = None
+        self._lockstep_at = None
 
     def _ids(self, env_ids) -> np.ndarray:
         if env_ids is None:
@@ -302,7 +303,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
             ops.history_append(self.backend,
                                [(self._data[key], rows) for key, rows in staged.items()], dst)
             self._heads, self._counts = heads, counts
-            self._lock = None
+            self._lockstep_at = None
         if env_ids is None and self.backend == "torch":
             self._sig = self._signature(info_dict, values)
 
@@ -340,7 +341,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         sig, views = self._sig
         if type(info_dict) is not dict or len(info_dict) != len(sig):
             return False
-        h, c = self._lock or self._lockstep()
+        h, c = self._lockstep_at or self._lockstep()
         if h < 0:
             return False
         srcs = []
@@ -384,16 +385,16 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
                 np.minimum(counts, self.max_len, out=counts)
                 first = counts[0]
                 c = int(first) if (counts == first).all() else -1
-            self._lock = (h, c)
+            self._lockstep_at = (h, c)
         return True
 
     def _lockstep(self) -> tuple[int, int]:
-        """``(head, count)`` shared by every env (-1 where they differ), cached in ``_lock`` until
-        anything but the lockstep paths moves the mirror."""
+        """``(head, count)`` shared by every env (-1 where they differ), cached in ``_lockstep_at``
+        until anything but the lockstep paths moves the mirror."""
         heads, counts = self._heads, self._counts
         h, c = int(heads[0]), int(counts[0])
-        self._lock = (h if (heads == h).all() else -1, c if (counts == c).all() else -1)
-        return self._lock
+        self._lockstep_at = (h if (heads == h).all() else -1, c if (counts == c).all() else -1)
+        return self._lockstep_at
 
     def _check_value(self, key, value, R: int) -> torch.Tensor:
         if not isinstance(key, str):
@@ -429,7 +430,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         self._data, self._shapes = data, shapes
         self._shape_cache = (None, {})
         self._owned = memory_ranges(data.values())
-        self._lock, self._sig, self._slots = None, None, {}
+        self._lockstep_at, self._sig, self._slots = None, None, {}
         self._plans, self._plan_bytes, self._out_ok, self._spare = {}, 0, None, {}
 
     def _plan_append(self, ids: np.ndarray):
@@ -554,7 +555,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         """The steady-state get: every env, heads and counts in lockstep, a plan (source rows per
         key) cached per ``(n, head, frames used, keys)``. ``None`` for anything else (nothing
         written), which then takes the checked path."""
-        h, c = self._lock or self._lockstep()
+        h, c = self._lockstep_at or self._lockstep()
         if h < 0 or c <= 0 or not 0 < n < 2**31 or n * self.n_envs * 8 > _PLAN_BYTES:
             return None  # a plan past the cache's bound: the checked path sizes outputs first
         if keys is not None:
@@ -797,7 +798,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
                     copy_into(t, data[key])
             except BaseException:
                 self._counts[:], self._heads[:] = 0, 0  # the data is half-read: forget every entry
-                self._lock = None
+                self._lockstep_at = None
                 raise
             self._set_storage(storage, shapes)
             self._counts, self._heads = counts, heads

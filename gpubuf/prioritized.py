@@ -104,7 +104,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         Duplicate indices keep their largest value. ``max_priority`` becomes ``max(max_priority,
         new)``. Empty inputs do nothing. Raises (writing nothing) on non-integer or out-of-range
         indices, a length mismatch, NaN/inf results, a priority whose ``**alpha`` mass would
-        overflow, or a closed ``storage_dir`` buffer (its next flush could not keep the change).
+        overflow, or a closed ``storage_dir`` buffer (its next flush could not keep the change);
+        ``RuntimeError`` in a process that did not open its ``storage_dir`` (a fork).
         """
         self.storage.check_open()
         self.sampler.update_priorities(indices, td_errors)

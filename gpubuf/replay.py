@@ -18,6 +18,10 @@ Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose `
 - ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are
   drawn; the batch carries ``is_first`` and ``mask`` too (first step only, and all set).
 
+Both also carry ``has_transition``, False exactly on ``info["is_last"]`` rows: they hold an
+episode's last observation (inside ``mask``, as world models need it) but no transition (the
+action fill, reward 0), so a learner of transitions selects ``mask & has_transition``.
+
 With ``n_steps == 1`` the flags are ``(B,)`` and all set. An ``info["is_last"]`` row (an
 :class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation and no transition)
 never starts a window, and with ``"mask"`` the row after it starts the next episode.
@@ -201,7 +205,9 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
         Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
         shapes and value-preserving dtypes of ``data_sample`` (:func:`gpubuf.inputs.check_cast`);
-        nothing is written on any error. Device ``truncated``/``terminated`` are read back. Host
+        nothing is written on any error (a ``storage_dir`` buffer in a process other than the one
+        that opened it, a fork, raises ``RuntimeError`` naming both pids). Device
+        ``truncated``/``terminated`` are read back. Host
         storage: an insert of numpy arrays with the signature of the last one accepted takes the
         steady-state path (:mod:`gpubuf.steady_insert`)."""
         staged = steady = self._steady.match(transition, self._owned)
@@ -484,7 +490,8 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
     def close(self) -> None:
         """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
         still be sampled, no longer written); closing twice is harmless. ``with
-        TransitionBuffer(...) as buf:`` closes on exit. Without one: nothing to do."""
+        TransitionBuffer(...) as buf:`` closes on exit. Without one, or in a forked child of the
+        process that opened the directory (which keeps its lock): nothing to do."""
         if not self.storage.closed:
             self.flush()
             self.storage.close()
