@@ -137,9 +137,12 @@ def save(buffer, path, chunk: int = CHUNK_BYTES) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.filename is None:  # a write error names no file
+            raise OSError(err.errno, f"checkpoint: cannot write {path!r} ({err.strerror})",
+                          path) from err
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:

@@ -3,10 +3,12 @@
 An actor thread inserting while a learner thread samples and updates priorities is the usual split
 of a training loop. Each buffer (and what composes one: an env source, a graph sampler, the local
 side of a sharded buffer) owns a :class:`CallGuard`; its public methods are :func:`locked`, so a
-call sees the buffer as it was before or after each other call, never between. The lock is
-re-entrant (a method may call another; a signal handler run at the end of a write may call the
-buffer) and public as ``buffer.lock``: hold it to make several calls one step
-(``with buf.lock: batch, idx = buf.sample(); buf.update_priorities(idx, td)``).
+call sees the buffer as it was before or after each other call, never between. The lock is public
+as ``buffer.lock``: hold it to make several calls one step
+(``with buf.lock: batch, idx = buf.sample(); buf.update_priorities(idx, td)``). It is re-entrant
+for the library's own nested calls; a signal handler runs in the middle of whatever the main thread
+is doing, so one that calls a buffer while the main thread is inside a call of it gets a
+``RuntimeError`` (it would otherwise run between that call's steps).
 
 CUDA streams: calls from threads on different streams are ordered on the device as they were on
 the host. A call on a stream other than the previous call's makes its stream wait for everything
@@ -16,14 +18,19 @@ one stream pay nothing for it. A captured CUDA graph replays outside any call: r
 ``buffer.lock`` when other threads use the buffer.
 
 Fork: a process forked while another thread is inside a call would inherit a half-made write and
-a lock nobody releases. Before a fork, the forking thread takes every guard's lock (sources before
-buffers, the order calls nest in), so the child starts between calls; both processes release them
-after the fork.
+a lock nobody releases. Before a fork, the forking thread takes every guard's lock, all at once
+(any lock busy: it lets go of the others and waits for that one, so threads holding several locks
+in any order cannot deadlock it), so the child starts between calls; both processes release them
+after the fork. Should a call of another thread outlast ``FORK_WAIT_S``, the fork goes ahead with a
+warning, and the child gets fresh locks.
 """
 
 import functools
+import inspect
 import os
 import threading
+import time
+import warnings
 import weakref
 
 import torch
@@ -31,18 +38,21 @@ import torch
 # guards by level: 0 = sources (a source's call enters its buffers' calls), 1 = buffers
 _GUARDS: tuple[weakref.WeakSet, weakref.WeakSet] = (weakref.WeakSet(), weakref.WeakSet())
 _HELD_FOR_FORK: list = []
+FORK_WAIT_S = 10.0  # the longest a fork waits for other threads' calls to end (then warns)
 
 
 class CallGuard:
-    """The lock of one object's calls and, on CUDA, the stream its last call ran on.
+    """The lock of one object's calls, how deep the holding thread is in them, and, on CUDA, the
+    stream the last call ran on.
 
     ``level``: 0 for an object whose calls enter other guarded objects' calls (an env source),
     1 for a buffer."""
 
-    __slots__ = ("lock", "device", "cuda", "stream", "__weakref__")
+    __slots__ = ("lock", "depth", "device", "cuda", "stream", "__weakref__")
 
     def __init__(self, device: torch.device, level: int = 1):
         self.lock = threading.RLock()
+        self.depth = 0  # calls of the holding thread in progress (only the holder changes it)
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = None  # the stream of the last call (CUDA only)
@@ -60,36 +70,92 @@ class CallGuard:
         self.stream = stream
 
 
+def _called_by_library() -> bool:
+    """Whether the code calling the current locked call (past torch's wrappers) is gpubuf's."""
+    frame = inspect.currentframe().f_back.f_back  # past this function and the locked call
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith(("torch", "functools", "contextlib")):
+            return name == "gpubuf" or name.startswith("gpubuf.")
+        frame = frame.f_back
+    return False
+
+
 def locked(method):
-    """``method`` run holding its object's ``_guard`` (re-entrant; on CUDA, streams ordered)."""
+    """``method`` run holding its object's ``_guard`` (on CUDA, streams ordered).
+
+    The lock is re-entrant for the library's own nested calls. A call that arrives while the same
+    thread is inside another call of the object from outside the library, which is a signal
+    handler's call landing mid-call, raises ``RuntimeError`` instead of running between the
+    interrupted call's steps."""
+    name = method.__name__
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         guard = self._guard
-        lock = guard.lock
-        lock.acquire()  # (cheaper than ``with``: this runs on every call of a steady-state path)
-        try:
-            if guard.cuda:
-                guard.order_streams()
-            return method(self, *args, **kwargs)
-        finally:
-            lock.release()
+        with guard.lock:
+            depth = guard.depth
+            try:
+                guard.depth = depth + 1
+                if depth and not _called_by_library():
+                    raise RuntimeError(
+                        f"{name}: called while this thread is inside another call of this "
+                        f"{type(self).__name__} (from a signal handler?); a handler may not use a "
+                        "buffer the interrupted code is using: set a flag in the handler and act "
+                        "on it after the call returns")
+                if guard.cuda:
+                    guard.order_streams()
+                return method(self, *args, **kwargs)
+            finally:
+                guard.depth = depth
 
     return call
 
 
+def _take_all(guards: list) -> list:
+    """Every guard's lock, all at once, within ``FORK_WAIT_S``: try each without waiting; on one
+    that is busy, release those taken and wait for that one (so no order of taking can deadlock
+    against a thread holding two). Returns the guards taken (all, or none after the wait)."""
+    deadline = time.monotonic() + FORK_WAIT_S
+    while True:
+        taken = []
+        for guard in guards:
+            if not guard.lock.acquire(blocking=False):
+                break
+            taken.append(guard)
+        else:
+            return taken
+        for held in reversed(taken):
+            held.lock.release()
+        left = deadline - time.monotonic()
+        if left <= 0 or not guard.lock.acquire(timeout=left):
+            return []
+        guard.lock.release()
+
+
 def _before_fork() -> None:
-    for level in _GUARDS:
-        for guard in list(level):
-            guard.lock.acquire()
-            _HELD_FOR_FORK.append(guard)
+    guards = [g for level in _GUARDS for g in list(level)]
+    _HELD_FOR_FORK[:] = _take_all(guards)
+    if guards and not _HELD_FOR_FORK:
+        warnings.warn(f"fork: a gpubuf buffer was still inside a call of another thread after "
+                      f"{FORK_WAIT_S:g} s; the child may see it between two steps of that call "
+                      "(fork between calls, or start children before the threads)", stacklevel=2)
 
 
-def _after_fork() -> None:
+def _after_fork_in_parent() -> None:
     while _HELD_FOR_FORK:
         _HELD_FOR_FORK.pop().lock.release()
 
 
+def _after_fork_in_child() -> None:
+    held = {id(g) for g in _HELD_FOR_FORK}
+    _after_fork_in_parent()
+    for level in _GUARDS:  # a lock another thread held at the fork has no owner here: a fresh one
+        for guard in list(level):
+            if id(guard) not in held:
+                guard.lock, guard.depth = threading.RLock(), 0
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
-                        after_in_child=_after_fork)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)

@@ -8,33 +8,29 @@ arguments, then loaded with its ``state_dict()``. The copy is independent (stora
 caches of its own) and complete (rows, counters, priorities, ``beta``, RNG state); it is made under
 the original's lock, so another thread's call lands wholly before or after it. ``copy.copy`` gives
 such an independent copy too (a shallow one would share storage with half of its bookkeeping).
-Pickling holds a clone of the state until the pickler has written it (twice the buffer's memory for
-that time); ``torch.load`` of a pickled buffer needs ``weights_only=False``, as for any object.
+A pickle holds the state as bytes (``torch.save`` of it, made under the lock), so any pickler
+carries it whole: ``multiprocessing`` (spawn and forkserver arguments and queues, whose tensor
+pickling would otherwise share memory that a temporary owns), Ray, ``torch.save``. Making one
+takes the buffer's size in host memory; ``torch.load`` of a pickled buffer needs
+``weights_only=False``, as for any object.
 
 What cannot be copied this way refuses with ``TypeError`` naming what to use instead: a buffer on
 a ``storage_dir`` (one buffer at a time holds its directory), and objects bound to a live env,
 process group or captured graph.
 """
 
+import io
+
 import torch
 
 
-def rebuild(cls, kwargs: dict, state: dict):
-    """A new ``cls(**kwargs)`` loaded with ``state``: how a pickled buffer comes back."""
-    buffer = cls(**kwargs)
-    buffer.load_state_dict(state)
+def rebuild(cls, blob: bytes):
+    """The buffer a pickle holds: ``blob`` is ``torch.save`` of its constructor arguments and
+    state."""
+    saved = torch.load(io.BytesIO(blob), weights_only=False)  # the library's own bytes
+    buffer = cls(**saved["args"])
+    buffer.load_state_dict(saved["state"])
     return buffer
-
-
-def _cloned(value):
-    """``value`` with every tensor inside (dicts, lists, tuples) cloned."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(v) for v in value)
-    return value
 
 
 class CopiedByState:
@@ -67,7 +63,9 @@ class CopiedByState:
     def __reduce__(self):
         with self.lock:
             self._check_copyable()
-            return rebuild, (type(self), self.copy_args(), _cloned(self.state_dict()))
+            blob = io.BytesIO()
+            torch.save({"args": self.copy_args(), "state": self.state_dict()}, blob)
+        return rebuild, (type(self), blob.getvalue())
 
 
 def refuse_copies(why: str):

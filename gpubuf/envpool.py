@@ -244,8 +244,8 @@ def check_action_fill(value, dtype) -> tuple:
 
     ``None``: :func:`action_fill` stored and NaN echoed (the defaults). A value is stored as the
     action of every row whose action the env ignored and echoed (as float32) in the history; it
-    must fit ``dtype`` exactly (an integer within the range of an integer dtype, 0/1 for bool, any
-    real number within the range of a float dtype, NaN and inf included) and the float32 echo
+    must fit ``dtype`` exactly (an integer within the range of an integer dtype, 0/1 for bool, a
+    real number a float dtype holds without rounding, NaN and inf included) and the float32 echo
     (integers up to ``2**24`` in magnitude), else ``ValueError`` naming ``action_fill``; a value
     that is not a real number is a ``TypeError``."""
     dtype = np.dtype(dtype)
@@ -258,6 +258,8 @@ def check_action_fill(value, dtype) -> tuple:
     if dtype.kind == "f":
         if np.isfinite(v) and abs(v) > float(np.finfo(dtype).max):
             why = f"a {dtype} action cannot hold it"
+        elif np.isfinite(v) and float(dtype.type(v)) != v:
+            why = f"a {dtype} action holds it only rounded (to {float(dtype.type(v))!r})"
     elif not np.isfinite(v) or v != int(v):
         why = f"{dtype} actions are integers"
     else:

@@ -77,10 +77,26 @@ def signals_held():
         yield
     finally:
         raised = put_back(swapped)
-        for signum in pending:  # delivered again: Python runs the original handler at once
-            try:
-                signal.raise_signal(signum)
-            except BaseException as err:  # noqa: B036 - re-raised below, after the others ran
-                raised.append(err)
+        if pending:
+            raised += _deliver(pending)
         if raised:
             raise raised[0]
+
+
+def _deliver(pending: list) -> list:
+    """Raise each held signal again (Python runs its original handler at once); returns what the
+    handlers raised. A wakeup fd (``signal.set_wakeup_fd``: asyncio's signal handlers) got its
+    byte when the signal arrived, so it is switched off meanwhile: an event loop wakes once per
+    signal."""
+    raised = []
+    fd = signal.set_wakeup_fd(-1)
+    try:
+        for signum in pending:
+            try:
+                signal.raise_signal(signum)
+            except BaseException as err:  # noqa: B036 - re-raised by the caller, after the others
+                raised.append(err)
+    finally:
+        if fd != -1:
+            signal.set_wakeup_fd(fd)
+    return raised

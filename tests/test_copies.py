@@ -157,3 +157,64 @@ def test_a_fork_during_another_threads_writes_gets_a_whole_buffer():
     finally:
         stop.set()
         t.join(10)
+
+
+def _report(buffer, queue) -> None:
+    """In a spawned child: what the buffer it was handed holds and samples."""
+    queue.put((len(buffer), buffer.sample(key=5).reward.tolist()))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_buffer_as_the_argument_of_a_spawned_process(method):
+    """multiprocessing pickles a Process's arguments with its tensor sharing; the buffer's pickle
+    carries its state as bytes, so the child gets it whole."""
+    import multiprocessing
+
+    buf = TransitionBuffer(12 * E, 4, rows(1, 0), device="cpu", seed=3)
+    buf.insert(rows(6, 0))
+    ctx = multiprocessing.get_context(method)
+    queue = ctx.Queue()
+    child = ctx.Process(target=_report, args=(buf, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=180)
+    finally:
+        child.join(60)
+    assert child.exitcode == 0
+    assert got == (len(buf), buf.sample(key=5).reward.tolist())
+
+
+def test_a_checkpoint_past_the_file_size_limit_names_its_path(tmp_path):
+    """save() under RLIMIT_FSIZE (SIGXFSZ ignored, so the write fails with EFBIG): an OSError naming
+    the checkpoint, no partial file left, the previous checkpoint intact."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json, os, resource, signal, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_copies import rows
+from gpubuf import TransitionBuffer
+buf = TransitionBuffer(256 * 3, 4, rows(1, 0), device="cpu")
+buf.insert(rows(200, 0))
+path = {str(tmp_path / "ck")!r}
+TransitionBuffer(8 * 3, 4, rows(1, 0), device="cpu").save(path)  # a small previous checkpoint
+size = os.path.getsize(path)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    buf.save(path)
+    out = {{"saved": True}}
+except OSError as err:
+    out = {{"errno": err.errno, "message": str(err), "filename": err.filename}}
+out["left"] = sorted(os.listdir({str(tmp_path)!r}))
+out["same_size"] = os.path.getsize(path) == size
+print(json.dumps(out))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["errno"] == 27 and out["filename"] == str(tmp_path / "ck"), out
+    assert f"checkpoint: cannot write '{tmp_path / 'ck'}' (File too large)" in out["message"]
+    assert out["left"] == ["ck"] and out["same_size"]

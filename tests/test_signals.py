@@ -155,3 +155,39 @@ def test_held_signals_are_delivered_exactly_once(user_handlers):
     assert not errors, errors[0]
     assert counts["SIGUSR1"] == sent[0] == 300
     assert_handlers_back(handlers)
+
+
+def test_an_event_loops_signal_handler_runs_once_per_signal():
+    """asyncio's signal handlers read a wakeup fd that each signal writes once when it arrives; a
+    signal held during a write is not written there again when it is delivered."""
+    import asyncio
+
+    buf = TransitionBuffer(256 * E, 4, rows(1, 0), device="cpu", seed=0)
+    calls, sent = [0], 200
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, lambda: calls.__setitem__(0, calls[0] + 1))
+        try:
+            def sender():
+                for _ in range(sent):
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                    time.sleep(0.004)
+
+            t = threading.Thread(target=sender)
+            t.start()
+            block = rows(250, 0)
+            while t.is_alive():
+                buf.insert(block)  # long writes: most signals arrive while one is held
+                await asyncio.sleep(0)
+            t.join()
+            await asyncio.sleep(0.2)
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+
+    old = signal.getsignal(signal.SIGUSR1)
+    try:
+        asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert calls[0] <= sent and calls[0] >= sent * 0.9, calls  # the OS may merge a few, never add

@@ -7,6 +7,7 @@ interpreter switching threads every few microseconds so that calls interleave fi
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -258,3 +259,76 @@ def test_two_threads_on_two_streams_are_ordered():
                 check_windows(b.to("cpu"), idx.cpu(), 3)
 
     run_workers(actor, learner)
+
+
+def test_a_signal_handler_that_writes_mid_call_is_refused():
+    """A timer's handler inserting while the main thread samples (the handler runs between two
+    bytecodes of the sample, on the same thread): the insert raises RuntimeError, every sample is
+    whole, and the same handler between calls inserts."""
+    import signal
+
+    stream = Stream(9)
+    buf = TransitionBuffer(64 * E, 16, stream.rows(1), n_steps=3, device="cpu", seed=1)
+    stream.step = 0
+    buf.insert(stream.rows(12))
+    refused, landed = [], [0]
+
+    def handler(signum, frame):
+        try:
+            buf.insert(stream.rows(1))
+            landed[0] += 1
+        except RuntimeError as err:
+            stream.step -= 1  # that row was not written: the next one takes its step
+            refused.append(str(err))
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+    try:
+        for _ in range(1500):
+            batch, idx = buf.sample(with_next_obs=True, boundaries="mask", return_indices=True)
+            check_windows(batch, idx, 3)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert refused and "insert: called while this thread is inside another call" in refused[0]
+    before = len(buf)
+    handler(signal.SIGALRM, None)  # between calls: it lands
+    assert len(buf) == min(before + E, 64 * E)
+
+
+def test_a_fork_never_waits_forever_on_nested_locks():
+    """A thread holding one buffer's lock while it waits for another's (a grouped step, a source
+    stepped under its replay's lock) while other threads fork: every fork goes through."""
+    import os
+
+    from gpubuf import EnvPoolSource
+
+    envpool = pytest.importorskip("envpool")
+    stream = Stream(4)
+    replay = TransitionBuffer(32 * E, 4, stream.rows(1), device="cpu")
+    hist = HistoryBuffer(E, 8, device="cpu")
+    src = EnvPoolSource(envpool.make("CartPole-v1", env_type="gymnasium", num_envs=2), device="cpu",
+                        history=HistoryBuffer(2, 4, device="cpu"))
+    src.reset()
+    forks = []
+
+    def nester(stop):
+        while not stop.is_set():
+            with replay.lock:
+                with hist.lock:
+                    hist.append({"a": np.zeros((E, 1), np.float32)})
+            with replay.lock:
+                src.step(np.zeros(2, np.int64))
+
+    def forker(stop):
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            forks.append(pid)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the fork's "still inside a call" warning
+        run_workers(nester, forker, timeout=60)
+    assert len(forks) == 20

@@ -208,6 +208,8 @@ def test_the_default_fill_is_action_fill_stored_and_nan_echoed(device):
     ("Pendulum-v1", 1e39, ValueError, r"action_fill: 1e\+39 does not fit the actions \(a float32 action cannot "
                                       r"hold it\)"),
     ("Pendulum-v1", 1j, TypeError, r"action_fill: expected a real number, got 1j"),
+    ("Pendulum-v1", 10**20, ValueError, r"action_fill: 100000000000000000000 does not fit the actions \(a "
+                                        r"float32 action holds it only rounded \(to 1.0000000200408773e\+20\)\)"),
 ])
 def test_a_fill_the_actions_cannot_hold_is_rejected_before_anything_is_written(device, task, fill, exc, message):
     E = 2
