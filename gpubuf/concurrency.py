@@ -58,6 +58,17 @@ class CallGuard:
         self.stream = None  # the stream of the last call (CUDA only)
         _GUARDS[level].add(self)
 
+    def check_nested(self, name: str, owner) -> None:
+        """Raise unless a call arriving while the holding thread is inside another call of
+        ``owner`` comes from the library itself (a signal handler's call landing mid-call does
+        not)."""
+        if not _called_by_library(3):
+            raise RuntimeError(
+                f"{name}: called while this thread is inside another call of this "
+                f"{type(owner).__name__} (from a signal handler?); a handler may not use a buffer "
+                "the interrupted code is using: set a flag in the handler and act on it after the "
+                "call returns")
+
     def order_streams(self) -> None:
         """Make the current stream wait for the last call's stream when they differ (not while a
         CUDA graph is captured: a graph's order is its capture's)."""
@@ -70,9 +81,11 @@ class CallGuard:
         self.stream = stream
 
 
-def _called_by_library() -> bool:
-    """Whether the code calling the current locked call (past torch's wrappers) is gpubuf's."""
-    frame = inspect.currentframe().f_back.f_back  # past this function and the locked call
+def _called_by_library(up: int) -> bool:
+    """Whether the code ``up`` frames above this function (past torch's wrappers) is gpubuf's."""
+    frame = inspect.currentframe()
+    for _ in range(up):
+        frame = frame.f_back
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if not name.startswith(("torch", "functools", "contextlib")):
@@ -82,7 +95,9 @@ def _called_by_library() -> bool:
 
 
 def locked(method):
-    """``method`` run holding its object's ``_guard`` (on CUDA, streams ordered).
+    """``method`` run holding its object's ``_guard`` (on CUDA, streams ordered). The steady-state
+    paths (``append``, ``get``, ``insert``, ``sample``, ``update_priorities``) take the guard the
+    same way inline, one call frame cheaper.
 
     The lock is re-entrant for the library's own nested calls. A call that arrives while the same
     thread is inside another call of the object from outside the library, which is a signal
@@ -97,12 +112,8 @@ def locked(method):
             depth = guard.depth
             try:
                 guard.depth = depth + 1
-                if depth and not _called_by_library():
-                    raise RuntimeError(
-                        f"{name}: called while this thread is inside another call of this "
-                        f"{type(self).__name__} (from a signal handler?); a handler may not use a "
-                        "buffer the interrupted code is using: set a flag in the handler and act "
-                        "on it after the call returns")
+                if depth:
+                    guard.check_nested(name, self)
                 if guard.cuda:
                     guard.order_streams()
                 return method(self, *args, **kwargs)

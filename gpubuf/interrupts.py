@@ -13,7 +13,6 @@ handlers are restored). :func:`put_back` therefore retries until every handler i
 what such handlers raised for after the restore; the write was complete by then.
 """
 
-import contextlib
 import signal
 import threading
 
@@ -36,7 +35,12 @@ def put_back(handlers: dict) -> list:
     Every handler is installed however often a pending signal's handler raises on the way: an
     interrupted ``signal.signal`` is simply called again (installing a handler twice is harmless).
     """
-    raised: list = []
+    try:  # the common case: nothing pending meanwhile
+        for signum, handler in handlers.items():
+            _raw.signal(signum, handler)
+        return []
+    except BaseException as err:  # noqa: B036 - kept, raised once every handler is back
+        raised = [err]
     todo = list(handlers)
     while todo:
         try:
@@ -48,8 +52,7 @@ def put_back(handlers: dict) -> list:
     return raised
 
 
-@contextlib.contextmanager
-def signals_held():
+class signals_held:  # noqa: N801 - used as a function: ``with signals_held():``
     """Delay the Python handlers of Ctrl-C, termination, timer and user signals until the block
     exits; on exit every handler the caller had is back, each signal recorded meanwhile is
     delivered once, and the first exception a handler raised propagates.
@@ -57,28 +60,40 @@ def signals_held():
     Only the main thread runs Python signal handlers, so elsewhere this does nothing (nothing can
     interrupt). Signals left to the OS's default action (``SIG_DFL``) are not Python handlers: they
     still end the process at once, as they would anyway. Nesting is fine: an inner block records
-    into the outer one's recorder."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: h for s in HELD if callable(h := _raw.getsignal(s))}
-    pending: list[int] = []
+    into the outer one's recorder. (A class rather than a generator: it runs on every write.)"""
 
-    def record(signum, frame):
-        if signum not in pending:
-            pending.append(signum)
+    __slots__ = ("pending", "swapped")
 
-    swapped: dict = {}
-    try:
-        # a signal arriving half-way through this loop still finds its handler restored below
-        for s, h in saved.items():
-            swapped[s] = h  # listed first: restoring a handler that was not swapped yet is harmless
-            _raw.signal(s, record)
-        yield
-    finally:
-        raised = put_back(swapped)
-        if pending:
-            raised += _deliver(pending)
+    def _record(self, signum, frame) -> None:
+        if signum not in self.pending:
+            self.pending.append(signum)
+
+    def __enter__(self):
+        self.pending, self.swapped = [], {}
+        if threading.get_ident() != threading.main_thread().ident:
+            return self
+        record, swapped = self._record, self.swapped
+        try:
+            for s in HELD:
+                h = _raw.getsignal(s)
+                if callable(h):
+                    swapped[s] = h  # listed first: restoring one not swapped yet is harmless
+                    _raw.signal(s, record)
+        except BaseException:  # a pending signal's handler raised on the way: nothing held
+            put_back(swapped)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        swapped = self.swapped
+        try:  # put_back's common case, inline
+            for signum, handler in swapped.items():
+                _raw.signal(signum, handler)
+            raised = []
+        except BaseException as err:  # noqa: B036 - raised once every handler is back
+            raised = [err, *put_back(swapped)]
+        if self.pending:
+            raised += _deliver(self.pending)
         if raised:
             raise raised[0]
 

@@ -76,8 +76,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return self.sampler.max_priority
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
-    @torch.compiler.disable
-    @locked
+    @torch.compiler.disable  # (the lock is the one TransitionBuffer.sample takes)
     def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow", *,
                out: Transition | None = None, frame_stack: int | None = None,
@@ -97,7 +96,6 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
-    @locked
     def update_priorities(self, indices, td_errors):
         """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
 
@@ -107,6 +105,20 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         overflow, or a closed ``storage_dir`` buffer (its next flush could not keep the change);
         ``RuntimeError`` in a process that did not open its ``storage_dir`` (a fork).
         """
+        guard = self._guard
+        with guard.lock:  # @locked, inline: one call frame less on a steady-state path
+            depth = guard.depth
+            try:
+                guard.depth = depth + 1
+                if depth:
+                    guard.check_nested("update_priorities", self)
+                if guard.cuda:
+                    guard.order_streams()
+                return self._update_priorities(indices, td_errors)
+            finally:
+                guard.depth = depth
+
+    def _update_priorities(self, indices, td_errors):
         self.storage.check_open()
         self.sampler.update_priorities(indices, td_errors)
         return self

@@ -113,6 +113,9 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
             self.sampler = self._make_sampler()
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             self._marks = None  # EpisodeMarks, built by the first sample that needs them
+            # sample sizes checked to fit (a call that fits is not estimated again)
+            self._fits = ops.LRU(8)
+            self._last_fit = (None, None)  # (key, what) of the last check
             self._steady = SteadyInsert(config, self.storage)
             # a host generator draws: one seed, the same starts on every device
             self.generator = torch.Generator()
@@ -200,7 +203,6 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
-    @locked
     def insert(self, transition: Transition):
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
         Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
@@ -210,6 +212,20 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         ``truncated``/``terminated`` are read back. Host
         storage: an insert of numpy arrays with the signature of the last one accepted takes the
         steady-state path (:mod:`gpubuf.steady_insert`)."""
+        guard = self._guard
+        with guard.lock:  # @locked, inline: one call frame less on a steady-state path
+            depth = guard.depth
+            try:
+                guard.depth = depth + 1
+                if depth:
+                    guard.check_nested("insert", self)
+                if guard.cuda:
+                    guard.order_streams()
+                return self._insert(transition)
+            finally:
+                guard.depth = depth
+
+    def _insert(self, transition: Transition):
         staged = steady = self._steady.match(transition, self._owned)
         if steady is not None:  # the last accepted signature: numpy arrays of the stored layout
             self.storage.check_open()
@@ -235,17 +251,16 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
             self._steady.learn(transition, given)
         return self
 
-    @locked
     def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
                           boundaries: str = "allow") -> tuple[int, int]:
-        """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises."""
+        """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises (a
+        check the sampling calls run under :attr:`lock`; it takes none itself)."""
         B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs, boundaries)
         self.sampler.check_draw(kind, B, with_replacement)
         return B, kind
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
-    @locked
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow", *,
                out: Transition | None = None, return_indices: bool = False,
@@ -293,11 +308,29 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
           from, ``truncated`` True where fewer than ``n`` rewards were taken without a
           termination: at a truncation (or an ``info["is_last"]`` row) the return stops before
           that row and bootstraps from its observation (a row both terminated and truncated is a
-          termination); at the newest row held it stops there. Other leaves (``action``,
+          termination); likewise it stops before the newest row held, whose reward is not taken
+          while its next observation is not stored, and bootstraps from that row's observation.
+          Other leaves (``action``,
           ``info``) are the start row's. Starts are drawn as with ``with_next_obs=True`` (never a
           truncated row). Needs a ``terminated`` leaf. ``out`` is not offered with either
           argument.
         """
+        guard = self._guard
+        with guard.lock:  # @locked, inline: one call frame less on a steady-state path
+            depth = guard.depth
+            try:
+                guard.depth = depth + 1
+                if depth:
+                    guard.check_nested("sample", self)
+                if guard.cuda:
+                    guard.order_streams()
+                return self._sample(key, with_replacement, batch_size, with_next_obs, boundaries,
+                                    out, return_indices, frame_stack, frame_stride, n_step_return)
+            finally:
+                guard.depth = depth
+
+    def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
+                return_indices, frame_stack, frame_stride, n_step_return):
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
         spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
@@ -342,6 +375,16 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes, for a
         ``MemoryError``), after checking it fits: ``MemoryError`` naming ``batch_size`` when that
         is more than the sampling (or storage) device has in all (:func:`gpubuf.ops.capacity`)."""
+        key = (B, with_next_obs, spec, with_replacement, fresh)
+        last = self._last_fit  # a steady loop asks the same each step: one compare
+        if last[0] == key:
+            return last[1]
+        what = self._fits.get(key, self._check_fits, B, with_next_obs, spec, with_replacement,
+                              fresh)
+        self._last_fit = (key, what)
+        return what
+
+    def _check_fits(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool):
         nbytes = self.sample_bytes(B, with_next_obs, spec, with_replacement, fresh)
         what = lambda: (f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and "
                         f"working memory on {self.device}")
