@@ -94,33 +94,58 @@ def _called_by_library(up: int) -> bool:
     return False
 
 
+# the wrapper :func:`locked` writes for each method: the method's own parameters, forwarded as
+# they are (no ``*args``/``**kwargs`` packing: the wrapper runs on every steady-state call)
+_WRAPPER = """
+def {name}({params}):
+    guard = self._guard
+    with guard.lock:
+        depth = guard.depth
+        try:
+            guard.depth = depth + 1
+            if depth:
+                guard.check_nested({name!r}, self)
+            if guard.cuda:
+                guard.order_streams()
+            return method({args})
+        finally:
+            guard.depth = depth
+"""
+
+
 def locked(method):
-    """``method`` run holding its object's ``_guard`` (on CUDA, streams ordered). The steady-state
-    paths (``append``, ``get``, ``insert``, ``sample``, ``update_priorities``) take the guard the
-    same way inline, one call frame cheaper.
+    """``method`` run holding its object's ``_guard`` (on CUDA, streams ordered), through a
+    wrapper with the method's own signature.
 
     The lock is re-entrant for the library's own nested calls. A call that arrives while the same
     thread is inside another call of the object from outside the library, which is a signal
     handler's call landing mid-call, raises ``RuntimeError`` instead of running between the
     interrupted call's steps."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        guard = self._guard
-        with guard.lock:
-            depth = guard.depth
-            try:
-                guard.depth = depth + 1
-                if depth:
-                    guard.check_nested(name, self)
-                if guard.cuda:
-                    guard.order_streams()
-                return method(self, *args, **kwargs)
-            finally:
-                guard.depth = depth
-
-    return call
+    params, args, defaults = [], [], {}
+    star = False
+    for i, p in enumerate(inspect.signature(method).parameters.values()):
+        if p.kind is p.VAR_POSITIONAL:
+            params.append(f"*{p.name}")
+            args.append(f"*{p.name}")
+            star = True
+            continue
+        if p.kind is p.VAR_KEYWORD:
+            params.append(f"**{p.name}")
+            args.append(f"**{p.name}")
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            params.append("*")
+            star = True
+        text = p.name
+        if p.default is not p.empty:
+            defaults[f"_default{i}"] = p.default
+            text += f"=_default{i}"
+        params.append(text)
+        args.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
+    scope = {"method": method, **defaults}
+    exec(_WRAPPER.format(name=method.__name__, params=", ".join(params), args=", ".join(args)),
+         scope)
+    return functools.wraps(method)(scope[method.__name__])
 
 
 def _take_all(guards: list) -> list:

@@ -247,6 +247,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def append(self, info_dict: Mapping, env_ids=None) -> None:
         """Append one entry per selected env: values ``(R, T, ...)`` or ``(R,)``,
         ``R = len(env_ids)``.
@@ -256,20 +257,6 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         (a new key from a Python float takes torch's default float dtype, as ``torch.tensor(1.5)``
         does). Every check runs before any write.
         """
-        guard = self._guard
-        with guard.lock:  # @locked, inline: one call frame less on a steady-state path
-            depth = guard.depth
-            try:
-                guard.depth = depth + 1
-                if depth:
-                    guard.check_nested("append", self)
-                if guard.cuda:
-                    guard.order_streams()
-                return self._append(info_dict, env_ids)
-            finally:
-                guard.depth = depth
-
-    def _append(self, info_dict: Mapping, env_ids) -> None:
         if env_ids is None and self._sig is not None and self._append_lockstep(info_dict):
             return
         if not isinstance(info_dict, Mapping) or not info_dict:
@@ -471,6 +458,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def get(self, n: int, env_ids=None, out: dict | None = None,
             keys=None) -> dict[str, torch.Tensor] | None:
         """The last ``n`` strided entries per selected env, oldest first; ``None`` if one is empty.
@@ -487,20 +475,6 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         has in all raises ``MemoryError`` naming ``n`` and the bytes before allocating anything; an
         allocation that fails raises the same, and the buffer keeps none of that call's memory.
         """
-        guard = self._guard
-        with guard.lock:  # @locked, inline: one call frame less on a steady-state path
-            depth = guard.depth
-            try:
-                guard.depth = depth + 1
-                if depth:
-                    guard.check_nested("get", self)
-                if guard.cuda:
-                    guard.order_streams()
-                return self._get(n, env_ids, out, keys)
-            finally:
-                guard.depth = depth
-
-    def _get(self, n: int, env_ids, out, keys):
         if env_ids is None and type(n) is int and self._fast:
             got = self._get_lockstep(n, out, keys)
             if got is not None:

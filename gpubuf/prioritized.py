@@ -96,6 +96,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def update_priorities(self, indices, td_errors):
         """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
 
@@ -105,20 +106,6 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         overflow, or a closed ``storage_dir`` buffer (its next flush could not keep the change);
         ``RuntimeError`` in a process that did not open its ``storage_dir`` (a fork).
         """
-        guard = self._guard
-        with guard.lock:  # @locked, inline: one call frame less on a steady-state path
-            depth = guard.depth
-            try:
-                guard.depth = depth + 1
-                if depth:
-                    guard.check_nested("update_priorities", self)
-                if guard.cuda:
-                    guard.order_streams()
-                return self._update_priorities(indices, td_errors)
-            finally:
-                guard.depth = depth
-
-    def _update_priorities(self, indices, td_errors):
         self.storage.check_open()
         self.sampler.update_priorities(indices, td_errors)
         return self

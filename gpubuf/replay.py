@@ -203,6 +203,7 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def insert(self, transition: Transition):
         """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
         Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
@@ -212,20 +213,6 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         ``truncated``/``terminated`` are read back. Host
         storage: an insert of numpy arrays with the signature of the last one accepted takes the
         steady-state path (:mod:`gpubuf.steady_insert`)."""
-        guard = self._guard
-        with guard.lock:  # @locked, inline: one call frame less on a steady-state path
-            depth = guard.depth
-            try:
-                guard.depth = depth + 1
-                if depth:
-                    guard.check_nested("insert", self)
-                if guard.cuda:
-                    guard.order_streams()
-                return self._insert(transition)
-            finally:
-                guard.depth = depth
-
-    def _insert(self, transition: Transition):
         staged = steady = self._steady.match(transition, self._owned)
         if steady is not None:  # the last accepted signature: numpy arrays of the stored layout
             self.storage.check_open()
@@ -261,6 +248,7 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
+    @locked
     def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow", *,
                out: Transition | None = None, return_indices: bool = False,
@@ -315,22 +303,6 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
           truncated row). Needs a ``terminated`` leaf. ``out`` is not offered with either
           argument.
         """
-        guard = self._guard
-        with guard.lock:  # @locked, inline: one call frame less on a steady-state path
-            depth = guard.depth
-            try:
-                guard.depth = depth + 1
-                if depth:
-                    guard.check_nested("sample", self)
-                if guard.cuda:
-                    guard.order_streams()
-                return self._sample(key, with_replacement, batch_size, with_next_obs, boundaries,
-                                    out, return_indices, frame_stack, frame_stride, n_step_return)
-            finally:
-                guard.depth = depth
-
-    def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
-                return_indices, frame_stack, frame_stride, n_step_return):
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
         spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
