@@ -314,7 +314,8 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
                                          boundaries)
         g = generator_for(key, self.generator)
         what = self.check_sample_memory(B, with_next_obs, spec, with_replacement, out is None)
-        rng = g.get_state()  # a failed sample leaves the generator as it was
+        # a failed sample leaves the generator as it was (an int key's is new for this call)
+        rng = g.get_state() if key is None or isinstance(key, torch.Generator) else None
         try:
             plan = None if spec is not None or out is not None else \
                 self.storage.host_plan(B, with_next_obs, self.device)
@@ -336,7 +337,8 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
             if self.sampler.prioritized:
                 batch.PER_weights = self.sampler.weights(mass)
         except BaseException as err:
-            g.set_state(rng)
+            if rng is not None:
+                g.set_state(rng)
             if ops.allocation_failed(err):
                 raise ops.memory_error("batch_size", what, err) from None
             raise
