@@ -35,28 +35,24 @@ import weakref
 
 import torch
 
-# guards by level: 0 = sources (a source's call enters its buffers' calls), 1 = buffers
-_GUARDS: tuple[weakref.WeakSet, weakref.WeakSet] = (weakref.WeakSet(), weakref.WeakSet())
+_GUARDS: weakref.WeakSet = weakref.WeakSet()  # every live guard, for the fork hooks
 _HELD_FOR_FORK: list = []
 FORK_WAIT_S = 10.0  # the longest a fork waits for other threads' calls to end (then warns)
 
 
 class CallGuard:
     """The lock of one object's calls, how deep the holding thread is in them, and, on CUDA, the
-    stream the last call ran on.
-
-    ``level``: 0 for an object whose calls enter other guarded objects' calls (an env source),
-    1 for a buffer."""
+    stream the last call ran on."""
 
     __slots__ = ("lock", "depth", "device", "cuda", "stream", "__weakref__")
 
-    def __init__(self, device: torch.device, level: int = 1):
+    def __init__(self, device: torch.device):
         self.lock = threading.RLock()
         self.depth = 0  # calls of the holding thread in progress (only the holder changes it)
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = None  # the stream of the last call (CUDA only)
-        _GUARDS[level].add(self)
+        _GUARDS.add(self)
 
     def check_nested(self, name: str, owner) -> None:
         """Raise unless a call arriving while the holding thread is inside another call of
@@ -170,7 +166,7 @@ def _take_all(guards: list) -> list:
 
 
 def _before_fork() -> None:
-    guards = [g for level in _GUARDS for g in list(level)]
+    guards = list(_GUARDS)
     _HELD_FOR_FORK[:] = _take_all(guards)
     if guards and not _HELD_FOR_FORK:
         warnings.warn(f"fork: a gpubuf buffer was still inside a call of another thread after "
@@ -186,10 +182,9 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     held = {id(g) for g in _HELD_FOR_FORK}
     _after_fork_in_parent()
-    for level in _GUARDS:  # a lock another thread held at the fork has no owner here: a fresh one
-        for guard in list(level):
-            if id(guard) not in held:
-                guard.lock, guard.depth = threading.RLock(), 0
+    for guard in list(_GUARDS):  # a lock another thread held at the fork has no owner here
+        if id(guard) not in held:
+            guard.lock, guard.depth = threading.RLock(), 0
 
 
 if hasattr(os, "register_at_fork"):

@@ -376,8 +376,7 @@ class EnvPoolSource:
         self.action_fill, echo = check_action_fill(action_fill, self.action_dtype)
         self.stager = StepStager(self.n_envs, obs_key, device=device, action_fill=echo)
         self.device = self.stager.device
-        # one call at a time (threads); a call enters its buffers' calls, hence level 0
-        self._guard = CallGuard(self.device, level=0)
+        self._guard = CallGuard(self.device)  # one call at a time (threads)
         self._staging = Staging(self.device)
         # Discrete spaces: actions lie in [0, n)
         self.n_actions = getattr(env.action_space, "n", None)
