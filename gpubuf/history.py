@@ -152,6 +152,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         self._shapes: dict[str, tuple] = {}
         self._data: dict[str, torch.Tensor] = {}  # key -> (max_len * n_envs, D)
         self._shape_cache: tuple = (None, {})  # ((rows, n), output shapes) of the last get
+        self._sized_at: tuple = (None, None)  # (key, answer) of the last checked get's sizes
         # byte ranges of the storage: inputs reading them are copied before a write
         self._owned = ()
         self._staging = Staging(self.device)
@@ -429,6 +430,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
     def _set_storage(self, data: dict, shapes: dict) -> None:
         self._data, self._shapes = data, shapes
         self._shape_cache = (None, {})
+        self._sized_at = (None, None)
         self._owned = memory_ranges(data.values())
         self._lockstep_at, self._sig, self._slots = None, None, {}
         self._plans, self._plan_bytes, self._out_ok, self._spare = {}, 0, None, {}
@@ -491,13 +493,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         L = self._counts[ids]
         k = np.minimum(n, (L - 1) // ab + 1)
         newest = (self._heads[ids] - 1) % self.max_len
-        shapes = self._output_shapes(len(ids), n)  # cached per (rows, n)
-        if wanted is not None:
-            shapes = {key: shape for key, shape in shapes.items() if key in wanted}
-        sizes = {key: math.prod(shape) * self._data[key].element_size()
-                 for key, shape in shapes.items()}
-        what, nbytes = self._needs(shapes, sizes, n, len(ids), out is None)
-        ops.check_fits("n", what, nbytes, self.device)  # refused before any allocation
+        shapes, sizes, what, nbytes = self._sized(len(ids), n, wanted, out is None)
         spares = self._spares_before(nbytes)
         try:
             if out is None:
@@ -523,6 +519,23 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
                 raise ops.memory_error("n", what, err) from None
             raise
         return {key: out[key] for key in shapes}
+
+    def _sized(self, rows: int, n: int, wanted, fresh: bool) -> tuple:
+        """``(shapes, sizes, what, bytes)`` of a checked get of ``n`` entries of ``rows`` rows and
+        the keys ``wanted`` (``None``: all): output shapes and bytes per key, and what the call
+        needs (:meth:`_needs`), checked to fit the device (``MemoryError`` naming ``n``, before any
+        allocation). The last call's answer is kept: a planner asks the same every step."""
+        key = (rows, n, wanted, fresh)
+        if self._sized_at[0] == key:
+            return self._sized_at[1]
+        shapes = self._output_shapes(rows, n)  # cached per (rows, n)
+        if wanted is not None:
+            shapes = {k: shape for k, shape in shapes.items() if k in wanted}
+        sizes = {k: math.prod(shape) * self._data[k].element_size() for k, shape in shapes.items()}
+        what, nbytes = self._needs(shapes, sizes, n, rows, fresh)
+        ops.check_fits("n", what, nbytes, self.device)
+        self._sized_at = (key, (shapes, sizes, what, nbytes))
+        return self._sized_at[1]
 
     def _needs(self, shapes: dict, sizes: dict, n: int, rows: int, fresh: bool) -> tuple:
         """``(what, bytes)`` a checked get of ``shapes`` (outputs of ``sizes`` bytes) needs on the
@@ -563,7 +576,9 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
                 keys = tuple(keys)
             elif type(keys) is not tuple:
                 return None
-        k = min(n, (c - 1) // self.action_block + 1)
+        k = (c - 1) // self.action_block + 1
+        if k > n:
+            k = n
         try:
             plan = self._plans.get((n, h, k, keys), False)
         except TypeError:  # unhashable key names: the checked path says so
@@ -572,40 +587,49 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
             plan = self._plan(n, h, k, keys)
         if not plan:
             return None if plan is None else {}
-        if out is None:
-            outs = []
-            # the large outputs' memory before this call (empty unless outputs were large)
-            spares = {key: list(kept) for key, kept in self._spare.items()} if self._spare else {}
-            try:
-                device, host = self.device, self.device.type == "cpu"
-                for key, shape, dtype, nbytes, *_ in plan:  # _fresh's small case, inline
-                    outs.append(torch.empty(shape, dtype=dtype, device=device)
-                                if nbytes < _BIG or not host else
-                                self._fresh(key, shape, dtype, nbytes))
-            except (RuntimeError, torch.OutOfMemoryError, MemoryError):
-                self._spare = spares  # keeps none of this call's memory
-                return None  # the checked path names the bytes
-        else:
-            outs = self._lockstep_out(out, plan)
+        result = {}
+        if out is not None:
+            outs = self._lockstep_out(out, plan, n, keys)
             if outs is None:
                 return None
-        result = {}
-        for (key, _, _, _, src, idx, rows, word, nan, zero), o in zip(plan, outs, strict=True):
-            dst = o.view(rows) if word is None else o.view(rows).view(word)
-            torch.index_select(src, 0, idx, out=dst)
-            if nan:
-                torch.nan_to_num(o, nan=0.0, out=o)
-            if zero:
-                o.narrow(1, 0, zero).zero_()
-            result[key] = o
+            for (key, _, _, _, src, idx, rows, word, nan, zero), o in zip(plan, outs, strict=True):
+                dst = o.view(rows) if word is None else o.view(rows).view(word)
+                torch.index_select(src, 0, idx, out=dst)
+                if nan:
+                    torch.nan_to_num(o, nan=0.0, out=o)
+                if zero:
+                    o.narrow(1, 0, zero).zero_()
+                result[key] = o
+            return result
+        # the large outputs' memory before this call (empty unless outputs were large)
+        spares = {key: list(kept) for key, kept in self._spare.items()} if self._spare else {}
+        host = self.device.type == "cpu"
+        try:
+            for key, shape, dtype, nbytes, src, idx, rows, word, nan, zero in plan:
+                if nbytes < _BIG or not host:  # a small output: the gather allocates it
+                    got = torch.index_select(src, 0, idx)
+                    o = got.view(shape) if word is None else got.view(dtype).view(shape)
+                else:  # a large one reuses kept memory
+                    o = self._fresh(key, shape, dtype, nbytes)
+                    dst = o.view(rows) if word is None else o.view(rows).view(word)
+                    torch.index_select(src, 0, idx, out=dst)
+                if nan:
+                    torch.nan_to_num(o, nan=0.0, out=o)
+                if zero:
+                    o.narrow(1, 0, zero).zero_()
+                result[key] = o
+        except (RuntimeError, torch.OutOfMemoryError, MemoryError):
+            self._spare = spares  # keeps none of this call's memory
+            return None  # the checked path names the bytes
         return result
 
-    def _lockstep_out(self, out, plan) -> list | None:
-        """``out``'s tensors for ``plan``, or ``None`` where the checked path must look at them
-        (it raises for a bad one). Disjointness is checked once per set of addresses."""
+    def _lockstep_out(self, out, plan, n: int, keys) -> list | None:
+        """``out``'s tensors for ``plan`` (of ``get(n, keys=keys)``), or ``None`` where the checked
+        path must look at them (it raises for a bad one). Disjointness is checked once per set of
+        addresses and output shapes (which ``n`` and ``keys`` fix)."""
         if type(out) is not dict:
             return None
-        outs, ptrs, shapes = [], [], []
+        outs, ptrs = [], []
         device = self.device
         for key, shape, dtype, _, _, _, _, word, _, _ in plan:
             t = out.get(key)
@@ -616,8 +640,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
                 return None
             outs.append(t)
             ptrs.append(t.data_ptr())
-            shapes.append(shape)
-        seen = (tuple(ptrs), tuple(shapes))
+        seen = (tuple(ptrs), n, keys)
         if self._out_ok != seen:
             # raises as the checked path would, before any write
             self._check_out(out, {p[0]: p[1] for p in plan})

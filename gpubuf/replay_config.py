@@ -20,6 +20,7 @@ Glossary (the replay modules use these names with one meaning each):
 """
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -115,7 +116,8 @@ class ReplayConfig:
 
     # ------------------------------------------------------------------ what the leaves imply
 
-    @property
+    # derived from the leaves alone: computed once (a steady sample reads them on every call)
+    @functools.cached_property
     def by_path(self) -> dict[tuple, Leaf]:
         return {leaf.path: leaf for leaf in self.leaves}
 
@@ -123,17 +125,17 @@ class ReplayConfig:
         """Paths of the leaves of these fields, in leaf order."""
         return [leaf.path for leaf in self.leaves if leaf.path[0] in fields]
 
-    @property
+    @functools.cached_property
     def stores_next_obs(self) -> bool:
         return bool(self.paths("next_observation"))
 
-    @property
+    @functools.cached_property
     def flag_paths(self) -> tuple[list, list, list]:
         """Leaves of the row flags: ``(truncated, episode ends, no transition)``."""
         last = [leaf.path for leaf in self.leaves if leaf.path == IS_LAST]
         return self.paths("truncated"), self.paths("terminated", "truncated"), last
 
-    @property
+    @functools.cached_property
     def kinds(self) -> tuple[int, ...]:
         """Validity kinds (:mod:`gpubuf.ring`): ``NEXT_OBS`` when next observations are read from
         the following row, ``IN_EPISODE`` when windows may not cross an episode end."""
