@@ -12,7 +12,7 @@ iteration, samples ``B`` windows and updates their ``B`` priorities (both collec
 
 ``local`` rows time the same calls on the unwrapped buffer in one process (no communication). Each rank times
 ``--iters`` iterations of every case one by one after a barrier, the cases interleaved in rotating order
-(:func:`gpubuf.benchmarking.timing.median_us`); a row reports the slowest rank's median iteration.
+(:func:`gpubuf.apps.benchmarking.timing.median_us`); a row reports the slowest rank's median iteration.
 Scaling efficiency = global windows/s with W ranks / (W x global windows/s with 1 rank). Processes get
 ``torch.set_num_threads(1)``; ranks beyond the machine's cores share them (say so when quoting numbers).
 
@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
-from gpubuf.benchmarking.timing import median_us, syncer
-from gpubuf.distributed import ShardedBuffer
+from gpubuf.apps.benchmarking.timing import median_us, syncer
+from gpubuf.replay.buffer.sharded import ShardedBuffer
 
 OBS, ACT = 17, 6
 ROW_BYTES = (OBS + ACT + 1) * 4 + 2  # bytes of one window (n_steps = 1)
@@ -144,7 +144,7 @@ def main() -> None:
     if args.backend == "nccl" and (args.device != "cuda" or max(ranks) > torch.cuda.device_count()):
         parser.error(f"--backend nccl: needs --device cuda and one GPU per rank ({torch.cuda.device_count()} here)")
     load_start = os.getloadavg()[0]  # other work sharing the cores
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.distributed"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.replay.buffer.sharded"])
     per_world = {}
     for W in ranks:
         with tempfile.TemporaryDirectory() as tmp:

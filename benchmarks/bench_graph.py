@@ -14,7 +14,7 @@ import json
 import torch
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
-from gpubuf.benchmarking.timing import median_us, syncer
+from gpubuf.apps.benchmarking.timing import median_us, syncer
 
 E, ROWS, N, B = 64, 2**14, 4, 256
 

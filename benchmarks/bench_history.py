@@ -1,6 +1,6 @@
 """HistoryBuffer vs a per-env deque baseline vs the copy floor: ``append`` and ``get(3)``.
 
-The history suite of ``gpubuf bench`` (:mod:`gpubuf.benchmarking.history`), with this script's options:
+The history suite of ``gpubuf bench`` (:mod:`gpubuf.apps.benchmarking.history`), with this script's options:
 a JSON file under benchmarks/results/ and the markdown table on stdout.
 
     python benchmarks/bench_history.py                       # CPU, n_envs 16 256 1024
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gpubuf.benchmarking import report, suites
+from gpubuf.apps.benchmarking import report, suites
 
 
 def main():

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
-from gpubuf.benchmarking.timing import machine
+from gpubuf.apps.benchmarking.timing import machine
 
 E, CALLS, SAMPLES = 16, 50, 300
 

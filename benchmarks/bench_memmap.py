@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gpubuf import Transition, TransitionBuffer
-from gpubuf.benchmarking.timing import interleaved, wall_clock
+from gpubuf.apps.benchmarking.timing import interleaved, wall_clock
 
 ENVS, H, W, C, SB, SL, B1 = 64, 64, 64, 3, 32, 16, 256
 
@@ -42,7 +42,7 @@ def read_bytes() -> int:
 
 
 def disk_clock():
-    """A :mod:`gpubuf.benchmarking.timing` clock whose samples are (microseconds, bytes read from disk)."""
+    """A :mod:`gpubuf.apps.benchmarking.timing` clock whose samples are (microseconds, bytes read from disk)."""
     wall = wall_clock()
 
     def start():

@@ -13,7 +13,7 @@ history get(4) with action_block 1. Columns per call:
 
 The unit is one ``torch.add(a, b, out=out)`` on 16 float32 elements (timed as 8 in a row); the mean of
 8 different trivial ops (add, mul, sub with out=, index_select, empty, copy_, fill_, a slice) is
-reported beside it. Everything runs interleaved in rotating order (:func:`gpubuf.benchmarking.timing.
+reported beside it. Everything runs interleaved in rotating order (:func:`gpubuf.apps.benchmarking.timing.
 median_us`: per round one untimed call, then two timed), one thread, medians; trees are built before
 timing. Measure on a quiet machine.
 
@@ -35,8 +35,8 @@ import gpubuf.ops.history as history_ops
 import gpubuf.ops.prefix_tree as tree_ops
 import gpubuf.ops.sequence as sequence_ops
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
-from gpubuf.benchmarking.timing import machine, median_us, syncer
-from gpubuf.storage import MemoryStorage
+from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
+from gpubuf.replay.buffer.storage import MemoryStorage
 
 E, OBS, B, ROWS, N = 16, 4, 32, 1024, 4
 # issue 20's targets in units: (call, host-only)
@@ -107,7 +107,7 @@ class HostOnly:
         return run
 
     def clock(self, sync):
-        """:func:`gpubuf.benchmarking.timing.wall_clock` less the time spent switching."""
+        """:func:`gpubuf.apps.benchmarking.timing.wall_clock` less the time spent switching."""
         def start():
             sync()
             t0, s0 = time.perf_counter(), self.switching

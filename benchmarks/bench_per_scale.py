@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gpubuf import PrioritizedTransitionBuffer, Transition
-from gpubuf.benchmarking.timing import machine, median_us, versions
+from gpubuf.apps.benchmarking.timing import machine, median_us, versions
 
 CAPACITY, B, INSERT, OBS, CHUNK = 2**20, 256, 16, 4, 2**16
 TARGETS = {"insert": 2.0, "sample": 1.2}  # gpubuf / cpprb

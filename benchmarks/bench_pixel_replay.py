@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from gpubuf import Transition, TransitionBuffer
-from gpubuf.benchmarking.timing import cpu_name, median_us, versions
+from gpubuf.apps.benchmarking.timing import cpu_name, median_us, versions
 
 K, N, GAMMA, SIDE, BATCHES = 4, 3, 0.99, 84, (32, 256)
 CHUNK, POOL, CHECK = 2**14, 4096, 2048  # steps per insert (whole episodes), random frames, rows checked per peer

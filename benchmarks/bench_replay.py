@@ -1,6 +1,6 @@
 """Replay benchmarks: gpubuf TransitionBuffer / PrioritizedTransitionBuffer against their peers, same run.
 
-The replay suite of ``gpubuf bench`` (:mod:`gpubuf.benchmarking.per` and :mod:`gpubuf.benchmarking.sequences`
+The replay suite of ``gpubuf bench`` (:mod:`gpubuf.apps.benchmarking.per` and :mod:`gpubuf.apps.benchmarking.sequences`
 say what is timed), with this script's options: a JSON file under benchmarks/results/ and the markdown
 table on stdout. A peer that does not import is listed as missing. Run with the venv made by
 ``benchmarks/setup_peers.sh``:
@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from gpubuf.benchmarking import report, suites
+from gpubuf.apps.benchmarking import report, suites
 
 
 def main():

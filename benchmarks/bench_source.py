@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gpubuf import HistoryBuffer
-from gpubuf.envpool import EnvPoolSource
+from gpubuf.sources.envpool import EnvPoolSource
 
 
 def make(task, n):

@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from gpubuf.benchmarking.timing import cuda_event_clock, median_us
+from gpubuf.apps.benchmarking.timing import cuda_event_clock, median_us
 from gpubuf.ops.prefix_tree import update_range_twin, update_twin
-from gpubuf.prefix_tree import PrefixSumTree
+from gpubuf.replay.buffer.tree import PrefixSumTree
 
 
 def launch(pt, threshold: int, kernel, *args) -> None:

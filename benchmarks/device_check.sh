@@ -74,9 +74,9 @@ cp benchmarks/results/overhead_cuda.json \$W/"
 then $PY benchmarks/bench_distributed.py --backend nccl --device cuda --ranks 2 --log2-size 20 --batch 4096 \
 --iters 30 --out \$W/distributed_nccl.json; else $PY benchmarks/bench_distributed.py --backend gloo --device cuda \
 --ranks 1,2 --log2-size 20 --batch 4096 --iters 30 --out \$W/distributed_gloo_cuda.json; fi"
-    step demo 40 demo_cuda.md "if $PY -c 'import envpool' 2>/dev/null; then $PY -m gpubuf.cli demo --device cuda \
+    step demo 40 demo_cuda.md "if $PY -c 'import envpool' 2>/dev/null; then $PY -m gpubuf.apps.cli demo --device cuda \
 --env-steps 5000 --out \$W/demo_cuda.json --plot \$W/demo_cuda.png; else echo 'envpool missing: demo skipped'; fi"
-    step bench_quick 30 bench_cuda.log "$PY -m gpubuf.cli bench --quick --device cuda --peers '' --out \$W/bench_cuda.md"
+    step bench_quick 30 bench_cuda.log "$PY -m gpubuf.apps.cli bench --quick --device cuda --peers '' --out \$W/bench_cuda.md"
 }
 
 TOTAL=0

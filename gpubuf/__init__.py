@@ -1,39 +1,71 @@
 """gpubuf: GPU-resident history and replay buffers for reinforcement learning.
 
-``import gpubuf`` loads the core only: the buffers, their samplers and storages, the device ops and
-the checkpoints. The apps around them load on first use, by name: the EnvPool glue
-(``EnvPoolSource``, ``Step``, ``StepStager``; :mod:`gpubuf.envpool`), planning
-(``Planner``, ``CEMSolver``, ``PlanConfig``; :mod:`gpubuf.planning`), the sharded buffer
-(``ShardedBuffer``; :mod:`gpubuf.distributed`) and the modules :mod:`gpubuf.mbrl`,
-:mod:`gpubuf.demo`, :mod:`gpubuf.wrappers`, :mod:`gpubuf.benchmarking` and :mod:`gpubuf.cli`.
+The package is layered; each layer imports only the ones before it:
+``gpubuf._core`` (input checks, staging, state, checkpoints, signals, locks, copies, ``Transition``) <-
+``gpubuf.ops`` (one module per kernel family; the Triton kernels live in ``gpubuf.kernels``) <-
+``gpubuf.replay`` and ``gpubuf.history`` (the buffers) <- ``gpubuf.sources`` and ``gpubuf.planning`` <-
+``gpubuf.apps`` (MBRL, demo, CLI, benchmarking).
+
+``import gpubuf`` loads the core only: the buffers, their samplers and storages, the device ops and the
+checkpoints. The rest loads on first use, by name: the EnvPool source (``EnvPoolSource``, ``Step``,
+``StepStager``), planning (``Planner``, ``CEMSolver``, ``PlanConfig``) and the sharded buffer
+(``ShardedBuffer``). The module paths of earlier releases (``gpubuf.envpool``, ``gpubuf.distributed``,
+``gpubuf.wrappers``, ``gpubuf.mbrl``, ``gpubuf.demo``, ``gpubuf.cli``, ``gpubuf.benchmarking``,
+``gpubuf.transition``) import the modules that now hold them.
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-from gpubuf.checkpoint import CheckpointError
-from gpubuf.graph_sampling import GraphSampler
+from gpubuf._core.checkpoint import CheckpointError
+from gpubuf._core.transition import Transition
 from gpubuf.history import HistoryBuffer
-from gpubuf.prioritized import PrioritizedTransitionBuffer
-from gpubuf.replay import TransitionBuffer
-from gpubuf.transition import Transition
+from gpubuf.replay import GraphSampler, PrioritizedTransitionBuffer, TransitionBuffer
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and go-to-definition
-    from gpubuf.distributed import ShardedBuffer
-    from gpubuf.envpool import EnvPoolSource, Step, StepStager
     from gpubuf.planning import CEMSolver, PlanConfig, Planner
+    from gpubuf.replay.sharded import ShardedBuffer
+    from gpubuf.sources.envpool import EnvPoolSource, Step, StepStager
 
-# public name -> the app module that defines it, imported on first access
+# public name -> the module that defines it, imported on first access
 _LAZY = {
     "CEMSolver": "gpubuf.planning", "PlanConfig": "gpubuf.planning", "Planner": "gpubuf.planning",
-    "EnvPoolSource": "gpubuf.envpool", "Step": "gpubuf.envpool", "StepStager": "gpubuf.envpool",
-    "ShardedBuffer": "gpubuf.distributed",
+    "EnvPoolSource": "gpubuf.sources.envpool", "Step": "gpubuf.sources.envpool",
+    "StepStager": "gpubuf.sources.envpool", "ShardedBuffer": "gpubuf.replay.sharded",
 }
-# app submodules, reachable as attributes (``gpubuf.planning``) after ``import gpubuf`` alone, as
-# before
-_LAZY_MODULES = ("benchmarking", "cli", "demo", "distributed", "envpool", "mbrl", "planning",
-                 "wrappers")
+# earlier module paths -> the modules that hold them now
+_MOVED = {
+    "gpubuf.benchmarking": "gpubuf.apps.benchmarking", "gpubuf.cli": "gpubuf.apps.cli",
+    "gpubuf.demo": "gpubuf.apps.demo", "gpubuf.distributed": "gpubuf.replay.sharded",
+    "gpubuf.envpool": "gpubuf.sources.envpool", "gpubuf.mbrl": "gpubuf.apps.mbrl",
+    "gpubuf.transition": "gpubuf._core.transition", "gpubuf.wrappers": "gpubuf.sources.wrappers",
+}
+# submodules reachable as attributes (``gpubuf.planning``) after ``import gpubuf`` alone
+_LAZY_MODULES = ("apps", "planning", "sources") + tuple(name.split(".")[1] for name in _MOVED)
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an earlier module path (``import gpubuf.envpool``) as the module that holds it now: both
+    names are the same module object, whose spec stays its own."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname in _MOVED else None
+
+    def create_module(self, spec):
+        module = importlib.import_module(_MOVED[spec.name])
+        self.specs = getattr(self, "specs", {})
+        self.specs[spec.name] = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self.specs.pop(module.__spec__.name, module.__spec__)  # the real module's spec
+
+
+sys.meta_path.append(_MovedModules())
 
 __all__ = [
     "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig",
@@ -55,8 +87,9 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name in _LAZY_MODULES:
-        # the import binds it as an attribute too
-        return importlib.import_module(f"{__name__}.{name}")
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module  # an earlier path is bound by hand: its import binds the new one
+        return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -308,7 +308,7 @@ def test_every_held_signal_handler_runs_once_even_when_one_raises():
     other handler has run too (as Python would have done without the hold)."""
     import signal
 
-    from gpubuf.interrupts import signals_held
+    from gpubuf._core.signals import signals_held
 
     ran = []
     old = signal.signal(signal.SIGUSR1, lambda s, f: ran.append(s))

@@ -7,7 +7,7 @@ import torch
 from snapshots import assert_unchanged, snapshot
 
 from gpubuf import HistoryBuffer, Transition, TransitionBuffer
-from gpubuf.inputs import check_cast, lossless
+from gpubuf._core.inputs import check_cast, lossless
 
 
 def history(dtype, device="cpu"):

@@ -14,7 +14,7 @@ from snapshots import assert_same_state, assert_unchanged, snapshot
 from test_replay_helpers import make_transition
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TransitionBuffer
-from gpubuf.checkpoint import CheckpointError
+from gpubuf._core.checkpoint import CheckpointError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from snapshots import assert_unchanged, snapshot
 
-import gpubuf.history as history_module
+import gpubuf.history.buffer as history_module
 import gpubuf.ops.device as device_ops
 import gpubuf.ops.history as history_ops
 import gpubuf.ops.prefix_tree as tree_ops
-import gpubuf.stacked_sampling as stacked_sampling
+import gpubuf.replay.stacked as stacked_sampling
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 
 E, M = 2, 8

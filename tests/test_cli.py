@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpubuf.cli import main
+from gpubuf.apps.cli import main
 
 pytest.importorskip("envpool")  # the demo steps EnvPool envs (absent on the GPU machine)
 
@@ -99,7 +99,7 @@ def test_bad_options_are_one_line_with_exit_code_2(args, message, capsys):
 def test_out_and_plot_that_would_overwrite_each_other_are_refused_before_any_work(args, message, tmp_path, capsys,
                                                                                   monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("gpubuf.cli.run_demo", lambda *a: pytest.fail("the demo ran"))
+    monkeypatch.setattr("gpubuf.apps.cli.run_demo", lambda *a: pytest.fail("the demo ran"))
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--env-steps", "16", *args])
     assert exit_info.value.code == 2

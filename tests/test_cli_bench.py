@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from gpubuf.benchmarking.peers import PEERS
-from gpubuf.cli import main
+from gpubuf.apps.benchmarking.peers import PEERS
+from gpubuf.apps.cli import main
 
 TINY = ["bench", "--quick", "--n-envs", "2", "--log2-sizes", "8", "--batch", "16", "--repeats", "1", "--device",
         "cpu"]

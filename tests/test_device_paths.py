@@ -10,10 +10,10 @@ import torch
 from test_replay_helpers import make_transition
 
 from gpubuf import ops
+from gpubuf._core.staging import Staging
 from gpubuf.kernels import history, prefix_tree, sequence  # imported while the interpreter is set (conftest)
 from gpubuf.ops.prefix_tree import sample_twin
-from gpubuf.prefix_tree import PrefixSumTree
-from gpubuf.staging import Staging
+from gpubuf.replay.tree import PrefixSumTree
 
 # ---- backend choice
 

@@ -24,7 +24,7 @@ def runs(tmp_path_factory) -> dict:
     """``{"world": [4 rank results], "pair0": [ranks 0, 1], "pair1": [ranks 2, 3]}``."""
     out = tmp_path_factory.mktemp("distributed")
     # children fork from a server that imported gpubuf once, instead of each importing torch again
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.distributed"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.replay.sharded"])
     ctx = mp.start_processes(dw.main, args=(WORLD, str(out / "init"), str(out)), nprocs=WORLD, join=False,
                              start_method="forkserver")
     try:

@@ -8,7 +8,7 @@ import torch
 from dlpack_only import DlpackOnly
 
 from gpubuf import HistoryBuffer
-from gpubuf.envpool import EnvPoolSource, StepStager
+from gpubuf.sources.envpool import EnvPoolSource, StepStager
 
 envpool = pytest.importorskip("envpool")  # absent on the GPU machine, which has no registry
 
@@ -90,8 +90,8 @@ def test_async_routes_every_received_row_to_its_env_history(device):
 
 def test_sync_transitions_follow_the_dynamics(device):
     """Sampled (obs, action, next obs) triples obey CartPole's own equations: rows are aligned."""
-    from gpubuf.planning import cartpole_dynamics
-    from gpubuf.replay import TransitionBuffer
+    from gpubuf.planning.planner import cartpole_dynamics
+    from gpubuf.replay.buffer import TransitionBuffer
 
     env = make(num_envs=4)
     src = EnvPoolSource(env, device=device)
@@ -194,7 +194,7 @@ def test_source_rejects_history_of_another_size():
 
 
 def test_source_rejects_a_vectorized_transition_buffer_in_async_mode():
-    from gpubuf.replay import TransitionBuffer
+    from gpubuf.replay.buffer import TransitionBuffer
 
     tb = TransitionBuffer(64, 4, EnvPoolSource(make()).transition_sample(), device="cpu")
     with pytest.raises(ValueError, match="transitions: an async env needs a buffer with vectorized_env=False"):
@@ -213,8 +213,8 @@ def test_source_rejects_actions_of_the_wrong_size():
 
 @pytest.mark.parametrize("batch_size", [4, 2], ids=["sync", "async"])
 def test_row_transitions_skip_reset_frames_and_follow_the_dynamics(device, batch_size):
-    from gpubuf.planning import cartpole_dynamics
-    from gpubuf.replay import TransitionBuffer
+    from gpubuf.planning.planner import cartpole_dynamics
+    from gpubuf.replay.buffer import TransitionBuffer
 
     src = EnvPoolSource(make(num_envs=4, batch_size=batch_size), device=device)
     tb = TransitionBuffer(512, 32, src.transition_sample(vectorized=False), vectorized_env=False, device=device)

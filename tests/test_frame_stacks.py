@@ -268,7 +268,7 @@ def test_buffers_that_cannot_stack_or_return_say_why():
 
 def test_an_envpool_source_s_rows_stack_and_return_by_its_is_last_convention(backend, device):
     envpool = pytest.importorskip("envpool")
-    from gpubuf.envpool import EnvPoolSource
+    from gpubuf.sources.envpool import EnvPoolSource
 
     env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=4, seed=0, max_episode_steps=12)
     src = EnvPoolSource(env, device=device)

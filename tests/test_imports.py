@@ -1,4 +1,5 @@
-"""The package's import structure: no import cycle among gpubuf's modules, the core apart from the apps.
+"""The package's import structure: the layers (nothing imports upward), no import cycle, the core apart from
+the apps.
 
 The import graph is read from the source with :mod:`ast` (nothing is executed): every
 ``import gpubuf.x``, ``from gpubuf.x import y`` and ``from gpubuf import x`` (and relative forms), at module
@@ -21,13 +22,17 @@ import pytest
 import gpubuf
 
 # Modules that ``import gpubuf`` must not load: they load when used (gpubuf/__init__.py's __getattr__).
-APPS = ("gpubuf.benchmarking", "gpubuf.cli", "gpubuf.demo", "gpubuf.distributed", "gpubuf.envpool", "gpubuf.mbrl",
-        "gpubuf.planning", "gpubuf.wrappers")
-# Third-party packages of the apps and the extras, which neither ``import gpubuf`` nor a core module may load.
+APPS = ("gpubuf.apps", "gpubuf.sources", "gpubuf.planning", "gpubuf.replay.sharded")
+# The layers, lowest first: a module imports modules of its own package and of lower layers only (packages
+# in one layer are independent of each other). The root package, the facade, re-exports from every layer.
+LAYERS = (("gpubuf.kernels",), ("gpubuf._core", "gpubuf.ops"), ("gpubuf.replay", "gpubuf.history"),
+          ("gpubuf.sources", "gpubuf.planning"), ("gpubuf.apps",))
+# Third-party packages of the apps and the extras, which neither ``import gpubuf`` nor a core module may
+# load.
 OPTIONAL = ("envpool", "gymnasium", "matplotlib", "tqdm", "tensordict", "scipy")
 # The issue's done-when check, verbatim.
 DONE_WHEN = ("import gpubuf, sys; print([m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tqdm', "
-             "'envpool') or m == 'gpubuf.distributed'])")
+             "'envpool') or m == 'gpubuf.replay.sharded'])")
 LAZY_NAMES = ("EnvPoolSource", "ShardedBuffer", "Planner", "CEMSolver", "PlanConfig", "Step", "StepStager")
 
 
@@ -147,8 +152,57 @@ GRAPH = import_graph()
 CYCLES = simple_cycles(GRAPH)
 
 
+def layer_of(module: str) -> tuple[int, str] | None:
+    """(layer, package) of a module; None for the root package."""
+    for level, packages in enumerate(LAYERS):
+        for package in packages:
+            if module == package or module.startswith(package + "."):
+                return level, package
+    return None
+
+
+def test_every_module_is_in_a_layer():
+    assert [m for m in GRAPH if m != "gpubuf" and layer_of(m) is None] == []
+
+
+def test_nothing_imports_upward_or_sideways():
+    """Every import (module level and in functions) goes to the module's own package or a lower layer; the
+    kernels import nothing of gpubuf, and only gpubuf.ops imports them."""
+    bad = []
+    for name, edges in GRAPH.items():
+        if name == "gpubuf":
+            continue
+        level, package = layer_of(name)
+        for target, where in edges.items():
+            to = layer_of(target)
+            lines = ", ".join(str(line) for line, _ in where)
+            if to is None or (to[1] != package and to[0] >= level):
+                bad.append(f"{name} -> {target} (line {lines})")
+            elif to[1] == "gpubuf.kernels" and package not in ("gpubuf.ops", "gpubuf.kernels"):
+                bad.append(f"{name} -> {target} (line {lines}): only gpubuf.ops launches kernels")
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_can_fail():
+    assert layer_of("gpubuf.replay.buffer") == (2, "gpubuf.replay") and layer_of("gpubuf") is None
+    assert layer_of("gpubuf.sources.envpool")[0] > layer_of("gpubuf.history.buffer")[0]
+
+
+def test_earlier_module_paths_are_the_new_modules():
+    """``import gpubuf.envpool`` and the other paths of earlier releases give the module that holds them now,
+    which keeps its own name and spec."""
+    import importlib
+
+    for old, new in gpubuf._MOVED.items():  # noqa: SLF001
+        module = importlib.import_module(old)
+        assert module is importlib.import_module(new) and module.__spec__.name == new
+    run_python("import gpubuf.envpool, gpubuf.distributed; from gpubuf.mbrl import MBRLAgent; "
+               "from gpubuf.wrappers import ActionRepeatWrapper; print(gpubuf.envpool.EnvPoolSource)")
+
+
 def test_the_walk_sees_the_package():
-    assert {"gpubuf", "gpubuf.replay", "gpubuf.history", "gpubuf.cli", "gpubuf.benchmarking.timing"} <= set(GRAPH)
+    assert {"gpubuf", "gpubuf.replay.buffer", "gpubuf.history.buffer", "gpubuf.apps.cli",
+            "gpubuf.apps.benchmarking.timing"} <= set(GRAPH)
     assert "gpubuf.history" in GRAPH["gpubuf"]  # a module-level edge of __init__
     assert not any(GRAPH["gpubuf"].get(app) for app in APPS)  # the TYPE_CHECKING imports do not count
     assert simple_cycles({"a": {"b": 0}, "b": {"c": 0, "a": 0}, "c": {"a": 0}}) == [("a", "b"), ("a", "b", "c")]
@@ -163,7 +217,7 @@ def test_no_import_cycle():
 def test_core_modules_import_no_app_and_no_optional_package_at_module_level():
     """The apps may import the core; the core (every module but the apps) imports no app at module level,
     and neither does any module import an optional package (tqdm, matplotlib, envpool, ...) at module level
-    except the modules that exist to wrap one (gpubuf.wrappers: gymnasium)."""
+    except the modules that exist to wrap one (gpubuf.sources.wrappers: gymnasium)."""
     bad = [f"{name} -> {target} (line {line})" for name, edges in GRAPH.items() if not is_app(name)
            for target, where in edges.items() if is_app(target) for line, top in where if top]
     assert not bad, "core modules importing apps at module level:\n" + "\n".join(bad)
@@ -174,7 +228,7 @@ def test_core_modules_import_no_app_and_no_optional_package_at_module_level():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             optional += [f"{name} -> {n} (line {node.lineno})" for n in names if n.split(".")[0] in OPTIONAL
-                         and not (name == "gpubuf.wrappers" and n.startswith("gymnasium"))]
+                         and not (name == "gpubuf.sources.wrappers" and n.startswith("gymnasium"))]
     assert not optional, "optional packages imported at module level:\n" + "\n".join(optional)
 
 
@@ -192,7 +246,7 @@ def test_import_gpubuf_loads_the_core_only():
     new = json.loads(run_python(
         "import json, sys; import numpy, torch; before = set(sys.modules); import gpubuf; "
         "print(json.dumps(sorted(set(sys.modules) - before)))"))
-    assert "gpubuf.replay" in new and "gpubuf.history" in new
+    assert "gpubuf.replay.buffer" in new and "gpubuf.history.buffer" in new
     assert [m for m in new if is_app(m)] == []
     assert [m for m in new if m.split(".")[0] in OPTIONAL] == []
 
@@ -218,22 +272,22 @@ def test_done_when_check_prints_nothing_without_the_apps_extra():
 
 
 def test_lazy_names_resolve_and_are_listed():
-    from gpubuf.distributed import ShardedBuffer
-    from gpubuf.envpool import EnvPoolSource, Step, StepStager
-    from gpubuf.planning import CEMSolver, PlanConfig, Planner
+    from gpubuf.planning.planner import CEMSolver, PlanConfig, Planner
+    from gpubuf.replay.sharded import ShardedBuffer
+    from gpubuf.sources.envpool import EnvPoolSource, Step, StepStager
 
     want = {"EnvPoolSource": EnvPoolSource, "ShardedBuffer": ShardedBuffer, "Planner": Planner,
             "CEMSolver": CEMSolver, "PlanConfig": PlanConfig, "Step": Step, "StepStager": StepStager}
     assert {name: getattr(gpubuf, name) for name in LAZY_NAMES} == want
     assert set(LAZY_NAMES) <= set(gpubuf.__all__) <= set(dir(gpubuf))
     assert all(hasattr(gpubuf, name) for name in gpubuf.__all__)
-    assert {"planning", "envpool", "cli"} <= set(dir(gpubuf)) and gpubuf.mbrl.__name__ == "gpubuf.mbrl"
+    assert {"planning", "envpool", "cli"} <= set(dir(gpubuf)) and gpubuf.mbrl.__name__ == "gpubuf.apps.mbrl"
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         gpubuf.no_such_name  # noqa: B018
 
 
 def test_a_missing_optional_dependency_names_the_extra():
-    from gpubuf.demo import require
+    from gpubuf.apps.demo import require
 
     with pytest.raises(ImportError, match=r'pip install "gpubuf\[apps\]"'):
         require("gpubuf_no_such_module", "a test")

@@ -11,7 +11,7 @@ import pytest
 
 from gpubuf.kernels import INDEX
 from gpubuf.kernels.words import WORDS
-from gpubuf.prefix_tree import FANOUT
+from gpubuf.replay.tree import FANOUT
 
 signatures = pytest.importorskip("gpubuf.kernels.signatures")
 

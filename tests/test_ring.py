@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpubuf.ring import IN_EPISODE, NEXT_OBS, StartRing
+from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, StartRing
 
 
 @settings(max_examples=60, deadline=None)

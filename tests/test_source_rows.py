@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TransitionBuffer
-from gpubuf.envpool import EnvPoolSource, action_fill
+from gpubuf.sources.envpool import EnvPoolSource, action_fill
 
 envpool = pytest.importorskip("envpool")
 

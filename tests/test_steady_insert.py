@@ -21,7 +21,7 @@ def rows(t0: int, T: int, trunc_every: int = 0, dtype=np.float32) -> Transition:
 
 def checked_only(monkeypatch):
     """Make every insert take the checked path."""
-    from gpubuf import steady_insert
+    from gpubuf.replay import steady_insert
 
     monkeypatch.setattr(steady_insert.SteadyInsert, "match", lambda self, transition, owned: None)
 

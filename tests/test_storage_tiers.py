@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpubuf import GraphSampler, PrioritizedTransitionBuffer, Transition, TransitionBuffer, checkpoint
+from gpubuf import GraphSampler, PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf._core import checkpoint
 
 E = 2
 
@@ -282,7 +283,7 @@ def test_graph_sampling_and_checkpoints_of_env_major_storage(host_backend, tmp_p
 def test_mapped_leaves_are_advised_random_and_each_sampled_window_is_prefetched(tmp_path, monkeypatch):
     import mmap
 
-    from gpubuf import tiers
+    from gpubuf.replay import tiers
 
     if tiers._MADVISE is None:
         pytest.skip("no madvise on this platform")

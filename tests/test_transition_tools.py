@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpubuf import Transition, TransitionBuffer
-from gpubuf.transition import from_tensordict, items, to, to_tensordict
+from gpubuf._core.transition import from_tensordict, items, to, to_tensordict
 
 
 def batch(B=3, n=2):

@@ -10,7 +10,7 @@ gym = pytest.importorskip("gymnasium")  # absent on the GPU machine, which has n
 
 from gymnasium.vector import AutoresetMode, SyncVectorEnv  # noqa: E402
 
-from gpubuf.wrappers import (  # noqa: E402
+from gpubuf.sources.wrappers import (  # noqa: E402
     ActionRepeatWrapper,
     FrameStackInfoWrapper,
     VectorActionRepeatWrapper,

@@ -8,9 +8,12 @@ device and ``torch.compile`` traces the ops without graph breaks, and the functi
 That function takes the buffer's backend and Python containers; eager calls run the twin or the
 launcher directly, traced ones the op (:func:`~gpubuf.ops.device.route`). Every op writes into
 tensors it is given (declared mutable in its schema) and returns nothing. Triton is imported only
-when a kernel runs, so ``import gpubuf`` works without a GPU or driver.
+when a kernel runs, so ``import gpubuf`` works without a GPU or driver. The rest of gpubuf reaches the
+kernels only through this package (their word views and mark bits included).
 """
 
+from gpubuf.kernels import MARK_BOUNDARY, MARK_STOP, MARK_TERM
+from gpubuf.kernels.words import as_words
 from gpubuf.ops.device import (
     BACKENDS,
     LRU,
@@ -27,11 +30,11 @@ from gpubuf.ops.device import (
 )
 from gpubuf.ops.history import history_append, history_gather_frames, history_pack_blocks
 from gpubuf.ops.prefix_tree import tree_sample, tree_update, tree_update_range
-from gpubuf.ops.sequence import sequence_gather
-from gpubuf.ops.stacks import frame_stack, n_step_return
+from gpubuf.ops.sequence import sequence_gather, sequence_gather_fixed, sequence_tables
+from gpubuf.ops.stacks import frame_stack, frame_stack_fixed, n_step_return, stack_tables
 
-__all__ = ["BACKENDS", "LRU", "allocate", "allocation_failed", "backend_for", "capacity",
-           "check_fits", "frame_stack", "history_append", "memory_error",
-           "history_gather_frames", "history_pack_blocks", "interpreting", "n_step_return",
-           "resolve_device", "route", "sequence_gather", "tree_sample", "tree_update",
-           "tree_update_range", "triton_runs_on"]
+__all__ = ["BACKENDS", "LRU", "MARK_BOUNDARY", "MARK_STOP", "MARK_TERM", "allocate", "allocation_failed",
+           "as_words", "backend_for", "capacity", "check_fits", "frame_stack", "frame_stack_fixed", "history_append",
+           "history_gather_frames", "history_pack_blocks", "interpreting", "memory_error", "n_step_return",
+           "resolve_device", "route", "sequence_gather", "sequence_gather_fixed", "sequence_tables", "stack_tables",
+           "tree_sample", "tree_update", "tree_update_range", "triton_runs_on"]

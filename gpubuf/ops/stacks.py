@@ -235,3 +235,19 @@ def n_step_return(backend: str, starts: torch.Tensor, reward: torch.Tensor, mark
         return_host(starts, reward, marks, held, outs, gamma, *args, env_major=env_major)
     else:
         return_twin(starts, reward, marks, held, outs, gamma, *args, env_major=env_major)
+
+
+def stack_tables(jobs: list, B: int, n: int, k: int, device: torch.device) -> list:
+    """The Triton stack gather's pointer tables for fixed ``(storage, out (B, n, k, D), shift)`` jobs,
+    uploaded once (CUDA only): :func:`frame_stack_fixed` launches them, also inside a CUDA graph."""
+    from gpubuf.kernels.stacks import plan
+
+    return plan(jobs, B, n, k, device)
+
+
+def frame_stack_fixed(tables: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,
+                      n: int, k: int, stride: int, E: int, M: int) -> None:
+    """:func:`frame_stack` into the outputs of :func:`stack_tables` for flat starts (B,) int64."""
+    from gpubuf.kernels.stacks import stack_planned
+
+    stack_planned(tables, starts, marks, held, n, k, stride, E, M)

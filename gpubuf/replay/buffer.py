@@ -1,0 +1,523 @@
+"""TransitionBuffer: a time-major circular buffer sampled as contiguous n-step windows.
+
+A buffer composes four parts, each behind a small surface and public for companions
+(``ShardedBuffer``, ``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`:
+sizes, leaves and their rules), ``storage`` (:mod:`gpubuf.replay.storage`: device, host or memory-mapped
+rows), ``ring`` (:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and
+valid starts) and ``sampler`` (:mod:`gpubuf.replay.samplers`: device validity, prefix-sum trees,
+priorities, draws), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env``
+in every storage.
+
+Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
+``truncated`` is set; needs one of those leaves):
+
+- ``"allow"`` (default): windows run on into the next episode, unmarked;
+- ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and ``mask``
+  ``(B, n_steps)`` bool: ``is_first[:, j]`` is set where row ``j - 1`` ended an episode (and at
+  ``j = 0``), ``mask[:, j]`` while no earlier row of the window ended one;
+- ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are
+  drawn; the batch carries ``is_first`` and ``mask`` too (first step only, and all set).
+
+Both also carry ``has_transition``, False exactly on ``info["is_last"]`` rows: they hold an
+episode's last observation (inside ``mask``, as world models need it) but no transition (the
+action fill, reward 0), so a learner of transitions selects ``mask & has_transition``.
+
+With ``n_steps == 1`` the flags are ``(B,)`` and all set. An ``info["is_last"]`` row (an
+:class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation and no transition)
+never starts a window, and with ``"mask"`` the row after it starts the next episode.
+
+Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then
+committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from gpubuf import ops
+from gpubuf._core import checkpoint
+from gpubuf._core.concurrency import CallGuard, locked
+from gpubuf._core.copies import CopiedByState
+from gpubuf._core.inputs import generator_for, host_indices
+from gpubuf._core.signals import signals_held
+from gpubuf._core.staging import memory_ranges
+from gpubuf._core.state import copy_into, unaliased
+from gpubuf._core.transition import Transition, unflatten
+from gpubuf.replay import tiers
+from gpubuf.replay.config import BOUNDARIES, ReplayConfig
+from gpubuf.replay.ring import StartRing
+from gpubuf.replay.samplers import UniformSampler
+from gpubuf.replay.stacked import StackedGather, StackSpec
+from gpubuf.replay.steady_insert import SteadyInsert
+from gpubuf.replay.storage import MappedStorage, MemoryStorage
+from gpubuf.replay.tree import FANOUT
+
+__all__ = ["BOUNDARIES", "Transition", "TransitionBuffer"]
+
+
+class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
+    """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
+
+    Args:
+        max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows.
+        sample_batch_size: default number of windows per :meth:`sample`.
+        data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when
+            ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and
+            dtypes.
+        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch
+            on sampling.
+        n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else
+            ``(B, n_steps, ...)``.
+        device: sampling device (validity, prefix-sum trees, priorities, returned batches);
+            ``None`` -> ``cuda`` when available, else ``cpu``.
+        seed: seed of the buffer's own generator (used when :meth:`sample` gets ``key=None``).
+        storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host
+            memory: a CUDA buffer then gathers sampled windows on the host, reading the starts back
+            once per sample, and moves them to the device through pinned memory with non-blocking
+            copies).
+        storage_dir: a directory of memory-mapped files (one per leaf, env-major ``(E, M,
+            *shape)``). If it holds a buffer of this configuration (a mismatch raises, naming the
+            field), that buffer is re-opened: rows and counts as of its last insert, and what its
+            last :meth:`flush` saved (sampling RNG; priorities, rows inserted after that flush at
+            ``max_priority``). The buffer holds the directory's lock until :meth:`close`; files are
+            allocated up front; a process killed at any instant re-opens to a state the buffer has
+            been in (:mod:`gpubuf.replay.storage_dir` for the guarantee).
+
+    Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the
+    capacity. Without replacement the draw is exact sequential sampling without replacement
+    (:mod:`gpubuf.replay.samplers`).
+
+    Threads: any number of threads may call any method at once; each call runs whole, between the
+    others (:attr:`lock`, re-entrant; on CUDA, calls from different streams are ordered on the
+    device as on the host: :mod:`gpubuf._core.concurrency`). ``copy.deepcopy``, ``pickle`` and
+    ``torch.save`` give an independent, complete buffer (:mod:`gpubuf._core.copies`); a ``storage_dir``
+    buffer refuses (use :meth:`save` or ``state_dict``).
+    """
+
+    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
+                 vectorized_env: bool = True, n_steps: int = 1, *, device=None,
+                 seed: int | None = None, storage_device=None, storage_dir=None):
+        self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size,
+                                                  data_sample, vectorized_env, n_steps,
+                                                  self._config_extra())
+        self._init_storage = (storage_device, storage_dir)  # as given, for copies
+        for name in ReplayConfig.STATE_FIELDS:
+            setattr(self, name, getattr(config, name))
+        self.device = ops.resolve_device(device)
+        self.backend = ops.backend_for(self.device)
+        self._guard = CallGuard(self.device)
+        self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
+        self.storage = MemoryStorage(config, self.storage_device) if storage_dir is None else \
+            MappedStorage(config, storage_dir)
+        try:  # a failure from here on releases a storage_dir's lock at once
+            self.ring = StartRing(config.max_rows, config.n_envs, config.n_steps, config.kinds)
+            self.sampler = self._make_sampler()
+            self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
+            self._marks = None  # EpisodeMarks, built by the first sample that needs them
+            # sample sizes checked to fit (a call that fits is not estimated again)
+            self._fits = ops.LRU(8)
+            self._last_fit = (None, None)  # (key, what) of the last check
+            self._steady = SteadyInsert(config, self.storage)
+            # a host generator draws: one seed, the same starts on every device
+            self.generator = torch.Generator()
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(int(seed))
+            if self.storage.reopen(self.ring, self.sampler, self.generator):
+                self.flush()  # the directory's state was saved by a flush cut short: complete it
+        except BaseException:
+            if self.storage.dir is not None:
+                self.storage.dir.close()
+            raise
+
+    def _config_extra(self) -> tuple:  # hook: the subclass's own configuration fields
+        return ()
+
+    def _make_sampler(self) -> UniformSampler:  # hook: the sampling policy composed here
+        return UniformSampler(self.ring, self.device, self.backend)
+
+    @property
+    def lock(self):
+        """The re-entrant lock every call holds: hold it to make several calls one step, as
+        another thread sees them (``with buf.lock: ...``), or around the replay of a captured
+        graph that samples this buffer."""
+        return self._guard.lock
+
+    @property
+    def guard(self):
+        """The :class:`~gpubuf._core.concurrency.CallGuard` of this buffer's calls (:attr:`lock` and the
+        stream order), shared by the companions that call into it."""
+        return self._guard
+
+    def copy_args(self) -> dict:
+        """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into (what
+        its copies are built from)."""
+        c = self.config
+        lead = (1, c.n_envs) if c.vectorized_env else (1,)
+        sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype)
+                            for leaf in c.leaves})
+        return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size,
+                "data_sample": sample, "vectorized_env": c.vectorized_env, "n_steps": c.n_steps,
+                "device": str(self.device), "storage_device": self._init_storage[0],
+                **dict(c.extra)}
+
+    def copy_refusal(self) -> str | None:
+        if self.storage.dir is None:
+            return None
+        return (f"its rows live in the files of storage_dir {str(self.storage.dir.path)!r}, which "
+                "one buffer at a time may hold; save a checkpoint (buffer.save(path)) or load "
+                "buffer.state_dict() into a new buffer, or close() it and re-open the directory "
+                "where it is needed")
+
+    @property
+    def _owned(self) -> tuple:  # memory ranges of every tensor held: inputs on them are copied
+        if self._owned_at[0] != self.sampler.allocations:
+            self._owned_at = (self.sampler.allocations,
+                              memory_ranges([*self.storage.tensors(), *self.sampler.tensors()]))
+        return self._owned_at[1]
+
+    def __len__(self) -> int:  # transitions stored: rows held times envs
+        return self.ring.count * self.n_envs
+
+    @property
+    @locked
+    def nbytes(self) -> int:
+        """Bytes held: storage, priorities, the tree and validity mask of each kind used so far, and
+        the episode marks (one byte per row) once frame stacks or n-step returns were sampled."""
+        marks = [] if self._marks is None else [self._marks.marks, self._marks.held]
+        return sum(t.numel() * t.element_size()
+                   for t in [*self.storage.tensors(), *self.sampler.tensors(), *marks])
+
+    @locked
+    def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
+        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and
+        ``boundaries``."""
+        return self.sampler.count_valid(self.config.kind(with_next_obs, boundaries))
+
+    @locked
+    def sampling_mass(self, with_next_obs: bool = False, boundaries: str = "allow") -> torch.Tensor:
+        """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample`:
+        0 when invalid, 1 when valid (uniform), ``priority**alpha`` (prioritized). A read-only
+        diagnostic."""
+        return self.sampler.sampling_mass(self.config.kind(with_next_obs, boundaries))
+
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
+    @locked
+    def insert(self, transition: Transition):
+        """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
+        Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
+        shapes and value-preserving dtypes of ``data_sample`` (:func:`gpubuf._core.inputs.check_cast`);
+        nothing is written on any error (a ``storage_dir`` buffer in a process other than the one
+        that opened it, a fork, raises ``RuntimeError`` naming both pids). Device
+        ``truncated``/``terminated`` are read back. Host
+        storage: an insert of numpy arrays with the signature of the last one accepted takes the
+        steady-state path (:mod:`gpubuf.replay.steady_insert`)."""
+        staged = steady = self._steady.match(transition, self._owned)
+        if steady is not None:  # the last accepted signature: numpy arrays of the stored layout
+            self.storage.check_open()
+            T = next(iter(staged.values())).shape[0]
+            trunc, ends, last = self._steady.row_flags(staged, T)
+        else:
+            values, given, T = self.config.rows(transition)
+            self.storage.check_open()
+            trunc, ends, last = self.config.row_flags(values, T)
+            # phase 1: any conversion error happens here
+            staged = self.storage.stage(values, given, self._owned)
+        ring = self.ring
+        with signals_held():  # phase 2: commit
+            self.storage.before_write(ring.pos, ring.count, ring.total, T)
+            pos, before_wrap = ring.write(T, trunc, ends, last)
+            self.storage.write(staged, pos, before_wrap, T)
+            self.sampler.rows_written(pos, before_wrap, T)
+            self.sampler.refresh_after_write(pos, T)
+            if self._marks is not None:
+                self._marks.rows_written(ring, pos, before_wrap, T)
+            self.storage.after_write(ring.pos, ring.count, ring.total)
+        if steady is None:
+            self._steady.learn(transition, given)
+        return self
+
+    def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
+                          boundaries: str = "allow") -> tuple[int, int]:
+        """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises (a
+        check the sampling calls run under :attr:`lock`; it takes none itself)."""
+        B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs, boundaries)
+        self.sampler.check_draw(kind, B, with_replacement)
+        return B, kind
+
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
+    @locked
+    def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
+               with_next_obs: bool = False, boundaries: str = "allow", *,
+               out: Transition | None = None, return_indices: bool = False,
+               frame_stack: int | None = None, frame_stride: int = 1,
+               n_step_return: tuple[int, float] | None = None):
+        """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts; with
+        ``return_indices=True``, ``(batch, indices)``: the windows' flat starts ``(B,)`` int64 on
+        the device, ``row * n_envs + env`` (:meth:`locate` maps them to env, ring row and the env's
+        own row count).
+
+        Leaves come back ``(B, n_steps, ...)`` (``(B, ...)`` when ``n_steps == 1``). ``key``: a
+        ``torch.Generator``, an int seed (the same int, the same batch) or ``None`` (the buffer's
+        generator). ``with_next_obs`` fills ``next_observation`` with the observation one row later
+        (unless stored), and then never samples a window whose first ``n_steps`` rows hold a
+        truncation. Raises ``ValueError`` when there is no valid start, or fewer than ``batch_size``
+        without replacement.
+
+        Memory: a batch whose outputs and working memory (estimated up front) exceed what the
+        device has in all raises ``MemoryError`` naming ``batch_size`` and the bytes before anything
+        is drawn; an allocation that fails raises the same. A sample that raises leaves the
+        generator (the buffer's or ``key``'s), the priorities and the counts as they were.
+
+        ``boundaries``: ``"allow"``, ``"mask"`` or ``"forbid"``, what a window may do at an episode
+        end (the module docstring says how). ``out`` may be a :class:`Transition` of preallocated
+        tensors of exactly the returned shapes and dtypes on the buffer's device: the windows are
+        written there and ``out`` is returned.
+
+        Pixel replay (each frame stored once, in ``observation``; no stored ``next_observation``):
+
+        - ``frame_stack=k``: every observation leaf comes back as the stack of its row's last ``k``
+          frames, ``frame_stride`` rows apart (a ``frame_stride`` other than 1 without
+          ``frame_stack`` is a ``ValueError``), oldest first, ``(B, [n_steps,] k, ...)``
+          (``next_observation`` too, with ``with_next_obs``). At an episode start the stack is
+          padded with the episode's first frame, and never reaches a frame of the previous
+          episode: an episode ends after a ``terminated`` or ``truncated`` row, or, when the
+          buffer stores ``info["is_last"]`` (an env source's rows), after that row only. A stack
+          never reaches a row the ring no longer holds: once the oldest rows of an episode are
+          overwritten, its oldest frame held pads instead. Validity and probabilities of the
+          starts are those of ``frame_stack=None``.
+        - ``n_step_return=(n, gamma)`` (a buffer of ``n_steps=1``): each transition becomes the
+          n-step one: ``reward`` the discounted sum of the rewards of up to ``n`` rows from the
+          start (float32; float64 for a float64 reward), ``discount`` the bootstrap value's factor
+          ``gamma**m`` after ``m`` rewards, 0 when they end in a termination (``terminated``
+          True), ``next_observation`` the observation (stacked with ``frame_stack``) to bootstrap
+          from, ``truncated`` True where fewer than ``n`` rewards were taken without a
+          termination: at a truncation (or an ``info["is_last"]`` row) the return stops before
+          that row and bootstraps from its observation (a row both terminated and truncated is a
+          termination); likewise it stops before the newest row held, whose reward is not taken
+          while its next observation is not stored, and bootstraps from that row's observation.
+          Other leaves (``action``,
+          ``info``) are the start row's. Starts are drawn as with ``with_next_obs=True`` (never a
+          truncated row). Needs a ``terminated`` leaf. ``out`` is not offered with either
+          argument.
+        """
+        if not isinstance(return_indices, bool):
+            raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
+        spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
+        if spec is not None and out is not None:
+            raise ValueError("out: not offered with frame_stack or n_step_return; got a "
+                             f"{type(out).__name__}")
+        returns = spec is not None and spec.n is not None
+        B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
+                                         boundaries)
+        g = generator_for(key, self.generator)
+        what = self.check_sample_memory(B, with_next_obs, spec, with_replacement, out is None)
+        # a failed sample leaves the generator as it was (an int key's is new for this call)
+        rng = g.get_state() if key is None or isinstance(key, torch.Generator) else None
+        try:
+            plan = None if spec is not None or out is not None else \
+                self.storage.host_plan(B, with_next_obs, self.device)
+            if spec is not None:
+                stacked = StackedGather(self, spec, B, with_next_obs)
+                stacked.prepare()  # the stacks' outputs, before the draw
+            elif plan is None:
+                jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device,
+                                              self._owned)
+            idx, mass = self.sampler.draw(kind, B, g, with_replacement)
+            if spec is not None:
+                result = stacked.run(idx)
+            elif plan is not None:  # the steady host path: fresh outputs in their own dtypes
+                result = unflatten(self.gather_host(plan, idx, B, with_next_obs))
+            else:  # the windows, in the storage's layout
+                result = self.storage.gather(idx, jobs, self.device)
+                result = unflatten(result) if out is None else out
+            batch = self.config.with_flags(result, boundaries, self.device)
+            if self.sampler.prioritized:
+                batch.PER_weights = self.sampler.weights(mass)
+        except BaseException as err:
+            if rng is not None:
+                g.set_state(rng)
+            if ops.allocation_failed(err):
+                raise ops.memory_error("batch_size", what, err) from None
+            raise
+        return (batch, idx) if return_indices else batch
+
+    def check_sample_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool,
+                            fresh: bool = True):
+        """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes, for a
+        ``MemoryError``), after checking it fits: ``MemoryError`` naming ``batch_size`` when that
+        is more than the sampling (or storage) device has in all (:func:`gpubuf.ops.capacity`)."""
+        key = (B, with_next_obs, spec, with_replacement, fresh)
+        last = self._last_fit  # a steady loop asks the same each step: one compare
+        if last[0] == key:
+            return last[1]
+        what = self._fits.get(key, self._check_fits, B, with_next_obs, spec, with_replacement,
+                              fresh)
+        self._last_fit = (key, what)
+        return what
+
+    def _check_fits(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool):
+        nbytes = self.sample_bytes(B, with_next_obs, spec, with_replacement, fresh)
+        what = lambda: (f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and "
+                        f"working memory on {self.device}")
+        ops.check_fits("batch_size", what, nbytes, self.device)
+        if self.storage.device != self.device:
+            ops.check_fits("batch_size", what, nbytes, self.storage.device)
+        return what
+
+    def sample_bytes(self, B: int, with_next_obs: bool, spec=None, with_replacement: bool = True,
+                     fresh: bool = True, draw: bool = True) -> int:
+        """About how many bytes a sample of ``B`` windows allocates at once: its outputs (``fresh``:
+        not the caller's ``out``), flags, starts and masses, plus the working memory of the draw
+        (``draw``; the torch twin's descent holds ``(B, fanout)`` children, a draw without
+        replacement rounds of ``2 B`` draws) and of the gathers (row indices; stacks' and returns'
+        masks). An estimate, to refuse a sample that cannot fit before it starts."""
+        config, n = self.config, self.config.n_steps
+        row = {leaf.path: math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in config.leaves}
+        obs = sum(row[p] for p in config.paths("observation"))
+        k = 1 if spec is None or spec.k is None else spec.k
+        returns = spec is not None and spec.n is not None
+        per = (n * sum(row.values()) + n * (k - 1) * obs) if fresh else 0  # windows, stacks
+        if fresh and with_next_obs and not config.stores_next_obs and not returns:
+            per += n * k * obs  # next observations
+        if returns:
+            per += k * obs + 26  # bootstrap stacks; return, discount, row, terminated, cut
+        per += 2 * n + 24  # is_first and mask; starts, masses, weights
+        work = 8 * n * 2  # window rows
+        if draw:
+            if self.backend == "torch":
+                work += 2 * FANOUT * 8 + 48  # the twin's descent: children and their sums
+            if not with_replacement:
+                work = 2 * (work + 64)  # rounds of 2 B draws, made unique
+        if spec is not None and self.storage.backend == "torch":
+            reach = (k - 1) * spec.stride
+            stack = reach * 18 + k * 8  # the back-reach masks and frame rows of one stack
+            work += n * stack * (spec.k is not None) + (spec.n * 48 + stack if returns else 0)
+        return B * (per + work)
+
+    def gather_host(self, plan: list, idx: torch.Tensor, B: int, with_next_obs: bool) -> dict:
+        """The storage's planned host gather; an allocation failure takes the general path, which
+        raises ``MemoryError`` naming ``batch_size``."""
+        try:
+            return self.storage.gather_planned(plan, idx)
+        except RuntimeError:
+            jobs = self.storage.check_out(None, self.config.jobs(B, with_next_obs), self.device, ())
+            return self.storage.gather(idx, jobs, self.device)
+
+    @locked
+    def episode_marks(self):
+        """The :class:`~gpubuf.replay.episode_marks.EpisodeMarks` of this buffer (built on first use, then
+        kept current by every write)."""
+        if self._marks is None:
+            from gpubuf.replay.episode_marks import EpisodeMarks
+
+            self._marks = EpisodeMarks(self.config, self.storage, self.ring)
+        return self._marks
+
+    @locked
+    def gather(self, starts, jobs: dict, out=None, boundaries: str = "allow") -> Transition:
+        """The flagged batch of windows of flat ``starts`` (B,) for ``storage.check_out``'s
+        jobs."""
+        result = self.storage.gather(starts, jobs, self.device)
+        return self.config.with_flags(unflatten(result) if out is None else out, boundaries,
+                                      self.device)
+
+    @locked
+    def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
+                      boundaries="allow", *, frame_stack: int | None = None,
+                      frame_stride: int = 1, n_step_return: tuple[int, float] | None = None):
+        """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with
+        device-side random numbers and no host sync, for capture in a CUDA graph (``boundaries``:
+        ``"allow"`` or ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the
+        device default; ``frame_stack``, ``frame_stride``, ``n_step_return``: as in
+        :meth:`sample`)."""
+        from gpubuf.replay.graph_sampler import GraphSampler
+
+        return GraphSampler(self, batch_size, with_next_obs, generator, boundaries,
+                            frame_stack=frame_stack, frame_stride=frame_stride,
+                            n_step_return=n_step_return)
+
+    @locked
+    def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like
+        ``indices`` on their device: ``row * n_envs + env`` splits into ring ``row`` and ``env``;
+        ``step`` counts the env's rows from the first this buffer wrote (a :meth:`load_state_dict`
+        numbers its rows from 0; with an :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step``
+        shows the env after ``step`` calls of ``step()``). ``IndexError`` for an index outside ``[0,
+        max_size)`` or a row not held."""
+        flat, device = host_indices(indices)
+        return tuple(torch.from_numpy(a).to(device) for a in self.ring.locate(flat))
+
+    # ------------------------------------------------------------------ state
+
+    @locked
+    def state_dict(self) -> dict:
+        """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG
+        state and the sampler's own entries: tensors and plain values only."""
+        state = self.config.as_dict()
+        state.update(shapes={leaf.name: leaf.shape for leaf in self.config.leaves},
+                     data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves},
+                     pos=self.ring.pos, count=self.ring.count,
+                     trunc=torch.from_numpy(self.ring.trunc.copy()),
+                     rng=self.generator.get_state(), **self.sampler.state())
+        return state
+
+    @locked
+    def load_state_dict(self, state) -> None:
+        """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch
+        raises naming the key and changes nothing. Should reading the data fail after validation
+        (an I/O error), the buffer is emptied rather than left half-loaded."""
+        pos, count, rng, (trunc, ends, last) = self.config.check_state(state, self.state_dict())
+        checked = self.sampler.check_state(state, pos, count)
+        data = {leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves}
+        sources = unaliased({name: state["data"][name] for name in data}, data, self._owned)
+        self.storage.check_open()
+        with signals_held():
+            self.storage.before_load(self.ring.total)
+            try:
+                for name, t in data.items():
+                    copy_into(t, sources[name])
+                self.sampler.load_state(state, checked, self._owned)
+            except BaseException:  # the data is half-read (a read error): forget every row
+                self.ring.restore(0, 0, np.zeros_like(trunc), np.zeros_like(trunc))
+                self.sampler.forget()
+                if self._marks is not None:
+                    self._marks.set_held(self.ring)
+                raise
+            self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends,
+                              last=last)
+            self.sampler.forget()  # validity and trees are rebuilt from the rows
+            if self._marks is not None:
+                self._marks.rebuild(self.ring)
+            self.generator.set_state(rng)
+        self.flush()  # a storage_dir now holds the loaded state
+
+    @locked
+    def flush(self):
+        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``,
+        ``beta`` when prioritized) beside the files and write every file back to disk, so that a
+        later process re-opens this buffer as it is now. Without one: nothing to do. Returns
+        ``self``."""
+        self.storage.flush(self.ring, {"rng": self.generator.get_state(), **self.sampler.flushed()})
+        return self
+
+    @locked
+    def close(self) -> None:
+        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
+        still be sampled, no longer written); closing twice is harmless. ``with
+        TransitionBuffer(...) as buf:`` closes on exit. Without one, or in a forked child of the
+        process that opened the directory (which keeps its lock): nothing to do."""
+        if not self.storage.closed:
+            self.flush()
+            self.storage.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:  # ``with`` closes a storage_dir buffer
+        self.close()
+

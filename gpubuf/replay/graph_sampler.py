@@ -1,0 +1,147 @@
+"""GraphSampler: replay sampling with fixed tensors, device-side random numbers and no host sync, so
+that a learner step calling it can be captured in a CUDA graph (``torch.cuda.graph``) and replayed.
+
+Everything one draw touches is allocated once, at construction: the uniforms ``(B,)`` float64, the
+flat starts ``(B,)`` int64, the output windows (a :class:`~gpubuf.Transition` of ``(B, n_steps,
+...)`` tensors), and for a prioritized buffer the masses and ``PER_weights``. The Triton gather
+launches from tables uploaded once. :meth:`GraphSampler.sample` then does, on the device only:
+``torch.rand`` into the uniforms, the prefix-sum tree descent, the window gather, and the importance
+weights. Nothing reads the device, nothing allocates, and the host decides nothing that depends on
+the buffer's fill: the tree the descent walks is the buffer's own, kept current by every insert and
+priority update, so a graph replayed after more inserts samples the buffer as it is then.
+"""
+
+import torch
+
+from gpubuf import ops
+from gpubuf._core.concurrency import locked
+from gpubuf._core.copies import refuse_copies
+from gpubuf._core.transition import Transition, unflatten
+from gpubuf.replay.stacked import StackedGather, StackSpec
+
+
+@refuse_copies("its tensors may be captured in a CUDA graph of its buffer; build a new one with "
+               "copy.graph_sampler(...) on the buffer's copy")
+class GraphSampler:
+    """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or
+    prioritized one).
+
+    Built by :meth:`TransitionBuffer.graph_sampler`. Draws are exact: starts with probability
+    proportional to their mass (uniform over valid starts, or ``priority**alpha``), as
+    :meth:`TransitionBuffer.sample` with ``with_replacement=True``, but from a device generator:
+    ``generator`` (a ``torch.Generator`` on the buffer's device; register it with the graph,
+    ``CUDAGraph.register_generator_state``) or, when ``None``, the device's default generator
+    (``torch.manual_seed`` seeds it; CUDA graphs handle it by themselves).
+
+    ``frame_stack``, ``frame_stride`` and ``n_step_return`` build stacks and n-step returns from
+    single frames as :meth:`TransitionBuffer.sample` does (from the buffer's episode marks and held
+    rows, device tensors every insert keeps current).
+
+    ``boundaries`` may be ``"allow"`` or ``"forbid"`` (as in :meth:`TransitionBuffer.sample`;
+    ``"forbid"`` sets the constant ``is_first`` / ``mask`` flags once and refreshes
+    ``has_transition`` from each draw); ``"mask"`` derives its flags from each batch and is not
+    offered here.
+
+    ``beta`` (prioritized) is the buffer's own: every draw reads the buffer's device copy of it
+    (:attr:`~gpubuf.PrioritizedTransitionBuffer.beta_tensor`), which ``buffer.update_beta``,
+    ``buffer.load_state_dict`` and :meth:`set_beta` refresh in place, so a captured graph replayed
+    after any of them uses the new value (a buffer re-opened from a ``storage_dir`` starts from the
+    saved one). A draw needs at least one valid start; the buffer must not be emptied
+    (``load_state_dict`` of an empty state) while a captured graph is replayed.
+
+    :meth:`sample` and :meth:`set_beta` hold the buffer's lock, as the buffer's own calls do; a
+    captured graph replays outside any call: replay it under ``buffer.lock`` when other threads
+    write the buffer.
+    """
+
+    def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
+                 generator: torch.Generator | None = None, boundaries: str = "allow", *,
+                 frame_stack: int | None = None, frame_stride: int = 1,
+                 n_step_return: tuple[int, float] | None = None):
+        if boundaries not in ("allow", "forbid"):
+            raise ValueError("boundaries: expected 'allow' or 'forbid' for a GraphSampler, got "
+                             f"{boundaries!r}")
+        if buffer.storage_device != buffer.device:
+            raise ValueError("buffer: a GraphSampler gathers on the sampling device; this buffer's "
+                             f"storage is on {buffer.storage_device}, not {buffer.device}")
+        spec = StackSpec.build(buffer.config, frame_stack, frame_stride, n_step_return)
+        returns = spec is not None and spec.n is not None
+        B, kind = buffer.check_sample_args(batch_size, True, with_next_obs or returns, boundaries)
+        if generator is not None and (not isinstance(generator, torch.Generator)
+                                      or generator.device.type != buffer.device.type):
+            got = (generator.device if isinstance(generator, torch.Generator)
+                   else type(generator).__name__)
+            raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, "
+                             f"got {got}")
+        # a batch that cannot fit is refused before anything is built
+        what = buffer.check_sample_memory(B, with_next_obs, spec, True)
+        buffer.sampler.activate(kind)  # the tree is kept current from now on
+        self._guard = buffer.guard  # calls hold the buffer's lock
+        self.buffer, self.batch_size, self.generator = buffer, B, generator
+        self._tree = buffer.sampler.trees[kind]
+        dev = buffer.device
+        try:  # a failed allocation raises MemoryError naming batch_size
+            self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
+            self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
+            storage = buffer.storage
+            self._tables, self._stacked = None, None
+            if spec is not None:
+                self._stacked = StackedGather(buffer, spec, B, with_next_obs, fixed=True).prepare()
+                result = self._stacked.assemble(self._stacked.out, self._stacked.out["plain"])
+            else:
+                jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
+                result, self._work = storage.outputs(B, jobs, dev)
+                result = unflatten(result)
+            # forbid: constant
+            self.out: Transition = buffer.config.with_flags(result, boundaries, dev)
+            # the kernel reads time-major storage
+            if spec is None and buffer.backend == "triton" and storage.dir is None:
+                self._tables = ops.sequence_tables(self._work, B, buffer.n_steps, dev)
+            self.prioritized = buffer.sampler.prioritized
+            if self.prioritized:
+                self._mass = torch.empty(B, dtype=torch.float64, device=dev)
+                self._min = torch.empty((), dtype=torch.float64, device=dev)
+                # () float64: the buffer's beta, kept current by the buffer
+                self._beta = buffer.beta_tensor
+                self._neg_beta = torch.empty((), dtype=torch.float64, device=dev)
+                self.out.PER_weights = torch.empty(B, dtype=torch.float32, device=dev)
+        except Exception as err:
+            if ops.allocation_failed(err):
+                raise ops.memory_error("batch_size", what, err) from None
+            raise
+
+    @locked
+    def set_beta(self, beta: float) -> "GraphSampler":
+        """Set the buffer's importance-sampling exponent (as ``buffer.update_beta``), read by every
+        later draw, graph replay and ``buffer.sample``; returns ``self``. A bad value raises naming
+        ``beta`` and changes nothing."""
+        if not self.prioritized:
+            raise ValueError("set_beta: the buffer is not prioritized (its batches carry no "
+                             "PER_weights)")
+        self.buffer.update_beta(beta)
+        return self
+
+    @locked
+    def sample(self) -> tuple[Transition, torch.Tensor]:
+        """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when
+        prioritized) and ``indices`` (B,) int64 their flat starts; both are the same tensors at
+        every call."""
+        buf, tree = self.buffer, self._tree
+        torch.rand(self.u.shape, dtype=torch.float64, generator=self.generator, out=self.u)
+        ops.tree_sample(buf.backend, tree.tree, tree.offsets, tree.fanout, self.u, self.indices)
+        if self._stacked is not None:
+            self._stacked.run(self.indices)
+        elif self._tables is not None:
+            ops.sequence_gather_fixed(self._tables, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
+        else:
+            buf.storage.gather_windows(self._work, self.indices)
+        buf.config.refresh_flags(self.out)  # has_transition from the rows just gathered
+        if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
+            torch.index_select(tree.tree, 0, self.indices, out=self._mass)
+            torch.amin(self._mass, 0, out=self._min)
+            # the buffer's beta when this runs (or is replayed)
+            torch.neg(self._beta, out=self._neg_beta)
+            self._mass.div_(self._min).pow_(self._neg_beta)
+            self.out.PER_weights.copy_(self._mass)
+        return self.out, self.indices
+

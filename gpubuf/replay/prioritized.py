@@ -1,0 +1,144 @@
+"""PrioritizedTransitionBuffer: a TransitionBuffer composed with a
+:class:`~gpubuf.replay.samplers.PrioritizedSampler`.
+
+The sampler owns everything about priorities (their checks, state, flush and re-open, the importance
+weights' ``beta``); this module adds the prioritized API on top: the arguments, ``PER_weights`` on
+sampled batches, and priority and beta updates.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from gpubuf._core.concurrency import locked
+from gpubuf._core.inputs import finite_float
+from gpubuf._core.transition import Transition
+from gpubuf.replay.buffer import TransitionBuffer
+from gpubuf.replay.samplers import PrioritizedSampler
+
+_F32_TINY = torch.finfo(torch.float32).tiny
+_LOG_TINY = math.log(torch.finfo(torch.float64).tiny)
+
+
+class PrioritizedTransitionBuffer(TransitionBuffer):
+    """A :class:`TransitionBuffer` with prioritized experience replay over sequence starts.
+
+    Extra args: ``alpha`` (priority exponent; 0 is uniform), ``beta`` (importance-sampling exponent,
+    see :meth:`update_beta`), ``eps`` (> 0, added to ``|td|`` so no start gets zero probability).
+    Storage tiers (``storage_device``, ``storage_dir``) as in :class:`TransitionBuffer`; priorities
+    stay on ``device``.
+
+    Each start has a raw priority (float32); newly inserted starts get the running ``max_priority``
+    (initially 1, never decreasing). ``P_i = p_i**alpha / sum over valid starts``. :meth:`sample`
+    returns ``(Transition, flat_indices)`` with ``PER_weights = (N*P_i)**-beta / max over the
+    batch``, which equals ``(P_i / min_batch P)**-beta``. Without replacement (**the default here**,
+    as in the original PER buffer; the uniform :class:`TransitionBuffer` defaults to with
+    replacement) the draw is exact sequential sampling without replacement (Plackett-Luce): see
+    :class:`TransitionBuffer` for how and what it costs.
+
+    Every valid start has a positive, finite mass: ``eps`` must survive float32 and ``eps**alpha``
+    float64 (checked here), and an update whose ``max_priority**alpha`` summed over all starts would
+    overflow float64 is rejected (``ValueError`` naming ``td_errors`` and ``alpha``).
+    :meth:`update_priorities` validates its inputs where they live: host inputs on the host (no
+    device read), device inputs with one read-back.
+    """
+
+    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
+                 vectorized_env: bool = True, n_steps: int = 1, alpha: float = 0.6,
+                 beta: float = 0.4, eps: float = 1e-6, *, device=None, seed: int | None = None,
+                 storage_device=None, storage_dir=None):
+        self.alpha = finite_float("alpha", alpha, 0.0)
+        self._initial_beta = finite_float("beta", beta, 0.0)
+        self.eps = finite_float("eps", eps, 0.0, low_open=True)
+        eps32 = float(np.float32(self.eps))
+        if eps32 < _F32_TINY:
+            raise ValueError(f"eps: expected at least {_F32_TINY:g} (priorities are float32), got "
+                             f"{eps!r}")
+        if self.alpha * math.log(eps32) < _LOG_TINY:
+            raise ValueError(f"eps, alpha: eps**alpha = {eps32:g}**{self.alpha:g} underflows "
+                             "float64, so a start with a zero TD error could never be drawn; raise "
+                             "eps or lower alpha")
+        super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps,
+                         device=device, seed=seed, storage_device=storage_device,
+                         storage_dir=storage_dir)
+
+    def _config_extra(self) -> tuple:
+        return (("alpha", self.alpha), ("eps", self.eps))
+
+    def _make_sampler(self) -> PrioritizedSampler:
+        return PrioritizedSampler(self.ring, self.device, self.backend, self.alpha,
+                                  self._initial_beta, self.eps)
+
+    @property
+    def max_priority(self) -> float:
+        """The running maximum priority."""
+        return self.sampler.max_priority
+
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable  # (the lock is the one TransitionBuffer.sample takes)
+    def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
+               with_next_obs: bool = False, boundaries: str = "allow", *,
+               out: Transition | None = None, frame_stack: int | None = None,
+               frame_stride: int = 1,
+               n_step_return: tuple[int, float] | None = None) -> tuple[Transition, torch.Tensor]:
+        """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch
+        carries ``PER_weights`` (B,) float32. Shapes, ``key``, ``with_next_obs``, ``boundaries``,
+        ``out``, ``frame_stack``, ``frame_stride`` and ``n_step_return`` as in
+        :meth:`TransitionBuffer.sample` (``out.PER_weights`` is replaced by a fresh tensor). Note
+        the default ``with_replacement=False``. ``flat_indices`` (B,) int64 are flat starts ``row *
+        n_envs + env`` (:meth:`~TransitionBuffer.locate` maps them to env, ring row and the env's
+        own row count). Rows of an :class:`~gpubuf.EnvPoolSource` that hold no transition
+        (``info["is_last"]``) never start a window; ``P_i`` is then taken over the other starts."""
+        return super().sample(key, with_replacement, batch_size, with_next_obs, boundaries, out=out,
+                              return_indices=True, frame_stack=frame_stack,
+                              frame_stride=frame_stride, n_step_return=n_step_return)
+
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
+    @locked
+    def update_priorities(self, indices, td_errors):
+        """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
+
+        Duplicate indices keep their largest value. ``max_priority`` becomes ``max(max_priority,
+        new)``. Empty inputs do nothing. Raises (writing nothing) on non-integer or out-of-range
+        indices, a length mismatch, NaN/inf results, a priority whose ``**alpha`` mass would
+        overflow, or a closed ``storage_dir`` buffer (its next flush could not keep the change);
+        ``RuntimeError`` in a process that did not open its ``storage_dir`` (a fork).
+        """
+        self.storage.check_open()
+        self.sampler.update_priorities(indices, td_errors)
+        return self
+
+    @locked
+    def update_beta(self, beta: float):
+        """Set the importance-sampling exponent; returns ``self``. Every
+        :class:`~gpubuf.GraphSampler` of this buffer follows it, in captured graphs too (through
+        :attr:`beta_tensor`). A closed ``storage_dir`` buffer refuses (its next flush could not keep
+        it)."""
+        self.storage.check_open()
+        self.beta = beta
+        return self
+
+    @property
+    def beta(self) -> float:
+        """The importance-sampling exponent (``>= 0``) of ``PER_weights``; set by
+        :meth:`update_beta`, :meth:`load_state_dict` and a re-opened ``storage_dir``. A bad value
+        raises naming ``beta``."""
+        return self.sampler.beta
+
+    @beta.setter
+    @locked
+    def beta(self, value: float) -> None:
+        self.sampler.beta = value
+
+    @property
+    def beta_tensor(self) -> torch.Tensor:
+        """``()`` float64 on ``device`` holding :attr:`beta`, refreshed in place on every change of
+        it (the same tensor for the buffer's life), for device code that reads beta when it runs,
+        such as a CUDA graph of a :class:`~gpubuf.GraphSampler`. Read it; change beta through
+        :meth:`update_beta`."""
+        return self.sampler.beta_tensor
+
+
+__all__ = ["PrioritizedTransitionBuffer"]

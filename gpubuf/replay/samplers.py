@@ -1,0 +1,389 @@
+"""Sampling policies of the replay buffers: which flat starts a batch begins at, and with what mass.
+
+A policy is composed into a :class:`~gpubuf.TransitionBuffer`. It owns the device side of sampling:
+one :class:`~gpubuf.replay.tree.PrefixSumTree` and one validity mask per validity kind (see
+:class:`~gpubuf.replay.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping
+says which starts are valid; the policy turns that into mass: 1 per valid start
+(:class:`UniformSampler`) or ``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A
+valid start's mass is never zero.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from gpubuf import ops
+from gpubuf._core.inputs import finite_float, priority_updates
+from gpubuf._core.signals import signals_held
+from gpubuf._core.staging import Staging
+from gpubuf._core.state import check_tensor, chunks, copy_into, unaliased
+from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, StartRing
+from gpubuf.replay.tree import PrefixSumTree
+
+_LOG_MAX = math.log(torch.finfo(torch.float64).max)
+
+
+class UniformSampler:
+    """Uniform sampling over the valid starts of a :class:`StartRing` (each kind's tree built on
+    first use)."""
+
+    prioritized = False
+
+    def __init__(self, ring: StartRing, device: torch.device, backend: str):
+        self.ring, self.device, self.backend = ring, device, backend
+        self.trees: dict[int, PrefixSumTree] = {}  # per kind, allocated on first use
+        # (M*E,) bool device validity mask per kind, likewise
+        self.valid: dict[int, torch.Tensor] = {}
+        self.active: set[int] = set()  # kinds whose tree and mask are kept up to date
+        self.allocations = 0  # bumped whenever tensors() grows
+        self._staging = Staging(device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every device tensor the policy holds (trees and masks exist once their kind was first
+        used)."""
+        return [*(t.tree for t in self.trees.values()), *self.valid.values()]
+
+    def activate(self, kind: int) -> None:
+        """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every
+        row) unless they are kept already; signals are held meanwhile, and the kind counts as kept
+        only once built."""
+        if kind not in self.active:
+            if kind not in self.trees:
+                L = self.ring.max_rows * self.ring.n_envs
+                tree = PrefixSumTree(L, self.device, self.backend)
+                self.valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool},
+                                                self.device)["valid"]
+                self.trees[kind] = tree
+                self.allocations += 1
+            with signals_held():
+                self.refresh_rows(kind, 0, self.ring.max_rows)
+                self.active.add(kind)
+
+    def forget(self) -> None:
+        """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in
+        use now, so tensors handed out earlier (a GraphSampler's tree) stay current."""
+        self.ring.forget_validity()
+        for kind in sorted(self.active):
+            self.refresh_rows(kind, 0, self.ring.max_rows)
+
+    def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
+        """New rows ``pos .. pos+before_wrap-1`` and ``0 .. T-before_wrap-1`` were written (before
+        validity is refreshed)."""
+
+    def refresh_after_write(self, old_pos: int, T: int) -> None:
+        """Refresh the starts whose windows changed after ``T`` rows were written at ``old_pos``."""
+        if not self.active:
+            return
+        segments = self.ring.changed_rows(old_pos, T, self.active)
+        for kind in sorted(self.active):
+            for r0, r1 in segments:
+                self.refresh_rows(kind, r0, r1)
+
+    def refresh_rows(self, kind: int, r0: int, r1: int) -> None:
+        """Validity (host and device mask) and tree leaves of the starts in rows ``[r0, r1)``, then
+        their parents."""
+        ok, n_ok = self.ring.refresh(kind, r0, r1)
+        lo, hi = r0 * self.ring.n_envs, r1 * self.ring.n_envs
+        mask = self.valid[kind][lo:hi]
+        if n_ok == hi - lo:
+            mask.fill_(True)
+        else:
+            mask.copy_(self._staging.to_device(torch.from_numpy(ok), f"__valid{kind}_{r0 == 0}__"))
+        self.trees[kind].update_range(lo, self.mass(slice(lo, hi), mask, n_ok == hi - lo))
+
+    def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
+        """Sampling mass (float64, on the device) of flat ``starts`` (a slice or index tensor) given
+        their device validity ``valid`` (``all_valid``: all of them valid)."""
+        return valid.to(torch.float64)
+
+    def count_valid(self, kind: int) -> int:
+        """Valid starts of ``kind`` (from the ring range while they are one, else from the kept
+        validity)."""
+        if self.ring.one_range(kind):
+            return self.ring.range_starts(kind)[1]
+        self.activate(kind)
+        return self.ring.n_valid[kind]
+
+    def check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
+        """Raise ``ValueError`` unless ``B`` starts of ``kind`` can be drawn (any, or ``B``
+        distinct)."""
+        n = self.count_valid(kind)
+        if n == 0:
+            what = (" without truncation" if kind & NEXT_OBS else "") + \
+                (" inside one episode" if kind & IN_EPISODE else "")
+            raise ValueError(f"sample: no valid sequence start yet ({self.ring.count} rows written "
+                             f"per env, windows of {self.ring.window(kind)} rows{what})")
+        if not with_replacement and B > n:
+            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling "
+                             "without replacement needs")
+
+    def sampling_mass(self, kind: int) -> torch.Tensor:
+        """``(M*E,)`` float64 copy of every start's mass for ``kind``."""
+        self.activate(kind)
+        return self.trees[kind].tree[:self.trees[kind].capacity].clone()
+
+    def uniforms(self, g: torch.Generator, n: int) -> torch.Tensor:
+        """(n,) float64 uniforms in [0, 1) on the device, drawn by ``g`` on its own device."""
+        u = torch.rand(n, dtype=torch.float64, generator=g, device=g.device)
+        return self._staging.to_device(u, "__uniform__")
+
+    def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
+        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator
+        ``g``. With replacement, while the valid starts are one ring range of rows, they are drawn
+        from the range directly (no tree descent, no masses); otherwise the tree is descended."""
+        if with_replacement and not self.prioritized and self.ring.one_range(kind):
+            return self._range_draw(kind, B, g), None
+        self.activate(kind)
+        tree = self.trees[kind]
+        if with_replacement:
+            idx = tree.sample(self.uniforms(g, B))
+            return idx, tree.leaves(idx)
+        return self._draw_without_replacement(tree, B, g)
+
+    def _range_draw(self, kind: int, B: int, g: torch.Generator) -> torch.Tensor:
+        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where
+        ``g`` draws (for a host generator, on the host, so one copy of the starts reaches the
+        device)."""
+        M, E = self.ring.max_rows, self.ring.n_envs
+        base, n = self.ring.range_starts(kind)
+        u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
+        if g.device.type == "cpu":
+            # uniform over the n valid (row, env) pairs: flat starts base * E + k, wrapped
+            k = (u.numpy() * n).astype(np.int64)
+            np.minimum(k, n - 1, out=k)
+            k += base * E
+            k %= M * E
+            return self._staging.to_device(torch.from_numpy(k), "__starts__")
+        k = u.mul(n).long().clamp_max_(n - 1)
+        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(
+            k.remainder(E)).to(self.device)
+
+    def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
+        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping
+        first appearances, with the drawn starts' mass zeroed between rounds and restored at the end
+        (one device read per round; a first round with enough distinct draws touches no mass). The
+        tree is restored whatever happens: an exception restores it, and asynchronous signals
+        (Ctrl-C, alarms) are held until it is whole again, so their handlers never run half-way."""
+        chosen, masses, zeroed = [], [], False
+        need = B
+        with signals_held():
+            try:
+                while True:
+                    draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
+                    uniq, inv = torch.unique(draws, return_inverse=True)
+                    first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
+                        0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
+                    # distinct draws in order of first appearance
+                    new = uniq[torch.argsort(first_seen)][:need]
+                    masses.append(tree.leaves(new))
+                    chosen.append(new)
+                    need -= new.numel()
+                    if need <= 0:
+                        break
+                    zeroed = True  # set first: a restore of leaves not yet zeroed is harmless
+                    tree.update(new,
+                                torch.zeros(new.shape, dtype=torch.float64, device=self.device))
+            finally:
+                if zeroed:  # restore: leaves as before, parents recomputed from them
+                    tree.update(torch.cat(chosen), torch.cat(masses))
+        return torch.cat(chosen), torch.cat(masses)
+
+    # ------------------------------------------------------------------ state (uniform: none)
+
+    def state(self) -> dict:
+        """The policy's entries of a buffer's ``state_dict``."""
+        return {}
+
+    def check_state(self, state: dict, pos: int, count: int):
+        """Validate the policy's entries of ``state`` (rows held: the ``count`` rows before ``pos``)
+        before any write; returns what :meth:`load_state` takes."""
+
+    def load_state(self, state: dict, checked, owned: tuple) -> None:
+        """Write the entries :meth:`check_state` accepted (``owned``: memory ranges a source may
+        alias)."""
+
+    def flushed(self) -> dict:
+        """The policy's entries of a ``storage_dir`` flush (host values)."""
+        return {}
+
+    def reopen(self, state: dict | None, since: int) -> None:
+        """Restore a re-opened directory's flushed entries (``None``: never flushed); the ``since``
+        newest held rows were written after that flush."""
+
+
+class PrioritizedSampler(UniformSampler):
+    """Sampling in proportion to ``priority**alpha`` over valid starts.
+
+    Priorities are ``(M*E,)`` float32 on the device; new starts get the running maximum priority
+    (initially 1, never decreasing), mirrored on the host so that inserts never read the device.
+    """
+
+    prioritized = True
+
+    def __init__(self, ring: StartRing, device: torch.device, backend: str, alpha: float,
+                 beta: float, eps: float):
+        super().__init__(ring, device, backend)
+        self.alpha, self.eps, self.size = alpha, eps, ring.max_rows * ring.n_envs
+        self._beta, self._beta_tensor = beta, None
+        self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32},
+                                     device)["priority"]
+        self.max_priority = 1.0
+        self._rows = self.priority.view(ring.max_rows, ring.n_envs)
+        self.check_mass("alpha", 1.0)
+
+    @property
+    def beta(self) -> float:
+        """The importance-sampling exponent (``>= 0``); a bad value raises naming ``beta``."""
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = finite_float("beta", value, 0.0)
+        if self._beta_tensor is not None:
+            # in place, no host sync: captured graphs read it at replay
+            self._beta_tensor.fill_(self._beta)
+
+    @property
+    def beta_tensor(self) -> torch.Tensor:
+        """``()`` float64 on the device holding :attr:`beta`, the same tensor for the sampler's
+        life."""
+        if self._beta_tensor is None:
+            self._beta_tensor = torch.full((), self._beta, dtype=torch.float64, device=self.device)
+        return self._beta_tensor
+
+    def weights(self, mass: torch.Tensor) -> torch.Tensor:
+        """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch
+        P)**-beta``."""
+        return (mass / mass.min()).pow_(-self._beta).to(torch.float32)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return super().tensors() + [self.priority]
+
+    def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
+        self._rows[pos:pos + before_wrap] = self.max_priority
+        if before_wrap < T:  # wrapped
+            self._rows[:T - before_wrap] = self.max_priority
+
+    def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
+        mass = self.priority[starts].to(torch.float64).pow_(self.alpha)
+        return mass if all_valid else mass.mul_(valid)  # invalid starts: zero mass
+
+    # ------------------------------------------------------------------ checks
+
+    def check_mass(self, name: str, top: float) -> None:
+        """Raise unless ``top**alpha`` summed over every start stays finite in float64."""
+        if top > 0 and self.alpha * math.log(top) + math.log(self.size) >= _LOG_MAX:
+            raise ValueError(f"{name}: priority {top:g} ** alpha {self.alpha:g} over {self.size} "
+                             "starts overflows float64 sampling mass; lower alpha or scale the TD "
+                             "errors")
+
+    def check_update(self, idx: torch.Tensor, td: torch.Tensor, new: torch.Tensor) -> float:
+        """Raise on indices outside ``[0, size)``, non-finite ``|td| + eps`` (``new``), or an
+        overflowing mass; returns the largest new priority (one read-back for device inputs)."""
+        lo, hi = torch.aminmax(idx)
+        top = new.max()  # NaN or inf here iff anywhere
+        if idx.device.type == "cpu":
+            lo, hi, top_value = lo.item(), hi.item(), top.item()
+        else:
+            lo, hi, top_value = torch.stack([lo.double(), hi.double(), top.double()]).tolist()
+        if lo < 0 or hi >= self.size:
+            raise IndexError(f"indices: expected flat start indices in [0, {self.size}), got "
+                             f"{idx[(idx < 0) | (idx >= self.size)][:5].tolist()}")
+        if not math.isfinite(top_value):
+            raise ValueError(f"td_errors: |td| + eps must be finite (float32), got "
+                             f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
+        self.check_mass("td_errors, alpha", top_value)
+        return top_value
+
+    def host_indices(self, arr: np.ndarray) -> np.ndarray:
+        """Host integer ``indices`` checked in range and widened to int64."""
+        bad = (arr >= self.size) if arr.dtype.kind == "u" else (arr < 0) | (arr >= self.size)
+        if bad.any():
+            raise IndexError(f"indices: expected flat start indices in [0, {self.size}), got "
+                             f"{arr[bad][:5].tolist()}")
+        return arr.astype(np.int64)
+
+    def check_priorities(self, where: str, prio, top: float, pos: int, count: int) -> None:
+        """Raise unless ``prio`` is ``(size,)`` float32 with every value in ``[0, top]`` and those
+        of the starts in the ``count`` rows before row ``pos`` (the rows held) at least ``eps``."""
+        check_tensor(where, prio, (self.size,), torch.float32)
+        M, E, eps = self.ring.max_rows, self.ring.n_envs, float(np.float32(self.eps))
+        oldest, at = (pos - count) % M, 0
+        for piece in chunks(prio):
+            rows = torch.arange(at, at + piece.numel()) // E
+            held = piece[(rows - oldest) % M < count]
+            if not bool(torch.isfinite(piece).all()) \
+                    or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
+                    or (held.numel() and float(held.min()) < eps):
+                raise ValueError(f"{where}: expected priorities of held starts in [{eps:g}, "
+                                 f"max_priority {top:g}] and of the others in [0, max_priority], "
+                                 "all finite")
+            at += piece.numel()
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict:
+        return {"beta": self.beta, "priority": self.priority, "max_priority": self.max_priority}
+
+    def check_state(self, state: dict, pos: int, count: int) -> tuple[float, float]:
+        beta = finite_float("state_dict['beta']", state["beta"], 0.0)
+        top = finite_float("state_dict['max_priority']", state["max_priority"], 1.0)
+        self.check_mass("state_dict['max_priority']", top)
+        self.check_priorities("state_dict['priority']", state["priority"], top, pos, count)
+        return beta, top
+
+    def load_state(self, state: dict, checked: tuple[float, float], owned: tuple) -> None:
+        copy_into(self.priority,
+                  unaliased({"priority": state["priority"]}, {"priority": self.priority},
+                            owned)["priority"])
+        self.beta, self.max_priority = checked
+
+    def flushed(self) -> dict:
+        return {"priority": self.priority.cpu(), "max_priority": self.max_priority,
+                "beta": self.beta}
+
+    def reopen(self, state: dict | None, since: int) -> None:
+        if state is not None:  # checked as a load_state_dict would, before anything is restored
+            beta = finite_float("beta", state["beta"], 0.0)
+            top = finite_float("max_priority", state["max_priority"], 1.0)
+            self.check_mass("max_priority", top)
+            ring = self.ring  # the rows held at the flush: those held now, less the `since` newest
+            self.check_priorities("priority", state["priority"], top,
+                                  (ring.pos - since) % ring.max_rows, ring.count - since)
+            self.priority.copy_(state["priority"])
+            self.max_priority, self.beta = top, beta
+        if since:  # rows written after the flush: new starts take the running max priority
+            M = self.ring.max_rows
+            first_row = (self.ring.pos - since) % M
+            self.rows_written(first_row, min(since, M - first_row), since)
+
+    def update_priorities(self, indices, td_errors) -> None:
+        """Priorities ``|td| + eps`` (float32) of flat starts ``indices`` (duplicates keep their
+        largest), every input checked before any write; host inputs are checked on the host (no
+        device read), device inputs with one read-back. Empty inputs do nothing."""
+        idx, td = priority_updates(indices, td_errors)
+        if idx.numel() == 0:
+            return
+        on_host = idx.device.type == "cpu" and td.device.type == "cpu"
+        # unsigned and narrow ints: checked and widened on the host
+        if on_host and idx.dtype != torch.int64:
+            idx = torch.from_numpy(self.host_indices(idx.numpy()))
+        new = td.to(torch.float32).abs().add_(self.eps)  # where td lives
+        if on_host:  # host inputs are checked where they are: nothing is read back from the device
+            top = self.check_update(idx, td, new)
+        # contiguous: the kernels assume unit stride
+        idx = self._staging.stage(idx, "__upd_idx__", torch.int64)
+        new = self._staging.stage(new, "__upd_td__", torch.float32)
+        if not on_host:  # device inputs: one read-back of (min index, max index, max value)
+            top = self.check_update(idx, td, new)
+        with signals_held():  # all checks passed: write
+            self.update(idx, new, top)
+
+    def update(self, idx: torch.Tensor, new: torch.Tensor, top: float) -> None:
+        """Priorities of flat starts ``idx`` (K,) int64 = ``new`` (K,) float32 (duplicates keep
+        their largest), whose largest value is ``top``; then the masses of every kept tree."""
+        self.priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
+        self.max_priority = max(self.max_priority, top)
+        for kind in self.active:
+            self.trees[kind].update(idx, self.mass(idx, self.valid[kind][idx], False))

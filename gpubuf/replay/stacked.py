@@ -1,0 +1,224 @@
+"""Sampling with frame stacks and n-step returns built from the single frames a replay buffer
+stores.
+
+:class:`StackSpec` holds a sample call's ``frame_stack``, ``frame_stride`` and ``n_step_return``,
+checked against the buffer; :class:`StackedGather` gathers one batch for sampled flat starts:
+observation leaves as stacks, the other leaves as plain windows, and with ``n_step_return`` the
+return, its discount and the bootstrap observation (the rules: :mod:`gpubuf.ops.stacks`).
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from gpubuf import ops
+from gpubuf._core.transition import Transition, unflatten
+
+RETURN_FIELDS = ("reward", "terminated", "truncated")  # replaced by the n-step transition's
+# (1,) float64 tensors of the discounts asked for, per (gamma, device): 8 at most, so an annealed
+# gamma keeps none of its past values (a GraphSampler keeps its own)
+_GAMMAS = ops.LRU(8)
+
+
+def gamma_tensor(gamma: float, device: torch.device) -> torch.Tensor:
+    """``(1,)`` float64 tensor of ``gamma`` on ``device`` (cached: :data:`_GAMMAS`)."""
+    return _GAMMAS.get((gamma, device),
+                       lambda: torch.tensor([gamma], dtype=torch.float64, device=device))
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSpec:
+    """A checked request: ``k`` frames per stack (``None``: no stacks) at ``stride`` rows apart;
+    returns of at most ``n`` rewards (``None``: none) discounted by ``gamma``."""
+
+    k: int | None
+    stride: int
+    n: int | None
+    gamma: float
+
+    @classmethod
+    def build(cls, config, frame_stack, frame_stride, n_step_return) -> "StackSpec | None":
+        """The spec of a sample call (``None`` when it asks for neither), or ``ValueError`` naming
+        the argument."""
+        if frame_stack is None:  # a stride means nothing without stacks, returns or not
+            if isinstance(frame_stride, bool) or not isinstance(frame_stride, (int, np.integer)) \
+                    or frame_stride != 1:
+                raise ValueError("frame_stride: needs frame_stack, got "
+                                 f"frame_stride={frame_stride!r} and frame_stack=None")
+            if n_step_return is None:
+                return None
+        M = config.max_rows
+        k = None if frame_stack is None else _int("frame_stack", frame_stack, 1, M)
+        stride = _int("frame_stride", frame_stride, 1, M)
+        if k is not None and (k - 1) * stride >= M:
+            raise ValueError(f"frame_stack: a stack of {k} frames at stride {stride} spans "
+                             f"{(k - 1) * stride + 1} rows; the buffer holds {M} rows per env")
+        if not config.paths("observation"):
+            raise ValueError("frame_stack/n_step_return: the buffer stores no observation")
+        if config.stores_next_obs:
+            raise ValueError("frame_stack/n_step_return: build next observations from the "
+                             "following rows; this buffer stores next_observation (store each "
+                             "frame once, in observation)")
+        n, gamma = None, 1.0
+        if n_step_return is not None:
+            if not isinstance(n_step_return, (tuple, list)) or len(n_step_return) != 2:
+                raise ValueError("n_step_return: expected (n, gamma), got "
+                                 f"{n_step_return!r}")
+            n = _int("n_step_return[0]", n_step_return[0], 1, M)
+            gamma = n_step_return[1]
+            if isinstance(gamma, bool) or not isinstance(gamma, (int, float, np.floating)) \
+                    or not 0.0 <= float(gamma) <= 1.0 or math.isnan(float(gamma)):
+                raise ValueError(f"n_step_return[1]: expected a discount gamma in [0, 1], got "
+                                 f"{gamma!r}")
+            gamma = float(gamma)
+            rewards = config.paths("reward")
+            if len(rewards) != 1 or config.by_path[rewards[0]].shape != ():
+                got = [(config.by_path[p].name, config.by_path[p].shape) for p in rewards]
+                raise ValueError("n_step_return: needs one scalar reward per row, the buffer "
+                                 f"stores {got}")
+            if config.by_path[rewards[0]].dtype in (torch.bool, torch.complex64, torch.complex128):
+                raise ValueError("n_step_return: needs a real-valued reward, the buffer stores "
+                                 f"{config.by_path[rewards[0]].dtype}")
+            if not config.paths("terminated"):
+                raise ValueError("n_step_return: needs a terminated leaf (returns stop at a "
+                                 "termination, with discount 0); the buffer stores none")
+            if config.n_steps != 1:
+                raise ValueError("n_step_return: returns are per transition; this buffer samples "
+                                 f"windows of n_steps={config.n_steps} rows (build it with "
+                                 "n_steps=1)")
+        return cls(k, stride, n, gamma)
+
+
+def _int(name: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or not lo <= value <= hi:
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value!r}")
+    return int(value)
+
+
+class StackedGather:
+    """The outputs and jobs of one batch of ``B`` flat starts for ``spec``: ``run(starts)`` fills
+    and returns them (a :class:`Transition` of tensors on ``device``).
+
+    ``fixed``: the output tensors are allocated once, by :meth:`prepare`, and refilled by every
+    run (a ``GraphSampler``'s, whose storage is on its device); with Triton the copy tables are
+    uploaded once too. Otherwise :meth:`prepare` allocates the stacks' and returns' outputs of the
+    one run that follows (a sample calls it before drawing, so that a failed allocation draws
+    nothing).
+    """
+
+    def __init__(self, buffer, spec: StackSpec, B: int, with_next_obs: bool, fixed: bool = False):
+        config, storage = buffer.config, buffer.storage
+        self.buffer, self.spec, self.B = buffer, spec, B
+        self.device, self.fixed = buffer.device, fixed
+        self.marks = buffer.episode_marks()
+        self.env_major = storage.dir is not None
+        here = storage.device
+        self.pin = here.type == "cpu" and self.device.type == "cuda"
+        n, k = config.n_steps, spec.k
+        lead = (B, n) if n > 1 else (B,)
+        by_path = config.by_path
+        plain, self.stacks, self.boots = [], [], []
+        # next observations: the following rows' stacks, unless a return says where to bootstrap
+        for d, s, shift, shape in config.jobs(B, with_next_obs and spec.n is None):
+            if spec.n is not None and s[0] in RETURN_FIELDS:
+                continue
+            if s[0] == "observation" and k is not None:
+                self.stacks.append((d, s, shift, lead + (k,) + by_path[s].shape))
+            else:
+                plain.append((d, s, shift, shape))
+        if spec.n is not None:
+            for s in config.paths("observation"):
+                stack = () if k is None else (k,)
+                self.boots.append((("next_observation",) + s[1:], s, 0,
+                                   (B,) + stack + by_path[s].shape))
+            (reward,) = config.paths("reward")
+            self.reward = storage.flat[reward].view(-1)
+            rtype = torch.float64 if by_path[reward].dtype == torch.float64 else torch.float32
+            self.return_types = (rtype, rtype, torch.int64, torch.bool, torch.bool)
+            self.gamma = gamma_tensor(spec.gamma, here)  # held: a captured graph reads it
+        self.plain = storage.check_out(None, plain, self.device, ())
+        self.out, self.tables = None, None
+
+    def prepare(self) -> "StackedGather":
+        """Allocate the outputs (and, ``fixed`` with Triton, upload the copy tables); returns
+        ``self``."""
+        self.out = self._outputs()
+        if self.fixed and self.buffer.backend == "triton" and not self.env_major:
+            self.tables = self._tables()
+        return self
+
+    def _outputs(self) -> dict:
+        """Fresh output tensors: ``{path: tensor}`` on the storage's device (pinned for a CUDA
+        buffer on host storage), with the returns' under ``"returns"``."""
+        here, dtypes = self.buffer.storage.device, {leaf.path: leaf.dtype
+                                                    for leaf in self.buffer.config.leaves}
+        out = {d: torch.empty(shape, dtype=dtypes[s], device=here, pin_memory=self.pin)
+               for d, s, _, shape in self.stacks + self.boots}
+        if self.spec.n is not None:
+            out["returns"] = tuple(torch.empty(self.B, dtype=t, device=here, pin_memory=self.pin)
+                                   for t in self.return_types)
+        if self.fixed:
+            out["plain"], _ = self.buffer.storage.outputs(self.B, self.plain, self.device)
+        return out
+
+    def _tables(self) -> dict:
+        """Copy tables uploaded once, per output group, for the Triton launchers."""
+        storage, n, k = self.buffer.storage, self.buffer.config.n_steps, self.spec.k or 1
+        _, work = storage.outputs(self.B, {d: (self.out["plain"][d], *rest)
+                                           for d, (_, *rest) in self.plain.items()}, self.device)
+        return {"plain": ops.sequence_tables(work, self.B, n, self.device),
+                "stacks": ops.stack_tables(self._jobs(self.stacks), self.B, n, k, self.device),
+                "boots": ops.stack_tables(self._jobs(self.boots), self.B, 1, k, self.device)}
+
+    def _jobs(self, jobs: list, out: dict | None = None) -> list:
+        out = self.out if out is None else out
+        return [(self.buffer.storage.flat[s], out[d], shift) for d, s, shift, _ in jobs]
+
+    def run(self, starts: torch.Tensor) -> Transition:
+        """The batch of flat ``starts`` (B,) int64 on the buffer's device."""
+        buf, config, spec = self.buffer, self.buffer.config, self.spec
+        storage, marks = buf.storage, self.marks
+        n, k, E, M = config.n_steps, spec.k or 1, config.n_envs, config.max_rows
+        out = self.out if self.out is not None else self._outputs()
+        if not self.fixed:
+            self.out = None  # the next run gets fresh outputs
+        here = storage.device
+        local = starts.to(here)  # host storage: the starts are read back once
+        if self.tables is not None:
+            ops.sequence_gather_fixed(self.tables["plain"], starts, n, E, M)
+            result = dict(out["plain"])
+            ops.frame_stack_fixed(self.tables["stacks"], local, marks.marks, marks.held, n, k, spec.stride, E, M)
+        else:
+            plain = self.plain if not self.fixed else {d: (out["plain"][d], *rest)
+                                                       for d, (_, *rest) in self.plain.items()}
+            result = storage.gather(starts, plain, self.device)
+            ops.frame_stack(storage.backend, self._jobs(self.stacks, out), local, marks.marks,
+                            marks.held, n, k, spec.stride, E, M, self.env_major)
+        if spec.n is not None:
+            returns = out["returns"]
+            ops.n_step_return(storage.backend, local, self.reward, marks.marks, marks.held,
+                              returns, self.gamma, spec.n, E, M, self.env_major)
+            if self.tables is not None:
+                ops.frame_stack_fixed(self.tables["boots"], returns[2], marks.marks, marks.held, 1, k,
+                                      spec.stride, E, M)
+            else:
+                ops.frame_stack(storage.backend, self._jobs(self.boots, out), returns[2],
+                                marks.marks, marks.held, 1, k, spec.stride, E, M,
+                                self.env_major)
+        return self.assemble(out, result)
+
+    def assemble(self, out: dict, plain: dict) -> Transition:
+        """The batch of :meth:`_outputs`' tensors ``out`` and the plain windows ``plain``, on the
+        buffer's device (a ``fixed`` gather's tensors themselves)."""
+        result = dict(plain)
+        for d, *_ in self.stacks + self.boots:
+            result[d] = out[d].to(self.device, non_blocking=True)
+        batch = unflatten(result)
+        if self.spec.n is not None:
+            ret, disc, _, term, cut = (t.to(self.device, non_blocking=True)
+                                       for t in out["returns"])
+            batch.reward, batch.discount, batch.terminated, batch.truncated = ret, disc, term, cut
+        return batch
