@@ -49,13 +49,13 @@ plan_basics() {
 torch.cuda.device_count())'"
     step wheels 25 wheels.txt "$WHEELS_INSTALL"
     # every kernel against its twin on GPU tensors, launch counts, the simulated-device tests
-    step kernel_tests 90 kernel_tests.txt "$PYTEST -m 'not cuda' tests/test_history_kernels.py \
-tests/test_prefix_tree_kernels.py tests/test_custom_ops.py tests/test_launch_counts.py tests/test_device_paths.py \
-tests/test_frame_stacks.py"
+    step kernel_tests 90 kernel_tests.txt "$PYTEST -m 'not cuda' tests/kernels/test_history_kernels.py \
+tests/kernels/test_prefix_tree_kernels.py tests/ops/test_custom_ops.py tests/ops/test_launch_counts.py tests/ops/test_device_paths.py \
+tests/replay/test_frame_stacks.py"
     # the cuda-marked tests: every op on the GPU vs its twin, the tree at 2**20 leaves, a CUDA graph replaying the
     # GraphSampler, host-memory storage serving CUDA batches, no host syncs, EnvPool on CUDA
     step cuda_tests 80 cuda_tests.txt "$PYTEST -m cuda tests"
-    step distributed_tests 45 distributed_tests.txt "GPUBUF_TEST_DIST_DEVICE=cuda $PYTEST tests/test_distributed.py"
+    step distributed_tests 45 distributed_tests.txt "GPUBUF_TEST_DIST_DEVICE=cuda $PYTEST tests/replay/test_distributed.py"
 }
 
 plan_bench() {

@@ -21,6 +21,10 @@ if not HAS_CUDA:
 INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+# Child processes the tests start (subprocess, spawn) import the shared test modules (fixtures, snapshots,
+# history_model, ...) by name, as the tests do through pytest's ``pythonpath``.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
 NO_HOST_TRITON = ("Triton runs host (CPU) tensors only through its interpreter (TRITON_INTERPRET=1), which is off "
                   "when CUDA is present; this case's buffers live on the host")
 

@@ -1,4 +1,4 @@
-"""The rank side of tests/test_distributed.py: every scenario runs here, in one gloo process group on CPU, and
+"""The rank side of tests/replay/test_distributed.py: every scenario runs here, in one gloo process group on CPU, and
 each rank saves what it saw (``rank<i>.pt``) for the test process to check.
 
 Four processes run every scenario twice: once over the whole group (4 shards), then over two disjoint

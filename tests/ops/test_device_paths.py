@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_replay_helpers import make_transition
+from fixtures import make_transition
 
 from gpubuf import ops
 from gpubuf._core.staging import Staging

@@ -4,8 +4,8 @@ windows, PER weights, and (on CUDA) capture and replay in a CUDA graph."""
 import numpy as np
 import pytest
 import torch
+from fixtures import make_transition
 from scipy import stats
-from test_replay_helpers import make_transition
 
 from gpubuf import GraphSampler, PrioritizedTransitionBuffer, TransitionBuffer
 

@@ -5,8 +5,8 @@ full buffer), and rejected priority updates. Both backends."""
 import numpy as np
 import pytest
 import torch
+from fixtures import make_transition
 from snapshots import assert_unchanged, snapshot
-from test_replay_helpers import make_transition
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TransitionBuffer
 

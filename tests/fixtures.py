@@ -1,4 +1,4 @@
-"""Shared helpers of the replay tests (no tests here): index-valued transitions and a pure-Python model.
+"""Shared index-valued builders and a pure-Python replay model for the tests (no tests here).
 
 Every inserted row carries ``value = global_step * E + env`` in all float leaves, so a sampled window shows
 which rows it read: the env is ``value % E`` and the global step ``value // E``.

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from fixtures import Model, check_windows, make_transition
 from scipy import stats
-from test_replay_helpers import Model, check_windows, make_transition
 
 from gpubuf import PrioritizedTransitionBuffer
 

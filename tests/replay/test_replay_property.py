@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from fixtures import Model, check_windows, make_transition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_replay_helpers import Model, check_windows, make_transition
 
 from gpubuf import PrioritizedTransitionBuffer
 

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from fixtures import make_transition
 from snapshots import assert_same_state, assert_unchanged, snapshot
-from test_replay_helpers import make_transition
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TransitionBuffer
 from gpubuf._core.checkpoint import CheckpointError

@@ -4,7 +4,7 @@ interpreter runs them as a GPU would launch them). The counts are the ones the R
 import numpy as np
 import pytest
 import torch
-from test_replay_helpers import make_transition
+from fixtures import make_transition
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TransitionBuffer
 from gpubuf.kernels import history, prefix_tree, sequence, stacks

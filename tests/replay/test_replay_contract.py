@@ -5,9 +5,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from fixtures import Model, check_windows, make_transition
 from scipy import stats
 from snapshots import assert_unchanged, snapshot
-from test_replay_helpers import Model, check_windows, make_transition
 
 from gpubuf import TransitionBuffer
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from test_replay_helpers import make_transition
+from fixtures import make_transition
 
 from gpubuf import PrioritizedTransitionBuffer
 

@@ -3,7 +3,7 @@ compiles once and never recompiles as the buffer fills (the buffer calls are opa
 guards on the host-side counters that change every step)."""
 
 import torch
-from test_replay_helpers import make_transition
+from fixtures import make_transition
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and coreutils timeout")
@@ -41,7 +41,8 @@ def test_the_dry_run_checks_both_calls_against_their_budget():
         assert total == sum(s for _, s, _, _ in plan) + 3 * len(plan) + 10 <= 285 < 300  # a 5-minute call
         assert len({log for _, _, log, _ in plan}) == len(plan)  # every step its own log
     basics = " ".join(cmd for *_, cmd in steps["basics"])
-    assert "-m cuda tests" in basics and "tests/test_history_kernels.py" in basics  # the CUDA tests, ops vs twins
+    # the CUDA tests, ops vs twins
+    assert "-m cuda tests" in basics and "tests/kernels/test_history_kernels.py" in basics
     bench = {name for name, *_ in steps["bench"]}
     assert {"history", "replay", "graph", "tree_update", "demo"} <= bench
     assert "missing file" not in out
