@@ -7,13 +7,14 @@ updates.
 level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
 
 Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
-signature), the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the
-buffers call.
+signature), its :class:`~gpubuf.ops.registry.Op` (schema, CPU, CUDA, fake) and the function the buffers
+call.
 """
 
 import torch
 
-from gpubuf.ops.device import LRU, route, writes_only
+from gpubuf.ops.device import LRU
+from gpubuf.ops.registry import Op, kernel
 
 _BELOW_ONE = 1.0 - 2.0**-52  # x * _BELOW_ONE < x for every positive normal float64 x
 _SHARED = 4096  # tree levels up to this size are searched whole by sample_twin
@@ -106,31 +107,13 @@ def _positive_child(j: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.where(picked > 0, j, last)
 
 
-def sample_cuda(tree, offsets, fanout, u, out) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.prefix_tree import sample
-
-    sample(tree, offsets, fanout, u, out)
-
-
-torch.library.define("gpubuf::tree_sample",
-                     "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()")
-torch.library.impl("gpubuf::tree_sample", "CPU", sample_twin)
-torch.library.impl("gpubuf::tree_sample", "CUDA", sample_cuda)
-torch.library.register_fake("gpubuf::tree_sample", writes_only)
+_SAMPLE = Op("tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()",
+             sample_twin, kernel("prefix_tree", "sample"))
 
 
 def tree_sample(backend: str, tree, offsets, fanout, u, out) -> None:
     """out (B,) int64 = leaves of the wide prefix-sum tree picked by uniforms u (B,) float64."""
-    how = route(backend, tree.device)
-    if how == "dispatch":
-        torch.ops.gpubuf.tree_sample.default(tree, offsets, fanout, u, out)
-    elif how == "triton":
-        from gpubuf.kernels.prefix_tree import sample
-
-        sample(tree, offsets, fanout, u, out)
-    else:
-        sample_twin(tree, offsets, fanout, u, out)
+    _SAMPLE(backend, tree.device, tree, offsets, fanout, u, out)
 
 
 # ---- tree_update
@@ -162,33 +145,13 @@ def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.
         tree[p0:p0 + n].index_copy_(0, node, children.index_select(0, node).sum(1))
 
 
-def update_cuda(tree, offsets, fanout, idx, values) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.prefix_tree import update
-
-    update(tree, offsets, fanout, idx, values)
-
-
-torch.library.define("gpubuf::tree_update",
-                     "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) "
-                     "-> ()")
-torch.library.impl("gpubuf::tree_update", "CPU", update_twin)
-torch.library.impl("gpubuf::tree_update", "CUDA", update_cuda)
-torch.library.register_fake("gpubuf::tree_update", writes_only)
+_UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()",
+             update_twin, kernel("prefix_tree", "update"))
 
 
 def tree_update(backend: str, tree, offsets, fanout, idx, values) -> None:
-    """tree leaves [idx (K,)] = values (K,) float64, then touched parents recomputed from their
-    children."""
-    how = route(backend, tree.device)
-    if how == "dispatch":
-        torch.ops.gpubuf.tree_update.default(tree, offsets, fanout, idx, values)
-    elif how == "triton":
-        from gpubuf.kernels.prefix_tree import update
-
-        update(tree, offsets, fanout, idx, values)
-    else:
-        update_twin(tree, offsets, fanout, idx, values)
+    """tree leaves [idx (K,)] = values (K,) float64, then touched parents recomputed from their children."""
+    _UPDATE(backend, tree.device, tree, offsets, fanout, idx, values)
 
 
 # ---- tree_update_range
@@ -211,30 +174,10 @@ def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: i
                   out=tree[p0 + a:p0 + b])
 
 
-def update_range_cuda(tree, offsets, fanout, lo, values) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.prefix_tree import update_range
-
-    update_range(tree, offsets, fanout, lo, values)
-
-
-torch.library.define("gpubuf::tree_update_range",
-                     "(Tensor(a!) tree, int[] offsets, int fanout, int lo, Tensor values) -> ()")
-torch.library.impl("gpubuf::tree_update_range", "CPU", update_range_twin)
-torch.library.impl("gpubuf::tree_update_range", "CUDA", update_range_cuda)
-torch.library.register_fake("gpubuf::tree_update_range", writes_only)
+_UPDATE_RANGE = Op("tree_update_range", "(Tensor(a!) tree, int[] offsets, int fanout, int lo, Tensor values) -> ()",
+                   update_range_twin, kernel("prefix_tree", "update_range"))
 
 
 def tree_update_range(backend: str, tree, offsets, fanout, lo, values) -> None:
-    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their
-    children."""
-    lo = int(lo)
-    how = route(backend, tree.device)
-    if how == "dispatch":
-        torch.ops.gpubuf.tree_update_range.default(tree, offsets, fanout, lo, values)
-    elif how == "triton":
-        from gpubuf.kernels.prefix_tree import update_range
-
-        update_range(tree, offsets, fanout, lo, values)
-    else:
-        update_range_twin(tree, offsets, fanout, lo, values)
+    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their children."""
+    _UPDATE_RANGE(backend, tree.device, tree, offsets, fanout, int(lo), values)

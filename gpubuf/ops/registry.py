@@ -1,0 +1,61 @@
+"""One helper registers an op ``torch.ops.gpubuf.<name>`` from its parts.
+
+An op is a schema, a CPU implementation (the torch twin, or an adapter from the schema's argument order to
+it), a CUDA implementation (the Triton launcher, :func:`kernel`) and the fake every op shares (ops write
+into tensors they are given and return nothing). :class:`Op` holds the three ways a buffer's call can run
+and picks one per call (:func:`~gpubuf.ops.device.route`): eager calls go straight to the twin or the
+launcher, traced calls through the dispatcher.
+"""
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from gpubuf.ops.device import route, writes_only
+
+
+def kernel(module: str, name: str) -> Callable[..., None]:
+    """The launcher ``gpubuf.kernels.<module>.<name>``, imported when it first runs (Triton loads only
+    when a kernel runs, so ``import gpubuf`` works without a GPU or driver)."""
+    launch = None
+
+    def launcher(*args) -> None:
+        nonlocal launch
+        if launch is None:
+            launch = getattr(importlib.import_module(f"gpubuf.kernels.{module}"), name)
+        launch(*args)
+
+    launcher.__name__ = launcher.__qualname__ = f"{module}.{name}"
+    return launcher
+
+
+class Op:
+    """``torch.ops.gpubuf.<name>`` registered with ``schema``: CPU runs ``cpu`` (default: ``twin``), CUDA
+    runs ``launcher``, the fake writes nothing.
+
+    ``op(backend, device, *args)`` runs ``twin(*args)``, ``launcher(*args)`` or the dispatcher's op with
+    ``args`` in the schema's order (:func:`~gpubuf.ops.device.route` picks by ``backend`` and ``device``);
+    ``twin`` and ``launcher`` take the schema's arguments in its order.
+    """
+
+    __slots__ = ("dispatch", "launcher", "twin")
+
+    def __init__(self, name: str, schema: str, twin: Callable, launcher: Callable,
+                 cpu: Callable | None = None):
+        qualname = f"gpubuf::{name}"
+        torch.library.define(qualname, schema)
+        torch.library.impl(qualname, "CPU", cpu or twin)
+        torch.library.impl(qualname, "CUDA", launcher)
+        torch.library.register_fake(qualname, writes_only)
+        self.dispatch = getattr(torch.ops.gpubuf, name).default
+        self.twin, self.launcher = twin, launcher
+
+    def __call__(self, backend: str, device: torch.device, *args) -> None:
+        how = route(backend, device)
+        if how == "torch":
+            self.twin(*args)
+        elif how == "triton":
+            self.launcher(*args)
+        else:
+            self.dispatch(*args)
