@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpubuf._core.devices import parse_device
 from gpubuf._core.inputs import as_tensor
 
 _ARRAYS = (torch.Tensor, np.ndarray)
@@ -182,10 +183,7 @@ def to(transition: Transition, device, non_blocking: bool = False) -> Transition
     unchanged.
     """
     _check(transition)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device: expected a torch device or its name, got {device!r}") from err
+    device = parse_device(device)
     moved = {name: _map_leaves(value, lambda v, p: as_tensor(v, p).to(device,
                                                                      non_blocking=non_blocking),
                                name, keep_none=True) for name, value in items(transition)}

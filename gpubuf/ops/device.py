@@ -15,6 +15,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from gpubuf._core.devices import parse_device
+
 BACKENDS = ("torch", "triton")
 
 
@@ -30,10 +32,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as err:
-        raise ValueError(f"device: expected a torch device or its name, got {device!r}") from err
+    resolved = parse_device(device)
     kind, index = resolved.type, resolved.index
     if kind == "cpu":
         if index not in (None, 0):
