@@ -15,6 +15,7 @@ import torch
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
 from gpubuf.apps.benchmarking.timing import median_us, syncer
+from gpubuf.ops import capture_graph
 
 E, ROWS, N, B = 64, 2**14, 4, 256
 
@@ -49,15 +50,7 @@ def main():
         gs = buf.graph_sampler(B)
         fns = {"eager sample": lambda buf=buf: buf.sample(with_replacement=True), "GraphSampler.sample": gs.sample}
         if cuda:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    gs.sample()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out, idx = gs.sample()
+            graph, (out, idx) = capture_graph(gs.sample)
             graph.replay()
             torch.cuda.synchronize()
             obs, starts = out.observation[:, :, 0].cpu(), idx.cpu()

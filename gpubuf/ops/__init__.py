@@ -21,6 +21,7 @@ from gpubuf.ops.device import (
     allocation_failed,
     backend_for,
     capacity,
+    capture_graph,
     check_fits,
     interpreting,
     memory_error,
@@ -33,8 +34,8 @@ from gpubuf.ops.prefix_tree import tree_sample, tree_update, tree_update_range
 from gpubuf.ops.sequence import sequence_gather, sequence_gather_fixed, sequence_tables
 from gpubuf.ops.stacks import frame_stack, frame_stack_fixed, n_step_return, stack_tables
 
-__all__ = ["BACKENDS", "LRU", "MARK_BOUNDARY", "MARK_STOP", "MARK_TERM", "allocate", "allocation_failed",
-           "as_words", "backend_for", "capacity", "check_fits", "frame_stack", "frame_stack_fixed", "history_append",
-           "history_gather_frames", "history_pack_blocks", "interpreting", "memory_error", "n_step_return",
-           "resolve_device", "route", "sequence_gather", "sequence_gather_fixed", "sequence_tables", "stack_tables",
-           "tree_sample", "tree_update", "tree_update_range", "triton_runs_on"]
+__all__ = ["BACKENDS", "LRU", "MARK_BOUNDARY", "MARK_STOP", "MARK_TERM", "allocate", "allocation_failed", "as_words",
+           "backend_for", "capacity", "capture_graph", "check_fits", "frame_stack", "frame_stack_fixed",
+           "history_append", "history_gather_frames", "history_pack_blocks", "interpreting", "memory_error",
+           "n_step_return", "resolve_device", "route", "sequence_gather", "sequence_gather_fixed", "sequence_tables",
+           "stack_tables", "tree_sample", "tree_update", "tree_update_range", "triton_runs_on"]

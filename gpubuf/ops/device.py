@@ -210,3 +210,19 @@ def route(backend: str, device: torch.device) -> str:
 def writes_only(*args) -> None:
     """Fake (meta) implementation of every op: ops write into tensors they are given and return
     nothing."""
+
+
+def capture_graph(fn, warmup: int = 3) -> tuple:
+    """``(graph, result)``: ``fn()`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a
+    side stream (Triton compiles and allocators settle outside the capture). ``graph.replay()`` reruns
+    the captured work, writing into the tensors of ``result``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result

@@ -8,6 +8,7 @@ from fixtures import make_transition
 from scipy import stats
 
 from gpubuf import GraphSampler, PrioritizedTransitionBuffer, TransitionBuffer
+from gpubuf.ops import capture_graph
 
 
 def _check_windows(out, idx, E, M, n):
@@ -224,13 +225,5 @@ def test_a_captured_graph_follows_the_buffers_beta():
 def captured(gs):
     """``(graph, out, indices)``: ``gs.sample()`` captured in a CUDA graph after warm-up calls on a side
     stream (Triton compiles outside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            gs.sample()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, idx = gs.sample()
+    graph, (out, idx) = capture_graph(gs.sample)
     return graph, out, idx
