@@ -1,0 +1,84 @@
+"""The index arithmetic of the ops, written once: which storage rows an output reads, how warm-up
+pads, which blocks are zero. The pure-torch twins (the reference) compute their row indices here, and
+so do the buffers' host-side fast paths and the tables the Triton launchers receive; the kernels
+themselves repeat these rules in Triton, checked against the twins by the kernel tests.
+
+Plain integer arithmetic works on Python ints, numpy arrays and tensors alike; the functions that
+build index tensors take a device and cache small results.
+"""
+
+import torch
+
+from gpubuf.ops.device import LRU
+
+# Index tensors cached per (n, device) and (n, ab, device): 16 of each at most, and only those of at
+# most _CACHED elements (512 KiB of int64), so the caches hold at most 16 MiB whatever ``n`` callers
+# ask for; larger ones are built per call.
+_CACHED = 1 << 16
+_COUNTDOWNS = LRU(16)
+_BLOCK_BACKS = LRU(16)
+
+
+def countdown(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) int64: n-1, n-2, ..., 0."""
+    if n > _CACHED:
+        return _make_countdown(n, device)
+    return _COUNTDOWNS.get((n, device), _make_countdown, n, device)
+
+
+def _make_countdown(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n - 1, -1, -1, device=device)
+
+
+# --- history
+# Storage of one key is slot-major ``(max_len * n_envs, D)``: env ``e``'s ring slot ``s`` is row
+# ``s * n_envs + e``. An env's newest entry is at slot ``head - 1``; ``k`` is the number of strided
+# frames (every ``ab``-th entry back from the newest) that a read of ``n`` frames uses.
+
+
+def newest_slot(heads, max_len: int):
+    """The ring slot of the newest entry, from the write heads (ints, arrays or tensors)."""
+    return (heads - 1) % max_len
+
+
+def strided(counts, ab: int):
+    """Strided entries held by envs holding ``counts >= 1`` entries: ``(counts - 1) // ab + 1``."""
+    return (counts - 1) // ab + 1
+
+
+def frame_back(n: int, k, ab: int, device: torch.device) -> torch.Tensor:
+    """Env steps before the newest entry of each of ``n`` output frames, oldest first: ``(n,)`` for an
+    int ``k``, ``(rows, n)`` for ``k`` ``(rows, 1)``. Warm-up (``k < n``) clamps the first ``n - k``
+    frames to the oldest strided entry."""
+    return countdown(n, device).clamp(max=k - 1) * ab
+
+
+def block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
+    """(1, (n-1)*ab) int64: env steps before the newest entry of each entry of the ``n - 1`` action
+    blocks (block ``i`` holds the ``ab`` entries after frame ``i`` up to frame ``i + 1``)."""
+    if (n - 1) * ab > _CACHED:
+        return _make_block_back(n, ab, device)
+    return _BLOCK_BACKS.get((n, ab, device), _make_block_back, n, ab, device)
+
+
+def _make_block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
+    return (countdown(n - 1, device).view(-1, 1) * ab + countdown(ab, device)).view(1, -1)
+
+
+def source_rows(env, newest, back: torch.Tensor, n_envs: int, max_len: int) -> torch.Tensor:
+    """Flat storage rows of the entries ``back`` env steps before slot ``newest`` of env ``env``
+    (``env``, ``newest``: ints or ``(rows, 1)`` tensors; ``back`` ``(..., m)``), row-major."""
+    return ((newest - back) % max_len * n_envs + env).reshape(-1)
+
+
+def zero_blocks(n: int, k):
+    """How many leading action blocks of a read of ``n`` frames are zero blocks: ``n - k`` (warm-up,
+    before the first strided frame)."""
+    return n - k
+
+
+def zero_block_mask(n: int, k: torch.Tensor) -> torch.Tensor:
+    """(rows, n-1, 1) bool: the zero blocks (:func:`zero_blocks`) of rows using ``k`` ``(rows, 1)``
+    strided frames."""
+    # block i is zero when i < zero_blocks, i.e. when its countdown n-2-i >= n-1-zero_blocks
+    return countdown(n - 1, k.device).view(1, -1, 1) >= n - 1 - zero_blocks(n, k).view(-1, 1, 1)
