@@ -6,33 +6,16 @@ slot ``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newe
 frames used.
 
 Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
-signature), the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the
-buffers call. Vectorised torch only in the twins: no Python loop over envs or rows.
+signature; its index arithmetic is :mod:`gpubuf.ops.indexing`'s), the ``torch.ops.gpubuf``
+registration (schema, CPU, CUDA, fake) and the function the buffers call. Vectorised torch only in
+the twins: no Python loop over envs or rows.
 """
 
 import torch
 
 from gpubuf.kernels.words import as_words
-from gpubuf.ops.device import LRU, route, writes_only
-
-# The twins' index tensors, cached per (n, device) and (n, ab, device): 16 of each at most, and
-# only those of at most _CACHED elements (512 KiB of int64), so the caches hold at most 16 MiB
-# whatever ``n`` callers ask for; larger ones are built per call.
-_CACHED = 1 << 16
-_COUNTDOWNS = LRU(16)
-_BLOCK_BACKS = LRU(16)
-
-
-def _countdown(n: int, device: torch.device) -> torch.Tensor:
-    """(n,) int64: n-1, n-2, ..., 0."""
-    if n > _CACHED:
-        return _make_countdown(n, device)
-    return _COUNTDOWNS.get((n, device), _make_countdown, n, device)
-
-
-def _make_countdown(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n - 1, -1, -1, device=device)
-
+from gpubuf.ops import indexing
+from gpubuf.ops.device import route, writes_only
 
 # ---- history_append
 
@@ -85,20 +68,15 @@ def history_append(backend: str, pairs: list, dst_rows: torch.Tensor) -> None:
 # ---- history_gather_frames
 
 
-def _frame_back(meta: torch.Tensor, n: int, ab: int) -> torch.Tensor:
-    """(rows, n) how many env steps before the newest entry each output frame lies."""
-    return torch.minimum(_countdown(n, meta.device), meta[2].unsqueeze(1) - 1) * ab
-
-
 def gather_frames_twin(pairs: list, meta, n, ab, max_len) -> None:
     """For each ``(storage, out (rows, n, D))`` in ``pairs``: strided frames, left-padded with the
     oldest strided entry. The source rows are computed once for all pairs."""
     rows = meta.shape[1]
     if rows == 0 or not pairs:
         return
-    env, newest = meta[0].unsqueeze(1), meta[1].unsqueeze(1)
-    slot = (newest - _frame_back(meta, n, ab)) % max_len  # (rows, n)
-    src_rows = (slot * (pairs[0][0].shape[0] // max_len) + env).reshape(-1)
+    env, newest, k = meta[0].unsqueeze(1), meta[1].unsqueeze(1), meta[2].unsqueeze(1)
+    back = indexing.frame_back(n, k, ab, meta.device)  # (rows, n)
+    src_rows = indexing.source_rows(env, newest, back, pairs[0][0].shape[0] // max_len, max_len)
     for storage, out in pairs:
         if storage.shape[1]:
             src, dst = as_words(storage, out.view(rows * n, storage.shape[1]))
@@ -145,18 +123,6 @@ def history_gather_frames(backend: str, pairs: list, meta, n, ab, max_len) -> No
 # ---- history_pack_blocks
 
 
-def _block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
-    """(1, (n-1)*ab) int64: env steps before the newest entry of each entry of the n-1 action
-    blocks."""
-    if (n - 1) * ab > _CACHED:
-        return _make_block_back(n, ab, device)
-    return _BLOCK_BACKS.get((n, ab, device), _make_block_back, n, ab, device)
-
-
-def _make_block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
-    return (_countdown(n - 1, device).view(-1, 1) * ab + _countdown(ab, device)).view(1, -1)
-
-
 def pack_blocks_twin(storage, meta, n, ab, max_len, out) -> None:
     """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0,
     zero-padded."""
@@ -164,16 +130,13 @@ def pack_blocks_twin(storage, meta, n, ab, max_len, out) -> None:
     if rows == 0 or n < 2:
         return
     env, newest, k = meta[0].view(-1, 1), meta[1].view(-1, 1), meta[2].view(-1, 1)
-    # (rows, (n-1)*ab): block i ends at frame i+1
-    slot = (newest - _block_back(n, ab, meta.device)) % max_len
-    src_rows = (slot * (storage.shape[0] // max_len) + env).reshape(-1)
+    back = indexing.block_back(n, ab, meta.device)  # (1, (n-1)*ab): block i ends at frame i+1
+    src_rows = indexing.source_rows(env, newest, back, storage.shape[0] // max_len, max_len)
     flat = out.view(rows * (n - 1) * ab, D)
     torch.index_select(storage, 0, src_rows, out=flat)
     if out.dtype.is_floating_point:
         torch.nan_to_num(out, nan=0.0, out=out)
-    # the first n-k blocks
-    zero = _countdown(n - 1, meta.device).view(1, -1, 1) >= k.view(-1, 1, 1) - 1
-    out.masked_fill_(zero, 0)
+    out.masked_fill_(indexing.zero_block_mask(n, k), 0)
 
 
 def pack_blocks_cpu(storage, out, meta, n, ab, max_len) -> None:

@@ -14,7 +14,7 @@ from snapshots import assert_unchanged, snapshot
 
 import gpubuf.history.buffer as history_module
 import gpubuf.ops.device as device_ops
-import gpubuf.ops.history as history_ops
+import gpubuf.ops.indexing as indexing
 import gpubuf.ops.prefix_tree as tree_ops
 import gpubuf.replay.stacked as stacked_sampling
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
@@ -197,7 +197,7 @@ def history(E=4, D=4, max_len=6, block=False, t=4):
 
 
 def cached_tensors() -> list[torch.Tensor]:
-    return [*history_ops._COUNTDOWNS.values(), *history_ops._BLOCK_BACKS.values()]  # noqa: SLF001
+    return [*indexing._COUNTDOWNS.values(), *indexing._BLOCK_BACKS.values()]  # noqa: SLF001
 
 
 def held_spares(buf) -> list[int]:
@@ -213,7 +213,7 @@ def test_an_impossible_get_is_refused_and_keeps_nothing(host_backend, env_ids, b
     with pytest.raises(MemoryError, match=rf"n: get\(n={n}\) needs \d+ bytes of output on cpu"):
         buf.get(n, env_ids=env_ids)
     assert_unchanged(buf, before)
-    assert all(t.numel() <= history_ops._CACHED for t in cached_tensors())  # noqa: SLF001
+    assert all(t.numel() <= indexing._CACHED for t in cached_tensors())  # noqa: SLF001
     assert all(b < 2**30 for b in held_spares(buf))
     assert buf.get(3, env_ids=env_ids)["x"].shape[1] == 3 * 1  # and it still reads
 
@@ -231,7 +231,7 @@ def test_a_get_whose_allocation_fails_keeps_none_of_its_memory(no_upfront_check,
         buf.get(n, env_ids=env_ids)
     assert_unchanged(buf, before)
     assert held_spares(buf) == []  # the 2 GiB output of "a" was dropped with the failed call
-    assert all(t.numel() <= history_ops._CACHED for t in cached_tensors())  # noqa: SLF001
+    assert all(t.numel() <= indexing._CACHED for t in cached_tensors())  # noqa: SLF001
     assert buf.get(2)["b"].shape == (2, 2, 2**14)
 
 
@@ -239,7 +239,7 @@ def test_index_tensors_of_large_n_are_not_cached():
     buf = history(E=1, D=1, max_len=4, block=True)
     got = buf.get(2**17, env_ids=[0])  # the twins' path: (n,) countdowns, built for this call only
     assert got["x"].shape[:2] == (1, 2**17) and got["action"].shape == (1, 2**17 - 1, 4)
-    assert all(t.numel() <= history_ops._CACHED for t in cached_tensors())  # noqa: SLF001
+    assert all(t.numel() <= indexing._CACHED for t in cached_tensors())  # noqa: SLF001
 
 
 # ---- bounded caches
@@ -249,7 +249,7 @@ def test_history_index_caches_are_bounded():
     buf = history(E=2, D=1, max_len=8, block=True)
     for n in range(1, 101):
         buf.get(n, env_ids=[1, 0])
-    assert 0 < len(history_ops._COUNTDOWNS) <= 16 and 0 < len(history_ops._BLOCK_BACKS) <= 16  # noqa: SLF001
+    assert 0 < len(indexing._COUNTDOWNS) <= 16 and 0 < len(indexing._BLOCK_BACKS) <= 16  # noqa: SLF001
 
 
 def test_lockstep_plans_are_bounded(monkeypatch):
