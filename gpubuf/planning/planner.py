@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from gpubuf import ops
-from gpubuf._core.inputs import as_flags, as_index_array, as_tensor, finite_float, positive_int
+from gpubuf._core.inputs import as_flags, as_tensor, env_ids_or_all, finite_float, positive_int
 from gpubuf._core.staging import Staging
 from gpubuf.history.buffer import HistoryBuffer
 
@@ -142,7 +142,7 @@ class Planner:
 
     def reset(self, env_ids=None) -> None:
         """Forget the listed envs' plans (and their histories, if owned; all envs if ``None``)."""
-        ids = self._ids(env_ids)
+        ids = env_ids_or_all(env_ids, self._all_ids)
         if self.owns_history:
             self.history.reset(ids)
         self._left[ids] = 0
@@ -170,7 +170,7 @@ class Planner:
             raise ValueError("info: expected None: this planner reads the history it was given "
                              "(history=), which its owner appends to; appending here too would "
                              "store every step twice")
-        ids = self._ids(env_ids)
+        ids = env_ids_or_all(env_ids, self._all_ids)
         if env_ids is not None and len(np.unique(ids)) != len(ids):
             raise ValueError("env_ids: expected distinct envs (one action each), got "
                              f"{ids.tolist()}")
@@ -245,11 +245,6 @@ class Planner:
                 sel = self._staging.to_device(torch.from_numpy(warm), "__warm__")
                 init[sel, :-rh] = self._plans[rows[sel], rh:]
         return init
-
-    def _ids(self, env_ids) -> np.ndarray:
-        if env_ids is None:
-            return self._all_ids
-        return as_index_array(env_ids, "env_ids", self.n_envs)
 
 
 def check_history(history, config: PlanConfig, n_envs: int, device) -> None:
