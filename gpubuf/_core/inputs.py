@@ -145,6 +145,14 @@ def as_index_array(ids, name: str, size: int) -> np.ndarray:
     return np.where(arr < 0, arr + size, arr)
 
 
+def env_ids_or_all(env_ids, all_ids: np.ndarray) -> np.ndarray:
+    """``all_ids`` (every env, ``arange(n_envs)`` int64, returned as is) for ``env_ids=None``, else
+    ``env_ids`` checked by :func:`as_index_array` as ``env_ids`` of ``len(all_ids)`` envs."""
+    if env_ids is None:
+        return all_ids
+    return as_index_array(env_ids, "env_ids", len(all_ids))
+
+
 # ---------------------------------------------------------------- value-preserving casts
 
 STORABLE = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8,
