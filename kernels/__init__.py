@@ -12,9 +12,9 @@ uploads one int64 table per group (``source address, destination address, words 
 ints...`` per pair); one launch per group reads its pair's row from the table with
 ``tl.program_id(1)``.
 
-Triton launches on the current CUDA device, not on its arguments' device: every launcher runs its
-launches under :func:`on_device` of its tensors
-(a buffer on ``cuda:1`` launches on ``cuda:1`` whatever the current device is).
+Triton launches on the current CUDA device, not on its arguments' device: every launcher runs
+its launches under :func:`on_device` of its tensors (a buffer on ``cuda:1`` launches on
+``cuda:1`` whatever the current device is).
 """
 
 import contextlib

@@ -38,8 +38,7 @@ def compile_variant(v: Variant, arch: int) -> dict:
     thread, and the block-wide barriers (``bar.sync``) in its PTX."""
     if not isinstance(v.fn, JITFunction):
         raise RuntimeError("kernels are interpreted here (TRITON_INTERPRET=1): compile them in a "
-                           "process without it, "
-                           "e.g. `python -m gpubuf.kernels.signatures 80 90`")
+                           "process without it, e.g. `python -m gpubuf.kernels.signatures 80 90`")
     kernel = triton.compile(ASTSource(fn=v.fn, signature=v.signature, constexprs=v.constexprs),
                             target=GPUTarget("cuda", arch, 32))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -106,8 +106,7 @@ class FileTensor:
         while got < len(view):
             n = os.preadv(self.fd, [view[got:]], self.offset + at + got)
             if n <= 0:
-                raise CheckpointError("checkpoint: file ended while reading a tensor at byte "
-                                      f"{self.offset + at}")
+                raise CheckpointError(f"checkpoint: file ended while reading a tensor at byte {self.offset + at}")
             got += n
 
 

@@ -1,14 +1,13 @@
 """One re-entrant lock per buffer: every public call runs whole, between any two others.
 
-An actor thread inserting while a learner thread samples and updates priorities is the usual split
-of a training loop. Each buffer (and what composes one: an env source, a graph sampler, the local
-side of a sharded buffer) owns a :class:`CallGuard`; its public methods are :func:`locked`, so a
-call sees the buffer as it was before or after each other call, never between. The lock is public
-as ``buffer.lock``: hold it to make several calls one step
-(``with buf.lock: batch, idx = buf.sample(); buf.update_priorities(idx, td)``). It is re-entrant
-for the library's own nested calls; a signal handler runs in the middle of whatever the main thread
-is doing, so one that calls a buffer while the main thread is inside a call of it gets a
-``RuntimeError`` (it would otherwise run between that call's steps).
+An actor thread inserting while a learner thread samples and updates priorities is the usual split of a training
+loop. Each buffer (and what composes one: an env source, a graph sampler, the local side of a sharded buffer) owns a
+:class:`CallGuard`; its public methods are :func:`locked`, so a call sees the buffer as it was before or after each
+other call, never between. The lock is public as ``buffer.lock``: hold it to make several calls one step (``with
+buf.lock: batch, idx = buf.sample(); buf.update_priorities(idx, td)``). It is re-entrant for the library's own
+nested calls; a signal handler runs in the middle of whatever the main thread is doing, so one that calls a buffer
+while the main thread is inside a call of it gets a ``RuntimeError`` (it would otherwise run between that call's
+steps).
 
 CUDA streams: calls from threads on different streams are ordered on the device as they were on
 the host. A call on a stream other than the previous call's makes its stream wait for everything
@@ -62,8 +61,7 @@ class CallGuard:
             raise RuntimeError(
                 f"{name}: called while this thread is inside another call of this "
                 f"{type(owner).__name__} (from a signal handler?); a handler may not use a buffer "
-                "the interrupted code is using: set a flag in the handler and act on it after the "
-                "call returns")
+                "the interrupted code is using: set a flag in the handler and act on it after the call returns")
 
     def order_streams(self) -> None:
         """Make the current stream wait for the last call's stream when they differ (not while a

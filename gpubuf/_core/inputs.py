@@ -24,18 +24,15 @@ def as_tensor(value, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.device.type == "meta" or value.is_nested:
             kind = "nested" if value.is_nested else value.layout
-            raise TypeError(f"{name}: expected a dense tensor with data, got a {kind} tensor on "
-                            f"{value.device}")
+            raise TypeError(f"{name}: expected a dense tensor with data, got a {kind} tensor on {value.device}")
         return value
     if isinstance(value, np.ma.MaskedArray):
-        raise TypeError(f"{name}: a masked array has no values where it is masked; pass "
-                        ".filled(...) or .data")
+        raise TypeError(f"{name}: a masked array has no values where it is masked; pass .filled(...) or .data")
     if isinstance(value, np.ndarray):
         # long double: torch has none
         wide = value.dtype.itemsize > {"f": 8, "c": 16}.get(value.dtype.kind, 8)
         if value.dtype.kind not in "biufc" or wide:
-            raise TypeError(f"{name}: expected a numeric array of a dtype torch has, got a numpy "
-                            "array of dtype "
+            raise TypeError(f"{name}: expected a numeric array of a dtype torch has, got a numpy array of dtype "
                             f"{value.dtype}")
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
@@ -51,8 +48,7 @@ def as_tensor(value, name: str) -> torch.Tensor:
         except (RuntimeError, TypeError, BufferError) as err:
             raise TypeError(f"{name}: could not read the __dlpack__ array ({err})") from err
     raise TypeError(
-        f"{name}: expected a torch tensor, numpy array, __dlpack__ array or numeric scalar, "
-        f"got {type(value).__name__}"
+        f"{name}: expected a torch tensor, numpy array, __dlpack__ array or numeric scalar, got {type(value).__name__}"
     )
 
 
@@ -86,8 +82,7 @@ def as_flags(value, name: str, shape: tuple) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected bool flags (or integers 0/1), got {arr.dtype}")
     if arr.size and not ((arr == 0) | (arr == 1)).all():
-        raise ValueError(f"{name}: expected flags 0 or 1, got "
-                         f"{np.unique(arr[(arr != 0) & (arr != 1)])[:5].tolist()}")
+        raise ValueError(f"{name}: expected flags 0 or 1, got {np.unique(arr[(arr != 0) & (arr != 1)])[:5].tolist()}")
     return arr.astype(bool)
 
 
@@ -97,8 +92,7 @@ def check_flags(t: torch.Tensor, name: str) -> None:
     if t.dtype == torch.bool:
         return
     if t.dtype.is_floating_point or t.dtype.is_complex or t.device.type != "cpu":
-        raise TypeError(f"{name}: expected bool flags (or host integers 0/1), got {t.dtype} on "
-                        f"{t.device}")
+        raise TypeError(f"{name}: expected bool flags (or host integers 0/1), got {t.dtype} on {t.device}")
     as_flags(t, name, tuple(t.shape))
 
 
@@ -136,8 +130,7 @@ def as_index_array(ids, name: str, size: int) -> np.ndarray:
     if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} array of shape "
-                        f"{arr.shape}")
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}")
     bad = (arr >= size) if arr.dtype.kind == "u" else (arr < -size) | (arr >= size)
     if bad.any():
         raise IndexError(f"{name}: ids must lie in [-{size}, {size}), got {arr[bad][:5].tolist()}")
@@ -167,8 +160,7 @@ def check_storable(dtype: torch.dtype, name: str) -> None:
     (the sub-byte, exponent-only and ``fnuz`` float types cannot: they have no sign, no zero or no
     infinity to keep values by)."""
     if dtype not in STORABLE:
-        raise TypeError(f"{name}: buffers store bool, (u)int8 to 64, float16, bfloat16, float32, "
-                        "float64, "
+        raise TypeError(f"{name}: buffers store bool, (u)int8 to 64, float16, bfloat16, float32, float64, "
                         f"float8_e4m3fn, float8_e5m2 and complex values, got {dtype}")
 
 
@@ -258,8 +250,7 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     elif src.is_complex and not dtype.is_complex:
         why = "complex into a real dtype"
     elif t.device.type != "cpu":
-        why = (f"a narrowing cast of a {t.device.type} tensor is not checked (it would read the "
-               "device); "
+        why = (f"a narrowing cast of a {t.device.type} tensor is not checked (it would read the device); "
                f"cast it with .to({dtype}) first")
     elif t.numel():
         if src.is_floating_point or src.is_complex:  # float -> narrower float
@@ -278,8 +269,7 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
             why = (None if lo <= vmin and vmax <= hi
                    else f"values [{vmin}, {vmax}] do not fit [{lo}, {hi}] exactly")
     if why:
-        raise TypeError(f"{name}: cannot store {src} in the stored dtype {dtype} without changing "
-                        f"values ({why})")
+        raise TypeError(f"{name}: cannot store {src} in the stored dtype {dtype} without changing values ({why})")
 
 
 def generator_for(key, default: torch.Generator) -> torch.Generator:
@@ -296,8 +286,7 @@ def generator_for(key, default: torch.Generator) -> torch.Generator:
         g = torch.Generator()
         g.manual_seed(int(key))
         return g
-    raise TypeError("key: expected a torch.Generator, an int seed or None, got "
-                    f"{type(key).__name__}")
+    raise TypeError(f"key: expected a torch.Generator, an int seed or None, got {type(key).__name__}")
 
 
 def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,8 +301,7 @@ def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
         idx = idx.to(torch.int64)  # an empty list reads as float64
     if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex \
             or idx.dtype == torch.bool:
-        raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape "
-                        f"{tuple(idx.shape)}")
+        raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
     if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex \
             or td.dtype == torch.bool:
         raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per "

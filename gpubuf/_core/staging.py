@@ -54,12 +54,10 @@ def check_disjoint(outputs: dict, owned: tuple) -> None:
     seen: list[tuple[str, tuple[int, int]]] = []
     for name, t in outputs.items():
         if overlaps(t, owned):
-            raise ValueError(f"{name}: shares memory with the buffer's storage; pass separate "
-                             "output tensors")
+            raise ValueError(f"{name}: shares memory with the buffer's storage; pass separate output tensors")
         for other, r in seen:
             if overlaps(t, (r,)):
-                raise ValueError(f"{name}: shares memory with {other}; "
-                                 "pass separate output tensors")
+                raise ValueError(f"{name}: shares memory with {other}; pass separate output tensors")
         seen.append((name, _span(t)))
 
 
@@ -188,6 +186,5 @@ class Staging:
                 out = out.clone()
             return out
         except (RuntimeError, NotImplementedError, TypeError) as err:
-            raise TypeError(f"{key}: could not convert {t.dtype} {tuple(t.shape)} on {t.device} "
-                            "into a "
+            raise TypeError(f"{key}: could not convert {t.dtype} {tuple(t.shape)} on {t.device} into a "
                             f"contiguous {dtype} tensor on {self.device} ({err})") from err

@@ -1,11 +1,10 @@
 """Validation of a buffer's state dict before anything is written, and the helpers that read its
 tensors.
 
-A state dict holds only tensors and plain Python values
-(``torch.load(path)`` reads it with its defaults). A state read from a checkpoint file may hold
-file-backed tensors instead (:class:`gpubuf._core.checkpoint.FileTensor`: ``shape``, ``dtype``,
-``read_into(dst)``, ``chunks(nbytes)``), so that loading streams from disk; the helpers here accept
-both.
+A state dict holds only tensors and plain Python values (``torch.load(path)`` reads it with its defaults). A state
+read from a checkpoint file may hold file-backed tensors instead (:class:`gpubuf._core.checkpoint.FileTensor`:
+``shape``, ``dtype``, ``read_into(dst)``, ``chunks(nbytes)``), so that loading streams from disk; the helpers here
+accept both.
 """
 
 from collections.abc import Iterator, Mapping
@@ -92,15 +91,13 @@ def check_state(state, template: Mapping, config: tuple[str, ...],
     values, the same keys at every level, and tensors of the same shape and dtype (any device). The
     contents of entries in ``skip`` are left to the caller. Errors name the key."""
     if not isinstance(state, Mapping):
-        raise TypeError("state_dict: expected a dict from state_dict() or a checkpoint, got "
-                        f"{type(state).__name__}")
+        raise TypeError(f"state_dict: expected a dict from state_dict() or a checkpoint, got {type(state).__name__}")
     if state.get("buffer") != template["buffer"]:
         raise ValueError(f"state_dict['buffer']: this is a {template['buffer']}, the state is of a "
                          f"{state.get('buffer', 'unknown buffer')!s}")
     for name in config:
         if name in state and _plain(state[name]) != _plain(template[name]):
-            raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has "
-                             f"{template[name]!r}")
+            raise ValueError(f"state_dict: {name} is {state[name]!r}, this buffer has {template[name]!r}")
     _check_tree("state_dict", state, template, skip)
 
 
@@ -139,14 +136,11 @@ def check_tensor(where: str, got, shape: tuple, dtype: torch.dtype) -> None:
     """Raise unless ``got`` is a dense tensor with data (or a file-backed tensor) of exactly
     ``shape`` and ``dtype`` (any dtype when ``dtype`` is ``None``)."""
     if not is_tensor(got):
-        raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got "
-                         f"{type(got).__name__}")
+        raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got {type(got).__name__}")
     if isinstance(got, torch.Tensor) and (got.layout != torch.strided or got.device.type == "meta"):
-        raise ValueError(f"{where}: expected a dense tensor with data, got a {got.layout} tensor "
-                         f"on {got.device}")
+        raise ValueError(f"{where}: expected a dense tensor with data, got a {got.layout} tensor on {got.device}")
     if tuple(got.shape) != shape or (dtype is not None and got.dtype != dtype):
-        raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got {got.dtype} of "
-                         "shape "
+        raise ValueError(f"{where}: expected a {dtype} tensor of shape {shape}, got {got.dtype} of shape "
                          f"{tuple(got.shape)}")
 
 
@@ -163,11 +157,9 @@ def check_rng(where: str, value) -> torch.Tensor:
     try:
         rng = host_tensor(value)  # a tensor, or a tensor of a checkpoint file
     except (AttributeError, TypeError):
-        raise ValueError(f"{where}: expected a uint8 generator state, "
-                         f"got {type(value).__name__}") from None
+        raise ValueError(f"{where}: expected a uint8 generator state, got {type(value).__name__}") from None
     if rng.dtype != torch.uint8 or rng.dim() != 1:
-        raise ValueError(f"{where}: expected a uint8 generator state, got {rng.dtype} of shape "
-                         f"{tuple(rng.shape)}")
+        raise ValueError(f"{where}: expected a uint8 generator state, got {rng.dtype} of shape {tuple(rng.shape)}")
     try:
         torch.Generator().set_state(rng)
     except RuntimeError as err:

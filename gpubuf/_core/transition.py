@@ -135,8 +135,7 @@ ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask", "has_transition", "dis
 
 def _check(transition) -> Transition:
     if not isinstance(transition, Transition):
-        raise TypeError("transition: expected a gpubuf.Transition, got "
-                        f"{type(transition).__name__}")
+        raise TypeError(f"transition: expected a gpubuf.Transition, got {type(transition).__name__}")
     return transition
 
 
@@ -177,10 +176,9 @@ def to(transition: Transition, device, non_blocking: bool = False) -> Transition
     """A new :class:`Transition` with every leaf (nested dicts included) a torch tensor on
     ``device``.
 
-    Numpy arrays and ``__dlpack__`` arrays become tensors; ``None`` fields (and ``None`` values
-    inside dicts) stay ``None``; a leaf already on
-    ``device`` is the same tensor (no copy), as ``Tensor.to`` does. ``transition`` itself is
-    unchanged.
+    Numpy arrays and ``__dlpack__`` arrays become tensors; ``None`` fields (and ``None`` values inside dicts) stay
+    ``None``; a leaf already on ``device`` is the same tensor (no copy), as ``Tensor.to`` does. ``transition``
+    itself is unchanged.
     """
     _check(transition)
     device = parse_device(device)
@@ -247,8 +245,7 @@ def from_tensordict(td) -> Transition:
         raise TypeError(f"td: expected a TensorDict, got {type(td).__name__}")
     unknown = [k for k in td.keys() if k not in ALL_FIELDS]
     if unknown:
-        raise ValueError(f"td: unknown keys {unknown}; expected Transition fields "
-                         f"{list(ALL_FIELDS)}")
+        raise ValueError(f"td: unknown keys {unknown}; expected Transition fields {list(ALL_FIELDS)}")
     fields = {}
     for name in td.keys():
         value = td.get(name)

@@ -23,12 +23,11 @@ BACKENDS = ("torch", "triton")
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device ``device`` names, checked usable here, else ``ValueError`` naming ``device``.
 
-    ``None`` -> ``cuda`` when available, else ``cpu``; a bare ``cuda`` gets the current index
-    (the index matters: tensors report ``cuda:0``, and
-    ``torch.device("cuda") != torch.device("cuda:0")``); ``cpu:0`` is ``cpu`` (tensors report
-    ``cpu``, and ``torch.device("cpu:0") != torch.device("cpu")``). Refused: CUDA on a machine
-    without it, a CUDA index past the devices present, ``meta`` (its tensors hold no data), another
-    CPU index, and any other device no tensor can be created on.
+    ``None`` -> ``cuda`` when available, else ``cpu``; a bare ``cuda`` gets the current index (the index matters:
+    tensors report ``cuda:0``, and ``torch.device("cuda") != torch.device("cuda:0")``); ``cpu:0`` is ``cpu``
+    (tensors report ``cpu``, and ``torch.device("cpu:0") != torch.device("cpu")``). Refused: CUDA on a machine
+    without it, a CUDA index past the devices present, ``meta`` (its tensors hold no data), another CPU index, and
+    any other device no tensor can be created on.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,8 +161,7 @@ def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], dev
     try:
         return {k: torch.zeros(s, dtype=dtypes[k], device=device) for k, s in shapes.items()}
     except (RuntimeError, torch.OutOfMemoryError) as err:
-        raise MemoryError(f"gpubuf: cannot allocate {total} bytes of storage on {device}: "
-                          f"{err}") from None
+        raise MemoryError(f"gpubuf: cannot allocate {total} bytes of storage on {device}: {err}") from None
 
 
 def interpreting() -> bool:
@@ -193,13 +191,12 @@ def backend_for(device: torch.device) -> str:
 def route(backend: str, device: torch.device) -> str:
     """How an op call with ``backend`` on ``device`` runs.
 
-    ``"dispatch"`` under ``torch.compile`` when ``backend`` is what the dispatcher registers for
-    ``device`` (Triton for CUDA, else torch): the call goes through ``torch.ops.gpubuf`` and Dynamo
-    traces the op. Eager calls go straight to an implementation
-    (boxing tensor lists through the dispatcher costs more than the work of a small call; README,
-    Benchmarks: Host overhead per call): ``"triton"`` (the kernel's launcher) when asked and Triton
-    runs on ``device``, else ``"torch"`` (the twin, also for a ``"triton"`` request on a device
-    Triton cannot run on).
+    ``"dispatch"`` under ``torch.compile`` when ``backend`` is what the dispatcher registers for ``device`` (Triton
+    for CUDA, else torch): the call goes through ``torch.ops.gpubuf`` and Dynamo traces the op. Eager calls go
+    straight to an implementation (boxing tensor lists through the dispatcher costs more than the work of a small
+    call; README, Benchmarks: Host overhead per call): ``"triton"`` (the kernel's launcher) when asked and Triton
+    runs on ``device``, else ``"torch"`` (the twin, also for a ``"triton"`` request on a device Triton cannot run
+    on).
     """
     if torch.compiler.is_compiling() and backend == ("triton" if device.type == "cuda"
                                                      else "torch"):

@@ -1,9 +1,9 @@
 """The wide prefix-sum tree's ops (Triton kernels in ``kernels/prefix_tree.py``): descent and leaf
 updates.
 
-``tree`` is the flat float64 concatenation of the levels
-(leaves first; level ``k+1`` holds the sums of consecutive groups of ``fanout`` entries of level
-``k``; the top level is one node of ``fanout`` entries); ``offsets`` (K+1 ints) bounds the K levels:
+``tree`` is the flat float64 concatenation of the levels (leaves first; level ``k+1`` holds the sums of consecutive
+groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries); ``offsets`` (K+1
+ints) bounds the K levels:
 level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
 
 Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's

@@ -44,9 +44,8 @@ def jax_contender(state, insert_fn, sample_fn, update_fn, batch, n: int, index_o
     """insert / sample / update of a functional JAX buffer: each call replaces ``state`` and blocks
     until ready.
 
-    ``insert_fn(state, batch)``, ``sample_fn(state, key)``,
-    ``update_fn(state, indices, priorities)`` are jitted; ``batch`` holds ``n`` transitions;
-    ``index_of(sample)`` -> the sampled indices the next update re-prioritises.
+    ``insert_fn(state, batch)``, ``sample_fn(state, key)``, ``update_fn(state, indices, priorities)`` are jitted;
+    ``batch`` holds ``n`` transitions; ``index_of(sample)`` -> the sampled indices the next update re-prioritises.
     """
     import jax
 

@@ -13,8 +13,7 @@ from textwrap import wrap
 SUITES = {"history": "HistoryBuffer: per step and env pixels (1, 64, 64, 3) uint8 and action "
                      "(1, 2) float32, action_block 5, max_len 11",
           "replay": "Replay: PER transitions obs float32[17], action float32[6] on a full buffer "
-                    "of N (sample: with replacement and importance weights); seq: windows of "
-                    "64x64x3 uint8 frames"}
+                    "of N (sample: with replacement and importance weights); seq: windows of 64x64x3 uint8 frames"}
 
 
 def speedups(rows: list[dict]) -> list[float | None]:
@@ -33,10 +32,8 @@ def markdown(result: dict, chart: str | None = None) -> str:
              f"- machine: {m['platform']}, {m['cpus']} CPUs, python {m['python']}",
              f"- device: {m['device']} ({m['device_name']}), {m['torch_threads']} torch thread(s)",
              f"- versions: {installed}",
-             "- method: contenders interleaved in one process (rotating order), medians per call "
-             "over "
-             f"{s['history_repeats']} repeats (history) and {s['replay_repeats']} repeats of 5 "
-             "calls (replay); "
+             "- method: contenders interleaved in one process (rotating order), medians per call over "
+             f"{s['history_repeats']} repeats (history) and {s['replay_repeats']} repeats of 5 calls (replay); "
              "gpubuf speedup = the contender's median / gpubuf's (above 1: gpubuf is faster)"]
     if result["missing"]:
         lines.append("- not installed: " + ", ".join(f"{k} ({v})"
@@ -51,8 +48,7 @@ def markdown(result: dict, chart: str | None = None) -> str:
         lines += ["", f"## {suite}", "", title, "",
                   "| case | op | impl | median us | gpubuf speedup |",
                   "|---|---|---|---:|---:|"]
-        lines += [f"| {r['case']} | {r['op']} | {r['impl']} | {r['us']:.1f} | "
-                  f"{'-' if x is None else f'{x:.2f}x'} |"
+        lines += [f"| {r['case']} | {r['op']} | {r['impl']} | {r['us']:.1f} | {'-' if x is None else f'{x:.2f}x'} |"
                   for r, x in rows]
     if chart:
         lines += ["", f"![median time per op]({chart})"]

@@ -1,12 +1,10 @@
 """The one timing helper of every benchmark
 (``gpubuf bench``, ``benchmarks/*.py``, the demo's timers).
 
-Contenders run in the same process, interleaved in rotating order, and are reported as medians per
-call. A clock is ``start() -> stop``, ``stop() -> microseconds``
-(or anything a benchmark wants per sample): :func:`wall_clock`
-(host wall time, the device synced around the call) or :func:`cuda_event_clock`
-(device time between two CUDA events). :func:`interleaved` collects the samples, :func:`median_us`
-their medians.
+Contenders run in the same process, interleaved in rotating order, and are reported as medians per call. A clock is
+``start() -> stop``, ``stop() -> microseconds`` (or anything a benchmark wants per sample): :func:`wall_clock` (host
+wall time, the device synced around the call) or :func:`cuda_event_clock` (device time between two CUDA events).
+:func:`interleaved` collects the samples, :func:`median_us` their medians.
 """
 
 import os
