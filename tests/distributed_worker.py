@@ -122,6 +122,16 @@ def scenarios(group, tmp: str) -> dict:
     res["after_bad"] = (uni.num_valid(), per.max_priority, res["max_priority"])
     res["empty_update"] = caught(lambda: per.update_priorities([], []))
 
+    # the buffers' shared sample signature: what a sharded sample does not offer is refused by name
+    refused = {"out": uni.sample(key=1, batch_size=2), "return_indices": True, "frame_stack": 2, "frame_stride": 2,
+               "n_step_return": (3, 0.99)}
+    res["refused"] = {arg: caught(lambda arg=arg, v=v: uni.sample(batch_size=2, **{arg: v}))
+                      for arg, v in refused.items()}
+    res["refused_per"] = caught(lambda: per.sample(batch_size=2, return_indices=False))
+    res["refused_one_rank"] = caught(lambda: per.sample(batch_size=2, frame_stack=4 if rank == last else None))
+    res["defaults_given"] = (len(per.sample(key=12, batch_size=2, return_indices=True, frame_stride=1)),
+                             uni.sample(key=13, batch_size=2, return_indices=False, out=None).observation.shape[0])
+
     # episode boundaries, as the local buffers draw them
     res["num_valid_forbid"] = (uni.num_valid(True, "forbid"), uni.local.num_valid(True, "forbid"))
     res["uni_mask"] = windows(uni.sample(key=1003, batch_size=200, boundaries="mask"))

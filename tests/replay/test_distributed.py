@@ -1,8 +1,12 @@
-"""ShardedBuffer over a gloo process group on CPU: four processes run every scenario (tests/distributed_worker.py)
-over the whole group and over two pairs; the checks here read what each rank saw.
+"""Contract: a ShardedBuffer is one replay buffer over the ranks of a process group. Every rank's sample is drawn
+from the union of the shards with the exact global probabilities (uniform or prioritized, with or without
+replacement, as the local buffers draw windows at episode boundaries), priority updates reach the shards that own
+them, an error on any rank (a bad argument, a refused argument of the shared ``sample`` signature, a configuration
+that disagrees, a failed load) raises on every rank, and each rank saves and loads its own shard.
 
-Sampling is checked against the exact global distribution (chi-square, fixed seeds so the outcome is
-deterministic), windows are decoded back to (shard, step, env), and errors must reach every rank.
+Four gloo processes on CPU run every scenario (tests/distributed_worker.py) over the whole group and over two
+pairs; the checks here read what each rank saw. Sampling is checked against the exact global distribution
+(chi-square, fixed seeds so the outcome is deterministic) and windows are decoded back to (shard, step, env).
 """
 
 import itertools
@@ -250,6 +254,26 @@ def test_bad_arguments_raise_on_every_rank(runs, name):
         assert r["empty_update"] is None
         # the group still works after every failed call, and nothing was written by them
         assert r["after_bad"][0] == r["num_valid"][0] and r["after_bad"][1] == r["after_bad"][2]
+
+
+@pytest.mark.parametrize("name", GROUPS)
+@pytest.mark.parametrize("arg, got", [
+    ("out", "got a Transition"), ("return_indices", "expected None or False, got True"),
+    ("frame_stack", "expected None, got 2"), ("frame_stride", "expected 1, got 2"),
+    ("n_step_return", "expected None, got (3, 0.99)")])
+def test_sample_refuses_by_name_what_a_sharded_sample_does_not_offer(runs, name, arg, got):
+    for r in runs[name]:
+        kind, msg = r["refused"][arg]
+        assert kind == "ValueError" and msg.startswith(f"{arg}: ShardedBuffer.sample ") and msg.endswith(got), msg
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_refusals_raise_on_every_rank_and_defaults_given_explicitly_pass(runs, name):
+    res = runs[name]
+    _raised_everywhere(res, "refused_one_rank", len(res) - 1, "ValueError", "frame_stack: ShardedBuffer.sample")
+    for r in res:
+        assert r["refused_per"][0] == "ValueError" and "expected None or True, got False" in r["refused_per"][1]
+        assert r["defaults_given"] == (2, 2)  # (batch, global indices) when prioritized; a batch of 2 when uniform
 
 
 @pytest.mark.parametrize("name", GROUPS)
