@@ -36,7 +36,7 @@ import gpubuf.ops.prefix_tree as tree_ops
 import gpubuf.ops.sequence as sequence_ops
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
-from gpubuf.replay.buffer.storage import MemoryStorage
+from gpubuf.replay.storage import MemoryStorage
 
 E, OBS, B, ROWS, N = 16, 4, 32, 1024, 4
 # issue 20's targets in units: (call, host-only)

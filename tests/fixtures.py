@@ -31,6 +31,25 @@ def make_transition(g0: int, T: int, E: int, trunc_steps=(), obs_dim: int = 2, v
     return tr
 
 
+def index_rows(T: int, E: int, start: int = 0, *, obs_dim: int = 2, by_env: bool = True, signed_obs: bool = False,
+               term_every: int = 0, trunc_every: int = 0, int_action: bool = False, info: bool = False) -> Transition:
+    """T time-major numpy rows ``(T, E, ...)`` for steps ``start..start+T-1``, valued by index.
+
+    ``v = step * E + env`` (``by_env``) or ``v = step`` (float32, ``(T, E)``) in observation
+    ``(T, E, obs_dim)`` (``[v, -v]`` with ``signed_obs``), action (int64 with ``int_action``) and reward;
+    terminated on steps divisible by ``term_every`` (counted from ``start``), truncated where ``v`` is
+    divisible by ``trunc_every``; ``info={"id": v}`` (int64) with ``info``."""
+    step = np.arange(start, start + T)[:, None]
+    v = (step * E + np.arange(E) if by_env else step.repeat(E, 1)).astype(np.float32)
+    obs = np.stack([v, -v], -1) if signed_obs else np.broadcast_to(v[..., None], (T, E, obs_dim)).copy()
+    term = np.zeros((T, E), bool)
+    if term_every:
+        term[::term_every] = True
+    trunc = v % trunc_every == 0 if trunc_every else np.zeros((T, E), bool)
+    return Transition(observation=obs, action=v.astype(np.int64) if int_action else v.copy(), reward=v.copy(),
+                      terminated=term, truncated=trunc, info={"id": v.astype(np.int64)} if info else {})
+
+
 def _squeeze(x):
     if x is None:
         return None

@@ -4,6 +4,7 @@
 import numpy as np
 import pytest
 import torch
+from fixtures import index_rows
 from snapshots import assert_unchanged, snapshot
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
@@ -13,11 +14,7 @@ E, M = 2, 8
 
 
 def rows(T: int, t0: int = 0) -> Transition:
-    step = np.arange(t0, t0 + T, dtype=np.float32)[:, None].repeat(E, 1)
-    term = np.zeros((T, E), bool)
-    term[::3] = True
-    return Transition(observation=step[..., None].repeat(3, -1), action=step.copy(), reward=step.copy(),
-                      terminated=term, truncated=np.zeros((T, E), bool))
+    return index_rows(T, E, t0, obs_dim=3, by_env=False, term_every=3)
 
 
 def replay(cls, device="cpu"):

@@ -10,6 +10,7 @@ would hand out such memory lazily), with the up-front check switched off.
 import numpy as np
 import pytest
 import torch
+from fixtures import index_rows
 from snapshots import assert_unchanged, snapshot
 
 import gpubuf.history.buffer as history_module
@@ -24,11 +25,7 @@ HUGE = 2**45  # bytes torch's host allocator refuses at once (more than RAM and 
 
 
 def rows(T: int, obs_dim: int, t0: int = 0) -> Transition:
-    step = np.arange(t0, t0 + T, dtype=np.float32)[:, None].repeat(E, 1)
-    term = np.zeros((T, E), bool)
-    term[::3] = True  # episodes of 3 rows
-    return Transition(observation=np.broadcast_to(step[..., None], (T, E, obs_dim)).copy(), action=step.copy(),
-                      reward=step.copy(), terminated=term, truncated=np.zeros((T, E), bool))
+    return index_rows(T, E, t0, obs_dim=obs_dim, by_env=False, term_every=3)  # episodes of 3 rows
 
 
 def replay(cls, obs_dim: int = 4, **kw):

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from fixtures import index_rows
 from snapshots import assert_same_state, snapshot
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
@@ -19,10 +20,7 @@ E = 3
 
 
 def rows(T: int, start: int) -> Transition:
-    v = (np.arange(start, start + T)[:, None] * E + np.arange(E)).astype(np.float32)
-    return Transition(observation=np.stack([v, -v], -1), action=v.astype(np.int64), reward=v,
-                      terminated=np.zeros((T, E), bool), truncated=(v % 7 == 0),
-                      info={"id": v.astype(np.int64)})
+    return index_rows(T, E, start, signed_obs=True, int_action=True, trunc_every=7, info=True)
 
 
 def via_torch_save(buf):

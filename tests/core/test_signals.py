@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from fixtures import index_rows
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 
@@ -27,9 +28,7 @@ USER_SIGNALS = [s for s in ("SIGTERM", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGHUP"
 
 
 def rows(T: int, start: int) -> Transition:
-    v = (np.arange(start, start + T)[:, None] * E + np.arange(E)).astype(np.float32)
-    return Transition(observation=np.stack([v, v], -1), action=v.astype(np.int64), reward=v,
-                      terminated=np.zeros((T, E), bool), truncated=np.zeros((T, E), bool))
+    return index_rows(T, E, start, int_action=True)
 
 
 @pytest.fixture
