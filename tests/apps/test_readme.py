@@ -1,4 +1,5 @@
-"""The README's Python quick starts run as written (a newcomer must succeed from the README alone)."""
+"""The Python blocks of the README and of every page in docs/ run as written (a newcomer must succeed from
+the documentation alone)."""
 
 import re
 import subprocess
@@ -7,8 +8,20 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The ```python blocks of a Markdown page, in order."""
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
+BLOCKS = python_blocks(README)
+# (page, code) of every Python block in the README and docs/, with ids such as README-block0, distributed-block0
+DOC_BLOCKS = [(page, code) for page in PAGES for code in python_blocks(page)]
+DOC_IDS = [f"{page.stem}-block{i}" for page in PAGES for i in range(len(python_blocks(page)))]
 RANKS = 2  # torchrun processes for the multi-GPU example
 
 
@@ -40,14 +53,20 @@ def test_readme_has_quick_starts():
     assert len(BLOCKS) >= 3
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_block_runs(code, monkeypatch, tmp_path):
+def test_the_docs_have_their_blocks_and_one_runs_under_torchrun():
+    pages = {page.stem for page, _ in DOC_BLOCKS}
+    assert {"README", "replay", "history-buffer", "distributed"} <= pages
+    assert sum("init_process_group" in code for _, code in DOC_BLOCKS) >= 1
+
+
+@pytest.mark.parametrize(("page", "code"), DOC_BLOCKS, ids=DOC_IDS)
+def test_doc_block_runs(page, code, monkeypatch, tmp_path):
     for package in ("envpool", "gymnasium"):  # absent on the GPU machine
         if f"import {package}" in code:
             pytest.importorskip(package)
     monkeypatch.delenv("GPUBUF_BACKEND", raising=False)
     monkeypatch.chdir(tmp_path)  # checkpoints the blocks write land here
-    if "init_process_group" in code:  # the multi-GPU learner: run as the README says, under torchrun
+    if "init_process_group" in code:  # the multi-GPU learner: run as its page says, under torchrun
         skip = torchrun_skip_reason()
         if skip:
             pytest.skip(skip)
@@ -56,4 +75,4 @@ def test_readme_block_runs(code, monkeypatch, tmp_path):
                               "learner.py"], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         return
-    exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    exec(compile(code, str(page), "exec"), {"__name__": "readme"})
