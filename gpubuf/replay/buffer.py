@@ -30,8 +30,6 @@ Writes are two-phase: every leaf is checked and staged first (where any conversi
 committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
 """
 
-import math
-
 import numpy as np
 import torch
 
@@ -46,17 +44,17 @@ from gpubuf._core.state import copy_into, unaliased
 from gpubuf._core.transition import Transition, unflatten
 from gpubuf.replay import tiers
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
+from gpubuf.replay.readers import BatchReader
 from gpubuf.replay.ring import StartRing
-from gpubuf.replay.samplers import UniformSampler
-from gpubuf.replay.stacked import StackedGather, StackSpec
+from gpubuf.replay.sample_args import Samples
+from gpubuf.replay.samplers import TreeSampler, UniformSampler
 from gpubuf.replay.steady_insert import SteadyInsert
 from gpubuf.replay.storage import MappedStorage, MemoryStorage
-from gpubuf.replay.tree import FANOUT
 
 __all__ = ["BOUNDARIES", "Transition", "TransitionBuffer"]
 
 
-class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
+class TransitionBuffer(Samples, checkpoint.Checkpointable, CopiedByState):
     """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
 
     Args:
@@ -113,11 +111,8 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         try:  # a failure from here on releases a storage_dir's lock at once
             self.ring = StartRing(config.max_rows, config.n_envs, config.n_steps, config.kinds)
             self.sampler = self._make_sampler()
+            self.reader = BatchReader(config, self.storage, self.ring, self.device, self.backend)
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
-            self._marks = None  # EpisodeMarks, built by the first sample that needs them
-            # sample sizes checked to fit (a call that fits is not estimated again)
-            self._fits = ops.LRU(8)
-            self._last_fit = (None, None)  # (key, what) of the last check
             self._steady = SteadyInsert(config, self.storage)
             # a host generator draws: one seed, the same starts on every device
             self.generator = torch.Generator()
@@ -135,7 +130,7 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
     def _config_extra(self) -> tuple:  # hook: the subclass's own configuration fields
         return ()
 
-    def _make_sampler(self) -> UniformSampler:  # hook: the sampling policy composed here
+    def _make_sampler(self) -> TreeSampler:  # hook: the sampling policy composed here
         return UniformSampler(self.ring, self.device, self.backend)
 
     @property
@@ -186,9 +181,9 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
     def nbytes(self) -> int:
         """Bytes held: storage, priorities, the tree and validity mask of each kind used so far, and
         the episode marks (one byte per row) once frame stacks or n-step returns were sampled."""
-        marks = [] if self._marks is None else [self._marks.marks, self._marks.held]
-        return sum(t.numel() * t.element_size()
-                   for t in [*self.storage.tensors(), *self.sampler.tensors(), *marks])
+        return sum(t.numel() * t.element_size() for t in [*self.storage.tensors(),
+                                                          *self.sampler.tensors(),
+                                                          *self.reader.tensors()])
 
     @locked
     def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
@@ -233,8 +228,7 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
             self.storage.write(staged, pos, before_wrap, T)
             self.sampler.rows_written(pos, before_wrap, T)
             self.sampler.refresh_after_write(pos, T)
-            if self._marks is not None:
-                self._marks.rows_written(ring, pos, before_wrap, T)
+            self.reader.rows_written(pos, before_wrap, T)
             self.storage.after_write(ring.pos, ring.count, ring.total)
         if steady is None:
             self._steady.learn(transition, given)
@@ -248,96 +242,26 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
         self.sampler.check_draw(kind, B, with_replacement)
         return B, kind
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
-    @torch.compiler.disable
     @locked
-    def sample(self, key=None, with_replacement: bool = True, batch_size: int | None = None,
-               with_next_obs: bool = False, boundaries: str = "allow", *,
-               out: Transition | None = None, return_indices: bool = False,
-               frame_stack: int | None = None, frame_stride: int = 1,
-               n_step_return: tuple[int, float] | None = None):
-        """A batch of ``B`` windows of ``n_steps`` rows from uniformly drawn valid starts; with
-        ``return_indices=True``, ``(batch, indices)``: the windows' flat starts ``(B,)`` int64 on
-        the device, ``row * n_envs + env`` (:meth:`locate` maps them to env, ring row and the env's
-        own row count).
-
-        Leaves come back ``(B, n_steps, ...)`` (``(B, ...)`` when ``n_steps == 1``). ``key``: a
-        ``torch.Generator``, an int seed (the same int, the same batch) or ``None`` (the buffer's
-        generator). ``with_next_obs`` fills ``next_observation`` with the observation one row later
-        (unless stored), and then never samples a window whose first ``n_steps`` rows hold a
-        truncation. Raises ``ValueError`` when there is no valid start, or fewer than ``batch_size``
-        without replacement.
-
-        Memory: a batch whose outputs and working memory (estimated up front) exceed what the
-        device has in all raises ``MemoryError`` naming ``batch_size`` and the bytes before anything
-        is drawn; an allocation that fails raises the same. A sample that raises leaves the
-        generator (the buffer's or ``key``'s), the priorities and the counts as they were.
-
-        ``boundaries``: ``"allow"``, ``"mask"`` or ``"forbid"``, what a window may do at an episode
-        end (the module docstring says how). ``out`` may be a :class:`Transition` of preallocated
-        tensors of exactly the returned shapes and dtypes on the buffer's device: the windows are
-        written there and ``out`` is returned.
-
-        Pixel replay (each frame stored once, in ``observation``; no stored ``next_observation``):
-
-        - ``frame_stack=k``: every observation leaf comes back as the stack of its row's last ``k``
-          frames, ``frame_stride`` rows apart (a ``frame_stride`` other than 1 without
-          ``frame_stack`` is a ``ValueError``), oldest first, ``(B, [n_steps,] k, ...)``
-          (``next_observation`` too, with ``with_next_obs``). At an episode start the stack is
-          padded with the episode's first frame, and never reaches a frame of the previous
-          episode: an episode ends after a ``terminated`` or ``truncated`` row, or, when the
-          buffer stores ``info["is_last"]`` (an env source's rows), after that row only. A stack
-          never reaches a row the ring no longer holds: once the oldest rows of an episode are
-          overwritten, its oldest frame held pads instead. Validity and probabilities of the
-          starts are those of ``frame_stack=None``.
-        - ``n_step_return=(n, gamma)`` (a buffer of ``n_steps=1``): each transition becomes the
-          n-step one: ``reward`` the discounted sum of the rewards of up to ``n`` rows from the
-          start (float32; float64 for a float64 reward), ``discount`` the bootstrap value's factor
-          ``gamma**m`` after ``m`` rewards, 0 when they end in a termination (``terminated``
-          True), ``next_observation`` the observation (stacked with ``frame_stack``) to bootstrap
-          from, ``truncated`` True where fewer than ``n`` rewards were taken without a
-          termination: at a truncation (or an ``info["is_last"]`` row) the return stops before
-          that row and bootstraps from its observation (a row both terminated and truncated is a
-          termination); likewise it stops before the newest row held, whose reward is not taken
-          while its next observation is not stored, and bootstraps from that row's observation.
-          Other leaves (``action``,
-          ``info``) are the start row's. Starts are drawn as with ``with_next_obs=True`` (never a
-          truncated row). Needs a ``terminated`` leaf. ``out`` is not offered with either
-          argument.
-        """
+    def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
+                return_indices, frame_stack, frame_stride, n_step_return):
+        """:meth:`sample` with the buffer's defaults resolved: check, draw, read."""
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
-        spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
-        if spec is not None and out is not None:
-            raise ValueError("out: not offered with frame_stack or n_step_return; got a "
-                             f"{type(out).__name__}")
+        reader = self.reader
+        spec = reader.spec(frame_stack, frame_stride, n_step_return, out)
         returns = spec is not None and spec.n is not None
         B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
                                          boundaries)
         g = generator_for(key, self.generator)
-        what = self.check_sample_memory(B, with_next_obs, spec, with_replacement, out is None)
+        what = reader.check_memory(B, with_next_obs, spec, with_replacement, out is None)
         # a failed sample leaves the generator as it was (an int key's is new for this call)
         rng = g.get_state() if key is None or isinstance(key, torch.Generator) else None
         try:
-            plan = None if spec is not None or out is not None else \
-                self.storage.host_plan(B, with_next_obs, self.device)
-            if spec is not None:
-                stacked = StackedGather(self, spec, B, with_next_obs)
-                stacked.prepare()  # the stacks' outputs, before the draw
-            elif plan is None:
-                jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device,
-                                              self._owned)
+            read = reader.prepare(B, with_next_obs, boundaries, spec, out, self._owned)
             idx, mass = self.sampler.draw(kind, B, g, with_replacement)
-            if spec is not None:
-                result = stacked.run(idx)
-            elif plan is not None:  # the steady host path: fresh outputs in their own dtypes
-                result = unflatten(self.gather_host(plan, idx, B, with_next_obs))
-            else:  # the windows, in the storage's layout
-                result = self.storage.gather(idx, jobs, self.device)
-                result = unflatten(result) if out is None else out
-            batch = self.config.with_flags(result, boundaries, self.device)
-            if self.sampler.prioritized:
-                batch.PER_weights = self.sampler.weights(mass)
+            batch = read(idx)
+            self.sampler.weigh(batch, mass)
         except BaseException as err:
             if rng is not None:
                 g.set_state(rng)
@@ -346,85 +270,17 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
             raise
         return (batch, idx) if return_indices else batch
 
-    def check_sample_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool,
-                            fresh: bool = True):
-        """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes, for a
-        ``MemoryError``), after checking it fits: ``MemoryError`` naming ``batch_size`` when that
-        is more than the sampling (or storage) device has in all (:func:`gpubuf.ops.capacity`)."""
-        key = (B, with_next_obs, spec, with_replacement, fresh)
-        last = self._last_fit  # a steady loop asks the same each step: one compare
-        if last[0] == key:
-            return last[1]
-        what = self._fits.get(key, self._check_fits, B, with_next_obs, spec, with_replacement,
-                              fresh)
-        self._last_fit = (key, what)
-        return what
-
-    def _check_fits(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool):
-        nbytes = self.sample_bytes(B, with_next_obs, spec, with_replacement, fresh)
-        what = lambda: (f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and "
-                        f"working memory on {self.device}")
-        ops.check_fits("batch_size", what, nbytes, self.device)
-        if self.storage.device != self.device:
-            ops.check_fits("batch_size", what, nbytes, self.storage.device)
-        return what
-
-    def sample_bytes(self, B: int, with_next_obs: bool, spec=None, with_replacement: bool = True,
-                     fresh: bool = True, draw: bool = True) -> int:
-        """About how many bytes a sample of ``B`` windows allocates at once: its outputs (``fresh``:
-        not the caller's ``out``), flags, starts and masses, plus the working memory of the draw
-        (``draw``; the torch twin's descent holds ``(B, fanout)`` children, a draw without
-        replacement rounds of ``2 B`` draws) and of the gathers (row indices; stacks' and returns'
-        masks). An estimate, to refuse a sample that cannot fit before it starts."""
-        config, n = self.config, self.config.n_steps
-        row = {leaf.path: math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in config.leaves}
-        obs = sum(row[p] for p in config.paths("observation"))
-        k = 1 if spec is None or spec.k is None else spec.k
-        returns = spec is not None and spec.n is not None
-        per = (n * sum(row.values()) + n * (k - 1) * obs) if fresh else 0  # windows, stacks
-        if fresh and with_next_obs and not config.stores_next_obs and not returns:
-            per += n * k * obs  # next observations
-        if returns:
-            per += k * obs + 26  # bootstrap stacks; return, discount, row, terminated, cut
-        per += 2 * n + 24  # is_first and mask; starts, masses, weights
-        work = 8 * n * 2  # window rows
-        if draw:
-            if self.backend == "torch":
-                work += 2 * FANOUT * 8 + 48  # the twin's descent: children and their sums
-            if not with_replacement:
-                work = 2 * (work + 64)  # rounds of 2 B draws, made unique
-        if spec is not None and self.storage.backend == "torch":
-            reach = (k - 1) * spec.stride
-            stack = reach * 18 + k * 8  # the back-reach masks and frame rows of one stack
-            work += n * stack * (spec.k is not None) + (spec.n * 48 + stack if returns else 0)
-        return B * (per + work)
-
-    def gather_host(self, plan: list, idx: torch.Tensor, B: int, with_next_obs: bool) -> dict:
-        """The storage's planned host gather; an allocation failure takes the general path, which
-        raises ``MemoryError`` naming ``batch_size``."""
-        try:
-            return self.storage.gather_planned(plan, idx)
-        except RuntimeError:
-            jobs = self.storage.check_out(None, self.config.jobs(B, with_next_obs), self.device, ())
-            return self.storage.gather(idx, jobs, self.device)
-
     @locked
     def episode_marks(self):
-        """The :class:`~gpubuf.replay.episode_marks.EpisodeMarks` of this buffer (built on first use, then
-        kept current by every write)."""
-        if self._marks is None:
-            from gpubuf.replay.episode_marks import EpisodeMarks
-
-            self._marks = EpisodeMarks(self.config, self.storage, self.ring)
-        return self._marks
+        """The :class:`~gpubuf.replay.episode_marks.EpisodeMarks` of this buffer (built on first use,
+        then kept current by every write)."""
+        return self.reader.marks()
 
     @locked
     def gather(self, starts, jobs: dict, out=None, boundaries: str = "allow") -> Transition:
         """The flagged batch of windows of flat ``starts`` (B,) for ``storage.check_out``'s
         jobs."""
-        result = self.storage.gather(starts, jobs, self.device)
-        return self.config.with_flags(unflatten(result) if out is None else out, boundaries,
-                                      self.device)
+        return self.reader.windows(starts, jobs, out, boundaries)
 
     @locked
     def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
@@ -485,14 +341,12 @@ class TransitionBuffer(checkpoint.Checkpointable, CopiedByState):
             except BaseException:  # the data is half-read (a read error): forget every row
                 self.ring.restore(0, 0, np.zeros_like(trunc), np.zeros_like(trunc))
                 self.sampler.forget()
-                if self._marks is not None:
-                    self._marks.set_held(self.ring)
+                self.reader.rows_loaded(whole=False)
                 raise
             self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends,
                               last=last)
             self.sampler.forget()  # validity and trees are rebuilt from the rows
-            if self._marks is not None:
-                self._marks.rebuild(self.ring)
+            self.reader.rows_loaded(whole=True)
             self.generator.set_state(rng)
         self.flush()  # a storage_dir now holds the loaded state
 

@@ -17,7 +17,7 @@ from gpubuf import ops
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.transition import Transition, unflatten
-from gpubuf.replay.stacked import StackedGather, StackSpec
+from gpubuf.replay.stacked import StackedGather
 
 
 @refuse_copies("its tensors may be captured in a CUDA graph of its buffer; build a new one with "
@@ -64,7 +64,8 @@ class GraphSampler:
         if buffer.storage_device != buffer.device:
             raise ValueError("buffer: a GraphSampler gathers on the sampling device; this buffer's "
                              f"storage is on {buffer.storage_device}, not {buffer.device}")
-        spec = StackSpec.build(buffer.config, frame_stack, frame_stride, n_step_return)
+        reader, sampler = buffer.reader, buffer.sampler
+        spec = reader.spec(frame_stack, frame_stride, n_step_return, None)
         returns = spec is not None and spec.n is not None
         B, kind = buffer.check_sample_args(batch_size, True, with_next_obs or returns, boundaries)
         if generator is not None and (not isinstance(generator, torch.Generator)
@@ -74,19 +75,19 @@ class GraphSampler:
             raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, "
                              f"got {got}")
         # a batch that cannot fit is refused before anything is built
-        what = buffer.check_sample_memory(B, with_next_obs, spec, True)
-        buffer.sampler.activate(kind)  # the tree is kept current from now on
+        what = reader.check_memory(B, with_next_obs, spec, True)
         self._guard = buffer.guard  # calls hold the buffer's lock
         self.buffer, self.batch_size, self.generator = buffer, B, generator
-        self._tree = buffer.sampler.trees[kind]
+        self._tree = sampler.tree(kind)  # kept current from now on
         dev = buffer.device
         try:  # a failed allocation raises MemoryError naming batch_size
             self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
             self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
-            storage = buffer.storage
+            self._storage = storage = buffer.storage
+            self._config = buffer.config
             self._tables, self._stacked = None, None
             if spec is not None:
-                self._stacked = StackedGather(buffer, spec, B, with_next_obs, fixed=True).prepare()
+                self._stacked = StackedGather(reader, spec, B, with_next_obs, fixed=True).prepare()
                 result = self._stacked.assemble(self._stacked.out, self._stacked.out["plain"])
             else:
                 jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
@@ -97,7 +98,7 @@ class GraphSampler:
             # the kernel reads time-major storage
             if spec is None and buffer.backend == "triton" and storage.dir is None:
                 self._tables = ops.sequence_tables(self._work, B, buffer.n_steps, dev)
-            self.prioritized = buffer.sampler.prioritized
+            self.prioritized = sampler.prioritized
             if self.prioritized:
                 self._mass = torch.empty(B, dtype=torch.float64, device=dev)
                 self._min = torch.empty((), dtype=torch.float64, device=dev)
@@ -126,18 +127,19 @@ class GraphSampler:
         """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when
         prioritized) and ``indices`` (B,) int64 their flat starts; both are the same tensors at
         every call."""
-        buf, tree = self.buffer, self._tree
+        tree, config = self._tree, self._config
         torch.rand(self.u.shape, dtype=torch.float64, generator=self.generator, out=self.u)
-        ops.tree_sample(buf.backend, tree.tree, tree.offsets, tree.fanout, self.u, self.indices)
+        tree.sample(self.u, out=self.indices)
         if self._stacked is not None:
             self._stacked.run(self.indices)
         elif self._tables is not None:
-            ops.sequence_gather_fixed(self._tables, self.indices, buf.n_steps, buf.n_envs, buf.max_rows)
+            ops.sequence_gather_fixed(self._tables, self.indices, config.n_steps, config.n_envs,
+                                      config.max_rows)
         else:
-            buf.storage.gather_windows(self._work, self.indices)
-        buf.config.refresh_flags(self.out)  # has_transition from the rows just gathered
+            self._storage.gather_windows(self._work, self.indices)
+        config.refresh_flags(self.out)  # has_transition from the rows just gathered
         if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
-            torch.index_select(tree.tree, 0, self.indices, out=self._mass)
+            tree.leaves(self.indices, out=self._mass)
             torch.amin(self._mass, 0, out=self._min)
             # the buffer's beta when this runs (or is replayed)
             torch.neg(self._beta, out=self._neg_beta)

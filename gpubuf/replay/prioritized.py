@@ -32,10 +32,10 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     Each start has a raw priority (float32); newly inserted starts get the running ``max_priority``
     (initially 1, never decreasing). ``P_i = p_i**alpha / sum over valid starts``. :meth:`sample`
     returns ``(Transition, flat_indices)`` with ``PER_weights = (N*P_i)**-beta / max over the
-    batch``, which equals ``(P_i / min_batch P)**-beta``. Without replacement (**the default here**,
-    as in the original PER buffer; the uniform :class:`TransitionBuffer` defaults to with
-    replacement) the draw is exact sequential sampling without replacement (Plackett-Luce): see
-    :class:`TransitionBuffer` for how and what it costs.
+    batch``, which equals ``(P_i / min_batch P)**-beta`` (``return_indices=False``: the batch
+    alone). Without replacement (**the default here**, as in the original PER buffer; the uniform
+    :class:`TransitionBuffer` defaults to with replacement) the draw is exact sequential sampling
+    without replacement (Plackett-Luce): see :class:`TransitionBuffer` for how and what it costs.
 
     Every valid start has a positive, finite mass: ``eps`` must survive float32 and ``eps**alpha``
     float64 (checked here), and an update whose ``max_priority**alpha`` summed over all starts would
@@ -43,6 +43,10 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     :meth:`update_priorities` validates its inputs where they live: host inputs on the host (no
     device read), device inputs with one read-back.
     """
+
+    default_with_replacement = False  # sample: as the original PER buffer
+    default_return_indices = True  # sample: (batch, flat_indices), for update_priorities
+    sampler: PrioritizedSampler
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
                  vectorized_env: bool = True, n_steps: int = 1, alpha: float = 0.6,
@@ -74,25 +78,6 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     def max_priority(self) -> float:
         """The running maximum priority."""
         return self.sampler.max_priority
-
-    # an opaque call under torch.compile: no guards on host state, no recompiles
-    @torch.compiler.disable  # (the lock is the one TransitionBuffer.sample takes)
-    def sample(self, key=None, with_replacement: bool = False, batch_size: int | None = None,
-               with_next_obs: bool = False, boundaries: str = "allow", *,
-               out: Transition | None = None, frame_stack: int | None = None,
-               frame_stride: int = 1,
-               n_step_return: tuple[int, float] | None = None) -> tuple[Transition, torch.Tensor]:
-        """``(batch, flat_indices)``: windows from starts drawn with probability ``P_i``; the batch
-        carries ``PER_weights`` (B,) float32. Shapes, ``key``, ``with_next_obs``, ``boundaries``,
-        ``out``, ``frame_stack``, ``frame_stride`` and ``n_step_return`` as in
-        :meth:`TransitionBuffer.sample` (``out.PER_weights`` is replaced by a fresh tensor). Note
-        the default ``with_replacement=False``. ``flat_indices`` (B,) int64 are flat starts ``row *
-        n_envs + env`` (:meth:`~TransitionBuffer.locate` maps them to env, ring row and the env's
-        own row count). Rows of an :class:`~gpubuf.EnvPoolSource` that hold no transition
-        (``info["is_last"]``) never start a window; ``P_i`` is then taken over the other starts."""
-        return super().sample(key, with_replacement, batch_size, with_next_obs, boundaries, out=out,
-                              return_indices=True, frame_stack=frame_stack,
-                              frame_stride=frame_stride, n_step_return=n_step_return)
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable

@@ -5,7 +5,10 @@ one :class:`~gpubuf.replay.tree.PrefixSumTree` and one validity mask per validit
 :class:`~gpubuf.replay.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping
 says which starts are valid; the policy turns that into mass: 1 per valid start
 (:class:`UniformSampler`) or ``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A
-valid start's mass is never zero.
+valid start's mass is never zero. :class:`TreeSampler` is their shared base: validity, trees and
+the tree draw (:meth:`TreeSampler.draw`, with or without replacement), which
+:class:`PrioritizedSampler` uses as is; :class:`UniformSampler` draws from a ring range when it
+can.
 """
 
 import math
@@ -24,9 +27,17 @@ from gpubuf.replay.tree import PrefixSumTree
 _LOG_MAX = math.log(torch.finfo(torch.float64).max)
 
 
-class UniformSampler:
-    """Uniform sampling over the valid starts of a :class:`StartRing` (each kind's tree built on
-    first use)."""
+class TreeSampler:
+    """The shared base of the policies: validity and a prefix-sum tree per kind of a
+    :class:`StartRing` (each kind's built on first use), tree descents, exact draws without
+    replacement.
+
+    Companions (``ShardedBuffer``, ``GraphSampler``) call these methods rather than reach into the
+    trees: :meth:`tree` (a kind's tree, kept current from then on), :meth:`total` (a kind's mass),
+    :meth:`descend` (starts and masses picked by given uniforms), :meth:`descend_excluding` (the
+    same with some starts' mass set aside), and, prioritized, :meth:`PrioritizedSampler.check_mass`
+    and :meth:`PrioritizedSampler.raise_max_priority`.
+    """
 
     prioritized = False
 
@@ -118,6 +129,39 @@ class UniformSampler:
             raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling "
                              "without replacement needs")
 
+    def tree(self, kind: int) -> PrefixSumTree:
+        """The tree of ``kind``, built now unless kept already, and kept current from then on."""
+        self.activate(kind)
+        return self.trees[kind]
+
+    def total(self, kind: int) -> torch.Tensor:
+        """0-d float64 on the device: the sampling mass of every start of ``kind``."""
+        return self.tree(kind).total()
+
+    def descend(self, kind: int, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(flat starts (K,) int64, their masses (K,) float64)`` picked by uniforms ``u`` (K,)
+        float64 in [0, 1) in proportion to the masses of ``kind``."""
+        tree = self.tree(kind)
+        idx = tree.sample(u)
+        return idx, tree.leaves(idx)
+
+    def descend_excluding(self, kind: int, old: torch.Tensor,
+                          u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`descend` with the mass of flat starts ``old`` (K,) int64 (distinct) set aside:
+        zeroed for the descent and restored after it, whatever happens (signals held meanwhile)."""
+        tree = self.tree(kind)
+        with signals_held():  # the tree is whole again before any handler runs
+            saved = tree.leaves(old)
+            try:
+                tree.update(old, torch.zeros_like(saved))
+                idx = tree.sample(u)
+                return idx, tree.leaves(idx)
+            finally:
+                tree.update(old, saved)
+
+    def weigh(self, batch, mass: torch.Tensor | None) -> None:
+        """Add the batch's importance weights for drawn masses ``mass`` (B,) (uniform: none)."""
+
     def sampling_mass(self, kind: int) -> torch.Tensor:
         """``(M*E,)`` float64 copy of every start's mass for ``kind``."""
         self.activate(kind)
@@ -129,35 +173,14 @@ class UniformSampler:
         return self._staging.to_device(u, "__uniform__")
 
     def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
-        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator
-        ``g``. With replacement, while the valid starts are one ring range of rows, they are drawn
-        from the range directly (no tree descent, no masses); otherwise the tree is descended."""
-        if with_replacement and not self.prioritized and self.ring.one_range(kind):
-            return self._range_draw(kind, B, g), None
-        self.activate(kind)
-        tree = self.trees[kind]
+        """``(flat starts (B,) int64, their masses (B,) float64)`` drawn with generator ``g`` in
+        proportion to their mass (the prioritized draw): ``B`` descents of the tree of ``kind``
+        (with replacement), else :meth:`_draw_without_replacement`."""
+        tree = self.tree(kind)
         if with_replacement:
             idx = tree.sample(self.uniforms(g, B))
             return idx, tree.leaves(idx)
         return self._draw_without_replacement(tree, B, g)
-
-    def _range_draw(self, kind: int, B: int, g: torch.Generator) -> torch.Tensor:
-        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where
-        ``g`` draws (for a host generator, on the host, so one copy of the starts reaches the
-        device)."""
-        M, E = self.ring.max_rows, self.ring.n_envs
-        base, n = self.ring.range_starts(kind)
-        u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
-        if g.device.type == "cpu":
-            # uniform over the n valid (row, env) pairs: flat starts base * E + k, wrapped
-            k = (u.numpy() * n).astype(np.int64)
-            np.minimum(k, n - 1, out=k)
-            k += base * E
-            k %= M * E
-            return self._staging.to_device(torch.from_numpy(k), "__starts__")
-        k = u.mul(n).long().clamp_max_(n - 1)
-        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(
-            k.remainder(E)).to(self.device)
 
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
         """Exact sequential sampling without replacement: rounds of draws with replacement, keeping
@@ -212,7 +235,38 @@ class UniformSampler:
         newest held rows were written after that flush."""
 
 
-class PrioritizedSampler(UniformSampler):
+class UniformSampler(TreeSampler):
+    """Uniform sampling over the valid starts: mass 1 each."""
+
+    def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
+        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator
+        ``g``. With replacement, while the valid starts are one ring range of rows, they are drawn
+        from the range directly (no tree descent, no masses); otherwise the tree is descended
+        (:meth:`TreeSampler.draw`)."""
+        if with_replacement and self.ring.one_range(kind):
+            return self._range_draw(kind, B, g), None
+        return super().draw(kind, B, g, with_replacement)
+
+    def _range_draw(self, kind: int, B: int, g: torch.Generator) -> torch.Tensor:
+        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where
+        ``g`` draws (for a host generator, on the host, so one copy of the starts reaches the
+        device)."""
+        M, E = self.ring.max_rows, self.ring.n_envs
+        base, n = self.ring.range_starts(kind)
+        u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
+        if g.device.type == "cpu":
+            # uniform over the n valid (row, env) pairs: flat starts base * E + k, wrapped
+            k = (u.numpy() * n).astype(np.int64)
+            np.minimum(k, n - 1, out=k)
+            k += base * E
+            k %= M * E
+            return self._staging.to_device(torch.from_numpy(k), "__starts__")
+        k = u.mul(n).long().clamp_max_(n - 1)
+        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(
+            k.remainder(E)).to(self.device)
+
+
+class PrioritizedSampler(TreeSampler):
     """Sampling in proportion to ``priority**alpha`` over valid starts.
 
     Priorities are ``(M*E,)`` float32 on the device; new starts get the running maximum priority
@@ -256,6 +310,14 @@ class PrioritizedSampler(UniformSampler):
         """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch
         P)**-beta``."""
         return (mass / mass.min()).pow_(-self._beta).to(torch.float32)
+
+    def weigh(self, batch, mass: torch.Tensor) -> None:
+        """``batch.PER_weights``: :meth:`weights` of ``mass``."""
+        batch.PER_weights = self.weights(mass)
+
+    def raise_max_priority(self, value: float) -> None:
+        """``max_priority`` becomes ``max(max_priority, value)`` (new starts get it)."""
+        self.max_priority = max(self.max_priority, value)
 
     def tensors(self) -> list[torch.Tensor]:
         return super().tensors() + [self.priority]
@@ -384,6 +446,6 @@ class PrioritizedSampler(UniformSampler):
         """Priorities of flat starts ``idx`` (K,) int64 = ``new`` (K,) float32 (duplicates keep
         their largest), whose largest value is ``top``; then the masses of every kept tree."""
         self.priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
-        self.max_priority = max(self.max_priority, top)
+        self.raise_max_priority(top)
         for kind in self.active:
             self.trees[kind].update(idx, self.mass(idx, self.valid[kind][idx], False))

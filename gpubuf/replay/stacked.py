@@ -109,11 +109,12 @@ class StackedGather:
     nothing).
     """
 
-    def __init__(self, buffer, spec: StackSpec, B: int, with_next_obs: bool, fixed: bool = False):
-        config, storage = buffer.config, buffer.storage
-        self.buffer, self.spec, self.B = buffer, spec, B
-        self.device, self.fixed = buffer.device, fixed
-        self.marks = buffer.episode_marks()
+    def __init__(self, reader, spec: StackSpec, B: int, with_next_obs: bool, fixed: bool = False):
+        config, storage = reader.config, reader.storage
+        self.config, self.storage, self.backend = config, storage, reader.backend
+        self.spec, self.B = spec, B
+        self.device, self.fixed = reader.device, fixed
+        self.marks = reader.marks()
         self.env_major = storage.dir is not None
         here = storage.device
         self.pin = here.type == "cpu" and self.device.type == "cuda"
@@ -146,27 +147,26 @@ class StackedGather:
         """Allocate the outputs (and, ``fixed`` with Triton, upload the copy tables); returns
         ``self``."""
         self.out = self._outputs()
-        if self.fixed and self.buffer.backend == "triton" and not self.env_major:
+        if self.fixed and self.backend == "triton" and not self.env_major:
             self.tables = self._tables()
         return self
 
     def _outputs(self) -> dict:
         """Fresh output tensors: ``{path: tensor}`` on the storage's device (pinned for a CUDA
         buffer on host storage), with the returns' under ``"returns"``."""
-        here, dtypes = self.buffer.storage.device, {leaf.path: leaf.dtype
-                                                    for leaf in self.buffer.config.leaves}
+        here, dtypes = self.storage.device, {leaf.path: leaf.dtype for leaf in self.config.leaves}
         out = {d: torch.empty(shape, dtype=dtypes[s], device=here, pin_memory=self.pin)
                for d, s, _, shape in self.stacks + self.boots}
         if self.spec.n is not None:
             out["returns"] = tuple(torch.empty(self.B, dtype=t, device=here, pin_memory=self.pin)
                                    for t in self.return_types)
         if self.fixed:
-            out["plain"], _ = self.buffer.storage.outputs(self.B, self.plain, self.device)
+            out["plain"], _ = self.storage.outputs(self.B, self.plain, self.device)
         return out
 
     def _tables(self) -> dict:
         """Copy tables uploaded once, per output group, for the Triton launchers."""
-        storage, n, k = self.buffer.storage, self.buffer.config.n_steps, self.spec.k or 1
+        storage, n, k = self.storage, self.config.n_steps, self.spec.k or 1
         _, work = storage.outputs(self.B, {d: (self.out["plain"][d], *rest)
                                            for d, (_, *rest) in self.plain.items()}, self.device)
         return {"plain": ops.sequence_tables(work, self.B, n, self.device),
@@ -175,12 +175,11 @@ class StackedGather:
 
     def _jobs(self, jobs: list, out: dict | None = None) -> list:
         out = self.out if out is None else out
-        return [(self.buffer.storage.flat[s], out[d], shift) for d, s, shift, _ in jobs]
+        return [(self.storage.flat[s], out[d], shift) for d, s, shift, _ in jobs]
 
     def run(self, starts: torch.Tensor) -> Transition:
         """The batch of flat ``starts`` (B,) int64 on the buffer's device."""
-        buf, config, spec = self.buffer, self.buffer.config, self.spec
-        storage, marks = buf.storage, self.marks
+        config, spec, storage, marks = self.config, self.spec, self.storage, self.marks
         n, k, E, M = config.n_steps, spec.k or 1, config.n_envs, config.max_rows
         out = self.out if self.out is not None else self._outputs()
         if not self.fixed:

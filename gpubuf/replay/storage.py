@@ -56,7 +56,7 @@ class MemoryStorage:
         self.host = {p: t.numpy() for p, t in self.data.items()
                      if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
         self.staging = Staging(device)
-        self._host_plans: dict = {}  # (B, with_next_obs) -> host_plan
+        self._host_plans: dict = {}  # (B, with_next_obs) -> host_jobs
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.data.values())
@@ -124,7 +124,7 @@ class MemoryStorage:
                 else jobs[d][0].copy_(t, non_blocking=True)
                 for d, t in host.items()}
 
-    def host_plan(self, B: int, with_next_obs: bool, device) -> list | None:
+    def host_jobs(self, B: int, with_next_obs: bool, device) -> list | None:
         """The steady-state gather of fresh outputs on the host with the torch twin (``None``
         elsewhere): ``[(output path, source rows (M*E, D), shift, output shape, dtype to view the
         words as or None)]``, cached per ``(B, with_next_obs)``. Narrow leaves are gathered in
@@ -132,27 +132,27 @@ class MemoryStorage:
         if device != self.device or self.device.type != "cpu" or self.backend != "torch" \
                 or self.dir is not None:
             return None
-        plan = self._host_plans.get((B, with_next_obs))
-        if plan is None:
-            plan, dtypes = [], {leaf.path: leaf.dtype for leaf in self.config.leaves}
+        jobs = self._host_plans.get((B, with_next_obs))
+        if jobs is None:
+            jobs, dtypes = [], {leaf.path: leaf.dtype for leaf in self.config.leaves}
             for d, s, shift, shape in self.config.jobs(B, with_next_obs):
                 src = self.flat[s]
                 if src.shape[1] == 0:
                     return None
                 wide = src.shape[1] * src.element_size() >= 256
-                plan.append((d, self.words[s] if wide else src, shift, shape,
+                jobs.append((d, self.words[s] if wide else src, shift, shape,
                              dtypes[s] if wide else None))
             if len(self._host_plans) >= 8:
                 self._host_plans.clear()
-            self._host_plans[(B, with_next_obs)] = plan
-        return plan
+            self._host_plans[(B, with_next_obs)] = jobs
+        return jobs
 
-    def gather_planned(self, plan: list, starts: torch.Tensor) -> dict:
-        """``{output path: tensor}``: the windows of flat ``starts`` (B,) for a :meth:`host_plan`
+    def gather_host_jobs(self, jobs: list, starts: torch.Tensor) -> dict:
+        """``{output path: tensor}``: the windows of flat ``starts`` (B,) for :meth:`host_jobs`
         (the twin's rows, :func:`gpubuf.ops.sequence.window_rows`)."""
         n, E, M = self.config.n_steps, self.config.n_envs, self.config.max_rows
         rows, result = {}, {}
-        for d, src, shift, shape, dtype in plan:
+        for d, src, shift, shape, dtype in jobs:
             if shift not in rows:
                 rows[shift] = window_rows(starts, n, shift, E, M)
             t = torch.index_select(src, 0, rows[shift])

@@ -32,9 +32,9 @@ class PrefixSumTree:
         self.size = self.offsets[-1]
         self.tree = allocate({"tree": (self.size,)}, {"tree": torch.float64}, device)["tree"]
 
-    def leaves(self, idx: torch.Tensor) -> torch.Tensor:
-        """(K,) float64 masses of leaves ``idx`` (K,) int64."""
-        return self.tree[idx]
+    def leaves(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(K,) float64 masses of leaves ``idx`` (K,) int64 (into ``out`` when given)."""
+        return self.tree[idx] if out is None else torch.index_select(self.tree, 0, idx, out=out)
 
     def total(self) -> torch.Tensor:
         """0-d float64: the mass of every leaf."""
@@ -49,9 +49,10 @@ class PrefixSumTree:
         """Leaves ``[lo, lo + len(values))`` = values, then their (contiguous) parents."""
         tree_update_range(self.backend, self.tree, self.offsets, self.fanout, lo, values)
 
-    def sample(self, u: torch.Tensor) -> torch.Tensor:
+    def sample(self, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) int64 leaves picked by uniforms ``u`` (B,) float64 in [0, 1), in proportion to their
-        mass."""
-        out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
+        mass (into ``out`` when given: no allocation, as a captured CUDA graph needs)."""
+        if out is None:
+            out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
         tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
         return out
