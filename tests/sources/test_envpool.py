@@ -8,6 +8,7 @@ import torch
 from dlpack_only import DlpackOnly
 
 from gpubuf import HistoryBuffer
+from gpubuf.sources.actions import ActionCodec
 from gpubuf.sources.envpool import EnvPoolSource, StepStager
 
 envpool = pytest.importorskip("envpool")  # absent on the GPU machine, which has no registry
@@ -334,8 +335,8 @@ def test_cached_action_path_falls_back_when_the_action_dtype_or_shape_changes():
         np.testing.assert_array_equal(step.info["action"][:, 0, 0].numpy(), np.asarray(executed, np.float32))
         assert step.info["action"].dtype == torch.float32
 
-    with mock.patch.object(EnvPoolSource, "_checked_actions", autospec=True,
-                           side_effect=EnvPoolSource.__dict__["_checked_actions"]) as checked:
+    with mock.patch.object(ActionCodec, "_checked", autospec=True,
+                           side_effect=ActionCodec.__dict__["_checked"]) as checked:
         check(np.array([[0.5], [-3.0]], np.float32), [0.5, -2.0])
         check(np.array([[1.0], [9.0]], np.float32), [1.0, 2.0])  # the cached path, clipped
         assert checked.call_count == 1

@@ -1,0 +1,74 @@
+"""The leaves of a source's rows: the ``Transition`` a transitions buffer is built from, and a buffer checked
+against it."""
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from gpubuf._core.inputs import as_tensor
+from gpubuf._core.transition import Transition, flatten, leaf_name
+
+# names a source's own fields take: never an info key nor an extra leaf
+RESERVED = ("action", "reward", "terminated", "truncated", "env_id", "players", "is_last")
+
+
+def transition_sample(obs_space, action_zeros, info_spec: dict, lead: tuple, extra=None) -> Transition:
+    """Zero leaves ``(*lead, ...)``: ``lead`` ``(1, n_envs)`` for a vectorized buffer (with ``info["is_last"]``,
+    next observations inferred), ``(1,)`` for single transitions (with ``next_observation``).
+
+    ``obs_space`` has the observation's ``shape`` and numpy ``dtype``; ``action_zeros(lead)`` gives the actions;
+    ``info_spec`` ``{key: (shape, numpy dtype)}`` the stored info fields; ``extra`` ``{name: example}`` one env's
+    value of each extra leaf."""
+    vectorized = len(lead) == 2
+    obs = torch.from_numpy(np.zeros((*lead, *obs_space.shape), dtype=obs_space.dtype))
+    info = {"is_last": torch.zeros(lead, dtype=torch.bool)} if vectorized else {}
+    info.update({k: torch.from_numpy(np.zeros((*lead, *s), d)) for k, (s, d) in info_spec.items()})
+    if extra is not None:
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"extra: expected a dict of example values, got {type(extra).__name__}")
+        for name, value in extra.items():
+            if not isinstance(name, str) or name in info or name in RESERVED:
+                raise ValueError(f"extra: expected names other than {sorted(set(info) | set(RESERVED))}, got {name!r}")
+            t = as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value, f"extra[{name!r}]")
+            info[name] = torch.zeros((*lead, *t.shape), dtype=t.dtype)
+    return Transition(
+        observation=obs, action=torch.from_numpy(action_zeros(lead)), reward=torch.zeros(lead, dtype=torch.float32),
+        terminated=torch.zeros(lead, dtype=torch.bool), truncated=torch.zeros(lead, dtype=torch.bool),
+        next_observation=None if vectorized else obs.clone(), info=info,
+    )
+
+
+def buffer_leaves(tb) -> dict:
+    """``{path: (per-row shape without the env axis, dtype)}`` of a transitions buffer's stored leaves."""
+    leaves = getattr(getattr(tb, "config", None), "leaves", None)
+    if leaves is None or not hasattr(tb, "vectorized_env") or not hasattr(tb, "insert"):
+        raise TypeError(f"transitions: expected a TransitionBuffer built from transition_sample(), got "
+                        f"{type(tb).__name__}")
+    return {tuple(leaf.path): (tuple(leaf.shape), leaf.dtype) for leaf in leaves}
+
+
+def check_leaves(leaves: dict, sample: Transition, vectorized: bool) -> None:
+    """``ValueError`` naming the first of a buffer's ``leaves`` (:func:`buffer_leaves`) that differs from the rows of
+    ``sample`` (:func:`transition_sample`); further ``info`` leaves are extra data."""
+    lead = 2 if vectorized else 1
+    want = {p: (tuple(t.shape[lead:]), t.dtype) for p, t in flatten(sample).items()}
+    arg = "" if vectorized else "vectorized=False"
+    how = f"build it from this source's transition_sample({arg})"
+    for path, (shape, dtype) in want.items():
+        if path not in leaves:
+            raise ValueError(f"transitions: the buffer has no leaf {leaf_name(path)}, which this source's rows "
+                             f"hold ({how})")
+        if leaves[path] != (shape, dtype):
+            raise ValueError(f"transitions: leaf {leaf_name(path)} is {leaves[path][1]} {leaves[path][0]} per row, "
+                             f"this source's rows hold {dtype} {shape} ({how})")
+    for path in leaves:
+        if path not in want and (path[0] != "info" or len(path) != 2 or path[1] in RESERVED):
+            raise ValueError(f"transitions: the buffer has a leaf {leaf_name(path)}, which this source's rows do "
+                             f"not hold (extra data are info leaves; {how})")
+
+
+def extra_leaves(leaves: dict, own) -> dict:
+    """``{name: (shape, dtype)}`` of the ``info`` leaves in ``leaves`` other than the source's ``own`` keys: the
+    caller's extra data."""
+    return {p[1]: spec for p, spec in leaves.items() if p[0] == "info" and len(p) == 2 and p[1] not in own}
