@@ -1,7 +1,8 @@
 """gpubuf: GPU-resident history and replay buffers for reinforcement learning.
 
 The package is layered; each layer imports only the ones before it:
-``gpubuf._core`` (input checks, staging, state, checkpoints, signals, locks, copies, ``Transition``) <-
+``gpubuf._core`` (input checks, staging, state, checkpoints, signals, locks, copies, host memory, device names,
+``Transition``) <-
 ``gpubuf.ops`` (one module per kernel family; the Triton kernels live in ``gpubuf.kernels``) <-
 ``gpubuf.replay`` and ``gpubuf.history`` (the buffers) <- ``gpubuf.sources`` and ``gpubuf.planning`` <-
 ``gpubuf.apps`` (MBRL, demo, CLI, benchmarking).
@@ -9,9 +10,9 @@ The package is layered; each layer imports only the ones before it:
 ``import gpubuf`` loads the core only: the buffers, their samplers and storages, the device ops and the
 checkpoints. The rest loads on first use, by name: the EnvPool source (``EnvPoolSource``, ``Step``,
 ``StepStager``), planning (``Planner``, ``CEMSolver``, ``PlanConfig``) and the sharded buffer
-(``ShardedBuffer``). The module paths of earlier releases (``gpubuf.envpool``, ``gpubuf.distributed``,
-``gpubuf.wrappers``, ``gpubuf.mbrl``, ``gpubuf.demo``, ``gpubuf.cli``, ``gpubuf.benchmarking``,
-``gpubuf.transition``) import the modules that now hold them.
+(``ShardedBuffer``). Every module path of the flat layout of earlier releases (``gpubuf.envpool``,
+``gpubuf.distributed``, ``gpubuf.prioritized``, ``gpubuf.copies``, ...) imports the module that now holds it, so
+their imports and their pickles of buffers still load.
 """
 
 import importlib
@@ -39,10 +40,20 @@ _LAZY = {
 }
 # earlier module paths -> the modules that hold them now
 _MOVED = {
-    "gpubuf.benchmarking": "gpubuf.apps.benchmarking", "gpubuf.cli": "gpubuf.apps.cli",
-    "gpubuf.demo": "gpubuf.apps.demo", "gpubuf.distributed": "gpubuf.replay.sharded",
-    "gpubuf.envpool": "gpubuf.sources.envpool", "gpubuf.mbrl": "gpubuf.apps.mbrl",
-    "gpubuf.transition": "gpubuf._core.transition", "gpubuf.wrappers": "gpubuf.sources.wrappers",
+    "gpubuf.benchmarking": "gpubuf.apps.benchmarking", "gpubuf.checkpoint": "gpubuf._core.checkpoint",
+    "gpubuf.cli": "gpubuf.apps.cli", "gpubuf.concurrency": "gpubuf._core.concurrency",
+    "gpubuf.copies": "gpubuf._core.copies", "gpubuf.demo": "gpubuf.apps.demo",
+    "gpubuf.distributed": "gpubuf.replay.sharded", "gpubuf.envpool": "gpubuf.sources.envpool",
+    "gpubuf.episode_marks": "gpubuf.replay.episode_marks", "gpubuf.graph_sampling": "gpubuf.replay.graph_sampler",
+    "gpubuf.inputs": "gpubuf._core.inputs", "gpubuf.interrupts": "gpubuf._core.signals",
+    "gpubuf.mbrl": "gpubuf.apps.mbrl", "gpubuf.prefix_tree": "gpubuf.replay.tree",
+    "gpubuf.prioritized": "gpubuf.replay.prioritized", "gpubuf.replay_config": "gpubuf.replay.config",
+    "gpubuf.ring": "gpubuf.replay.ring", "gpubuf.samplers": "gpubuf.replay.samplers",
+    "gpubuf.stacked_sampling": "gpubuf.replay.stacked", "gpubuf.staging": "gpubuf._core.staging",
+    "gpubuf.state": "gpubuf._core.state", "gpubuf.steady_insert": "gpubuf.replay.steady_insert",
+    "gpubuf.storage": "gpubuf.replay.storage", "gpubuf.storage_dir": "gpubuf.replay.storage_dir",
+    "gpubuf.tiers": "gpubuf.replay.tiers", "gpubuf.transition": "gpubuf._core.transition",
+    "gpubuf.wrappers": "gpubuf.sources.wrappers",
 }
 # submodules reachable as attributes (``gpubuf.planning``) after ``import gpubuf`` alone
 _LAZY_MODULES = ("apps", "planning", "sources") + tuple(name.split(".")[1] for name in _MOVED)
