@@ -1,0 +1,106 @@
+"""BufferState: what a replay buffer saves, loads, copies and writes back to its ``storage_dir``.
+
+A base of :class:`~gpubuf.TransitionBuffer`: ``state_dict`` / ``load_state_dict`` (checked whole
+before any write), the constructor arguments its copies are built from, and ``flush`` / ``close``
+of a ``storage_dir``. It works on the buffer's parts (``config``, ``storage``, ``ring``,
+``sampler``, ``reader``, ``generator``), which the buffer builds.
+"""
+
+import numpy as np
+import torch
+
+from gpubuf._core import checkpoint
+from gpubuf._core.concurrency import locked
+from gpubuf._core.copies import CopiedByState
+from gpubuf._core.signals import signals_held
+from gpubuf._core.state import copy_into, unaliased
+from gpubuf._core.transition import unflatten
+
+
+class BufferState(checkpoint.Checkpointable, CopiedByState):
+    """State, copies and ``storage_dir`` write-back of a replay buffer."""
+
+    def copy_args(self) -> dict:
+        """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into (what
+        its copies are built from)."""
+        c = self.config
+        lead = (1, c.n_envs) if c.vectorized_env else (1,)
+        sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype)
+                            for leaf in c.leaves})
+        return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size,
+                "data_sample": sample, "vectorized_env": c.vectorized_env, "n_steps": c.n_steps,
+                "device": str(self.device), "storage_device": self._init_storage[0],
+                **dict(c.extra)}
+
+    def copy_refusal(self) -> str | None:
+        if self.storage.dir is None:
+            return None
+        return (f"its rows live in the files of storage_dir {str(self.storage.dir.path)!r}, which "
+                "one buffer at a time may hold; save a checkpoint (buffer.save(path)) or load "
+                "buffer.state_dict() into a new buffer, or close() it and re-open the directory "
+                "where it is needed")
+
+    @locked
+    def state_dict(self) -> dict:
+        """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG
+        state and the sampler's own entries: tensors and plain values only."""
+        state = self.config.as_dict()
+        state.update(shapes={leaf.name: leaf.shape for leaf in self.config.leaves},
+                     data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves},
+                     pos=self.ring.pos, count=self.ring.count,
+                     trunc=torch.from_numpy(self.ring.trunc.copy()),
+                     rng=self.generator.get_state(), **self.sampler.state())
+        return state
+
+    @locked
+    def load_state_dict(self, state) -> None:
+        """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch
+        raises naming the key and changes nothing. Should reading the data fail after validation
+        (an I/O error), the buffer is emptied rather than left half-loaded."""
+        pos, count, rng, (trunc, ends, last) = self.config.check_state(state, self.state_dict())
+        checked = self.sampler.check_state(state, pos, count)
+        data = {leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves}
+        sources = unaliased({name: state["data"][name] for name in data}, data, self._owned)
+        self.storage.check_open()
+        with signals_held():
+            self.storage.before_load(self.ring.total)
+            try:
+                for name, t in data.items():
+                    copy_into(t, sources[name])
+                self.sampler.load_state(state, checked, self._owned)
+            except BaseException:  # the data is half-read (a read error): forget every row
+                self.ring.restore(0, 0, np.zeros_like(trunc), np.zeros_like(trunc))
+                self.sampler.forget()
+                self.reader.rows_loaded(whole=False)
+                raise
+            self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends,
+                              last=last)
+            self.sampler.forget()  # validity and trees are rebuilt from the rows
+            self.reader.rows_loaded(whole=True)
+            self.generator.set_state(rng)
+        self.flush()  # a storage_dir now holds the loaded state
+
+    @locked
+    def flush(self):
+        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``,
+        ``beta`` when prioritized) beside the files and write every file back to disk, so that a
+        later process re-opens this buffer as it is now. Without one: nothing to do. Returns
+        ``self``."""
+        self.storage.flush(self.ring, {"rng": self.generator.get_state(), **self.sampler.flushed()})
+        return self
+
+    @locked
+    def close(self) -> None:
+        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
+        still be sampled, no longer written); closing twice is harmless. ``with
+        TransitionBuffer(...) as buf:`` closes on exit. Without one, or in a forked child of the
+        process that opened the directory (which keeps its lock): nothing to do."""
+        if not self.storage.closed:
+            self.flush()
+            self.storage.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:  # ``with`` closes a storage_dir buffer
+        self.close()
