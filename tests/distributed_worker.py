@@ -127,7 +127,8 @@ def scenarios(group, tmp: str) -> dict:
                "n_step_return": (3, 0.99)}
     res["refused"] = {arg: caught(lambda arg=arg, v=v: uni.sample(batch_size=2, **{arg: v}))
                       for arg, v in refused.items()}
-    res["refused_per"] = caught(lambda: per.sample(batch_size=2, return_indices=False))
+    alone = per.sample(key=14, batch_size=2, return_indices=False)
+    res["per_batch_alone"] = (type(alone).__name__, tuple(alone.PER_weights.shape))
     res["refused_one_rank"] = caught(lambda: per.sample(batch_size=2, frame_stack=4 if rank == last else None))
     res["defaults_given"] = (len(per.sample(key=12, batch_size=2, return_indices=True, frame_stride=1)),
                              uni.sample(key=13, batch_size=2, return_indices=False, out=None).observation.shape[0])

@@ -57,8 +57,8 @@ class PriorityRouter:
         got = t.all_to_all(payload, send.tolist(), plan[:, t.rank].long().tolist()).to(self.local.device)
         self.local.update_priorities(got[:, 0].long(), got[:, 1])
         # every rank's max_priority was the same before: the new one is the largest new priority anywhere
-        self.sampler.max_priority = max(self.sampler.max_priority, float(plan[:, -1].max()))
+        self.sampler.raise_max_priority(float(plan[:, -1].max()))
 
     def sync_max_priority(self) -> None:
         """Make ``max_priority`` the largest of the group's (collective)."""
-        self.sampler.max_priority = self.transport.max(self.local.max_priority)
+        self.sampler.raise_max_priority(self.transport.max(self.local.max_priority))

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from gpubuf._core.inputs import generator_for
-from gpubuf._core.signals import signals_held
 from gpubuf.replay.buffer import BOUNDARIES
 from gpubuf.replay.shard_transport import ARG_ERRORS, ShardTransport
 from gpubuf.replay.shard_windows import WindowPacker, bytes_as
@@ -40,13 +39,7 @@ class ShardSampler:
         if not self.prioritized:  # one per valid start
             return torch.tensor([float(self.sampler.count_valid(kind))], dtype=torch.float64,
                                 device=self.transport.device)
-        self.sampler.activate(kind)
-        return self.sampler.trees[kind].total().view(1).to(self.transport.device)
-
-    def _tree(self, kind: int):
-        """The prefix-sum tree of ``kind``, kept up to date."""
-        self.sampler.activate(kind)
-        return self.sampler.trees[kind]
+        return self.sampler.total(kind).view(1).to(self.transport.device)
 
     @staticmethod
     def _owners(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -59,10 +52,10 @@ class ShardSampler:
         return torch.rand(n, dtype=torch.float64, generator=gen, device=gen.device).to(self.transport.device)
 
     def sample(self, key, with_replacement: bool, batch_size, with_next_obs: bool, boundaries: str,
-               error: Exception | None = None):
-        """:meth:`ShardedBuffer.sample <gpubuf.replay.sharded.ShardedBuffer.sample>` (``with_replacement``
-        resolved; ``error``: this rank's refusal of an argument, raised on every rank with its own argument
-        errors)."""
+               return_indices: bool, error: Exception | None = None):
+        """:meth:`ShardedBuffer.sample <gpubuf.replay.sharded.ShardedBuffer.sample>` (``with_replacement`` and
+        ``return_indices`` resolved; ``error``: this rank's refusal of an argument, raised on every rank with its
+        own argument errors)."""
         B, kind, which, gen = 0, 0, -1, None
         if error is None:
             try:
@@ -70,7 +63,8 @@ class ShardSampler:
                 which, gen = BOUNDARIES.index(boundaries), self.generator(key)
             except ARG_ERRORS as err:
                 error = err
-        return self._draw(B, kind, which, error, gen, with_replacement, with_next_obs, boundaries)
+        batch = self._draw(B, kind, which, error, gen, with_replacement, with_next_obs, boundaries)
+        return batch if return_indices or not self.prioritized else batch[0]
 
     def _draw(self, B, kind, which, error, gen, with_replacement, with_next_obs, boundaries):
         """:meth:`sample` once its arguments are read (``which``: the index of ``boundaries``)."""
@@ -119,10 +113,9 @@ class ShardSampler:
         got, route = self.transport.route(owner, u[B:], width=width)
         n, head = got.shape[0], []
         if n:
-            tree = self._tree(kind)
-            idx = tree.sample(got.to(self.local.device))  # the owner's descent with the requesters' uniforms
+            idx, mass = self.sampler.descend(kind, got.to(self.local.device))  # with the requesters' uniforms
             if self.prioritized:
-                head = [idx.view(torch.uint8).view(n, 8), tree.leaves(idx).view(torch.uint8).view(n, 8)]
+                head = [idx.view(torch.uint8).view(n, 8), mass.view(torch.uint8).view(n, 8)]
         else:
             idx = torch.empty(0, dtype=torch.int64, device=self.local.device)
             if self.prioritized:
@@ -185,26 +178,14 @@ class ShardSampler:
     def _serve_round(self, kind: int, got: torch.Tensor, n_taken: list[int], n_draws: list[int]) -> torch.Tensor:
         """Owner side of a round: ``got`` holds per requester its already-drawn local starts and its uniforms
         (float64); returns ``(sum(n_draws), 2)`` float64 ``(local start, mass)`` per draw, in the same order."""
-        tree = self._tree(kind)
         got = got.to(self.local.device)
         out, at = [], 0
         for t, k in zip(n_taken, n_draws, strict=True):
             old, u = got[at:at + t].long(), got[at + t:at + t + k]
             at += t + k
-            if not k:
-                continue
-            if not t:
-                idx = tree.sample(u)
-                out.append(torch.stack([idx.double(), tree.leaves(idx)], 1))
-                continue
-            with signals_held():  # the tree is whole again before any handler runs
-                saved = tree.leaves(old)
-                try:
-                    tree.update(old, torch.zeros_like(saved))
-                    idx = tree.sample(u)
-                    out.append(torch.stack([idx.double(), tree.leaves(idx)], 1))
-                finally:
-                    tree.update(old, saved)
+            if k:  # the requester's starts drawn before are set aside for its draws
+                idx, mass = self.sampler.descend_excluding(kind, old, u) if t else self.sampler.descend(kind, u)
+                out.append(torch.stack([idx.double(), mass], 1))
         if not out:
             return torch.empty((0, 2), dtype=torch.float64, device=self.transport.device)
         return torch.cat(out).to(self.transport.device)

@@ -80,13 +80,13 @@ def _check_shards(everyone: list[dict]) -> None:
 
 def _refused(prioritized: bool, out, return_indices, frame_stack, frame_stride, n_step_return) -> None:
     """Raise ``ValueError`` naming the first argument of the shared ``sample`` signature that a sharded sample
-    does not offer (windows of ``n_steps`` rows into fresh tensors, global indices exactly when prioritized)."""
+    does not offer (windows of ``n_steps`` rows into fresh tensors, global indices of prioritized shards)."""
     if out is not None:
         raise ValueError("out: ShardedBuffer.sample assembles each batch from the exchanged windows into fresh "
                          f"tensors; expected None, got a {type(out).__name__}")
-    if return_indices is not None and return_indices != prioritized:
-        raise ValueError(f"return_indices: ShardedBuffer.sample returns global indices exactly when its shards "
-                         f"are prioritized; expected None or {prioritized}, got {return_indices!r}")
+    if return_indices and not prioritized:
+        raise ValueError("return_indices: ShardedBuffer.sample returns global indices of prioritized shards only "
+                         f"(its shards are uniform); expected None or False, got {return_indices!r}")
     for name, value, default in (("frame_stack", frame_stack, None), ("frame_stride", frame_stride, 1),
                                  ("n_step_return", n_step_return, None)):
         if value != default:
@@ -178,7 +178,8 @@ class ShardedBuffer:
         Returns what the local buffer's ``sample`` does: a :class:`Transition` of ``(B, n_steps, ...)`` leaves
         (``(B, ...)`` when ``n_steps == 1``) when uniform; ``(batch, global_indices (B,) int64)`` when
         prioritized, with ``PER_weights = (N * P_i)**-beta / max over the batch`` (float32, ``N`` and ``P``
-        global; computed as ``(P_i / min_batch P)**-beta``). ``with_replacement`` defaults to the local default
+        global; computed as ``(P_i / min_batch P)**-beta``); ``return_indices=False`` returns a prioritized batch
+        alone. ``with_replacement`` defaults to the local default
         (uniform: ``True``; prioritized: ``False``) and, like ``with_next_obs``, must agree on every rank;
         ``batch_size`` may differ. ``key``: ``None`` (the shard's own generator), a ``torch.Generator``, or an
         int seed, which is mixed with the rank. ``boundaries`` (``"allow"``, ``"mask"``, ``"forbid"``; must agree
@@ -188,9 +189,9 @@ class ShardedBuffer:
 
         The rest of the buffers' shared signature is refused (``ValueError`` naming the argument, on the rank
         that gave it; the others raise ``RuntimeError``) unless left at its default: ``out`` (batches are
-        assembled from the exchanged windows), ``return_indices`` other than the default (global indices exactly
-        when prioritized), ``frame_stack``, ``frame_stride`` and ``n_step_return`` (windows of ``n_steps``
-        stored rows only).
+        assembled from the exchanged windows), ``return_indices=True`` with uniform shards (global indices come
+        from prioritized shards only), ``frame_stack``, ``frame_stride`` and ``n_step_return`` (windows of
+        ``n_steps`` stored rows only).
 
         Without replacement, each rank's batch is exact sequential sampling without replacement from the union:
         rounds of draws with replacement from the shards' remaining masses (mass less what this rank already
@@ -209,7 +210,8 @@ class ShardedBuffer:
             refusal = err
         if with_replacement is None:
             with_replacement = not self.prioritized
-        return self._sampling.sample(key, with_replacement, batch_size, with_next_obs, boundaries, refusal)
+        return self._sampling.sample(key, with_replacement, batch_size, with_next_obs, boundaries,
+                                     self.prioritized if return_indices is None else return_indices, refusal)
 
     @torch.compiler.disable
     @locked

@@ -268,12 +268,24 @@ def test_sample_refuses_by_name_what_a_sharded_sample_does_not_offer(runs, name,
 
 
 @pytest.mark.parametrize("name", GROUPS)
-def test_refusals_raise_on_every_rank_and_defaults_given_explicitly_pass(runs, name):
+def test_refusals_raise_on_every_rank_and_what_is_offered_passes(runs, name):
     res = runs[name]
     _raised_everywhere(res, "refused_one_rank", len(res) - 1, "ValueError", "frame_stack: ShardedBuffer.sample")
     for r in res:
-        assert r["refused_per"][0] == "ValueError" and "expected None or True, got False" in r["refused_per"][1]
+        assert r["per_batch_alone"] == ("Transition", (2,))  # prioritized, return_indices=False: the batch alone
         assert r["defaults_given"] == (2, 2)  # (batch, global indices) when prioritized; a batch of 2 when uniform
+
+
+def test_sample_takes_the_signature_every_buffer_shares():
+    import inspect
+
+    from gpubuf.replay.sample_args import Samples
+    from gpubuf.replay.sharded import ShardedBuffer
+
+    def shape(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert shape(ShardedBuffer.sample) == shape(Samples.sample)
 
 
 @pytest.mark.parametrize("name", GROUPS)
