@@ -53,11 +53,11 @@ from gpubuf.replay.shard_windows import WindowPacker
 _RANK = "{rank}"
 
 
-def _config(local: TransitionBuffer) -> dict:
-    """What must agree between shards for their union to be one buffer: the local buffers' configuration (but
-    the default batch size) and leaves."""
-    leaves = {leaf.name: (leaf.shape, str(leaf.dtype)) for leaf in local.config.leaves}
-    return {**local.config.as_dict(batch=False), "leaves": leaves}
+def _config(config) -> dict:
+    """What must agree between shards for their union to be one buffer: a local buffer's ``config`` (but the
+    default batch size) and leaves."""
+    leaves = {leaf.name: (leaf.shape, str(leaf.dtype)) for leaf in config.leaves}
+    return {**config.as_dict(batch=False), "leaves": leaves}
 
 
 def _check_shards(everyone: list[dict]) -> None:
@@ -128,7 +128,7 @@ class ShardedBuffer:
             mine["error"] = f"an NCCL group needs the shard on a CUDA device, got {local.device}"
         else:
             rng = hashlib.sha1(local.generator.get_state().numpy().tobytes()).hexdigest()
-            mine.update(config=_config(local), rng=rng)
+            mine.update(config=_config(local.config), rng=rng)
         _check_shards(transport.gather_objects(mine))
         self.group, self.rank, self.world_size = group, transport.rank, transport.world_size
         self.local = local
@@ -142,6 +142,7 @@ class ShardedBuffer:
             self._priorities.sync_max_priority()
 
     # ------------------------------------------------------------------ local
+    # insert and update_beta are alike by shape on purpose: each is the local buffer's own call under the lock
 
     @locked
     def insert(self, transition: Transition):
