@@ -9,6 +9,7 @@ build index tensors take a device and cache small results.
 
 import torch
 
+from gpubuf.kernels import MARK_BOUNDARY, MARK_STOP, MARK_TERM
 from gpubuf.ops.device import LRU
 
 # Index tensors cached per (n, device) and (n, ab, device): 16 of each at most, and only those of at
@@ -82,3 +83,59 @@ def zero_block_mask(n: int, k: torch.Tensor) -> torch.Tensor:
     strided frames."""
     # block i is zero when i < zero_blocks, i.e. when its countdown n-2-i >= n-1-zero_blocks
     return countdown(n - 1, k.device).view(1, -1, 1) >= n - 1 - zero_blocks(n, k).view(-1, 1, 1)
+
+
+# --- sequences and stacks
+# Replay storage of one leaf is ``(M * E, D)``: row ``step * E + env`` (time-major) or ``env * M + step``
+# (``env_major``: a ``storage_dir``'s files). A flat start ``s = step * E + env`` begins a window of ``n`` rows
+# ``step + j`` (modulo ``M``). ``marks`` (M*E,) uint8 holds each time-major row's ``MARK_*`` bits, ``held``
+# (2,) int64 the oldest row held and the rows held (:mod:`gpubuf.ops.stacks` states the rules).
+
+
+def flat_rows(step, env, E: int, M: int, env_major: bool = False):
+    """Storage rows of ring rows ``step`` of envs ``env``: ``step * E + env``, or ``env * M + step``
+    ``env_major``."""
+    return env * M + step if env_major else step * E + env
+
+
+def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> torch.Tensor:
+    """(B * n,) time-major rows of the windows of flat starts (B,): ``((start // E + j + shift) %
+    M) * E + start % E`` for j < n (``starts`` itself for single unshifted rows)."""
+    if n == 1 and shift == 0:
+        return starts  # row of start s = step * E + env is s itself
+    # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
+    j = torch.arange(shift * E, (n + shift) * E, E, device=starts.device)
+    return (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
+
+
+def stack_steps(step: torch.Tensor, env: torch.Tensor, marks: torch.Tensor, held: torch.Tensor, n: int,
+                k: int, stride: int, shift: int, E: int, M: int) -> torch.Tensor:
+    """(B, n, k) ring rows of the ``k``-frame stacks ending at rows ``(step + j + shift) % M``, j < n, of
+    starts at rows ``step`` of envs ``env`` (both ``(B, 1, 1)``): frame ``q`` is ``min((k - 1 - q) *
+    stride, back)`` rows back, ``back`` the held rows before it in its episode (after no ``MARK_BOUNDARY``)."""
+    dev = step.device
+    t = (step + torch.arange(shift, n + shift, device=dev).view(1, n, 1)) % M  # (B, n, 1)
+    back = torch.zeros_like(t)
+    if (k - 1) * stride:
+        i = torch.arange(1, (k - 1) * stride + 1, device=dev)  # (W,) rows back
+        before = (t - i) % M  # (B, n, W)
+        ok = (i <= (t - held[0]) % M) & (marks[before * E + env] & MARK_BOUNDARY == 0)
+        back = ok.cumprod(2).sum(2, keepdim=True)  # (B, n, 1) first stop
+    reach = torch.arange(k - 1, -1, -1, device=dev) * stride  # (k,) rows back per frame
+    return (t - torch.minimum(reach, back)) % M
+
+
+def return_rewards(r: torch.Tensor, env: torch.Tensor, marks: torch.Tensor, held: torch.Tensor, n: int,
+                   E: int, M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ring rows (B, n), taken (B, n) bool, ends (B, n) bool)`` of the n-step returns from rows ``r`` of
+    envs ``env`` (both ``(B, 1)``): reward ``i`` is taken unless a ``MARK_STOP`` row after the first (not
+    also ``MARK_TERM``) or a row whose next row is not held comes at or before it, or a ``MARK_TERM`` row
+    before it; ``ends``: the rows marked ``MARK_TERM``."""
+    i = torch.arange(n, device=r.device)
+    step = (r + i) % M  # (B, n)
+    mark = marks[step * E + env]
+    ends = mark & MARK_TERM != 0
+    avail = held[1] - 1 - (r - held[0]) % M  # (B, 1) held rows after the start
+    blocked = ((i >= 1) & (mark & MARK_STOP != 0) & ~ends) | (i >= avail)
+    blocked[:, 1:] |= ends[:, :-1]
+    return step, (~blocked).cumprod(1).bool(), ends

@@ -12,22 +12,13 @@ import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops.device import route, writes_only
-
-
-def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> torch.Tensor:
-    """(B * n,) time-major rows of the windows of flat starts (B,): ``((start // E + j + shift) %
-    M) * E + start % E`` for j < n (``starts`` itself for single unshifted rows)."""
-    if n == 1 and shift == 0:
-        return starts  # row of start s = step * E + env is s itself
-    # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
-    j = torch.arange(shift * E, (n + shift) * E, E, device=starts.device)
-    return (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
+from gpubuf.ops.indexing import window_rows
 
 
 def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
     ``((start//E + j + shift) % M) * E + start % E``, j < n, for flat starts (B,). Rows are computed
-    once per distinct shift."""
+    once per distinct shift (:func:`gpubuf.ops.indexing.window_rows`)."""
     B = starts.shape[0]
     if B == 0:
         return

@@ -17,46 +17,32 @@ before it and bootstraps from its observation) unless it is also marked ``MARK_T
 whose next row is not held; a ``MARK_TERM`` row is the last taken. With ``m`` rewards taken, the
 bootstrap row is ``r + m`` and its factor ``gamma**m`` (0 after a termination).
 
-The pure-torch twins (the tests' oracle and the torch backend on a GPU, with their launchers'
-signatures), their numpy ports for host tensors (the CPU implementation: small index arithmetic
-costs less in numpy), the ``torch.ops.gpubuf`` registrations and the functions the buffers call.
+The pure-torch twins (the tests' oracle, the CPU implementation and the torch backend on a GPU,
+with their launchers' signatures; their index arithmetic is :mod:`gpubuf.ops.indexing`'s), the
+``torch.ops.gpubuf`` registrations and the functions the buffers call.
 """
 
-import numpy as np
 import torch
 
-from gpubuf.kernels import MARK_BOUNDARY, MARK_STOP, MARK_TERM
 from gpubuf.kernels.words import as_words
+from gpubuf.ops import indexing
 from gpubuf.ops.device import route, writes_only
-
-
-def _rows(step, env, E: int, M: int, env_major: bool) -> torch.Tensor:
-    return env * M + step if env_major else step * E + env
 
 
 def stack_twin(jobs: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor, n: int,
                k: int, stride: int, E: int, M: int, env_major: bool = False) -> None:
     """For each ``(storage (M*E, D), out (B, n, k, D), shift)`` in ``jobs``: the ``k``-frame stacks
     ending at rows ``(start // E + j + shift) % M``, j < n, of flat starts (B,). Frame rows are
-    computed once per distinct shift."""
+    computed once per distinct shift (:func:`gpubuf.ops.indexing.stack_steps`)."""
     B = starts.shape[0]
     if B == 0:
         return
-    dev = starts.device
     env, step = (starts % E).view(B, 1, 1), (starts // E).view(B, 1, 1)
-    reach = torch.arange(k - 1, -1, -1, device=dev) * stride  # (k,) rows back per frame
     rows = {}
     for storage, out, shift in jobs:
         if shift not in rows:
-            t = (step + torch.arange(shift, n + shift, device=dev).view(1, n, 1)) % M  # (B, n, 1)
-            back = torch.zeros_like(t)
-            if (k - 1) * stride:
-                i = torch.arange(1, (k - 1) * stride + 1, device=dev)  # (W,) rows back
-                before = (t - i) % M  # (B, n, W)
-                ok = (i <= (t - held[0]) % M) & (marks[before * E + env] & MARK_BOUNDARY == 0)
-                back = ok.cumprod(2).sum(2, keepdim=True)  # (B, n, 1) first stop
-            frame = (t - torch.minimum(reach, back)) % M  # (B, n, k)
-            rows[shift] = _rows(frame, env, E, M, env_major).view(-1)
+            frame = indexing.stack_steps(step, env, marks, held, n, k, stride, shift, E, M)
+            rows[shift] = indexing.flat_rows(frame, env, E, M, env_major).view(-1)
         src, dst = as_words(storage, out.view(B * n * k, storage.shape[1]))
         torch.index_select(src, 0, rows[shift], out=dst)
 
@@ -65,26 +51,17 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
                 held: torch.Tensor, outs: tuple, gamma: torch.Tensor, n: int, E: int, M: int,
                 env_major: bool = False) -> None:
     """n-step returns of flat starts (B,) from ``reward`` (M*E,) into ``outs`` = (return, discount,
-    bootstrap row (time-major), terminated, cut) (B,); ``gamma`` (1,) float64."""
+    bootstrap row (time-major), terminated, cut) (B,); ``gamma`` (1,) float64 (the rewards taken:
+    :func:`gpubuf.ops.indexing.return_rewards`)."""
     B = starts.shape[0]
     if B == 0:
         return
     ret, disc, boot, term, cut = outs
-    dev = starts.device
     env, r = (starts % E).view(B, 1), (starts // E).view(B, 1)
-    avail = held[1] - 1 - (r - held[0]) % M  # (B, 1) held rows after the start
-    i = torch.arange(n, device=dev)
-    step = (r + i) % M  # (B, n)
-    mark = marks[step * E + env]
-    ends = mark & MARK_TERM != 0
-    stop = ((i >= 1) & (mark & MARK_STOP != 0) & ~ends) | (i >= avail)
-    # reward i is taken when no stop at or before i and no termination before i
-    blocked = stop.clone()
-    blocked[:, 1:] |= ends[:, :-1]
-    taken = (~blocked).cumprod(1).bool()
-    factors = torch.cat([torch.ones(1, dtype=torch.float64, device=dev),
+    step, taken, ends = indexing.return_rewards(r, env, marks, held, n, E, M)
+    factors = torch.cat([torch.ones(1, dtype=torch.float64, device=starts.device),
                          gamma.expand(n)]).cumprod(0)  # (n + 1,) gamma ** i
-    rewards = reward.view(-1)[_rows(step, env, E, M, env_major)].to(torch.float64)
+    rewards = reward.view(-1)[indexing.flat_rows(step, env, E, M, env_major)].to(torch.float64)
     ret.copy_(torch.where(taken, factors[:n] * rewards, 0.0).sum(1))
     m = taken.sum(1)
     ended = (taken & ends).any(1)
@@ -94,67 +71,10 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
     cut.copy_(~ended & (m < n))
 
 
-def stack_host(jobs: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor, n: int,
-               k: int, stride: int, E: int, M: int, env_major: bool = False) -> None:
-    """:func:`stack_twin` for host tensors, its index arithmetic in numpy (a few microseconds less
-    per op than torch on small arrays); the rows are gathered with ``torch.index_select``."""
-    B = starts.shape[0]
-    if B == 0:
-        return
-    s, mk = starts.numpy(), marks.numpy()
-    oldest = int(held[0])
-    env, step = (s % E).reshape(B, 1, 1), (s // E).reshape(B, 1, 1)
-    reach = np.arange(k - 1, -1, -1) * stride  # (k,)
-    rows = {}
-    for storage, out, shift in jobs:
-        if shift not in rows:
-            t = (step + np.arange(shift, n + shift).reshape(1, n, 1)) % M  # (B, n, 1)
-            back = np.zeros_like(t)
-            if (k - 1) * stride:
-                i = np.arange(1, (k - 1) * stride + 1)
-                ok = i <= (t - oldest) % M
-                ok &= (mk[(t - i) % M * E + env] & MARK_BOUNDARY) == 0
-                back = np.cumprod(ok, 2).sum(2, keepdims=True)
-            frame = (t - np.minimum(reach, back)) % M
-            rows[shift] = torch.from_numpy(_rows(frame, env, E, M, env_major).reshape(-1))
-        src, dst = as_words(storage, out.view(B * n * k, storage.shape[1]))
-        torch.index_select(src, 0, rows[shift], out=dst)
-
-
-def return_host(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
-                held: torch.Tensor, outs: tuple, gamma: torch.Tensor, n: int, E: int, M: int,
-                env_major: bool = False) -> None:
-    """:func:`return_twin` for host tensors, in numpy (the outputs' memory written through numpy
-    views)."""
-    B = starts.shape[0]
-    if B == 0:
-        return
-    ret, disc, boot, term, cut = (t.numpy() for t in outs)
-    s, mk, g = starts.numpy(), marks.numpy(), float(gamma[0])
-    oldest, count = int(held[0]), int(held[1])
-    env, r = (s % E).reshape(B, 1), (s // E).reshape(B, 1)
-    i = np.arange(n)
-    step = (r + i) % M  # (B, n)
-    mark = mk[step * E + env]
-    ends = (mark & MARK_TERM) != 0
-    blocked = (i >= count - 1 - (r - oldest) % M) | ((mark & MARK_STOP) != 0) & ~ends & (i >= 1)
-    blocked[:, 1:] |= ends[:, :-1]
-    taken = np.cumprod(~blocked, 1, dtype=bool)
-    factors = np.cumprod(np.concatenate([[1.0], np.full(n, g)]))  # gamma ** i, i <= n
-    rewards = reward.numpy().reshape(-1)[_rows(step, env, E, M, env_major)].astype(np.float64)
-    ret[:] = np.where(taken, factors[:n] * rewards, 0.0).sum(1)
-    m = taken.sum(1)
-    ended = (taken & ends).any(1)
-    disc[:] = np.where(ended, 0.0, factors[m])
-    boot[:] = (r[:, 0] + m) % M * E + env[:, 0]
-    term[:] = ended
-    cut[:] = ~ended & (m < n)
-
-
 def stack_cpu(storages: list, outs: list, shifts: list, starts, marks, held, n, k, stride, E,
               M) -> None:
-    """The CPU implementation."""
-    stack_host(list(zip(storages, outs, shifts, strict=True)), starts, marks, held, n, k, stride,
+    """The CPU implementation: the twin."""
+    stack_twin(list(zip(storages, outs, shifts, strict=True)), starts, marks, held, n, k, stride,
                E, M)
 
 
@@ -167,8 +87,8 @@ def stack_cuda(storages: list, outs: list, shifts: list, starts, marks, held, n,
 
 
 def return_cpu(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, n, E, M) -> None:
-    """The CPU implementation."""
-    return_host(starts, reward, marks, held, (ret, disc, boot, term, cut), gamma, n, E, M)
+    """The CPU implementation: the twin."""
+    return_twin(starts, reward, marks, held, (ret, disc, boot, term, cut), gamma, n, E, M)
 
 
 def return_cuda(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, n, E, M) -> None:
@@ -209,8 +129,6 @@ def frame_stack(backend: str, jobs: list, starts: torch.Tensor, marks: torch.Ten
         from gpubuf.kernels.stacks import stack
 
         stack(jobs, starts, marks, held, *args)
-    elif starts.device.type == "cpu":
-        stack_host(jobs, starts, marks, held, *args, env_major=env_major)
     else:
         stack_twin(jobs, starts, marks, held, *args, env_major=env_major)
 
@@ -231,8 +149,6 @@ def n_step_return(backend: str, starts: torch.Tensor, reward: torch.Tensor, mark
         ret, disc, boot, term, cut = outs
         returns(starts, reward, marks, held,
                 (ret, disc, boot, term.view(torch.uint8), cut.view(torch.uint8)), gamma, *args)
-    elif starts.device.type == "cpu":
-        return_host(starts, reward, marks, held, outs, gamma, *args, env_major=env_major)
     else:
         return_twin(starts, reward, marks, held, outs, gamma, *args, env_major=env_major)
 

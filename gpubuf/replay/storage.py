@@ -23,7 +23,7 @@ from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import Staging, check_disjoint, overlaps
 from gpubuf._core.transition import flatten, leaf_name
 from gpubuf.ops import as_words
-from gpubuf.ops.sequence import window_rows
+from gpubuf.ops.indexing import window_rows
 from gpubuf.replay import tiers
 from gpubuf.replay.config import NOT_IN_NUMPY, ReplayConfig
 from gpubuf.replay.storage_dir import StorageDir
@@ -149,7 +149,7 @@ class MemoryStorage:
 
     def gather_host_jobs(self, jobs: list, starts: torch.Tensor) -> dict:
         """``{output path: tensor}``: the windows of flat ``starts`` (B,) for :meth:`host_jobs`
-        (the twin's rows, :func:`gpubuf.ops.sequence.window_rows`)."""
+        (the twin's rows, :func:`gpubuf.ops.indexing.window_rows`)."""
         n, E, M = self.config.n_steps, self.config.n_envs, self.config.max_rows
         rows, result = {}, {}
         for d, src, shift, shape, dtype in jobs:

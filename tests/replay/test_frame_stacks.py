@@ -314,10 +314,10 @@ def test_a_cuda_graph_replays_stacks_and_returns_after_inserts_without_syncs():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_host_port_and_the_kernels_match_the_twins_on_random_marks(seed, device):
+def test_the_cpu_paths_and_the_kernels_match_the_twins_on_random_marks(seed, device):
     """Random marks, held rows, starts and odd sizes; storage rows hold their own index (value = row), so any
-    wrong row shows. The numpy host port (time-major and env-major) and, on the device, the Triton kernels
-    give exactly the twins' results."""
+    wrong row shows. The ops the buffers call on host tensors (time-major and env-major) and, on the device,
+    the Triton kernels give exactly the twins' results."""
     from conftest import INTERPRET
 
     from gpubuf.kernels import stacks as kernels
@@ -349,15 +349,21 @@ def test_the_host_port_and_the_kernels_match_the_twins_on_random_marks(seed, dev
         kernels.returns(starts, reward, marks, held, (ret, disc, boot, term.view(torch.uint8), cut.view(torch.uint8)),
                         gamma, n, E, M)
 
+    def stack_host(*args, **kw):
+        ops_stacks.frame_stack("torch", *args, **kw)
+
+    def return_host(*args, **kw):
+        ops_stacks.n_step_return("torch", *args, **kw)
+
     want = stacked(ops_stacks.stack_twin, storage, "cpu")
-    assert torch.equal(stacked(ops_stacks.stack_host, storage, "cpu"), want)
+    assert torch.equal(stacked(stack_host, storage, "cpu"), want)
     # env-major row env * M + step holds its time-major index step * E + env: the same values come back
-    assert torch.equal(stacked(ops_stacks.stack_host, env_major, "cpu", env_major=True), want)
+    assert torch.equal(stacked(stack_host, env_major, "cpu", env_major=True), want)
     assert torch.equal(stacked(ops_stacks.stack_twin, env_major, "cpu", env_major=True), want)
     want_r = returns(ops_stacks.return_twin, "cpu")
     reward_env_major = reward.view(M, E).t().contiguous().view(-1)
-    for got in (returns(ops_stacks.return_host, "cpu"),
-                returns(ops_stacks.return_host, "cpu", reward_env_major, env_major=True),
+    for got in (returns(return_host, "cpu"),
+                returns(return_host, "cpu", reward_env_major, env_major=True),
                 returns(ops_stacks.return_twin, "cpu", reward_env_major, env_major=True)):
         for a, b in zip(got, want_r, strict=True):
             torch.testing.assert_close(a, b)
