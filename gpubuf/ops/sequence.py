@@ -5,14 +5,16 @@ flat start ``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E
 ``j < n``.
 
 The pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
-the ``torch.ops.gpubuf`` registration (schema, CPU, CUDA, fake) and the function the buffers call.
+the ``torch.ops.gpubuf`` registration (:class:`~gpubuf.ops.registry.Op`: schema, CPU, CUDA, fake)
+and the function the buffers call.
 """
 
 import torch
 
 from gpubuf.kernels.words import as_words
-from gpubuf.ops.device import route, writes_only
+from gpubuf.ops.device import route
 from gpubuf.ops.indexing import window_rows
+from gpubuf.ops.registry import Op
 
 
 def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
@@ -42,12 +44,10 @@ def gather_cuda(storages: list, outs: list, shifts: list, starts, n, E, M) -> No
     gather(list(zip(storages, outs, shifts, strict=True)), starts, n, E, M)
 
 
-torch.library.define("gpubuf::sequence_gather",
-                     "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, int n, "
-                     "int E, int M) -> ()")
-torch.library.impl("gpubuf::sequence_gather", "CPU", gather_cpu)
-torch.library.impl("gpubuf::sequence_gather", "CUDA", gather_cuda)
-torch.library.register_fake("gpubuf::sequence_gather", writes_only)
+# registered through Op; sequence_gather routes eager calls itself, passing its job list straight to
+# the twin or launcher (Op's eager path would split it into the schema's lists and back)
+_GATHER = Op("sequence_gather", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
+             "int n, int E, int M) -> ()", gather_cpu, gather_cuda)
 
 
 def sequence_gather(backend: str, jobs: list, starts: torch.Tensor, n, E, M) -> None:
@@ -57,9 +57,8 @@ def sequence_gather(backend: str, jobs: list, starts: torch.Tensor, n, E, M) -> 
     n, E, M = int(n), int(E), int(M)
     how = route(backend, starts.device)
     if how == "dispatch":
-        torch.ops.gpubuf.sequence_gather.default([j[0] for j in jobs], [j[1] for j in jobs],
-                                                 [j[2] for j in jobs],
-                                                 starts, n, E, M)
+        _GATHER.dispatch([j[0] for j in jobs], [j[1] for j in jobs], [j[2] for j in jobs], starts, n,
+                         E, M)
     elif how == "triton":
         from gpubuf.kernels.sequence import gather
 

@@ -26,7 +26,8 @@ import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
-from gpubuf.ops.device import route, writes_only
+from gpubuf.ops.device import route
+from gpubuf.ops.registry import Op
 
 
 def stack_twin(jobs: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor, n: int,
@@ -99,19 +100,14 @@ def return_cuda(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, 
                                           cut.view(torch.uint8)), gamma, n, E, M)
 
 
-torch.library.define("gpubuf::frame_stack",
-                     "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
-                     "Tensor marks, Tensor held, int n, int k, int stride, int E, int M) -> ()")
-torch.library.impl("gpubuf::frame_stack", "CPU", stack_cpu)
-torch.library.impl("gpubuf::frame_stack", "CUDA", stack_cuda)
-torch.library.register_fake("gpubuf::frame_stack", writes_only)
-torch.library.define("gpubuf::n_step_return",
-                     "(Tensor starts, Tensor reward, Tensor marks, Tensor held, Tensor(a!) ret, "
-                     "Tensor(b!) disc, Tensor(c!) boot, Tensor(d!) term, Tensor(e!) cut, "
-                     "Tensor gamma, int n, int E, int M) -> ()")
-torch.library.impl("gpubuf::n_step_return", "CPU", return_cpu)
-torch.library.impl("gpubuf::n_step_return", "CUDA", return_cuda)
-torch.library.register_fake("gpubuf::n_step_return", writes_only)
+# registered through Op; the functions below route eager calls themselves, passing their job lists
+# straight to the twin or launcher (Op's eager path would split them into the schema's lists and back)
+_STACK = Op("frame_stack", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
+            "Tensor marks, Tensor held, int n, int k, int stride, int E, int M) -> ()",
+            stack_cpu, stack_cuda)
+_RETURN = Op("n_step_return", "(Tensor starts, Tensor reward, Tensor marks, Tensor held, "
+             "Tensor(a!) ret, Tensor(b!) disc, Tensor(c!) boot, Tensor(d!) term, Tensor(e!) cut, "
+             "Tensor gamma, int n, int E, int M) -> ()", return_cpu, return_cuda)
 
 
 def frame_stack(backend: str, jobs: list, starts: torch.Tensor, marks: torch.Tensor,
@@ -123,8 +119,8 @@ def frame_stack(backend: str, jobs: list, starts: torch.Tensor, marks: torch.Ten
     args = (int(n), int(k), int(stride), int(E), int(M))
     how = route(backend, starts.device) if not env_major else "torch"
     if how == "dispatch":
-        torch.ops.gpubuf.frame_stack.default([j[0] for j in jobs], [j[1] for j in jobs],
-                                             [j[2] for j in jobs], starts, marks, held, *args)
+        _STACK.dispatch([j[0] for j in jobs], [j[1] for j in jobs], [j[2] for j in jobs], starts,
+                        marks, held, *args)
     elif how == "triton":
         from gpubuf.kernels.stacks import stack
 
@@ -142,7 +138,7 @@ def n_step_return(backend: str, starts: torch.Tensor, reward: torch.Tensor, mark
     args = (int(n), int(E), int(M))
     how = route(backend, starts.device) if not env_major else "torch"
     if how == "dispatch":
-        torch.ops.gpubuf.n_step_return.default(starts, reward, marks, held, *outs, gamma, *args)
+        _RETURN.dispatch(starts, reward, marks, held, *outs, gamma, *args)
     elif how == "triton":
         from gpubuf.kernels.stacks import returns
 
