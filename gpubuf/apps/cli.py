@@ -1,11 +1,9 @@
-"""The ``gpubuf`` command. ``gpubuf demo``: EnvPool envs -> replay and histories -> a learned model
-planned through. ``gpubuf bench``: gpubuf against the installed peers, written as markdown, JSON and
-a PNG chart.
+"""The ``gpubuf`` command. ``gpubuf demo``: EnvPool envs -> replay and histories -> a learned model planned through.
+``gpubuf bench``: gpubuf against the installed peers, written as markdown, JSON and a PNG chart.
 
 The demo itself lives in :mod:`gpubuf.apps.demo` (the learner in :mod:`gpubuf.apps.mbrl`), the benchmarks in
-:mod:`gpubuf.apps.benchmarking`; this module parses and validates the options (before any work), shows
-the demo's progress bar on a terminal (nothing when stderr is a log file), prints the reports and
-writes the files.
+:mod:`gpubuf.apps.benchmarking`; this module parses and validates the options (before any work), shows the demo's
+progress bar on a terminal (nothing when stderr is a log file), prints the reports and writes the files.
 """
 
 import argparse
@@ -28,68 +26,47 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="gpubuf",
-                           description="GPU-resident history and replay buffers for RL.")
+    parser = OneLineParser(prog="gpubuf", description="GPU-resident history and replay buffers for RL.")
     # also from a source tree
     parser.add_argument("--version", action="version", version=f"gpubuf {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    demo = commands.add_parser("demo",
-                               help="EnvPool envs -> replay and histories -> learned model + CEM, "
-                                    "timed")
+    demo = commands.add_parser("demo", help="EnvPool envs -> replay and histories -> learned model + CEM, timed")
     demo.add_argument("--env", default="CartPole-v1",
-                      help="EnvPool task id (default: CartPole-v1); pixel tasks run random plans, "
-                           "for timing only")
+                      help="EnvPool task id (default: CartPole-v1); pixel tasks run random plans, for timing only")
     demo.add_argument("--num-envs", type=int, default=16, help="parallel envs (default: 16)")
     length = demo.add_mutually_exclusive_group()
-    length.add_argument("--env-steps", type=int, default=20_000,
-                        help="env steps to run (default: 20000)")
+    length.add_argument("--env-steps", type=int, default=20_000, help="env steps to run (default: 20000)")
     length.add_argument("--steps", type=int,
-                        help="env batches to run instead (each is num-envs env steps, or "
-                                                  "half of them with --async)")
-    demo.add_argument("--device", default=None,
-                      help="torch device (default: cuda when available, else cpu)")
+                        help="env batches to run instead (each is num-envs env steps, or half of them with --async)")
+    demo.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     demo.add_argument("--async", dest="async_", action="store_true",
                       help="async EnvPool: batch_size = num_envs/2 (timing variant only)")
     demo.add_argument("--out", default="gpubuf_demo.json",
-                      help="JSON file for the numbers (not an image path: .png, .jpg, .jpeg, .svg, "
-                           ".pdf)")
-    demo.add_argument("--plot", default=None, help="PNG file for the plot, another file than --out "
-                                                   "(default: --out with .png)")
+                      help="JSON file for the numbers (not an image path: .png, .jpg, .jpeg, .svg, .pdf)")
+    demo.add_argument("--plot", default=None,
+                      help="PNG file for the plot, another file than --out (default: --out with .png)")
     demo.add_argument("--threads", type=int, default=1,
-                      help="torch CPU threads (default: 1; the demo's small models run fastest on "
-                           "one)")
+                      help="torch CPU threads (default: 1; the demo's small models run fastest on one)")
     demo.add_argument("--seed", type=int, default=0)
-    bench = commands.add_parser("bench",
-                                help="gpubuf vs the installed peers: markdown table, JSON, PNG "
-                                     "chart")
-    bench.add_argument("--suite", default="history,replay",
-                       help="comma-separated: history, replay (default: both)")
-    bench.add_argument("--quick", action="store_true",
-                       help="small sizes and few repeats (about a minute on 2 CPUs)")
-    bench.add_argument("--device", default=None,
-                       help="torch device (default: cuda when available, else cpu)")
-    bench.add_argument("--repeats", type=int,
-                       help="timing repeats of every suite (default: 31 history, 20 replay)")
-    bench.add_argument("--n-envs",
-                       help="history env counts, comma-separated (default: 16,256,1024)")
-    bench.add_argument("--log2-sizes",
-                       help="PER capacities as powers of 2, comma-separated (default: 17,20,22)")
+    bench = commands.add_parser("bench", help="gpubuf vs the installed peers: markdown table, JSON, PNG chart")
+    bench.add_argument("--suite", default="history,replay", help="comma-separated: history, replay (default: both)")
+    bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 CPUs)")
+    bench.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    bench.add_argument("--repeats", type=int, help="timing repeats of every suite (default: 31 history, 20 replay)")
+    bench.add_argument("--n-envs", help="history env counts, comma-separated (default: 16,256,1024)")
+    bench.add_argument("--log2-sizes", help="PER capacities as powers of 2, comma-separated (default: 17,20,22)")
     bench.add_argument("--batch", type=int, help="PER insert/sample/update batch (default: 256)")
     bench.add_argument("--peers", default=",".join(PEERS),
-                       help="peers to run when installed, comma-separated (default: "
-                            f"{','.join(PEERS)})")
-    bench.add_argument("--threads", type=int, default=1,
-                       help="torch (and XLA) CPU threads (default: 1)")
+                       help=f"peers to run when installed, comma-separated (default: {','.join(PEERS)})")
+    bench.add_argument("--threads", type=int, default=1, help="torch (and XLA) CPU threads (default: 1)")
     bench.add_argument("--out", default="gpubuf_bench.md",
-                       help="markdown path; the PNG chart and the JSON go beside it (default: "
-                            "gpubuf_bench.md)")
+                       help="markdown path; the PNG chart and the JSON go beside it (default: gpubuf_bench.md)")
     parser.demo, parser.bench = demo, bench  # the checks report through them
     return parser
 
 
 def check_device(parser, name):
-    """The torch device ``name`` names (None: cuda when available, else cpu), if a tensor can live
-    there."""
+    """The torch device ``name`` names (None: cuda when available, else cpu), if a tensor can live there."""
     import torch
 
     try:
@@ -102,9 +79,15 @@ def check_device(parser, name):
     return device
 
 
+def check_positive(parser, *flags):
+    """Each ``(flag, value)`` of ``flags`` holds ``None`` or a positive int, else an error naming the flag."""
+    for flag, value in flags:
+        if value is not None and value < 1:
+            parser.error(f"{flag}: expected a positive int, got {value}")
+
+
 def check_writable(parser, flag, path, *beside):
-    """``path`` and the files ``path`` with the suffixes ``beside`` can be written
-    (before any work)."""
+    """``path`` and the files ``path`` with the suffixes ``beside`` can be written (before any work)."""
     out_dir = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         parser.error(f"{flag}: cannot write {path!r} (no writable directory {out_dir!r})")
@@ -117,17 +100,14 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")
 
 
 def check_demo_paths(parser, args):
-    """``--out`` (JSON) and ``--plot`` (image, default: ``--out`` with ``.png``) must be two files,
-    and ``--out`` must not end in an image suffix: the plot would overwrite the numbers."""
+    """``--out`` (JSON) and ``--plot`` (image, default: ``--out`` with ``.png``) must be two files, and ``--out`` must
+    not end in an image suffix: the plot would overwrite the numbers."""
     if args.out.lower().endswith(IMAGE_SUFFIXES):
-        parser.error("--out: expected a JSON path (the plot goes to --plot), got the image path "
-                     f"{args.out!r}")
+        parser.error(f"--out: expected a JSON path (the plot goes to --plot), got the image path {args.out!r}")
     args.plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     out, plot = os.path.realpath(args.out), os.path.realpath(args.plot)
-    if out == plot or (os.path.exists(out) and os.path.exists(plot)
-                       and os.path.samefile(out, plot)):
-        parser.error("--out, --plot: expected two different files (the plot would overwrite the "
-                     "numbers), got "
+    if out == plot or (os.path.exists(out) and os.path.exists(plot) and os.path.samefile(out, plot)):
+        parser.error("--out, --plot: expected two different files (the plot would overwrite the numbers), got "
                      f"{args.out!r} and {args.plot!r}")
 
 
@@ -140,8 +120,7 @@ def check_args(parser, args):
         parser.demo.error(f"the demo steps EnvPool envs: pip install envpool ({err})")
     from gpubuf.apps.demo import require
 
-    for module, use in (("tqdm", "gpubuf demo's progress bar"),
-                        ("matplotlib", "gpubuf demo's plot")):
+    for module, use in (("tqdm", "gpubuf demo's progress bar"), ("matplotlib", "gpubuf demo's plot")):
         try:
             require(module, use)
         except ImportError as err:
@@ -150,18 +129,12 @@ def check_args(parser, args):
     parser = parser.demo
 
     if args.env not in envpool.list_all_envs():
-        parser.error(f"--env: unknown EnvPool task {args.env!r} (envpool.list_all_envs() lists "
-                     "them)")
+        parser.error(f"--env: unknown EnvPool task {args.env!r} (envpool.list_all_envs() lists them)")
     if args.num_envs < 1 or (args.async_ and args.num_envs < 2):
-        parser.error(f"--num-envs: expected at least {2 if args.async_ else 1}, "
-                     f"got {args.num_envs}")
-    for flag, value in (("--steps", args.steps), ("--env-steps", args.env_steps),
-                        ("--threads", args.threads)):
-        if value is not None and value < 1:
-            parser.error(f"{flag}: expected a positive int, got {value}")
+        parser.error(f"--num-envs: expected at least {2 if args.async_ else 1}, got {args.num_envs}")
+    check_positive(parser, ("--steps", args.steps), ("--env-steps", args.env_steps), ("--threads", args.threads))
     if args.async_ and len(envpool.make_spec(args.env).observation_space.shape) == 1:
-        parser.error(f"--async: the learning run on {args.env} needs sync envs (its model trains "
-                     "on per-env windows "
+        parser.error(f"--async: the learning run on {args.env} needs sync envs (its model trains on per-env windows "
                      "of consecutive steps); --async is for pixel tasks such as Pong-v5")
     device = check_device(parser, args.device)
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
@@ -170,8 +143,7 @@ def check_args(parser, args):
 
 
 def int_list(parser, flag, text, low):
-    """``"16,256"`` -> (16, 256), each at least ``low``; anything else is an error naming
-    ``flag``."""
+    """``"16,256"`` -> (16, 256), each at least ``low``; anything else is an error naming ``flag``."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
@@ -193,16 +165,11 @@ def check_bench_args(parser, args):
     parser = parser.bench
     suites = args.suite.split(",")
     if not set(suites) <= set(SUITE_NAMES):
-        parser.error(f"--suite: expected a comma-separated subset of {','.join(SUITE_NAMES)}, got "
-                     f"{args.suite!r}")
+        parser.error(f"--suite: expected a comma-separated subset of {','.join(SUITE_NAMES)}, got {args.suite!r}")
     peers = [p for p in args.peers.split(",") if p]
     if not set(peers) <= set(PEERS):
-        parser.error(f"--peers: expected a comma-separated subset of {','.join(PEERS)}, got "
-                     f"{args.peers!r}")
-    for flag, value in (("--repeats", args.repeats), ("--batch", args.batch),
-                        ("--threads", args.threads)):
-        if value is not None and value < 1:
-            parser.error(f"{flag}: expected a positive int, got {value}")
+        parser.error(f"--peers: expected a comma-separated subset of {','.join(PEERS)}, got {args.peers!r}")
+    check_positive(parser, ("--repeats", args.repeats), ("--batch", args.batch), ("--threads", args.threads))
     sizes = QUICK if args.quick else Sizes()
     if args.repeats:
         sizes = replace(sizes, history_repeats=args.repeats, replay_repeats=args.repeats)
@@ -215,8 +182,7 @@ def check_bench_args(parser, args):
     if args.log2_sizes is not None:
         sizes = replace(sizes, log2_sizes=int_list(parser, "--log2-sizes", args.log2_sizes, 1))
     if 2 ** min(sizes.log2_sizes) < sizes.batch:
-        parser.error(f"--log2-sizes: every capacity must hold a batch of {sizes.batch}, got "
-                     f"{sizes.log2_sizes}")
+        parser.error(f"--log2-sizes: every capacity must hold a batch of {sizes.batch}, got {sizes.log2_sizes}")
     # about 100 bytes per transition, in each contender: 6.7 GB each at 2**26
     if max(sizes.log2_sizes) > 26:
         parser.error(f"--log2-sizes: expected at most 26, got {max(sizes.log2_sizes)}")
@@ -227,8 +193,7 @@ def check_bench_args(parser, args):
 
 
 def run_bench(parser, args) -> int:
-    """``gpubuf bench``: run the suites, print the markdown, write it with the chart and the
-    JSON."""
+    """``gpubuf bench``: run the suites, print the markdown, write it with the chart and the JSON."""
     from gpubuf.apps.benchmarking import report, suites
 
     names, sizes, device, peers = check_bench_args(parser, args)
@@ -249,8 +214,7 @@ def run_bench(parser, args) -> int:
 
 
 def run_demo(args, device) -> dict:
-    """Make the envs, run :func:`gpubuf.apps.demo.run` under a progress bar; returns the numbers with
-    versions."""
+    """Make the envs, run :func:`gpubuf.apps.demo.run` under a progress bar; returns the numbers with versions."""
     import envpool
     import numpy as np
     import torch
@@ -262,12 +226,9 @@ def run_demo(args, device) -> dict:
     torch.set_num_threads(args.threads)
     batch = args.num_envs // 2 if args.async_ else args.num_envs
     env_steps = args.env_steps if args.steps is None else args.steps * batch
-    env = envpool.make(args.env, env_type="gymnasium", num_envs=args.num_envs, batch_size=batch,
-                       seed=args.seed)
-    # disable=None: no bar at all when stderr is not a terminal
-    # (a log file gets no carriage-return frames)
-    with tqdm(total=env_steps, unit="step", disable=None, file=sys.stderr,
-              dynamic_ncols=True) as bar:
+    env = envpool.make(args.env, env_type="gymnasium", num_envs=args.num_envs, batch_size=batch, seed=args.seed)
+    # disable=None: no bar at all when stderr is not a terminal (a log file gets no carriage-return frames)
+    with tqdm(total=env_steps, unit="step", disable=None, file=sys.stderr, dynamic_ncols=True) as bar:
         def progress(log):
             if log.episodes:
                 bar.set_postfix(last10=f"{log.last_mean():.0f}", refresh=False)
@@ -276,10 +237,8 @@ def run_demo(args, device) -> dict:
         result = demo.run(env, env_steps, device=device, seed=args.seed, progress=progress,
                           task_cost=demo.TASK_COSTS.get(args.env))
     result["env"] = args.env
-    result["versions"] = {"gpubuf": version("gpubuf"), "python": platform.python_version(),
-                          "torch": torch.__version__,
-                          "numpy": np.__version__, "envpool": envpool.__version__,
-                          "machine": platform.machine(),
+    result["versions"] = {"gpubuf": version("gpubuf"), "python": platform.python_version(), "torch": torch.__version__,
+                          "numpy": np.__version__, "envpool": envpool.__version__, "machine": platform.machine(),
                           "cpu_threads": torch.get_num_threads()}
     return result
 
