@@ -4,6 +4,7 @@ truncated flags, with index-valued data (observation = step * E + env) so every 
 import numpy as np
 import pytest
 import torch
+from fixtures import index_rows
 from scipy import stats
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
@@ -18,9 +19,8 @@ def episodes(T: int, seed: int, t0: int = 0):
     trunc = (rng.random((T, E)) < 0.08) & ~term
     if T > 4 and t0 == 0:
         term[3, 0] = term[4, 0] = True  # env 0: a one-step episode at row 4
-    v = (np.arange(t0, t0 + T)[:, None] * E + np.arange(E)).astype(np.float32)
-    tr = Transition(observation=np.repeat(v[..., None], 2, -1), action=v.copy(), reward=v.copy(),
-                    terminated=term, truncated=trunc)
+    tr = index_rows(T, E, t0)
+    tr.terminated, tr.truncated = term, trunc
     return tr, term | trunc, trunc
 
 

@@ -4,6 +4,7 @@ the same rows, flags and validity as the checked path; anything else falls back 
 import numpy as np
 import pytest
 import torch
+from fixtures import index_rows
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
 
@@ -11,12 +12,12 @@ E = 4
 
 
 def rows(t0: int, T: int, trunc_every: int = 0, dtype=np.float32) -> Transition:
-    step = np.arange(t0, t0 + T)[:, None] * E + np.arange(E)  # value = step * E + env
-    trunc = (np.arange(t0, t0 + T)[:, None] % trunc_every == trunc_every - 1).repeat(E, 1) if trunc_every \
-        else np.zeros((T, E), bool)
-    return Transition(observation=np.repeat(step[..., None], 3, 2).astype(dtype), action=step.astype(np.int64),
-                      reward=step.astype(np.float32), terminated=step % 7 == 0, truncated=trunc,
-                      info={"id": step.astype(np.int64)})
+    tr = index_rows(T, E, t0, obs_dim=3, int_action=True, info=True)  # value = step * E + env
+    tr.observation = tr.observation.astype(dtype)
+    tr.terminated = tr.action % 7 == 0
+    if trunc_every:
+        tr.truncated = (np.arange(t0, t0 + T)[:, None] % trunc_every == trunc_every - 1).repeat(E, 1)
+    return tr
 
 
 def checked_only(monkeypatch):

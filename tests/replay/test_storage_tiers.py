@@ -9,6 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from fixtures import index_rows
 
 from gpubuf import GraphSampler, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 from gpubuf._core import checkpoint
@@ -18,10 +19,9 @@ E = 2
 
 def rows(T, t0=0, trunc_at=()):
     """T rows; every float leaf holds value = step * E + env."""
-    v = (np.arange(t0, t0 + T)[:, None] * E + np.arange(E)).astype(np.float32)
-    trunc = np.isin(np.arange(t0, t0 + T), trunc_at)[:, None].repeat(E, 1)
-    return Transition(observation=v[..., None].repeat(3, -1), action=v.astype(np.int64), reward=v.copy(),
-                      terminated=np.zeros((T, E), bool), truncated=trunc)
+    tr = index_rows(T, E, t0, obs_dim=3, int_action=True)
+    tr.truncated = np.isin(np.arange(t0, t0 + T), trunc_at)[:, None].repeat(E, 1)
+    return tr
 
 
 def make(cls, path=None, device="cpu", **kw):
@@ -155,10 +155,9 @@ E3, M7, N3 = 3, 7, 3  # odd sizes: an env/step mix-up shows in the values
 
 def indexed(T, t0=0):
     """T rows of E3 envs; every leaf holds value = global step * E3 + env (obs: 3 copies, action: int64)."""
-    v = (np.arange(t0, t0 + T)[:, None] * E3 + np.arange(E3)).astype(np.float32)
-    done = (v % 5 == 4)  # a few episode ends, so boundaries="mask" has flags to mark
-    return Transition(observation=v[..., None].repeat(3, -1), action=v.astype(np.int64), reward=v.copy(),
-                      terminated=done, truncated=np.zeros((T, E3), bool))
+    tr = index_rows(T, E3, t0, obs_dim=3, int_action=True)
+    tr.terminated = tr.reward % 5 == 4  # a few episode ends, so boundaries="mask" has flags to mark
+    return tr
 
 
 def make3(cls, path=None, device="cpu"):
