@@ -19,6 +19,27 @@ def probs(model: Model, alpha: float, with_next_obs=False) -> dict[int, float]:
     return dict(zip(valid, m / m.sum(), strict=True))
 
 
+def test_none_arguments_take_the_buffer_s_defaults_and_return_indices_false_returns_the_batch_alone():
+    """The one sample signature: ``None`` is the buffer's default (prioritized: without replacement, indices
+    returned); ``return_indices=False`` returns the batch alone, the same draw as with indices."""
+    from gpubuf import TransitionBuffer
+
+    buf = build(E=2, M=6, n=1)
+    buf.insert(make_transition(0, 6, 2))
+    batch, flat = buf.sample(key=3, batch_size=12)  # without replacement: every start once
+    assert sorted(flat.tolist()) == list(range(12))
+    again, same = buf.sample(key=3, with_replacement=None, batch_size=12, return_indices=None)
+    assert torch.equal(same, flat)
+    alone = buf.sample(key=3, batch_size=12, return_indices=False)
+    assert torch.equal(alone.observation, batch.observation) and torch.equal(alone.PER_weights, batch.PER_weights)
+    uniform = TransitionBuffer(12, 4, make_transition(0, 1, 2), device="cpu", seed=0)
+    uniform.insert(make_transition(0, 6, 2))
+    got = uniform.sample(key=3, return_indices=None, with_replacement=None)
+    assert not isinstance(got, tuple) and got.observation.shape == (4, 2)
+    got, idx = uniform.sample(key=3, return_indices=True)
+    assert idx.shape == (4,)
+
+
 def test_sample_returns_indices_and_weights(backend, device):
     E, M, n = 3, 8, 2
     buf = build(E=E, M=M, n=n, device=device, alpha=0.7, beta=0.5)
