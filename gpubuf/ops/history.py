@@ -6,16 +6,16 @@ slot ``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newe
 frames used.
 
 Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
-signature; its index arithmetic is :mod:`gpubuf.ops.indexing`'s), the ``torch.ops.gpubuf``
-registration (schema, CPU, CUDA, fake) and the function the buffers call. Vectorised torch only in
-the twins: no Python loop over envs or rows.
+signature; its index arithmetic is :mod:`gpubuf.ops.indexing`'s), its CPU and CUDA implementations
+in the schema's argument order, the op (:class:`~gpubuf.ops.registry.Op`) and the function the
+buffers call. Vectorised torch only in the twins: no Python loop over envs or rows.
 """
 
 import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
-from gpubuf.ops.device import route, writes_only
+from gpubuf.ops.registry import Op, kernel
 
 # ---- history_append
 
@@ -38,31 +38,18 @@ def append_cpu(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
 
 def append_cuda(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
     """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.history import append
-
-    append(list(zip(storages, rows, strict=True)), dst_rows)
+    _launch_append(list(zip(storages, rows, strict=True)), dst_rows)
 
 
-torch.library.define("gpubuf::history_append",
-                     "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()")
-torch.library.impl("gpubuf::history_append", "CPU", append_cpu)
-torch.library.impl("gpubuf::history_append", "CUDA", append_cuda)
-torch.library.register_fake("gpubuf::history_append", writes_only)
+_launch_append = kernel("history", "append")
+_APPEND = Op("history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()",
+             append_cpu, append_cuda)
 
 
 def history_append(backend: str, pairs: list, dst_rows: torch.Tensor) -> None:
     """For each (storage (max_len*n_envs, D), rows (R, D)) in pairs: storage[dst_rows (R,)] =
     rows."""
-    how = route(backend, dst_rows.device)
-    if how == "dispatch":
-        torch.ops.gpubuf.history_append.default([p[0] for p in pairs], [p[1] for p in pairs],
-                                                dst_rows)
-    elif how == "triton":
-        from gpubuf.kernels.history import append
-
-        append(pairs, dst_rows)
-    else:
-        append_twin(pairs, dst_rows)
+    _APPEND(backend, dst_rows.device, [p[0] for p in pairs], [p[1] for p in pairs], dst_rows)
 
 
 # ---- history_gather_frames
@@ -90,34 +77,20 @@ def gather_frames_cpu(storages: list, outs: list, meta, n, ab, max_len) -> None:
 
 def gather_frames_cuda(storages: list, outs: list, meta, n, ab, max_len) -> None:
     """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.history import gather_frames
-
-    gather_frames(list(zip(storages, outs, strict=True)), meta, n, ab, max_len)
+    _launch_gather_frames(list(zip(storages, outs, strict=True)), meta, n, ab, max_len)
 
 
-torch.library.define("gpubuf::history_gather_frames",
-                     "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int "
-                     "max_len) -> ()")
-torch.library.impl("gpubuf::history_gather_frames", "CPU", gather_frames_cpu)
-torch.library.impl("gpubuf::history_gather_frames", "CUDA", gather_frames_cuda)
-torch.library.register_fake("gpubuf::history_gather_frames", writes_only)
+_launch_gather_frames = kernel("history", "gather_frames")
+_GATHER_FRAMES = Op("history_gather_frames",
+                    "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int max_len) -> ()",
+                    gather_frames_cpu, gather_frames_cuda)
 
 
 def history_gather_frames(backend: str, pairs: list, meta, n, ab, max_len) -> None:
     """For each (storage, out (rows, n, D)) in pairs: strided frames; meta (3, rows) int64 =
     (env, newest slot, k)."""
-    n, ab, max_len = int(n), int(ab), int(max_len)
-    how = route(backend, meta.device)
-    if how == "dispatch":
-        torch.ops.gpubuf.history_gather_frames.default([p[0] for p in pairs], [p[1] for p in pairs],
-                                                       meta, n, ab,
-                                                       max_len)
-    elif how == "triton":
-        from gpubuf.kernels.history import gather_frames
-
-        gather_frames(pairs, meta, n, ab, max_len)
-    else:
-        gather_frames_twin(pairs, meta, n, ab, max_len)
+    _GATHER_FRAMES(backend, meta.device, [p[0] for p in pairs], [p[1] for p in pairs], meta, int(n), int(ab),
+                   int(max_len))
 
 
 # ---- history_pack_blocks
@@ -146,28 +119,15 @@ def pack_blocks_cpu(storage, out, meta, n, ab, max_len) -> None:
 
 def pack_blocks_cuda(storage, out, meta, n, ab, max_len) -> None:
     """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.history import pack_blocks
-
-    pack_blocks(storage, meta, n, ab, max_len, out)
+    _launch_pack_blocks(storage, meta, n, ab, max_len, out)
 
 
-torch.library.define("gpubuf::history_pack_blocks",
-                     "(Tensor storage, Tensor(a!) out, Tensor meta, int n, int ab, int max_len) -> "
-                     "()")
-torch.library.impl("gpubuf::history_pack_blocks", "CPU", pack_blocks_cpu)
-torch.library.impl("gpubuf::history_pack_blocks", "CUDA", pack_blocks_cuda)
-torch.library.register_fake("gpubuf::history_pack_blocks", writes_only)
+_launch_pack_blocks = kernel("history", "pack_blocks")
+_PACK_BLOCKS = Op("history_pack_blocks",
+                  "(Tensor storage, Tensor(a!) out, Tensor meta, int n, int ab, int max_len) -> ()",
+                  pack_blocks_cpu, pack_blocks_cuda)
 
 
 def history_pack_blocks(backend: str, storage, meta, n, ab, max_len, out) -> None:
     """out (rows, n-1, ab*D) = action blocks between strided frames, NaN zeroed, zero-padded."""
-    n, ab, max_len = int(n), int(ab), int(max_len)
-    how = route(backend, meta.device)
-    if how == "dispatch":
-        torch.ops.gpubuf.history_pack_blocks.default(storage, out, meta, n, ab, max_len)
-    elif how == "triton":
-        from gpubuf.kernels.history import pack_blocks
-
-        pack_blocks(storage, meta, n, ab, max_len, out)
-    else:
-        pack_blocks_twin(storage, meta, n, ab, max_len, out)
+    _PACK_BLOCKS(backend, meta.device, storage, out, meta, int(n), int(ab), int(max_len))

@@ -13,7 +13,8 @@ import torch
 from fixtures import index_rows
 from snapshots import assert_unchanged, snapshot
 
-import gpubuf.history.buffer as history_module
+import gpubuf.history.lockstep as lockstep_module
+import gpubuf.history.outputs as outputs_module
 import gpubuf.ops.device as device_ops
 import gpubuf.ops.indexing as indexing
 import gpubuf.ops.prefix_tree as tree_ops
@@ -198,7 +199,7 @@ def cached_tensors() -> list[torch.Tensor]:
 
 
 def held_spares(buf) -> list[int]:
-    return [s.nbytes() for spares in buf._spare.values() for s in spares]  # noqa: SLF001
+    return buf._outputs.held()  # noqa: SLF001
 
 
 @pytest.mark.parametrize("env_ids", [None, [0, 2]])
@@ -250,16 +251,17 @@ def test_history_index_caches_are_bounded():
 
 
 def test_lockstep_plans_are_bounded(monkeypatch):
-    monkeypatch.setattr(history_module, "_PLAN_ENTRIES", 8)
+    monkeypatch.setattr(lockstep_module, "PLAN_ENTRIES", 8)
     buf = history(E=2, D=1, max_len=8)
     for n in range(1, 101):
         buf.get(n)
-        assert len(buf._plans) <= 8  # noqa: SLF001
+        assert buf._lockstep.cached_plans()[0] <= 8  # noqa: SLF001
     monkeypatch.undo()
     for n in range(1, 101):
         buf.get(n)
-    assert len(buf._plans) <= history_module._PLAN_ENTRIES  # noqa: SLF001
-    assert buf._plan_bytes <= history_module._PLAN_BYTES  # noqa: SLF001
+    plans, plan_bytes = buf._lockstep.cached_plans()  # noqa: SLF001
+    assert plans <= lockstep_module.PLAN_ENTRIES
+    assert plan_bytes <= lockstep_module.PLAN_BYTES
 
 
 def test_large_output_spares_are_bounded_per_key():
@@ -268,7 +270,7 @@ def test_large_output_spares_are_bounded_per_key():
         buf.append({"x": np.full((1, 1, 2**16), i, np.float32)})
     for n in range(8, 40):  # outputs of 2 MiB and more: their memory may be kept for reuse, two per key
         buf.get(n)
-    assert len(held_spares(buf)) <= history_module._SPARES  # noqa: SLF001
+    assert len(held_spares(buf)) <= outputs_module.SPARES
 
 
 def test_gamma_tensors_are_bounded():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gpubuf import HistoryBuffer
+from gpubuf.history.lockstep import Lockstep
 
 E, ML, AB = 4, 6, 2
 ALL = np.arange(E)
@@ -37,15 +38,15 @@ def assert_same(a, b):
 
 
 def spy(monkeypatch, name):
-    """Record, per call of the steady-state method ``name``, whether it served the call."""
-    orig, hits = vars(HistoryBuffer)[name], []
+    """Record, per call of the steady-state method ``Lockstep.name``, whether it served the call."""
+    orig, hits = vars(Lockstep)[name], []
 
     def wrapped(self, *args):
         result = orig(self, *args)
         hits.append(result is not None and result is not False)
         return result
 
-    monkeypatch.setattr(HistoryBuffer, name, wrapped)
+    monkeypatch.setattr(Lockstep, name, wrapped)
     return hits
 
 
@@ -56,7 +57,7 @@ def both_get(fast, ref, n, keys=None):
 
 
 def test_lockstep_appends_then_a_new_dtype_still_checks_and_casts(monkeypatch):
-    appends = spy(monkeypatch, "_append_lockstep")
+    appends = spy(monkeypatch, "append")
     fast, ref = pair()
     for t in range(20):
         fast.append(info(t))
@@ -92,7 +93,7 @@ def test_lockstep_append_with_a_changed_shape_or_key_raises_and_writes_nothing()
 
 
 def test_subset_appends_resets_and_rollback_match_the_checked_path(monkeypatch):
-    appends, gets = spy(monkeypatch, "_append_lockstep"), spy(monkeypatch, "_get_lockstep")
+    appends, gets = spy(monkeypatch, "append"), spy(monkeypatch, "get")
     rng = np.random.default_rng(0)
     fast, ref = pair()
     for t in range(300):
