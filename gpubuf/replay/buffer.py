@@ -1,12 +1,14 @@
 """TransitionBuffer: a time-major circular buffer sampled as contiguous n-step windows.
 
-A buffer composes four parts, each behind a small surface and public for companions
+A buffer composes five parts, each behind a small surface and public for companions
 (``ShardedBuffer``, ``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`:
 sizes, leaves and their rules), ``storage`` (:mod:`gpubuf.replay.storage`: device, host or memory-mapped
 rows), ``ring`` (:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and
-valid starts) and ``sampler`` (:mod:`gpubuf.replay.samplers`: device validity, prefix-sum trees,
-priorities, draws), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env``
-in every storage.
+valid starts), ``sampler`` (:mod:`gpubuf.replay.samplers`: device validity, prefix-sum trees,
+priorities, draws) and ``reader`` (:class:`~gpubuf.replay.readers.BatchReader`: the gathers of drawn
+starts), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
+storage. A sample checks its arguments, draws starts (``sampler.draw``), then reads their windows
+(``reader.prepare``'s read); its signature is :meth:`gpubuf.replay.sample_args.Samples.sample`.
 
 Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
 ``truncated`` is set; needs one of those leaves):
