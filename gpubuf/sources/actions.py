@@ -1,8 +1,8 @@
 """The action codec of a source: the fill of rows whose action the env ignored, and the actions a caller sends.
 
 :func:`action_fill` and :func:`check_action_fill` decide what such a row stores (in the action dtype) and echoes
-(float32, in the history); :class:`ActionCodec` turns the actions a caller sends into the ``(R, *shape)`` host array
-the env executes (checked, clipped to a ``Box``) and its float32 echo ``(R, A)``.
+(float32, in the history); :class:`ActionCodec` turns the actions a caller sends into the ``(R, *shape)`` host array the
+env executes (checked, clipped to a ``Box``) and its float32 echo ``(R, A)``.
 """
 
 import numpy as np
@@ -46,9 +46,9 @@ def check_action_fill(value, dtype) -> tuple:
 
     ``None``: :func:`action_fill` stored and NaN echoed (the defaults). A value is stored as the action of every row
     whose action the env ignored and echoed (as float32) in the history; it must fit ``dtype`` exactly (an integer
-    within the range of an integer dtype, 0/1 for bool, a real number a float dtype holds without rounding, NaN and
-    inf included) and the float32 echo (integers up to ``2**24`` in magnitude), else ``ValueError`` naming
-    ``action_fill``; a value that is not a real number is a ``TypeError``."""
+    within the range of an integer dtype, 0/1 for bool, a real number a float dtype holds without rounding, NaN and inf
+    included) and the float32 echo (integers up to ``2**24`` in magnitude), else ``ValueError`` naming ``action_fill``;
+    a value that is not a real number is a ``TypeError``."""
     dtype = np.dtype(dtype)
     if value is None:
         return action_fill(dtype), float("nan")
@@ -90,8 +90,8 @@ class ActionCodec:
         n_envs: the most rows one call may carry.
         fill: the ``action_fill`` argument (:func:`check_action_fill`).
 
-    Attributes: ``dtype`` (numpy) and ``shape`` of one env's action, ``n`` (``Discrete``; else ``None``),
-    ``fill`` (the stored fill) and ``echo_fill`` (its float32 echo).
+    Attributes: ``dtype`` (numpy) and ``shape`` of one env's action, ``n`` (``Discrete``; else ``None``), ``fill`` (the
+    stored fill) and ``echo_fill`` (its float32 echo).
     """
 
     def __init__(self, space, n_envs: int, fill=None):
@@ -138,8 +138,8 @@ class ActionCodec:
         return arr
 
     def _signature(self, actions):
-        """The steady-state signature of accepted ``actions``: numpy arrays, and CPU tensors that read as one
-        (``None`` for anything else: the checked path every time)."""
+        """The steady-state signature of accepted ``actions``: numpy arrays, and CPU tensors that read as one (``None``
+        for anything else: the checked path every time)."""
         if type(actions) is torch.Tensor:
             if actions.device.type != "cpu" or actions.dtype not in _NUMPY_READABLE:
                 return None
@@ -154,8 +154,8 @@ class ActionCodec:
         return type(actions), actions.dtype, tuple(actions.shape), ok
 
     def _fast(self, actions, R: int, is_lossless: bool) -> np.ndarray | None:
-        """The steady state: actions of the last accepted type, dtype and shape. ``None`` to take the checked path
-        (a bad value: it raises there, with its message)."""
+        """The steady state: actions of the last accepted type, dtype and shape. ``None`` to take the checked path (a
+        bad value: it raises there, with its message)."""
         if type(actions) is torch.Tensor:
             if actions.device.type != "cpu":
                 return None

@@ -4,8 +4,8 @@
 (``send``/``recv`` with ``env_id`` routing) and can append every received row to a :class:`~gpubuf.HistoryBuffer`
 (flushing envs on their reset frame) and insert transitions into a ``TransitionBuffer``, by the row convention of
 :mod:`gpubuf.sources.rows`. Imports are absolute, so this module (``gpubuf.sources.envpool``) never shadows the
-``envpool`` package. ``Step``, ``StepStager`` (:mod:`gpubuf.sources.staging`), ``action_fill`` and
-``check_action_fill`` (:mod:`gpubuf.sources.actions`) are importable from here too.
+``envpool`` package. ``Step``, ``StepStager`` (:mod:`gpubuf.sources.staging`), ``action_fill`` and ``check_action_fill``
+(:mod:`gpubuf.sources.actions`) are importable from here too.
 """
 
 import numpy as np
@@ -56,19 +56,19 @@ class EnvPoolSource:
         transitions: a ``TransitionBuffer`` built from :meth:`transition_sample`; checked against the source's rows
             here, or when set later as the :attr:`transitions` attribute (also mid-run).
         info_keys: EnvPool info fields to store (e.g. ``("elapsed_step", "lives")``): appended to the history under
-            their own names ``(R, 1, ...)`` and stored in the transitions as ``info[name]``, the value the env
-            reported with the row's ``observation``. Shapes and dtypes are EnvPool's.
+            their own names ``(R, 1, ...)`` and stored in the transitions as ``info[name]``, the value the env reported
+            with the row's ``observation``. Shapes and dtypes are EnvPool's.
         action_fill: the action stored on every row whose action the env ignored (reset frames, and the step after a
             life loss of Atari's ``episodic_life=True``) and echoed in the history's ``action`` there. ``None``
-            (default): :func:`~gpubuf.sources.actions.action_fill` (NaN for float actions, -1 for signed integer
-            ones) in the transitions and NaN in the history's float32 echo. A value must fit the action dtype and the
-            float32 echo (e.g. ``0`` keeps ``F.one_hot`` valid on those rows), else ``ValueError`` naming
-            ``action_fill`` before anything is built (:func:`~gpubuf.sources.actions.check_action_fill`).
+            (default): :func:`~gpubuf.sources.actions.action_fill` (NaN for float actions, -1 for signed integer ones)
+            in the transitions and NaN in the history's float32 echo. A value must fit the action dtype and the float32
+            echo (e.g. ``0`` keeps ``F.one_hot`` valid on those rows), else ``ValueError`` naming ``action_fill`` before
+            anything is built (:func:`~gpubuf.sources.actions.check_action_fill`).
 
-    Rows are written by the row convention of :mod:`gpubuf.sources.rows`: with a vectorized buffer (sync only) one
-    time row of every env per step, the step after an episode's end (or a life loss) holding its last observation as
-    an ``info["is_last"]`` row (the fill, reward 0, ``truncated`` set); with ``vectorized_env=False`` (sync or async)
-    one transition per received row but reset frames.
+    Rows are written by the row convention of :mod:`gpubuf.sources.rows`: with a vectorized buffer (sync only) one time
+    row of every env per step, the step after an episode's end (or a life loss) holding its last observation as an
+    ``info["is_last"]`` row (the fill, reward 0, ``truncated`` set); with ``vectorized_env=False`` (sync or async) one
+    transition per received row but reset frames.
 
     Extra per-step data: build the buffer from ``transition_sample(extra={name: example})`` and pass
     ``extra={name: (R, ...)}`` with every ``send``/``step``; each value is stored as ``info[name]`` in the row of the
@@ -77,9 +77,8 @@ class EnvPoolSource:
     Sync: ``step = src.reset(); step = src.step(actions)``. Async: ``step = src.reset()`` (first batch), then
     ``src.send(actions, step.env_ids); step = src.recv()``.
 
-    Threads: one call at a time runs (a lock of the source's own; the buffers keep theirs), so an actor thread may
-    step the source while learner threads sample its buffers. Copies and pickles are refused (the env cannot be
-    copied).
+    Threads: one call at a time runs (a lock of the source's own; the buffers keep theirs), so an actor thread may step
+    the source while learner threads sample its buffers. Copies and pickles are refused (the env cannot be copied).
     """
 
     def __init__(self, env, *, obs_key: str = "observation", device=None, history=None, transitions=None,
@@ -110,11 +109,13 @@ class EnvPoolSource:
         self.transitions = transitions
 
     # ------------------------------------------------------------------ buffers
+    # (history and transitions: two settable properties alike in shape on purpose, each the row writer's buffer,
+    # attached under the source's lock)
 
     @property
     def history(self):
-        """The attached :class:`~gpubuf.HistoryBuffer` (or ``None``); may be set at any time (``n_envs`` must
-        match). One attached later starts with the next received row."""
+        """The attached :class:`~gpubuf.HistoryBuffer` (or ``None``); may be set at any time (``n_envs`` must match).
+        One attached later starts with the next received row."""
         return self._rows.history
 
     @history.setter
@@ -127,11 +128,11 @@ class EnvPoolSource:
         """The attached ``TransitionBuffer`` (or ``None``); may be set at any time, also after ``reset()`` or mid-run.
         Its leaves must be those of :meth:`transition_sample` (same paths, shapes and dtypes; any further ``info``
         leaves are extra data), else a ``ValueError`` naming the leaf, before anything is attached. A buffer attached
-        later stores the rows from each env's pending observation on (the one already returned by ``reset()``/the
-        last step), so its first row is that observation; extra leaves of actions sent before attaching hold
+        later stores the rows from each env's pending observation on (the one already returned by ``reset()``/the last
+        step), so its first row is that observation; extra leaves of actions sent before attaching hold
         :func:`~gpubuf.sources.actions.action_fill`. Replacing or detaching (``None``) a vectorized buffer ends its
-        episodes as a ``reset()`` does (one ``is_last`` row per env holding its pending observation), so re-attaching
-        it later never joins two stretches of a run."""
+        episodes as a ``reset()`` does (one ``is_last`` row per env holding its pending observation), so re-attaching it
+        later never joins two stretches of a run."""
         return self._rows.transitions
 
     @transitions.setter
@@ -145,11 +146,11 @@ class EnvPoolSource:
 
         ``vectorized=True`` (sync only): leaves ``(1, num_envs, ...)``, one time row per step, next observations
         inferred by the buffer, ``info["is_last"]`` marking the rows that hold no transition (see the class).
-        ``vectorized=False`` (sync or async; build the buffer with ``vectorized_env=False``): leaves ``(1, ...)``
-        with an explicit ``next_observation``; each received row is one transition and reset frames are skipped.
-        Either way ``info`` holds the ``info_keys`` fields and ``extra``: ``{name: example}``, one env's value of
-        each extra leaf (its shape and dtype; e.g. ``np.float32(0)`` for a log-probability), which every
-        ``send``/``step`` must then pass.
+        ``vectorized=False`` (sync or async; build the buffer with ``vectorized_env=False``): leaves ``(1, ...)`` with
+        an explicit ``next_observation``; each received row is one transition and reset frames are skipped. Either way
+        ``info`` holds the ``info_keys`` fields and ``extra``: ``{name: example}``, one env's value of each extra leaf
+        (its shape and dtype; e.g. ``np.float32(0)`` for a log-probability), which every ``send``/``step`` must then
+        pass.
         """
         return self._rows.transition_sample(vectorized, extra)
 
@@ -158,9 +159,9 @@ class EnvPoolSource:
     @locked
     def reset(self) -> Step:
         """Reset every env (sync) or start the async pool; returns the first received batch. With a vectorized
-        ``transitions`` buffer that holds rows, each env's last observation is first written as an ``is_last`` row
-        (the episode ends there); an env whose last observation was already a reset frame then holds a one-row
-        episode of that frame."""
+        ``transitions`` buffer that holds rows, each env's last observation is first written as an ``is_last`` row (the
+        episode ends there); an env whose last observation was already a reset frame then holds a one-row episode of
+        that frame."""
         self._rows.restart()
         self._sent[:] = 0
         if self.is_async:
@@ -175,15 +176,15 @@ class EnvPoolSource:
     def send(self, actions, env_ids=None, extra=None) -> None:
         """Send one action per listed env (all envs if ``None``): ``(R,)`` for discrete, ``(R, *shape)``.
 
-        ``env_ids`` must be distinct envs that are not in flight (sent or reset and not yet received); with a
-        vectorized ``transitions`` buffer every env steps together, so ``env_ids`` must cover all envs. A discrete
-        env takes integers in ``[0, n)``; floats are accepted only when integral (``2.0``), so a continuous planner's
-        output must be mapped explicitly (e.g. ``(plan > 0).long()``). A continuous env takes finite values that fit
-        its action dtype; values outside its ``Box`` are clipped to it before they are sent, as EnvPool would apply
-        them, so the buffers store what the env executed (clipping, not rejecting: a Gaussian policy's samples
-        routinely leave the box, and the env accepts them). ``actions`` is ``(R, *shape)`` (singleton axes may be
-        added or dropped). ``extra``: ``{name: (R, ...)}`` per-env data for the transitions buffer's own ``info``
-        leaves (see the class). Anything else is a ``ValueError``/``TypeError`` before anything is sent."""
+        ``env_ids`` must be distinct envs that are not in flight (sent or reset and not yet received); with a vectorized
+        ``transitions`` buffer every env steps together, so ``env_ids`` must cover all envs. A discrete env takes
+        integers in ``[0, n)``; floats are accepted only when integral (``2.0``), so a continuous planner's output must
+        be mapped explicitly (e.g. ``(plan > 0).long()``). A continuous env takes finite values that fit its action
+        dtype; values outside its ``Box`` are clipped to it before they are sent, as EnvPool would apply them, so the
+        buffers store what the env executed (clipping, not rejecting: a Gaussian policy's samples routinely leave the
+        box, and the env accepts them). ``actions`` is ``(R, *shape)`` (singleton axes may be added or dropped).
+        ``extra``: ``{name: (R, ...)}`` per-env data for the transitions buffer's own ``info`` leaves (see the class).
+        Anything else is a ``ValueError``/``TypeError`` before anything is sent."""
         if env_ids is None:  # every env, in order: distinct by construction
             if np.count_nonzero(self._in_flight):
                 self._raise_in_flight(self._order)

@@ -1,5 +1,5 @@
-"""The caller's extra per-step data (a log-probability, a value estimate): checked when sent, held per env on the
-device until the env's row is written as ``info[name]`` of a transitions buffer."""
+"""The caller's extra per-step data (a log-probability, a value estimate): checked when sent, held per env on the device
+until the env's row is written as ``info[name]`` of a transitions buffer."""
 
 from collections.abc import Mapping
 
@@ -22,8 +22,8 @@ def np_dtype(dtype: torch.dtype) -> np.dtype:
 class ExtraData:
     """The extra data last sent to each of ``n_envs`` envs: ``{name: (n_envs, *shape)}`` device tensors.
 
-    ``spec``: ``{name: (per-env shape, torch dtype)}`` of the attached transitions buffer's extra ``info`` leaves
-    (empty without one). Envs sent nothing since :meth:`attach` hold :func:`~gpubuf.sources.actions.action_fill`.
+    ``spec``: ``{name: (per-env shape, torch dtype)}`` of the attached transitions buffer's extra ``info`` leaves (empty
+    without one). Envs sent nothing since :meth:`attach` hold :func:`~gpubuf.sources.actions.action_fill`.
     """
 
     def __init__(self, n_envs: int, device: torch.device):

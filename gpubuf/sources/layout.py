@@ -1,5 +1,5 @@
-"""The leaves of a source's rows: the ``Transition`` a transitions buffer is built from, and a buffer checked
-against it."""
+"""The leaves of a source's rows: the ``Transition`` a transitions buffer is built from, and a buffer checked against
+it."""
 
 from collections.abc import Mapping
 
@@ -14,12 +14,12 @@ RESERVED = ("action", "reward", "terminated", "truncated", "env_id", "players", 
 
 
 def transition_sample(obs_space, action_zeros, info_spec: dict, lead: tuple, extra=None) -> Transition:
-    """Zero leaves ``(*lead, ...)``: ``lead`` ``(1, n_envs)`` for a vectorized buffer (with ``info["is_last"]``,
-    next observations inferred), ``(1,)`` for single transitions (with ``next_observation``).
+    """Zero leaves ``(*lead, ...)``: ``lead`` ``(1, n_envs)`` for a vectorized buffer (with ``info["is_last"]``, next
+    observations inferred), ``(1,)`` for single transitions (with ``next_observation``).
 
     ``obs_space`` has the observation's ``shape`` and numpy ``dtype``; ``action_zeros(lead)`` gives the actions;
-    ``info_spec`` ``{key: (shape, numpy dtype)}`` the stored info fields; ``extra`` ``{name: example}`` one env's
-    value of each extra leaf."""
+    ``info_spec`` ``{key: (shape, numpy dtype)}`` the stored info fields; ``extra`` ``{name: example}`` one env's value
+    of each extra leaf."""
     vectorized = len(lead) == 2
     obs = torch.from_numpy(np.zeros((*lead, *obs_space.shape), dtype=obs_space.dtype))
     info = {"is_last": torch.zeros(lead, dtype=torch.bool)} if vectorized else {}

@@ -1,40 +1,39 @@
 """The row convention: how a source writes each received row of its envs into a history and a transitions buffer.
 
-:class:`RowWriter` takes one received batch at a time from any source (an EnvPool driver, a vector env, a GPU
-simulator) as host-side routing (env ids, reset-frame flags, the executed actions, rewards, ends) plus the env's
-arrays, stages it with a :class:`~gpubuf.sources.staging.StepStager` and writes it.
+:class:`RowWriter` takes one received batch at a time from any source (an EnvPool driver, a vector env, a GPU simulator)
+as host-side routing (env ids, reset-frame flags, the executed actions, rewards, ends) plus the env's arrays, stages it
+with a :class:`~gpubuf.sources.staging.StepStager` and writes it.
 
-Rows of a vectorized ``transitions`` buffer (sync only; one time row of every env per step). The row written at a
-step holds ``observation`` (what the env showed before the step), ``action`` (what it executed), ``reward``,
-``terminated`` (the env's), ``truncated`` and ``info["is_last"]``; its next observation is the next row's
-``observation``. After an episode's last transition (terminated or truncated), the env's next step ignores its action
-and returns the reset frame (``elapsed_step == 0``): that step's row holds the episode's last observation, ``action``
-the fill (``action_fill``; by default NaN for float actions, -1 for integer ones), reward 0, ``terminated`` False, and
-``truncated`` and ``is_last`` True. So the terminal observation is the next observation of the episode's last
-transition, an ``is_last`` row never starts a sampled window (``with_next_obs`` never draws one as a transition), the
-row after it holds the reset frame, and the buffers' ``boundaries="mask"`` marks ``is_first`` exactly there. An
-``is_last`` row holds no transition: batches sampled with ``boundaries="mask"``/``"forbid"`` carry ``has_transition``
-False exactly there (its observation stays inside ``mask``, as a world model's target), which a learner of
-transitions must drop.
+Rows of a vectorized ``transitions`` buffer (sync only; one time row of every env per step). The row written at a step
+holds ``observation`` (what the env showed before the step), ``action`` (what it executed), ``reward``, ``terminated``
+(the env's), ``truncated`` and ``info["is_last"]``; its next observation is the next row's ``observation``. After an
+episode's last transition (terminated or truncated), the env's next step ignores its action and returns the reset frame
+(``elapsed_step == 0``): that step's row holds the episode's last observation, ``action`` the fill (``action_fill``; by
+default NaN for float actions, -1 for integer ones), reward 0, ``terminated`` False, and ``truncated`` and ``is_last``
+True. So the terminal observation is the next observation of the episode's last transition, an ``is_last`` row never
+starts a sampled window (``with_next_obs`` never draws one as a transition), the row after it holds the reset frame, and
+the buffers' ``boundaries="mask"`` marks ``is_first`` exactly there. An ``is_last`` row holds no transition: batches
+sampled with ``boundaries="mask"``/``"forbid"`` carry ``has_transition`` False exactly there (its observation stays
+inside ``mask``, as a world model's target), which a learner of transitions must drop.
 
 A life-loss soft reset (EnvPool's Atari ``episodic_life=True``) is treated like an episode end for the ignored action:
 on a life loss the env reports ``terminated`` (``info["terminated"]`` stays False until the game is over) with the
-observation of the lost life, and its next step ignores the action and returns the frame the game resumes from, with
-the same ``elapsed_step`` and reward 0. That step's row is written as after an episode end (the life's last
-observation, the fill, ``is_last`` and ``truncated`` set), so each life is an episode of the buffer; its history row
-echoes the fill (the history is not flushed: the game goes on). The step after any ``terminated`` or ``truncated``
-row of an env is told from its reset frame by the reset-frame flag: a row that is not a reset frame is the soft reset.
-``truncated`` is set on ``is_last`` rows only: a truncated episode's last transition keeps ``truncated`` False, as its
-next observation (the last one) is real and may be bootstrapped from. A reset after rows were written ends every
-episode the same way (one ``is_last`` row per env).
+observation of the lost life, and its next step ignores the action and returns the frame the game resumes from, with the
+same ``elapsed_step`` and reward 0. That step's row is written as after an episode end (the life's last observation, the
+fill, ``is_last`` and ``truncated`` set), so each life is an episode of the buffer; its history row echoes the fill (the
+history is not flushed: the game goes on). The step after any ``terminated`` or ``truncated`` row of an env is told from
+its reset frame by the reset-frame flag: a row that is not a reset frame is the soft reset. ``truncated`` is set on
+``is_last`` rows only: a truncated episode's last transition keeps ``truncated`` False, as its next observation (the
+last one) is real and may be bootstrapped from. A reset after rows were written ends every episode the same way (one
+``is_last`` row per env).
 
 Rows of a buffer with ``vectorized_env=False`` (sync or async): each received row but reset frames is one transition
 with its ``next_observation`` and the env's ``terminated``/``truncated``.
 
-Extra per-step data (:class:`~gpubuf.sources.extra.ExtraData`) is stored as ``info[name]`` in the row of the step it
-was sent with (as sent, on ``is_last`` rows too; the fill on the rows a reset adds). Rows whose action the env ignored
-(reset frames, and the soft reset after a life loss) echo the fill in ``step.info["action"]`` and in the history;
-with ``vectorized=False`` they are no transitions and are skipped.
+Extra per-step data (:class:`~gpubuf.sources.extra.ExtraData`) is stored as ``info[name]`` in the row of the step it was
+sent with (as sent, on ``is_last`` rows too; the fill on the rows a reset adds). Rows whose action the env ignored
+(reset frames, and the soft reset after a life loss) echo the fill in ``step.info["action"]`` and in the history; with
+``vectorized=False`` they are no transitions and are skipped.
 """
 
 import numpy as np
@@ -123,8 +122,8 @@ class RowWriter:
     # ------------------------------------------------------------------ episodes
 
     def end_episodes(self) -> None:
-        """Write each env's pending observation as an ``is_last`` row of a vectorized buffer holding rows of the
-        current episodes (a reset, or the buffer replaced)."""
+        """Write each env's pending observation as an ``is_last`` row of a vectorized buffer holding rows of the current
+        episodes (a reset, or the buffer replaced)."""
         tb = self.transitions
         if self._has_prev.all() and not self._fresh.all() and tb is not None and tb.vectorized_env:
             n = self.n_envs
@@ -144,10 +143,10 @@ class RowWriter:
 
     def receive(self, obs, reward, terminated, truncated, ids: np.ndarray, first: np.ndarray, sent: np.ndarray,
                 infos: dict, in_order: bool) -> Step:
-        """Stage and write one received batch: ``ids (R,)`` host int64 env ids in ``[0, n_envs)``, ``first (R,)``
-        host bool reset frames, ``sent (R, *action)`` the actions executed, ``infos`` ``{key: (R, ...)}`` host
-        arrays of :attr:`info_spec`; ``obs``, ``reward``, ``terminated``, ``truncated`` as the stager takes them.
-        ``in_order``: ``ids`` are every env in order (whole-array updates instead of scatters)."""
+        """Stage and write one received batch: ``ids (R,)`` host int64 env ids in ``[0, n_envs)``, ``first (R,)`` host
+        bool reset frames, ``sent (R, *action)`` the actions executed, ``infos`` ``{key: (R, ...)}`` host arrays of
+        :attr:`info_spec`; ``obs``, ``reward``, ``terminated``, ``truncated`` as the stager takes them. ``in_order``:
+        ``ids`` are every env in order (whole-array updates instead of scatters)."""
         # the rows whose action the env ignored: reset frames, and the soft reset that follows an end without one
         was_ended = self._ended if in_order else self._ended[ids]
         ignored = first | was_ended if np.count_nonzero(was_ended) else first
@@ -174,8 +173,8 @@ class RowWriter:
         return step
 
     def _remember(self, step: Step, in_order: bool) -> None:
-        """Keep each received env's observation: the pending row, stored by the next step (or a buffer attached
-        before it)."""
+        """Keep each received env's observation: the pending row, stored by the next step (or a buffer attached before
+        it)."""
         rows, ids = step.info[self.stager.obs_key], step.env_ids  # (R, 1, *obs)
         if self._prev_obs is None:
             self._prev_obs = torch.zeros((self.n_envs, *rows.shape[2:]), dtype=rows.dtype, device=self.device)

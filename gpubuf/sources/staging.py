@@ -4,8 +4,8 @@
 simulator) into the stacked-info layout on the device: the observation ``(R, 1, *obs)``, the executed ``action`` echo
 ``(R, 1, A)`` float32 with a fill (NaN unless chosen) on rows whose action the env ignored (reset frames, and with an
 :class:`~gpubuf.EnvPoolSource` the step after a life loss of ``episodic_life=True``), ``reward`` ``(R, 1)`` float32,
-``terminated``/``truncated`` ``(R, 1)`` bool. Host arrays go through pinned staging; device arrays are used in place
-(no host round trip, no copy).
+``terminated``/``truncated`` ``(R, 1)`` bool. Host arrays go through pinned staging; device arrays are used in place (no
+host round trip, no copy).
 """
 
 import functools
@@ -41,12 +41,12 @@ class StepStager:
         n_envs: number of envs (the most rows one call may carry).
         obs_key: the info key of the observation.
         device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
-        action_fill: the ``action`` echo of rows whose action the env ignored (``first`` rows, or the ``ignored``
-            rows given to :meth:`stage`); NaN by default; a real number within float32's range (NaN and inf too),
-            else ``TypeError``/``ValueError`` naming it.
+        action_fill: the ``action`` echo of rows whose action the env ignored (``first`` rows, or the ``ignored`` rows
+            given to :meth:`stage`); NaN by default; a real number within float32's range (NaN and inf too), else
+            ``TypeError``/``ValueError`` naming it.
 
-    Host arrays bound for CUDA go through preallocated pinned staging (one non-blocking copy per key); arrays already
-    on the device are used as they are. Shapes are fixed by the first call.
+    Host arrays bound for CUDA go through preallocated pinned staging (one non-blocking copy per key); arrays already on
+    the device are used as they are. Shapes are fixed by the first call.
     """
 
     def __init__(self, n_envs: int, obs_key: str = "observation", *, device=None, action_fill: float = float("nan")):
@@ -70,10 +70,10 @@ class StepStager:
     def __call__(self, obs, action, reward, terminated, truncated, env_ids=None, first=None, more=None) -> Step:
         """Stage ``R`` rows: ``obs (R, *obs)``, ``action (R,)`` or ``(R, A)``, ``reward``/``terminated``/``truncated``
         ``(R,)``; ``env_ids (R,)`` host ints (all envs if ``None``); ``first (R,)`` host bools marking reset frames,
-        whose action echo becomes ``action_fill`` (NaN by default); ``more``: further keys ``{name: (R, ...)}``
-        staged as ``(R, 1, ...)`` in their own dtype (EnvPool info fields). ``action`` and ``reward`` are stored as
-        float32 and must fit it (:func:`gpubuf._core.inputs.check_cast`); ``terminated``/``truncated``/``first`` are
-        bool or 0/1 integers. Every check runs before any write."""
+        whose action echo becomes ``action_fill`` (NaN by default); ``more``: further keys ``{name: (R, ...)}`` staged
+        as ``(R, 1, ...)`` in their own dtype (EnvPool info fields). ``action`` and ``reward`` are stored as float32 and
+        must fit it (:func:`gpubuf._core.inputs.check_cast`); ``terminated``/``truncated``/``first`` are bool or 0/1
+        integers. Every check runs before any write."""
         ids = self._all_ids if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         R = len(ids)
         first = np.zeros(R, dtype=bool) if first is None else as_flags(first, "first", (R,))
@@ -82,9 +82,9 @@ class StepStager:
     def stage(self, obs, action, reward, terminated, truncated, ids: np.ndarray, first: np.ndarray, more,
               ignored: np.ndarray | None = None) -> Step:
         """:meth:`__call__` for a caller whose ``ids`` (host int64 ids in ``[0, n_envs)``) and ``first`` (host bool
-        ``(R,)``) are already checked; the values are checked as there. ``ignored`` (host bool ``(R,)``, ``first``
-        when ``None``): the rows whose action echo becomes ``action_fill``. An unchanged layout (numpy arrays of the
-        last call's dtypes and shapes) takes a cached path."""
+        ``(R,)``) are already checked; the values are checked as there. ``ignored`` (host bool ``(R,)``, ``first`` when
+        ``None``): the rows whose action echo becomes ``action_fill``. An unchanged layout (numpy arrays of the last
+        call's dtypes and shapes) takes a cached path."""
         R = len(ids)
         raw = {self.obs_key: obs, "action": action, "reward": reward, "terminated": terminated, "truncated": truncated}
         if more:
@@ -103,8 +103,8 @@ class StepStager:
 
     def _fast(self, raw: dict) -> dict | None:
         """The steady state: every value a C-contiguous numpy array of the dtype and shape of the last accepted call
-        (the keys in the same order). ``None`` when anything differs (the checked path then decides). Value checks
-        that depend on the data (flags given as integers, narrowing casts) still run."""
+        (the keys in the same order). ``None`` when anything differs (the checked path then decides). Value checks that
+        depend on the data (flags given as integers, narrowing casts) still run."""
         plan = self._plan
         if plan is None or len(raw) != len(plan):
             return None

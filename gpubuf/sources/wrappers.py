@@ -1,8 +1,7 @@
 """Gymnasium wrappers: action repeat, and frame stacking in ``info`` held in a device HistoryBuffer.
 
-Both accept a single ``gymnasium.Env`` or a ``gymnasium.vector.VectorEnv`` and return the matching
-wrapper (``ActionRepeatWrapper(vec_env, 4)`` is a :class:`VectorActionRepeatWrapper`). Needs
-gymnasium.
+Both accept a single ``gymnasium.Env`` or a ``gymnasium.vector.VectorEnv`` and return the matching wrapper
+(``ActionRepeatWrapper(vec_env, 4)`` is a :class:`VectorActionRepeatWrapper`). Needs gymnasium.
 """
 
 import gymnasium as gym
@@ -14,8 +13,7 @@ from gpubuf.history.buffer import HistoryBuffer
 
 
 class ActionRepeatWrapper(gym.Wrapper):
-    """Repeat each action ``repeat`` times, summing rewards; stop early on termination or
-    truncation."""
+    """Repeat each action ``repeat`` times, summing rewards; stop early on termination or truncation."""
 
     def __new__(cls, env, repeat: int = 1):
         if isinstance(env, VectorEnv):
@@ -37,22 +35,19 @@ class ActionRepeatWrapper(gym.Wrapper):
 
 
 class VectorActionRepeatWrapper(VectorWrapper):
-    """Action repeat for a ``SyncVectorEnv``: each sub-env stops on its own termination or
-    truncation.
+    """Action repeat for a ``SyncVectorEnv``: each sub-env stops on its own termination or truncation.
 
-    The sub-envs are wrapped in place with :class:`ActionRepeatWrapper`, so an env that finished is
-    not stepped again in that call and the vector env's own autoreset sees the final step. An
-    ``AsyncVectorEnv`` runs its envs in other processes: wrap each env in its ``env_fns`` instead.
+    The sub-envs are wrapped in place with :class:`ActionRepeatWrapper`, so an env that finished is not stepped again in
+    that call and the vector env's own autoreset sees the final step. An ``AsyncVectorEnv`` runs its envs in other
+    processes: wrap each env in its ``env_fns`` instead.
     """
 
     def __init__(self, env: VectorEnv, repeat: int = 1):
         self.repeat = positive_int("repeat", repeat)
         base = env.unwrapped
         if not isinstance(base, SyncVectorEnv):
-            raise TypeError(f"env: expected a SyncVectorEnv (got {type(base).__name__}); for other "
-                            "vector envs "
-                            "wrap each env: AsyncVectorEnv([lambda: "
-                            "ActionRepeatWrapper(make_env(), repeat), ...])")
+            raise TypeError(f"env: expected a SyncVectorEnv (got {type(base).__name__}); for other vector envs wrap "
+                            "each env: AsyncVectorEnv([lambda: ActionRepeatWrapper(make_env(), repeat), ...])")
         super().__init__(env)
         base.envs = [ActionRepeatWrapper(e, self.repeat) for e in base.envs]
 
@@ -60,9 +55,8 @@ class VectorActionRepeatWrapper(VectorWrapper):
 class FrameStackInfoWrapper(gym.Wrapper):
     """Replace ``info[key]`` with its last ``num_stack`` frames ``(num_stack, ...)``, oldest first.
 
-    Frames live in a :class:`~gpubuf.HistoryBuffer` on ``device``; the stack is a torch tensor
-    there. Until ``num_stack`` frames exist it is left-padded with the episode's first frame;
-    ``reset`` restarts it.
+    Frames live in a :class:`~gpubuf.HistoryBuffer` on ``device``; the stack is a torch tensor there. Until
+    ``num_stack`` frames exist it is left-padded with the episode's first frame; ``reset`` restarts it.
     """
 
     def __new__(cls, env, num_stack: int = 4, key: str = "pixels", *, device=None):
@@ -93,12 +87,10 @@ class FrameStackInfoWrapper(gym.Wrapper):
 
 
 class VectorFrameStackInfoWrapper(VectorWrapper):
-    """Frame stacking for a vector env: ``info[key]`` ``(num_envs, ...)`` ->
-    ``(num_envs, num_stack, ...)``.
+    """Frame stacking for a vector env: ``info[key]`` ``(num_envs, ...)`` -> ``(num_envs, num_stack, ...)``.
 
-    An env that auto-resets starts a fresh stack from its reset frame
-    (``NEXT_STEP``: the step after its episode ended; ``SAME_STEP``: the step it ended).
-    ``reset(options={"reset_mask": m})`` restarts only the masked envs.
+    An env that auto-resets starts a fresh stack from its reset frame (``NEXT_STEP``: the step after its episode ended;
+    ``SAME_STEP``: the step it ended). ``reset(options={"reset_mask": m})`` restarts only the masked envs.
     """
 
     def __init__(self, env: VectorEnv, num_stack: int = 4, key: str = "pixels", *, device=None):

@@ -1,4 +1,6 @@
-"""The ``gpubuf`` console script, run as a user runs it (a subprocess on the installed entry point)."""
+"""The ``gpubuf`` console script, run as a user runs it (a subprocess on the installed entry point): a learning run and
+an async pixel run write their JSON and plot (no progress frames into a log), ``--version`` is the package's, and bad
+options are one line with exit code 2, before any work."""
 
 import json
 import subprocess

@@ -1,4 +1,6 @@
-"""The demo's learner: ensemble shapes and member routing, training from replay windows, episode log, agent."""
+"""The demo's learner: the ensemble's shapes and member routing, train_step learning a known system (and feeding
+priorities back), the episode log, a short agent run through the shared env loop, and every config field checked by
+name."""
 
 import numpy as np
 import pytest

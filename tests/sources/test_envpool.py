@@ -1,4 +1,7 @@
-"""EnvPoolSource and StepStager on real EnvPool envs (sync and async), no mocks."""
+"""The EnvPool driver on real EnvPool envs (sync and async): EnvPoolSource stages exactly the env's raw outputs
+(StepStager also takes device arrays in place), routes every async row to its env, sends actions as the env executes
+them (checked, clipped to a Box, the steady-state paths falling back to the checked ones when a layout changes), and
+rejects bad inputs before anything is sent or written."""
 
 from unittest import mock
 

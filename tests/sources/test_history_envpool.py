@@ -1,4 +1,5 @@
-"""HistoryBuffer fed by a real EnvPool Pong-v5 in async mode: rows routed by ``env_id``."""
+"""A HistoryBuffer fed by a real async EnvPool Pong-v5, rows routed by ``env_id`` and flushed on reset frames, holds
+what a pure-python history model holds, on both backends."""
 
 import numpy as np
 import pytest

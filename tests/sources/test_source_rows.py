@@ -147,13 +147,19 @@ def test_single_row_windows_never_start_at_a_last_observation(device):
         buf.sample(batch_size=left + 1, with_replacement=False)
 
 
-def test_a_reset_after_rows_ends_every_episode_with_its_last_observation(device):
-    E = 3
+def stepped_once(E: int, n_steps: int, device):
+    """``(source, buffer, step)``: a CartPole source storing ``elapsed_step`` into an attached vectorized buffer, reset
+    and stepped once (action 1)."""
     src = EnvPoolSource(make("CartPole-v1", E), device=device, info_keys=("elapsed_step",))
-    buf = TransitionBuffer(E * 32, 4, src.transition_sample(), n_steps=3, device=device)
+    buf = TransitionBuffer(E * 32, 4, src.transition_sample(), n_steps=n_steps, device=device)
     src.transitions = buf
     src.reset()
-    step = src.step(np.ones(E, np.int64))
+    return src, buf, src.step(np.ones(E, np.int64))
+
+
+def test_a_reset_after_rows_ends_every_episode_with_its_last_observation(device):
+    E = 3
+    src, buf, step = stepped_once(E, 3, device)
     src.reset()
     src.step(np.zeros(E, np.int64))
     data = buf.state_dict()["data"]
@@ -407,11 +413,7 @@ def test_a_buffer_attached_later_stores_the_pending_row(device, vectorized, atta
 
 def test_detaching_ends_the_episodes_so_re_attaching_never_joins_two_stretches(device):
     E = 2
-    src = EnvPoolSource(make("CartPole-v1", E), device=device, info_keys=("elapsed_step",))
-    buf = TransitionBuffer(E * 32, 4, src.transition_sample(), n_steps=2, device=device)
-    src.transitions = buf
-    src.reset()
-    step = src.step(np.ones(E, np.int64))
+    src, buf, step = stepped_once(E, 2, device)
     src.transitions = None  # the pending observation ends each episode
     assert len(buf) == 2 * E
     src.step(np.zeros(E, np.int64))

@@ -1,4 +1,6 @@
-"""ActionRepeatWrapper and FrameStackInfoWrapper on real gymnasium envs, single and vector (autoreset)."""
+"""The gymnasium wrappers on real envs, single and vector: ActionRepeatWrapper sums rewards and stops each env on its
+own end; FrameStackInfoWrapper stacks ``info[key]`` oldest first, padded with the episode's first frame and restarted
+per env on reset and autoreset; bad arguments are named."""
 
 from collections import deque
 
