@@ -51,7 +51,8 @@ def frame_back(n: int, k, ab: int, device: torch.device) -> torch.Tensor:
     """Env steps before the newest entry of each of ``n`` output frames, oldest first: ``(n,)`` for an
     int ``k``, ``(rows, n)`` for ``k`` ``(rows, 1)``. Warm-up (``k < n``) clamps the first ``n - k``
     frames to the oldest strided entry."""
-    return countdown(n, device).clamp(max=k - 1) * ab
+    back = countdown(n, device)
+    return (torch.minimum(back, k - 1) if isinstance(k, torch.Tensor) else back.clamp(max=k - 1)) * ab
 
 
 def block_back(n: int, ab: int, device: torch.device) -> torch.Tensor:
@@ -81,8 +82,8 @@ def zero_blocks(n: int, k):
 def zero_block_mask(n: int, k: torch.Tensor) -> torch.Tensor:
     """(rows, n-1, 1) bool: the zero blocks (:func:`zero_blocks`) of rows using ``k`` ``(rows, 1)``
     strided frames."""
-    # block i is zero when i < zero_blocks, i.e. when its countdown n-2-i >= n-1-zero_blocks
-    return countdown(n - 1, k.device).view(1, -1, 1) >= n - 1 - zero_blocks(n, k).view(-1, 1, 1)
+    # block i (countdown n-2-i) is zero when i < zero_blocks(n, k) = n - k, i.e. when n-2-i >= k-1
+    return countdown(n - 1, k.device).view(1, -1, 1) >= k.view(-1, 1, 1) - 1
 
 
 # --- sequences and stacks
@@ -108,34 +109,35 @@ def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> tor
     return (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
 
 
-def stack_steps(step: torch.Tensor, env: torch.Tensor, marks: torch.Tensor, held: torch.Tensor, n: int,
-                k: int, stride: int, shift: int, E: int, M: int) -> torch.Tensor:
+def stack_steps(step, env, marks, oldest, n: int, k: int, stride: int, shift: int, E: int, M: int,
+                arange):
     """(B, n, k) ring rows of the ``k``-frame stacks ending at rows ``(step + j + shift) % M``, j < n, of
-    starts at rows ``step`` of envs ``env`` (both ``(B, 1, 1)``): frame ``q`` is ``min((k - 1 - q) *
-    stride, back)`` rows back, ``back`` the held rows before it in its episode (after no ``MARK_BOUNDARY``)."""
-    dev = step.device
-    t = (step + torch.arange(shift, n + shift, device=dev).view(1, n, 1)) % M  # (B, n, 1)
-    back = torch.zeros_like(t)
+    starts at rows ``step`` of envs ``env`` (both ``(B, 1, 1)``), ``oldest`` the oldest row held: frame
+    ``q`` is ``min((k - 1 - q) * stride, back)`` rows back, ``back`` the held rows before it in its
+    episode (after no ``MARK_BOUNDARY``). Numpy arrays or tensors alike (``arange``: ``np.arange``, or
+    ``torch.arange`` on their device): the twins run it on the host in numpy, whose small index
+    arithmetic costs less than torch's."""
+    t = (step + arange(shift, n + shift).reshape(1, n, 1)) % M  # (B, n, 1)
+    back = t * 0
     if (k - 1) * stride:
-        i = torch.arange(1, (k - 1) * stride + 1, device=dev)  # (W,) rows back
-        before = (t - i) % M  # (B, n, W)
-        ok = (i <= (t - held[0]) % M) & (marks[before * E + env] & MARK_BOUNDARY == 0)
-        back = ok.cumprod(2).sum(2, keepdim=True)  # (B, n, 1) first stop
-    reach = torch.arange(k - 1, -1, -1, device=dev) * stride  # (k,) rows back per frame
-    return (t - torch.minimum(reach, back)) % M
+        i = arange(1, (k - 1) * stride + 1)  # (W,) rows back
+        ok = (i <= (t - oldest) % M) & (marks[(t - i) % M * E + env] & MARK_BOUNDARY == 0)  # (B, n, W)
+        back = ok.cumprod(2).sum(2)[..., None]  # (B, n, 1) first stop
+    reach = arange(k - 1, -1, -1) * stride  # (k,) rows back per frame
+    return (t - reach + (reach - back).clip(min=0)) % M  # back by min(reach, back)
 
 
-def return_rewards(r: torch.Tensor, env: torch.Tensor, marks: torch.Tensor, held: torch.Tensor, n: int,
-                   E: int, M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def return_rewards(r, env, marks, oldest, count, n: int, E: int, M: int, arange):
     """``(ring rows (B, n), taken (B, n) bool, ends (B, n) bool)`` of the n-step returns from rows ``r`` of
-    envs ``env`` (both ``(B, 1)``): reward ``i`` is taken unless a ``MARK_STOP`` row after the first (not
-    also ``MARK_TERM``) or a row whose next row is not held comes at or before it, or a ``MARK_TERM`` row
-    before it; ``ends``: the rows marked ``MARK_TERM``."""
-    i = torch.arange(n, device=r.device)
+    envs ``env`` (both ``(B, 1)``), ``count`` rows held from ``oldest``: reward ``i`` is taken unless a
+    ``MARK_STOP`` row after the first (not also ``MARK_TERM``) or a row whose next row is not held comes at
+    or before it, or a ``MARK_TERM`` row before it; ``ends``: the rows marked ``MARK_TERM``. Numpy arrays or
+    tensors alike, as :func:`stack_steps`."""
+    i = arange(n)
     step = (r + i) % M  # (B, n)
     mark = marks[step * E + env]
     ends = mark & MARK_TERM != 0
-    avail = held[1] - 1 - (r - held[0]) % M  # (B, 1) held rows after the start
+    avail = count - 1 - (r - oldest) % M  # (B, 1) held rows after the start
     blocked = ((i >= 1) & (mark & MARK_STOP != 0) & ~ends) | (i >= avail)
     blocked[:, 1:] |= ends[:, :-1]
-    return step, (~blocked).cumprod(1).bool(), ends
+    return step, (~blocked).cumprod(1) != 0, ends

@@ -18,16 +18,27 @@ whose next row is not held; a ``MARK_TERM`` row is the last taken. With ``m`` re
 bootstrap row is ``r + m`` and its factor ``gamma**m`` (0 after a termination).
 
 The pure-torch twins (the tests' oracle, the CPU implementation and the torch backend on a GPU,
-with their launchers' signatures; their index arithmetic is :mod:`gpubuf.ops.indexing`'s), the
-``torch.ops.gpubuf`` registrations and the functions the buffers call.
+with their launchers' signatures; their index arithmetic is :mod:`gpubuf.ops.indexing`'s, run in
+numpy for host tensors), the ``torch.ops.gpubuf`` registrations and the functions the buffers call.
 """
 
+import functools
+
+import numpy as np
 import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
 from gpubuf.ops.device import route
 from gpubuf.ops.registry import Op
+
+
+def _index_args(starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor) -> tuple:
+    """``(starts, marks, oldest row, rows held, arange)`` for :mod:`gpubuf.ops.indexing`: numpy arrays
+    and ints for host tensors (small index arithmetic costs less in numpy), else the tensors."""
+    if starts.device.type == "cpu":
+        return starts.numpy(), marks.numpy(), int(held[0]), int(held[1]), np.arange
+    return starts, marks, held[0], held[1], functools.partial(torch.arange, device=starts.device)
 
 
 def stack_twin(jobs: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor, n: int,
@@ -38,12 +49,13 @@ def stack_twin(jobs: list, starts: torch.Tensor, marks: torch.Tensor, held: torc
     B = starts.shape[0]
     if B == 0:
         return
-    env, step = (starts % E).view(B, 1, 1), (starts // E).view(B, 1, 1)
+    s, mk, oldest, _, arange = _index_args(starts, marks, held)
+    env, step = (s % E).reshape(B, 1, 1), (s // E).reshape(B, 1, 1)
     rows = {}
     for storage, out, shift in jobs:
         if shift not in rows:
-            frame = indexing.stack_steps(step, env, marks, held, n, k, stride, shift, E, M)
-            rows[shift] = indexing.flat_rows(frame, env, E, M, env_major).view(-1)
+            frame = indexing.stack_steps(step, env, mk, oldest, n, k, stride, shift, E, M, arange)
+            rows[shift] = torch.as_tensor(indexing.flat_rows(frame, env, E, M, env_major).reshape(-1))
         src, dst = as_words(storage, out.view(B * n * k, storage.shape[1]))
         torch.index_select(src, 0, rows[shift], out=dst)
 
@@ -53,23 +65,32 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
                 env_major: bool = False) -> None:
     """n-step returns of flat starts (B,) from ``reward`` (M*E,) into ``outs`` = (return, discount,
     bootstrap row (time-major), terminated, cut) (B,); ``gamma`` (1,) float64 (the rewards taken:
-    :func:`gpubuf.ops.indexing.return_rewards`)."""
+    :func:`gpubuf.ops.indexing.return_rewards`; host tensors in numpy, as the index arithmetic)."""
     B = starts.shape[0]
     if B == 0:
         return
-    ret, disc, boot, term, cut = outs
-    env, r = (starts % E).view(B, 1), (starts // E).view(B, 1)
-    step, taken, ends = indexing.return_rewards(r, env, marks, held, n, E, M)
-    factors = torch.cat([torch.ones(1, dtype=torch.float64, device=starts.device),
-                         gamma.expand(n)]).cumprod(0)  # (n + 1,) gamma ** i
-    rewards = reward.view(-1)[indexing.flat_rows(step, env, E, M, env_major)].to(torch.float64)
-    ret.copy_(torch.where(taken, factors[:n] * rewards, 0.0).sum(1))
+    s, mk, oldest, count, arange = _index_args(starts, marks, held)
+    env, r = (s % E).reshape(B, 1), (s // E).reshape(B, 1)
+    step, taken, ends = indexing.return_rewards(r, env, mk, oldest, count, n, E, M, arange)
+    rows = indexing.flat_rows(step, env, E, M, env_major)
+    host = isinstance(s, np.ndarray)
+    if host:  # written through numpy views of the outputs
+        factors, where = np.cumprod(np.concatenate([[1.0], np.full(n, float(gamma[0]))])), np.where
+        rewards = reward.numpy().reshape(-1)[rows].astype(np.float64)
+    else:  # gamma read where it lives: a captured graph reads it at replay
+        factors = torch.cat([torch.ones(1, dtype=torch.float64, device=starts.device),
+                             gamma.expand(n)]).cumprod(0)
+        where, rewards = torch.where, reward.view(-1)[rows].to(torch.float64)
+    # factors (n + 1,) gamma ** i; m rewards taken
     m = taken.sum(1)
     ended = (taken & ends).any(1)
-    disc.copy_(torch.where(ended, 0.0, factors[m]))
-    boot.copy_((r.view(B) + m) % M * E + env.view(B))
-    term.copy_(ended)
-    cut.copy_(~ended & (m < n))
+    values = (where(taken, factors[:n] * rewards, 0.0).sum(1), where(ended, 0.0, factors[m]),
+              (r[:, 0] + m) % M * E + env[:, 0], ended, ~ended & (m < n))
+    for out, value in zip(outs, values, strict=True):
+        if host:
+            out.numpy()[:] = value
+        else:
+            out.copy_(value)
 
 
 def stack_cpu(storages: list, outs: list, shifts: list, starts, marks, held, n, k, stride, E,
