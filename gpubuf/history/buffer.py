@@ -30,7 +30,7 @@ from gpubuf import ops
 from gpubuf._core import checkpoint
 from gpubuf._core.concurrency import CallGuard, locked
 from gpubuf._core.copies import CopiedByState
-from gpubuf._core.inputs import positive_int
+from gpubuf._core.inputs import env_ids_or_all, positive_int
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import Staging
 from gpubuf._core.state import check_state, copy_into, host_tensor, unaliased
@@ -114,7 +114,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
     @locked
     def num_strided(self, env_ids=None) -> list[int]:
         """Strided frames available per env: ``(L-1)//action_block + 1``, or 0 for an empty env."""
-        return self._ring.num_strided(self._ring.ids(env_ids), self.action_block).tolist()
+        return self._ring.num_strided(env_ids_or_all(env_ids, self._ring.all_ids), self.action_block).tolist()
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
@@ -124,7 +124,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
 
         Only the entry counts change: each env's ring position is kept, so its next entries
         overwrite its oldest slots first."""
-        self._ring.reset(self._ring.ids(env_ids))
+        self._ring.reset(env_ids_or_all(env_ids, self._ring.all_ids))
 
     @locked
     def mark(self) -> tuple:
@@ -174,7 +174,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         if not isinstance(info_dict, Mapping) or not info_dict:
             raise TypeError(f"info_dict: expected a non-empty dict of arrays, "
                             f"got {info_dict!r:.80}")
-        ids = self._ring.ids(env_ids)
+        ids = env_ids_or_all(env_ids, self._ring.all_ids)
         R = len(ids)
         schema = self._schema
         values, dtypes = schema.check_values(info_dict, R)
@@ -197,8 +197,8 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         if dtypes is not None:
             self._set_storage(*schema.new_storage(values, dtypes))
         with signals_held():  # phase 2: commit
-            ops.history_append(self.backend,
-                               [(schema.data[key], rows) for key, rows in staged.items()], dst)
+            ops.history_append(self.backend, [schema.data[key] for key in staged],
+                               list(staged.values()), dst)
             self._ring.restore(heads, counts)
         if env_ids is None and fast is not None:
             fast.accept(info_dict, values)
@@ -230,7 +230,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
                 return got
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise TypeError(f"n: expected an int, got {n!r}")
-        ids = self._ring.ids(env_ids)
+        ids = env_ids_or_all(env_ids, self._ring.all_ids)
         if n >= 2**31:
             raise ValueError(f"n: expected fewer than 2**31 frames per row, got {n}")
         schema = self._schema
@@ -247,14 +247,15 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
             else:
                 schema.check_out(out, shapes)
             meta = self._upload(self._ring.meta(ids, n, ab), "__meta__")
-            frames = []
+            storages, outs = [], []
             for key in shapes:
                 storage, dst = schema.data[key], out[key]
                 if key in self.block_keys:
                     ops.history_pack_blocks(self.backend, storage, meta, n, ab, self.max_len, dst)
                 else:
-                    frames.append((storage, dst))
-            ops.history_gather_frames(self.backend, frames, meta, n, ab, self.max_len)
+                    storages.append(storage)
+                    outs.append(dst)
+            ops.history_gather_frames(self.backend, storages, outs, meta, n, ab, self.max_len)
         except BaseException as err:
             if spares is not None:  # the memory of this call's outputs is not kept
                 self._outputs.restore(spares)

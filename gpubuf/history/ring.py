@@ -4,7 +4,6 @@ goes through this class, which also keeps whether all envs stand in lockstep."""
 
 import numpy as np
 
-from gpubuf._core.inputs import env_ids_or_all
 from gpubuf.ops import indexing
 
 
@@ -19,10 +18,6 @@ class Ring:
         self.heads = np.zeros(n_envs, dtype=np.int64)
         self.all_ids = np.arange(n_envs, dtype=np.int64)
         self.lockstep_at = None
-
-    def ids(self, env_ids) -> np.ndarray:
-        """``env_ids`` checked, as int64 ``(R,)``; every env for ``None``."""
-        return env_ids_or_all(env_ids, self.all_ids)
 
     def lockstep(self) -> tuple[int, int]:
         """``(head, count)`` shared by every env (-1 where they differ), kept in ``lockstep_at``."""

@@ -46,10 +46,10 @@ _APPEND = Op("history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor ds
              append_cpu, append_cuda)
 
 
-def history_append(backend: str, pairs: list, dst_rows: torch.Tensor) -> None:
-    """For each (storage (max_len*n_envs, D), rows (R, D)) in pairs: storage[dst_rows (R,)] =
+def history_append(backend: str, storages: list, rows: list, dst_rows: torch.Tensor) -> None:
+    """For each storage (max_len*n_envs, D) of storages and its rows (R, D): storage[dst_rows (R,)] =
     rows."""
-    _APPEND(backend, dst_rows.device, [p[0] for p in pairs], [p[1] for p in pairs], dst_rows)
+    _APPEND(backend, dst_rows.device, storages, rows, dst_rows)
 
 
 # ---- history_gather_frames
@@ -86,11 +86,10 @@ _GATHER_FRAMES = Op("history_gather_frames",
                     gather_frames_cpu, gather_frames_cuda)
 
 
-def history_gather_frames(backend: str, pairs: list, meta, n, ab, max_len) -> None:
-    """For each (storage, out (rows, n, D)) in pairs: strided frames; meta (3, rows) int64 =
+def history_gather_frames(backend: str, storages: list, outs: list, meta, n, ab, max_len) -> None:
+    """For each storage of storages and its out (rows, n, D): strided frames; meta (3, rows) int64 =
     (env, newest slot, k)."""
-    _GATHER_FRAMES(backend, meta.device, [p[0] for p in pairs], [p[1] for p in pairs], meta, int(n), int(ab),
-                   int(max_len))
+    _GATHER_FRAMES(backend, meta.device, storages, outs, meta, int(n), int(ab), int(max_len))
 
 
 # ---- history_pack_blocks
