@@ -1,4 +1,5 @@
-"""Every input HistoryBuffer rejects: the message names the argument, and nothing is written."""
+"""Every input HistoryBuffer rejects raises an error whose message names the argument, and leaves
+the buffer's state exactly as it was (nothing is written)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,7 @@
-"""HistoryBuffer: one test per documented behaviour, on both backends."""
+"""HistoryBuffer's documented contract, one test per behaviour, on both backends (torch twins and
+Triton kernels): each env keeps its last ``max_len`` entries, ``env_ids`` route rows, ``get`` returns
+strided frames padded with the oldest strided entry and zero-padded action blocks, ``out=``, ``keys=``,
+``reset``, ``num_strided``, ``state_dict`` and the argument checks."""
 
 import numpy as np
 import pytest

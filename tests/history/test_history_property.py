@@ -1,4 +1,6 @@
-"""Random append/reset/get sequences against the pure-Python model of the contract."""
+"""HistoryBuffer equals the pure-Python model of its contract (``history_model.HistoryModel``) after
+any random sequence of appends (all envs or subsets, NaN actions), resets and gets, on both
+backends."""
 
 import numpy as np
 import pytest
