@@ -42,7 +42,6 @@ class Lockstep:
         self._schema, self._ring, self._staging, self._outputs = schema, ring, staging, outputs
         self.n_envs, self.max_len, self.action_block = ring.n_envs, ring.max_len, action_block
         self.device = outputs.device
-        self._env = torch.arange(self.n_envs, device=self.device).view(-1, 1)
         self._keep_from = BIG if outputs.host else float("inf")  # outputs of these bytes are kept
         self.forget()
 
@@ -220,6 +219,7 @@ class Lockstep:
             return None
         E, ab, ml, device = self.n_envs, self.action_block, self.max_len, self.device
         newest = indexing.newest_slot(h, ml)
+        env = torch.arange(E, device=device).view(-1, 1)
         indices = {}
         plan = []
         for key, shape in schema.output_shapes(E, n).items():
@@ -235,7 +235,7 @@ class Lockstep:
             src = storage if word is None else storage.view(word)
             if block not in indices:
                 back = indexing.block_back(n, ab, device) if block else indexing.frame_back(n, k, ab, device)
-                indices[block] = indexing.source_rows(self._env, newest, back, E, ml)
+                indices[block] = indexing.source_rows(env, newest, back, E, ml)
             nbytes = rows * D * storage.element_size()
             nan = block and storage.dtype.is_floating_point
             plan.append((key, torch.Size(shape), storage.dtype, nbytes, src, indices[block],
