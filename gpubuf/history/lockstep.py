@@ -1,10 +1,10 @@
 """The steady-state fast path of a history buffer on the torch backend (host storage, or any device
 with ``GPUBUF_BACKEND=torch``), in plain torch calls: every env appends and reads together, heads in
-lockstep. An append then copies one contiguous slot block
-per key; a read runs one ``index_select`` per key with source rows planned once per
-``(n, head, frames used, keys)`` (from :mod:`gpubuf.ops.indexing`, as the twins compute them). Any
-other call, or anything unusual about one, returns ``False``/``None`` having written nothing, and the
-buffer's checked path takes it. The Triton backend keeps its own launch paths and never gets here."""
+lockstep. An append then copies one contiguous slot block per key; a read runs one ``index_select``
+per key with source rows planned once per ``(n, head, frames used, keys)`` (from
+:mod:`gpubuf.ops.indexing`, as the twins compute them). Any other call, or anything unusual about one,
+returns ``False``/``None`` having written nothing, and the buffer's checked path takes it. The Triton
+backend keeps its own launch paths and never gets here."""
 
 import numpy as np
 import torch
