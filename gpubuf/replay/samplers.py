@@ -43,39 +43,39 @@ class TreeSampler:
 
     def __init__(self, ring: StartRing, device: torch.device, backend: str):
         self.ring, self.device, self.backend = ring, device, backend
-        self.trees: dict[int, PrefixSumTree] = {}  # per kind, allocated on first use
+        self._trees: dict[int, PrefixSumTree] = {}  # per kind, allocated on first use
         # (M*E,) bool device validity mask per kind, likewise
-        self.valid: dict[int, torch.Tensor] = {}
-        self.active: set[int] = set()  # kinds whose tree and mask are kept up to date
+        self._valid: dict[int, torch.Tensor] = {}
+        self._active: set[int] = set()  # kinds whose tree and mask are kept up to date
         self.allocations = 0  # bumped whenever tensors() grows
         self._staging = Staging(device)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device tensor the policy holds (trees and masks exist once their kind was first
         used)."""
-        return [*(t.tree for t in self.trees.values()), *self.valid.values()]
+        return [*(t.tree for t in self._trees.values()), *self._valid.values()]
 
     def activate(self, kind: int) -> None:
         """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every
         row) unless they are kept already; signals are held meanwhile, and the kind counts as kept
         only once built."""
-        if kind not in self.active:
-            if kind not in self.trees:
+        if kind not in self._active:
+            if kind not in self._trees:
                 L = self.ring.max_rows * self.ring.n_envs
                 tree = PrefixSumTree(L, self.device, self.backend)
-                self.valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool},
+                self._valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool},
                                                 self.device)["valid"]
-                self.trees[kind] = tree
+                self._trees[kind] = tree
                 self.allocations += 1
             with signals_held():
                 self.refresh_rows(kind, 0, self.ring.max_rows)
-                self.active.add(kind)
+                self._active.add(kind)
 
     def forget(self) -> None:
         """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in
         use now, so tensors handed out earlier (a GraphSampler's tree) stay current."""
         self.ring.forget_validity()
-        for kind in sorted(self.active):
+        for kind in sorted(self._active):
             self.refresh_rows(kind, 0, self.ring.max_rows)
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
@@ -84,10 +84,10 @@ class TreeSampler:
 
     def refresh_after_write(self, old_pos: int, T: int) -> None:
         """Refresh the starts whose windows changed after ``T`` rows were written at ``old_pos``."""
-        if not self.active:
+        if not self._active:
             return
-        segments = self.ring.changed_rows(old_pos, T, self.active)
-        for kind in sorted(self.active):
+        segments = self.ring.changed_rows(old_pos, T, self._active)
+        for kind in sorted(self._active):
             for r0, r1 in segments:
                 self.refresh_rows(kind, r0, r1)
 
@@ -96,12 +96,12 @@ class TreeSampler:
         their parents."""
         ok, n_ok = self.ring.refresh(kind, r0, r1)
         lo, hi = r0 * self.ring.n_envs, r1 * self.ring.n_envs
-        mask = self.valid[kind][lo:hi]
+        mask = self._valid[kind][lo:hi]
         if n_ok == hi - lo:
             mask.fill_(True)
         else:
             mask.copy_(self._staging.to_device(torch.from_numpy(ok), f"__valid{kind}_{r0 == 0}__"))
-        self.trees[kind].update_range(lo, self.mass(slice(lo, hi), mask, n_ok == hi - lo))
+        self._trees[kind].update_range(lo, self.mass(slice(lo, hi), mask, n_ok == hi - lo))
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         """Sampling mass (float64, on the device) of flat ``starts`` (a slice or index tensor) given
@@ -132,7 +132,7 @@ class TreeSampler:
     def tree(self, kind: int) -> PrefixSumTree:
         """The tree of ``kind``, built now unless kept already, and kept current from then on."""
         self.activate(kind)
-        return self.trees[kind]
+        return self._trees[kind]
 
     def total(self, kind: int) -> torch.Tensor:
         """0-d float64 on the device: the sampling mass of every start of ``kind``."""
@@ -165,7 +165,7 @@ class TreeSampler:
     def sampling_mass(self, kind: int) -> torch.Tensor:
         """``(M*E,)`` float64 copy of every start's mass for ``kind``."""
         self.activate(kind)
-        return self.trees[kind].tree[:self.trees[kind].capacity].clone()
+        return self._trees[kind].masses()
 
     def uniforms(self, g: torch.Generator, n: int) -> torch.Tensor:
         """(n,) float64 uniforms in [0, 1) on the device, drawn by ``g`` on its own device."""
@@ -447,5 +447,5 @@ class PrioritizedSampler(TreeSampler):
         their largest), whose largest value is ``top``; then the masses of every kept tree."""
         self.priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
         self.raise_max_priority(top)
-        for kind in self.active:
-            self.trees[kind].update(idx, self.mass(idx, self.valid[kind][idx], False))
+        for kind in self._active:
+            self._trees[kind].update(idx, self.mass(idx, self._valid[kind][idx], False))

@@ -36,6 +36,10 @@ class PrefixSumTree:
         """(K,) float64 masses of leaves ``idx`` (K,) int64 (into ``out`` when given)."""
         return self.tree[idx] if out is None else torch.index_select(self.tree, 0, idx, out=out)
 
+    def masses(self) -> torch.Tensor:
+        """(capacity,) float64 copy of every leaf."""
+        return self.tree[:self.capacity].clone()
+
     def total(self) -> torch.Tensor:
         """0-d float64: the mass of every leaf."""
         return self.tree[self.offsets[-2]:].sum()
