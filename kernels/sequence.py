@@ -44,18 +44,18 @@ def _gather_kernel(
     tl.store(dst + bj.to(tl.int64) * D + offs, x, mask=mask)
 
 
-def plan(jobs: list, B: int, n: int,
+def tables(jobs: list, B: int, n: int,
          device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """``(word-typed anchor, device table, most words per row)`` per word type for
-    :func:`gather_planned`: the tables live in their own device tensors, so a plan can be launched
+    :func:`gather_from_tables`: the tables live in their own device tensors, so they can be launched
     again (or captured in a CUDA graph) while the ``jobs`` tensors stay where they are."""
     groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs],
                          [(s,) for _, _, s in jobs])
     return [(like, torch.from_numpy(table).to(device), most) for like, table, most in groups]
 
 
-def gather_planned(groups: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
-    """Launch the gather of a :func:`plan` for flat starts (B,) int64."""
+def gather_from_tables(groups: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
+    """Launch the gather of :func:`tables` for flat starts (B,) int64."""
     B = starts.shape[0]
     with _pkg.on_device(starts):
         for like, table, most in groups:

@@ -121,18 +121,18 @@ def _return_kernel(
     tl.store(cut_ptr + b, ((ended == 0) & (m < n)).to(tl.uint8))
 
 
-def plan(jobs: list, B: int, n: int, k: int, device: torch.device) -> list:
+def tables(jobs: list, B: int, n: int, k: int, device: torch.device) -> list:
     """``(word-typed anchor, device table, most words per row)`` per word type for
-    :func:`stack_planned`, for ``(storage (M*E, D), out (B, n, k, D), shift)`` ``jobs``: tables
-    live in their own device tensors (a plan can be replayed, or captured in a CUDA graph)."""
+    :func:`stack_from_tables`, for ``(storage (M*E, D), out (B, n, k, D), shift)`` ``jobs``: tables
+    live in their own device tensors (they can be launched again, or captured in a CUDA graph)."""
     groups = word_groups([(storage, out.view(B * n * k, -1)) for storage, out, _ in jobs],
                          [(s,) for _, _, s in jobs])
     return [(like, torch.from_numpy(table).to(device), most) for like, table, most in groups]
 
 
-def stack_planned(groups: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,
-                  n: int, k: int, stride: int, E: int, M: int) -> None:
-    """Launch the stack gather of a :func:`plan` for flat starts (B,) int64."""
+def stack_from_tables(groups: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,
+                      n: int, k: int, stride: int, E: int, M: int) -> None:
+    """Launch the stack gather of :func:`tables` for flat starts (B,) int64."""
     B = starts.shape[0]
     if B == 0:
         return

@@ -70,13 +70,13 @@ def sequence_gather(backend: str, jobs: list, starts: torch.Tensor, n, E, M) -> 
 def sequence_tables(jobs: list, B: int, n: int, device: torch.device) -> list:
     """The Triton gather's pointer tables for fixed ``(storage, out (B, n, D), shift)`` jobs, uploaded once
     (CUDA only): :func:`sequence_gather_fixed` launches them, also inside a CUDA graph."""
-    from gpubuf.kernels.sequence import plan
+    from gpubuf.kernels.sequence import tables
 
-    return plan(jobs, B, n, device)
+    return tables(jobs, B, n, device)
 
 
 def sequence_gather_fixed(tables: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """:func:`sequence_gather` into the outputs of :func:`sequence_tables` for flat starts (B,) int64."""
-    from gpubuf.kernels.sequence import gather_planned
+    from gpubuf.kernels.sequence import gather_from_tables
 
-    gather_planned(tables, starts, n, E, M)
+    gather_from_tables(tables, starts, n, E, M)

@@ -173,14 +173,14 @@ def n_step_return(backend: str, starts: torch.Tensor, reward: torch.Tensor, mark
 def stack_tables(jobs: list, B: int, n: int, k: int, device: torch.device) -> list:
     """The Triton stack gather's pointer tables for fixed ``(storage, out (B, n, k, D), shift)`` jobs,
     uploaded once (CUDA only): :func:`frame_stack_fixed` launches them, also inside a CUDA graph."""
-    from gpubuf.kernels.stacks import plan
+    from gpubuf.kernels.stacks import tables
 
-    return plan(jobs, B, n, k, device)
+    return tables(jobs, B, n, k, device)
 
 
 def frame_stack_fixed(tables: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,
                       n: int, k: int, stride: int, E: int, M: int) -> None:
     """:func:`frame_stack` into the outputs of :func:`stack_tables` for flat starts (B,) int64."""
-    from gpubuf.kernels.stacks import stack_planned
+    from gpubuf.kernels.stacks import stack_from_tables
 
-    stack_planned(tables, starts, marks, held, n, k, stride, E, M)
+    stack_from_tables(tables, starts, marks, held, n, k, stride, E, M)

@@ -56,7 +56,7 @@ class MemoryStorage:
         self.host = {p: t.numpy() for p, t in self.data.items()
                      if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
         self.staging = Staging(device)
-        self._host_plans: dict = {}  # (B, with_next_obs) -> host_jobs
+        self._host_jobs: dict = {}  # (B, with_next_obs) -> host_jobs
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.data.values())
@@ -132,7 +132,7 @@ class MemoryStorage:
         if device != self.device or self.device.type != "cpu" or self.backend != "torch" \
                 or self.dir is not None:
             return None
-        jobs = self._host_plans.get((B, with_next_obs))
+        jobs = self._host_jobs.get((B, with_next_obs))
         if jobs is None:
             jobs, dtypes = [], {leaf.path: leaf.dtype for leaf in self.config.leaves}
             for d, s, shift, shape in self.config.jobs(B, with_next_obs):
@@ -142,9 +142,9 @@ class MemoryStorage:
                 wide = src.shape[1] * src.element_size() >= 256
                 jobs.append((d, self.words[s] if wide else src, shift, shape,
                              dtypes[s] if wide else None))
-            if len(self._host_plans) >= 8:
-                self._host_plans.clear()
-            self._host_plans[(B, with_next_obs)] = jobs
+            if len(self._host_jobs) >= 8:
+                self._host_jobs.clear()
+            self._host_jobs[(B, with_next_obs)] = jobs
         return jobs
 
     def gather_host_jobs(self, jobs: list, starts: torch.Tensor) -> dict:

@@ -299,7 +299,7 @@ def test_tree_and_host_plan_caches_are_bounded():
     buf = replay(TransitionBuffer)
     for B in range(1, 101):
         buf.sample(batch_size=B)
-    assert len(buf.storage._host_plans) <= 8  # noqa: SLF001
+    assert len(buf.storage._host_jobs) <= 8  # noqa: SLF001
 
 
 def test_lru_keeps_the_most_recent_and_caches_no_failure():

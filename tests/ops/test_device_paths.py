@@ -131,7 +131,7 @@ def test_every_launcher_launches_under_its_tensors_device(guarded, monkeypatch):
     starts = torch.tensor([0, 3, 4])
     out = torch.zeros(3, 2, 5, dtype=torch.int64)
     sequence.gather([(storage, out, 0)], starts, 2, 2, 3)
-    sequence.gather_planned(sequence.plan([(storage, out, 1)], 3, 2, cpu), starts, 2, 2, 3)
+    sequence.gather_from_tables(sequence.tables([(storage, out, 1)], 3, 2, cpu), starts, 2, 2, 3)
     names = [name for name, _ in guarded]
     assert names == ["append", "gather_frames", "pack_blocks", "update", "update"] + ["update"] * (len(t.offsets) - 1) \
         + ["sample", "gather", "gather"]
