@@ -40,21 +40,18 @@ _LAZY = {
 }
 # earlier module paths -> the modules that hold them now
 _MOVED = {
-    "gpubuf.benchmarking": "gpubuf.apps.benchmarking", "gpubuf.checkpoint": "gpubuf._core.checkpoint",
-    "gpubuf.cli": "gpubuf.apps.cli", "gpubuf.concurrency": "gpubuf._core.concurrency",
-    "gpubuf.copies": "gpubuf._core.copies", "gpubuf.demo": "gpubuf.apps.demo",
-    "gpubuf.distributed": "gpubuf.replay.sharded", "gpubuf.envpool": "gpubuf.sources.envpool",
-    "gpubuf.episode_marks": "gpubuf.replay.episode_marks", "gpubuf.graph_sampling": "gpubuf.replay.graph_sampler",
-    "gpubuf.inputs": "gpubuf._core.inputs", "gpubuf.interrupts": "gpubuf._core.signals",
-    "gpubuf.mbrl": "gpubuf.apps.mbrl", "gpubuf.prefix_tree": "gpubuf.replay.tree",
-    "gpubuf.prioritized": "gpubuf.replay.prioritized", "gpubuf.replay_config": "gpubuf.replay.config",
-    "gpubuf.ring": "gpubuf.replay.ring", "gpubuf.samplers": "gpubuf.replay.samplers",
-    "gpubuf.stacked_sampling": "gpubuf.replay.stacked", "gpubuf.staging": "gpubuf._core.staging",
-    "gpubuf.state": "gpubuf._core.state", "gpubuf.steady_insert": "gpubuf.replay.steady_insert",
-    "gpubuf.storage": "gpubuf.replay.storage", "gpubuf.storage_dir": "gpubuf.replay.storage_dir",
-    "gpubuf.tiers": "gpubuf.replay.tiers", "gpubuf.transition": "gpubuf._core.transition",
-    "gpubuf.wrappers": "gpubuf.sources.wrappers",
+    **{f"gpubuf.{m}": f"gpubuf._core.{m}"
+       for m in ("checkpoint", "concurrency", "copies", "inputs", "staging", "state", "transition")},
+    **{f"gpubuf.{m}": f"gpubuf.replay.{m}" for m in ("episode_marks", "prioritized", "ring", "samplers",
+                                                     "steady_insert", "storage", "storage_dir", "tiers")},
+    **{f"gpubuf.{m}": f"gpubuf.apps.{m}" for m in ("benchmarking", "cli", "demo", "mbrl")},
+    **{f"gpubuf.{m}": f"gpubuf.sources.{m}" for m in ("envpool", "wrappers")},
+    # renamed as they moved
+    "gpubuf.distributed": "gpubuf.replay.sharded", "gpubuf.graph_sampling": "gpubuf.replay.graph_sampler",
+    "gpubuf.interrupts": "gpubuf._core.signals", "gpubuf.prefix_tree": "gpubuf.replay.tree",
+    "gpubuf.replay_config": "gpubuf.replay.config", "gpubuf.stacked_sampling": "gpubuf.replay.stacked",
 }
+
 # submodules reachable as attributes (``gpubuf.planning``) after ``import gpubuf`` alone
 _LAZY_MODULES = ("apps", "planning", "sources") + tuple(name.split(".")[1] for name in _MOVED)
 

@@ -68,7 +68,13 @@ def flashbax_seq(frames: np.ndarray):
         f = np.ascontiguousarray(frames[s:s + CHUNK].transpose(1, 0, 2, 3, 4))  # (E, T, ...)
         state = add(state, {"obs": jnp.asarray(f),
                             "reward": jnp.zeros((envs, f.shape[1]), jnp.float32)})
-    sample_fn = jax.jit(buf.sample)
+    return keyed_sampler(jax.jit(buf.sample), state)
+
+
+def keyed_sampler(sample_fn, state):
+    """A call that draws ``sample_fn(state, key)`` with a fresh JAX key each time and waits for it."""
+    import jax
+
     box = {"key": jax.random.PRNGKey(0)}
 
     def sample():
@@ -95,14 +101,7 @@ def jaxnasium_seq(frames: np.ndarray):
     ins = jax.jit(lambda b, t: b.insert(t))
     for s in range(0, steps, CHUNK):
         buf = ins(buf, tr(frames[s:s + CHUNK]))
-    smp = jax.jit(lambda b, k: b.sample(k))
-    box = {"key": jax.random.PRNGKey(0)}
-
-    def sample():
-        box["key"], k = jax.random.split(box["key"])
-        return jax_block(smp(buf, k))
-
-    return sample
+    return keyed_sampler(jax.jit(lambda b, k: b.sample(k)), buf)
 
 
 PEER_BUILDERS = {"torchrl": torchrl_seq, "flashbax": flashbax_seq, "jaxnasium": jaxnasium_seq}
