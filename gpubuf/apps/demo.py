@@ -18,7 +18,7 @@ import torch
 from gpubuf import ops
 from gpubuf.apps.benchmarking.timing import wall_clock
 from gpubuf.apps.mbrl import EnvLoop, EpisodeLog, MBRLAgent, MBRLConfig
-from gpubuf.planning.planner import PlanConfig, Planner, cartpole_cost
+from gpubuf.planning import PlanConfig, Planner, cartpole_cost
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
 from gpubuf.sources.envpool import EnvPoolSource
 

@@ -9,7 +9,7 @@ learned model (:meth:`EnsembleDynamics.solver`).
 The model predicts the next observation from (observation, action), and the reward and termination from the next
 observation; the task's equations are never used. Planning minimises minus the predicted reward plus, where the task has
 one, a known cost (PETS assumes the task's cost is known; for CartPole-v1,
-:func:`gpubuf.planning.planner.cartpole_cost`): with the reward alone, a planner that sees a few tenths of a second
+:func:`gpubuf.planning.cartpole.cartpole_cost`): with the reward alone, a planner that sees a few tenths of a second
 ahead balances the pole but lets the cart drift off the track.
 """
 
@@ -23,7 +23,7 @@ from torch import nn
 
 from gpubuf._core.inputs import finite_float, positive_int
 from gpubuf.history.buffer import HistoryBuffer
-from gpubuf.planning.planner import CEMSolver, PlanConfig, Planner
+from gpubuf.planning import CEMSolver, PlanConfig, Planner
 from gpubuf.replay.buffer import TransitionBuffer
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
 from gpubuf.sources.envpool import EnvPoolSource

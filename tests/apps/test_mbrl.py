@@ -8,7 +8,7 @@ import torch
 
 from gpubuf import PrioritizedTransitionBuffer, Step, Transition, TransitionBuffer
 from gpubuf.apps.mbrl import EnsembleDynamics, EpisodeLog, MBRLAgent, MBRLConfig, to_discrete, train_step
-from gpubuf.planning.planner import cartpole_cost
+from gpubuf.planning import cartpole_cost
 
 
 @pytest.fixture(autouse=True)

@@ -272,7 +272,7 @@ def test_done_when_check_prints_nothing_without_the_apps_extra():
 
 
 def test_lazy_names_resolve_and_are_listed():
-    from gpubuf.planning.planner import CEMSolver, PlanConfig, Planner
+    from gpubuf.planning import CEMSolver, PlanConfig, Planner
     from gpubuf.replay.sharded import ShardedBuffer
     from gpubuf.sources.envpool import EnvPoolSource, Step, StepStager
 

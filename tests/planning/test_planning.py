@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpubuf import CEMSolver, EnvPoolSource, HistoryBuffer, PlanConfig, Planner
-from gpubuf.planning.planner import cartpole_cost, cartpole_dynamics
+from gpubuf.planning import cartpole_cost, cartpole_dynamics
 
 envpool = pytest.importorskip("envpool")  # absent on the GPU machine, which has no registry
 

@@ -94,7 +94,7 @@ def test_async_routes_every_received_row_to_its_env_history(device):
 
 def test_sync_transitions_follow_the_dynamics(device):
     """Sampled (obs, action, next obs) triples obey CartPole's own equations: rows are aligned."""
-    from gpubuf.planning.planner import cartpole_dynamics
+    from gpubuf.planning import cartpole_dynamics
     from gpubuf.replay.buffer import TransitionBuffer
 
     env = make(num_envs=4)
@@ -217,7 +217,7 @@ def test_source_rejects_actions_of_the_wrong_size():
 
 @pytest.mark.parametrize("batch_size", [4, 2], ids=["sync", "async"])
 def test_row_transitions_skip_reset_frames_and_follow_the_dynamics(device, batch_size):
-    from gpubuf.planning.planner import cartpole_dynamics
+    from gpubuf.planning import cartpole_dynamics
     from gpubuf.replay.buffer import TransitionBuffer
 
     src = EnvPoolSource(make(num_envs=4, batch_size=batch_size), device=device)
