@@ -124,36 +124,39 @@ def _finite_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _LIMITS[key]
 
 
-def append(pairs: list, dst_rows: torch.Tensor) -> None:
-    """For each ``(storage (max_len*n_envs, E), rows (R, E))`` in ``pairs``: storage[dst_rows] =
-    rows; dst_rows int64 (R,), distinct. One launch per word type."""
+def append(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
+    """For each storage (max_len*n_envs, E) of ``storages`` and its ``rows`` (R, E):
+    storage[dst_rows] = rows; dst_rows int64 (R,), distinct. One launch per word type."""
     R = dst_rows.shape[0]
     if R == 0:
         return
     with _pkg.on_device(dst_rows):
-        for like, table, most in word_groups([(rows, storage) for storage, rows in pairs]):
+        for like, table, most in word_groups(list(zip(rows, storages, strict=True))):
             grid = (R, table.shape[0], triton.cdiv(most, BLOCK))
             _append_kernel[grid](upload(table, dst_rows.device), dst_rows, like, BLOCK=BLOCK)
 
 
-def gather_frames(pairs: list, meta: torch.Tensor, n: int, ab: int, max_len: int) -> None:
-    """For each ``(storage (max_len*n_envs, E), out (rows, n, E))`` in ``pairs``: the strided frames
-    of each row; meta (3, rows) int64 (env, newest slot, k). One launch per word type."""
+def gather_frames(storages: list, outs: list, meta: torch.Tensor, n: int, ab: int,
+                  max_len: int) -> None:
+    """For each storage (max_len*n_envs, E) of ``storages`` and its out (rows, n, E) of ``outs``:
+    the strided frames of each row; meta (3, rows) int64 (env, newest slot, k). One launch per word
+    type."""
     rows = meta.shape[1]
     if rows == 0:
         return
-    groups = word_groups([(storage, out.view(rows * n, -1)) for storage, out in pairs])
+    groups = word_groups([(storage, out.view(rows * n, -1))
+                          for storage, out in zip(storages, outs, strict=True)])
     with _pkg.on_device(meta):
         for like, table, most in groups:
-            n_envs = pairs[0][0].shape[0] // max_len
+            n_envs = storages[0].shape[0] // max_len
             grid = (rows * n, table.shape[0], triton.cdiv(most, BLOCK))
             _gather_frames_kernel[grid](upload(table, meta.device), meta, like, rows, n, ab,
                                         max_len,
                                         n_envs, BLOCK=BLOCK)
 
 
-def pack_blocks(storage: torch.Tensor, meta: torch.Tensor, n: int, ab: int, max_len: int,
-                out: torch.Tensor) -> None:
+def pack_blocks(storage: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, n: int, ab: int,
+                max_len: int) -> None:
     """out (rows, n-1, ab*D) = the action blocks between strided frames, NaN-free, zero-padded."""
     rows = meta.shape[1]
     D = storage.shape[1]

@@ -6,9 +6,9 @@ slot ``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newe
 frames used.
 
 Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
-signature; its index arithmetic is :mod:`gpubuf.ops.indexing`'s), its CPU and CUDA implementations
-in the schema's argument order, the op (:class:`~gpubuf.ops.registry.Op`) and the function the
-buffers call. Vectorised torch only in the twins: no Python loop over envs or rows.
+signature, in the schema's argument order; its index arithmetic is :mod:`gpubuf.ops.indexing`'s),
+the op (:class:`~gpubuf.ops.registry.Op`) and the function the buffers call. Vectorised torch only in
+the twins: no Python loop over envs or rows.
 """
 
 import torch
@@ -20,30 +20,19 @@ from gpubuf.ops.registry import Op, kernel
 # ---- history_append
 
 
-def append_twin(pairs: list, dst_rows: torch.Tensor) -> None:
-    """For each ``(storage (max_len*n_envs, D), rows (R, D))`` in ``pairs``: storage[dst_rows (R,)]
-    = rows; dst_rows distinct."""
+def append_twin(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
+    """For each storage (max_len*n_envs, D) of ``storages`` and its ``rows`` (R, D): storage[dst_rows
+    (R,)] = rows; dst_rows distinct."""
     if dst_rows.shape[0] == 0:
         return
-    for storage, rows in pairs:
+    for storage, src in zip(storages, rows, strict=True):
         if storage.shape[1]:
-            dst, src = as_words(storage, rows)
+            dst, src = as_words(storage, src)
             dst.index_copy_(0, dst_rows, src)
 
 
-def append_cpu(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
-    """The CPU implementation: the twin."""
-    append_twin(list(zip(storages, rows, strict=True)), dst_rows)
-
-
-def append_cuda(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    _launch_append(list(zip(storages, rows, strict=True)), dst_rows)
-
-
-_launch_append = kernel("history", "append")
 _APPEND = Op("history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()",
-             append_cpu, append_cuda)
+             append_twin, kernel("history", "append"))
 
 
 def history_append(backend: str, storages: list, rows: list, dst_rows: torch.Tensor) -> None:
@@ -55,35 +44,24 @@ def history_append(backend: str, storages: list, rows: list, dst_rows: torch.Ten
 # ---- history_gather_frames
 
 
-def gather_frames_twin(pairs: list, meta, n, ab, max_len) -> None:
-    """For each ``(storage, out (rows, n, D))`` in ``pairs``: strided frames, left-padded with the
-    oldest strided entry. The source rows are computed once for all pairs."""
+def gather_frames_twin(storages: list, outs: list, meta, n, ab, max_len) -> None:
+    """For each storage of ``storages`` and its out (rows, n, D) of ``outs``: strided frames, left-padded
+    with the oldest strided entry. The source rows are computed once for all keys."""
     rows = meta.shape[1]
-    if rows == 0 or not pairs:
+    if rows == 0 or not storages:
         return
     env, newest, k = meta[0].unsqueeze(1), meta[1].unsqueeze(1), meta[2].unsqueeze(1)
     back = indexing.frame_back(n, k, ab, meta.device)  # (rows, n)
-    src_rows = indexing.source_rows(env, newest, back, pairs[0][0].shape[0] // max_len, max_len)
-    for storage, out in pairs:
+    src_rows = indexing.source_rows(env, newest, back, storages[0].shape[0] // max_len, max_len)
+    for storage, out in zip(storages, outs, strict=True):
         if storage.shape[1]:
             src, dst = as_words(storage, out.view(rows * n, storage.shape[1]))
             torch.index_select(src, 0, src_rows, out=dst)
 
 
-def gather_frames_cpu(storages: list, outs: list, meta, n, ab, max_len) -> None:
-    """The CPU implementation: the twin."""
-    gather_frames_twin(list(zip(storages, outs, strict=True)), meta, n, ab, max_len)
-
-
-def gather_frames_cuda(storages: list, outs: list, meta, n, ab, max_len) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    _launch_gather_frames(list(zip(storages, outs, strict=True)), meta, n, ab, max_len)
-
-
-_launch_gather_frames = kernel("history", "gather_frames")
 _GATHER_FRAMES = Op("history_gather_frames",
                     "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int max_len) -> ()",
-                    gather_frames_cpu, gather_frames_cuda)
+                    gather_frames_twin, kernel("history", "gather_frames"))
 
 
 def history_gather_frames(backend: str, storages: list, outs: list, meta, n, ab, max_len) -> None:
@@ -95,7 +73,7 @@ def history_gather_frames(backend: str, storages: list, outs: list, meta, n, ab,
 # ---- history_pack_blocks
 
 
-def pack_blocks_twin(storage, meta, n, ab, max_len, out) -> None:
+def pack_blocks_twin(storage, out, meta, n, ab, max_len) -> None:
     """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0,
     zero-padded."""
     rows, D = meta.shape[1], storage.shape[1]
@@ -111,20 +89,9 @@ def pack_blocks_twin(storage, meta, n, ab, max_len, out) -> None:
     out.masked_fill_(indexing.zero_block_mask(n, k), 0)
 
 
-def pack_blocks_cpu(storage, out, meta, n, ab, max_len) -> None:
-    """The CPU implementation: the twin."""
-    pack_blocks_twin(storage, meta, n, ab, max_len, out)
-
-
-def pack_blocks_cuda(storage, out, meta, n, ab, max_len) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    _launch_pack_blocks(storage, meta, n, ab, max_len, out)
-
-
-_launch_pack_blocks = kernel("history", "pack_blocks")
 _PACK_BLOCKS = Op("history_pack_blocks",
                   "(Tensor storage, Tensor(a!) out, Tensor meta, int n, int ab, int max_len) -> ()",
-                  pack_blocks_cpu, pack_blocks_cuda)
+                  pack_blocks_twin, kernel("history", "pack_blocks"))
 
 
 def history_pack_blocks(backend: str, storage, meta, n, ab, max_len, out) -> None:

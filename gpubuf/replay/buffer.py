@@ -228,7 +228,8 @@ class TransitionBuffer(Samples, BufferState):
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
         reader = self.reader
-        spec = reader.spec(frame_stack, frame_stride, n_step_return, out)
+        plain = frame_stack is None and n_step_return is None and type(frame_stride) is int and frame_stride == 1
+        spec = None if plain else reader.spec(frame_stack, frame_stride, n_step_return, out)  # steady: no call
         returns = spec is not None and spec.n is not None
         B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
                                          boundaries)

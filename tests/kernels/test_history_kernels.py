@@ -47,8 +47,8 @@ def test_append_matches_reference(dtype, seed):
     rows = [index_storage(7, w, d).to(DEVICE) for d, w in keys]
     a = [torch.zeros(n_envs * max_len, w, dtype=d, device=DEVICE) for d, w in keys]
     b = [t.clone() for t in a]
-    kernels.append(list(zip(a, rows, strict=True)), dst_rows)
-    append_twin(list(zip(b, rows, strict=True)), dst_rows)
+    kernels.append(a, rows, dst_rows)
+    append_twin(b, rows, dst_rows)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert all(torch.equal(x[dst_rows], r) for x, r in zip(b, rows, strict=True))
 
@@ -64,8 +64,8 @@ def test_gather_frames_matches_reference(dtype, n, ab):
     a = [torch.empty(rows, n, E, dtype=dtype, device=DEVICE), torch.empty(rows, n, 2 * E + 3, dtype=dtype,
                                                                           device=DEVICE)]
     b = [torch.empty_like(t) for t in a]
-    kernels.gather_frames([(storage, a[0]), (wide, a[1])], meta, n, ab, max_len)
-    gather_frames_twin([(storage, b[0]), (wide, b[1])], meta, n, ab, max_len)
+    kernels.gather_frames([storage, wide], a, meta, n, ab, max_len)
+    gather_frames_twin([storage, wide], b, meta, n, ab, max_len)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -83,8 +83,8 @@ def test_pack_blocks_matches_reference(dtype, n, ab):
     meta = random_meta(g, n_envs, max_len, rows, n, ab).to(DEVICE)
     a = torch.full((rows, n - 1, ab * D), 77, dtype=dtype, device=DEVICE)
     b = torch.full((rows, n - 1, ab * D), 66, dtype=dtype, device=DEVICE)
-    kernels.pack_blocks(storage, meta, n, ab, max_len, a)
-    pack_blocks_twin(storage, meta, n, ab, max_len, b)
+    kernels.pack_blocks(storage, a, meta, n, ab, max_len)
+    pack_blocks_twin(storage, b, meta, n, ab, max_len)
     assert torch.equal(a, b)
     assert not torch.isnan(a.float()).any()
 

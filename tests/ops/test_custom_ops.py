@@ -10,8 +10,8 @@ from gpubuf.replay.tree import PrefixSumTree
 # every op registered in the gpubuf namespace
 OPS = sorted(s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("gpubuf::"))
 # each op's CPU implementation, called with the op's arguments without the dispatcher
-CPU = {"history_append": history.append_cpu, "history_gather_frames": history.gather_frames_cpu,
-       "history_pack_blocks": history.pack_blocks_cpu, "tree_sample": prefix_tree.sample_twin,
+CPU = {"history_append": history.append_twin, "history_gather_frames": history.gather_frames_twin,
+       "history_pack_blocks": history.pack_blocks_twin, "tree_sample": prefix_tree.sample_twin,
        "tree_update": prefix_tree.update_twin, "tree_update_range": prefix_tree.update_range_twin,
        "sequence_gather": sequence.gather_cpu, "frame_stack": stacks.stack_cpu,
        "n_step_return": stacks.return_cpu}
