@@ -127,3 +127,19 @@ def check_windows(batch: Transition, idx, model: Model, with_next_obs: bool):
         if model.n == 1:
             nv = nv.unsqueeze(1)
         assert torch.equal(nv, v + E), "next_observation is not the following row"
+
+
+def assert_gets_equal(got: dict | None, expected: dict | None) -> None:
+    """Two history ``get`` results are the same: both ``None``, or the same keys in the same order with
+    equal values (NaN equal to NaN). ``expected`` may hold numpy arrays (a model's); where it holds
+    tensors, dtypes and shapes must match too."""
+    assert (got is None) == (expected is None)
+    if got is None:
+        return
+    assert list(got) == list(expected)
+    for key, want in expected.items():
+        have = got[key].cpu()
+        if isinstance(want, torch.Tensor):
+            assert have.dtype == want.dtype and have.shape == want.shape, key
+        want = torch.as_tensor(want).to(have.dtype)
+        torch.testing.assert_close(have, want.cpu(), rtol=0, atol=0, equal_nan=True, msg=key)

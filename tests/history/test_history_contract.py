@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from dlpack_only import DlpackOnly
+from fixtures import assert_gets_equal
 from history_model import HistoryModel
 from snapshots import assert_unchanged, snapshot
 
@@ -25,14 +26,6 @@ def steps(buf, model, n_steps, n_envs, start=0, env_ids=None):
         buf.append(info, env_ids=env_ids)
         model.append(info, env_ids=env_ids)
 
-
-def assert_matches(out, expected):
-    assert (out is None) == (expected is None)
-    if out is None:
-        return
-    assert list(out) == list(expected)
-    for key in expected:
-        np.testing.assert_array_equal(out[key].cpu().numpy(), expected[key], err_msg=key)
 
 
 def make(n_envs=3, max_len=7, ab=2, block_keys=("action",), device="cpu"):
@@ -69,7 +62,7 @@ def test_each_env_keeps_its_last_max_len_entries(backend, device):
     steps(buf, model, 9, 3)
     out = buf.get(4)
     assert out["pixels"][:, :, 0, 0].tolist() == [[5, 6, 7, 8]] * 3
-    assert_matches(out, model.get(4))
+    assert_gets_equal(out, model.get(4))
     assert len(buf) == 4
 
 
@@ -87,7 +80,7 @@ def test_append_duplicate_env_ids_append_in_row_order(backend, device):
     steps(buf, model, 1, 3)
     steps(buf, model, 3, 3, start=1, env_ids=[1, 1, 0])
     steps(buf, model, 2, 3, start=4, env_ids=[2, 2, 2, 2, 2])  # more rows than max_len for env 2
-    assert_matches(buf.get(3), model.get(3))
+    assert_gets_equal(buf.get(3), model.get(3))
     assert buf.num_strided() == [3, 3, 3]
 
 
@@ -183,8 +176,8 @@ def test_get_none_when_n_nonpositive_or_env_empty(backend, device):
 def test_get_env_ids_duplicates_negatives_and_empty(backend, device):
     buf, model = make(device=device)
     steps(buf, model, 5, 3)
-    assert_matches(buf.get(3, env_ids=[2, 0, 2]), model.get(3, [2, 0, 2]))
-    assert_matches(buf.get(3, env_ids=[-1, -3]), model.get(3, [2, 0]))
+    assert_gets_equal(buf.get(3, env_ids=[2, 0, 2]), model.get(3, [2, 0, 2]))
+    assert_gets_equal(buf.get(3, env_ids=[-1, -3]), model.get(3, [2, 0]))
     empty = buf.get(3, env_ids=[])
     assert empty["pixels"].shape == (0, 3, 2, 3) and empty["action"].shape == (0, 2, 4)
     with pytest.raises(IndexError, match=r"env_ids: ids must lie in \[-3, 3\), got \[3\]"):
@@ -206,7 +199,7 @@ def test_full_history_once_lived_long_enough(backend, device):
     out = buf.get(4)
     assert out["pixels"][0, :, 0, 0].tolist() == [5, 7, 9, 11]
     assert out["action"][0, :, ::2].tolist() == [[6, 7], [8, 9], [10, 11]]
-    assert_matches(out, model.get(4))
+    assert_gets_equal(out, model.get(4))
 
 
 def test_block_keys_omitted_when_n_is_one(backend, device):
@@ -229,7 +222,7 @@ def test_block_keys_zero_padded_during_warm_up(backend, device):
     out = buf.get(4)
     assert out["action"].shape == (3, 3, 6)
     assert (out["action"][:, :2] == 0).all()
-    assert_matches(out, model.get(4))
+    assert_gets_equal(out, model.get(4))
 
 
 def test_small_max_len_pads_forever(backend, device):
@@ -237,7 +230,7 @@ def test_small_max_len_pads_forever(backend, device):
     steps(buf, model, 30, 3)
     out = buf.get(4)  # needs (4-1)*2+1 = 7 entries, only 3 are ever held: S = 2
     assert out["pixels"][0, :, 0, 0].tolist() == [27, 27, 27, 29]
-    assert_matches(out, model.get(4))
+    assert_gets_equal(out, model.get(4))
 
 
 def test_outputs_are_fresh_tensors_in_first_append_key_order(backend, device):
@@ -247,7 +240,7 @@ def test_outputs_are_fresh_tensors_in_first_append_key_order(backend, device):
     assert list(a) == ["pixels", "action"]
     a["pixels"].fill_(200)
     assert not torch.equal(a["pixels"], b["pixels"])
-    assert_matches(buf.get(2), model.get(2))
+    assert_gets_equal(buf.get(2), model.get(2))
 
 
 def test_get_into_out(backend, device):
@@ -257,7 +250,7 @@ def test_get_into_out(backend, device):
            "action": torch.empty((2, 2, 4), dtype=torch.float32, device=device)}
     res = buf.get(3, env_ids=[1, 2], out=out)
     assert res["pixels"] is out["pixels"] and res["action"] is out["action"]
-    assert_matches(res, model.get(3, [1, 2]))
+    assert_gets_equal(res, model.get(3, [1, 2]))
 
 
 def test_get_into_bad_out_raises(device):
@@ -300,7 +293,7 @@ def test_reset_subsets_all_and_empty(backend, device):
     model.reset([1])
     assert buf.num_strided() == [2, 0, 2] and len(buf) == 0
     steps(buf, model, 2, 3, start=10)
-    assert_matches(buf.get(3), model.get(3))
+    assert_gets_equal(buf.get(3), model.get(3))
     buf.reset()
     assert buf.num_strided() == [0, 0, 0] and buf.get(1) is None
 
@@ -311,7 +304,7 @@ def test_state_dict_round_trip(backend, device):
     state = buf.state_dict()
     other = HistoryBuffer(3, 7, 2, ("action",), device=device)
     other.load_state_dict(state)
-    assert_matches(other.get(3), model.get(3))
+    assert_gets_equal(other.get(3), model.get(3))
     steps(buf, model, 1, 3, start=9)
     assert other.get(1)["pixels"][0, 0, 0, 0] == 8  # the snapshot did not follow later appends
     with pytest.raises(ValueError, match="state_dict: max_len is 7, this buffer has 8"):
@@ -326,7 +319,7 @@ def test_state_dict_across_devices():
     cpu.load_state_dict(buf.state_dict())
     back = HistoryBuffer(3, 7, 2, ("action",), device="cuda")
     back.load_state_dict(cpu.state_dict())
-    assert_matches(back.get(3), model.get(3))
+    assert_gets_equal(back.get(3), model.get(3))
 
 
 def test_nbytes_and_allocation_failure_names_bytes_and_device():

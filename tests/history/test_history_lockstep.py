@@ -6,6 +6,7 @@ path)."""
 import numpy as np
 import pytest
 import torch
+from fixtures import assert_gets_equal
 
 from gpubuf import HistoryBuffer
 from gpubuf.history.lockstep import Lockstep
@@ -27,15 +28,6 @@ def info(t, rows=E, nan=False):
             "action": action}
 
 
-def assert_same(a, b):
-    assert (a is None) == (b is None)
-    if a is None:
-        return
-    assert list(a) == list(b)
-    for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True, msg=key)
-
 
 def spy(monkeypatch, name):
     """Record, per call of the steady-state method ``Lockstep.name``, whether it served the call."""
@@ -52,7 +44,7 @@ def spy(monkeypatch, name):
 
 def both_get(fast, ref, n, keys=None):
     got = fast.get(n, keys=keys)
-    assert_same(got, ref.get(n, env_ids=ALL, keys=keys))
+    assert_gets_equal(got, ref.get(n, env_ids=ALL, keys=keys))
     return got
 
 
@@ -67,7 +59,7 @@ def test_lockstep_appends_then_a_new_dtype_still_checks_and_casts(monkeypatch):
     before = fast.get(3)
     with pytest.raises(TypeError, match="obs"):
         fast.append(bad)
-    assert_same(fast.get(3), before)  # nothing written
+    assert_gets_equal(fast.get(3), before)  # nothing written
     wide = {k: v.astype(np.float64) for k, v in info(20).items()}  # fits: cast as before
     fast.append(wide)
     ref.append(wide, env_ids=ALL)
@@ -89,7 +81,7 @@ def test_lockstep_append_with_a_changed_shape_or_key_raises_and_writes_nothing()
         fast.append({"obs": info(8)["obs"]})
     with pytest.raises(TypeError, match="action"):
         fast.append({**info(8), "action": torch.zeros(E, 1, 2, dtype=torch.complex64)})
-    assert_same(fast.get(3), before)
+    assert_gets_equal(fast.get(3), before)
 
 
 def test_subset_appends_resets_and_rollback_match_the_checked_path(monkeypatch):
@@ -138,7 +130,7 @@ def test_lockstep_get_into_out_and_bad_out():
     for _ in range(2):
         res = fast.get(3, out=out)
         assert res["obs"] is out["obs"] and res["action"] is out["action"]
-        assert_same(res, ref.get(3, env_ids=ALL))
+        assert_gets_equal(res, ref.get(3, env_ids=ALL))
     shared = {"obs": out["obs"], "action": out["obs"].view(-1)[:out["action"].numel()]
               .view(torch.float32).view(out["action"].shape)}
     with pytest.raises(ValueError, match="shares memory"):
@@ -186,7 +178,7 @@ def test_large_outputs_are_never_handed_out_twice_while_held():
         fast.append(big)
         ref.append(big, env_ids=np.arange(n_envs))
         got = fast.get(3)
-        assert_same(got, ref.get(3, env_ids=np.arange(n_envs)))
+        assert_gets_equal(got, ref.get(3, env_ids=np.arange(n_envs)))
         ptr = got["pix"].data_ptr()
         assert ptr not in (a["pix"].data_ptr(), view.data_ptr() - view.storage_offset())
         del got

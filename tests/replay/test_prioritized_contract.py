@@ -13,6 +13,18 @@ def build(E=3, M=10, n=2, B=4, device="cpu", **kw):
     return PrioritizedTransitionBuffer(M * E, B, make_transition(0, 1, E), n_steps=n, device=device, seed=0, **kw)
 
 
+def primed(E, M, n, alpha, rows, td):
+    """A buffer and its model holding ``rows`` rows of ``E`` envs, priorities of starts ``0..len(td)-1`` set
+    from ``td``."""
+    buf = build(E=E, M=M, n=n, alpha=alpha)
+    model = Model(M, E, n)
+    buf.insert(make_transition(0, rows, E))
+    model.insert(rows)
+    buf.update_priorities(np.arange(len(td)), td)
+    model.update(range(len(td)), td, buf.eps)
+    return buf, model
+
+
 def probs(model: Model, alpha: float, with_next_obs=False) -> dict[int, float]:
     valid = sorted(model.valid_starts(with_next_obs))
     m = np.array([model.prio[i] ** alpha for i in valid])
@@ -113,15 +125,7 @@ def test_update_beta_and_state_dict(backend, device):
 
 def test_per_chi_square_with_replacement():
     E, M, n, alpha = 2, 10, 2, 0.6
-    buf = build(E=E, M=M, n=n, alpha=alpha)
-    model = Model(M, E, n)
-    buf.insert(make_transition(0, 9, E))
-    model.insert(9)
-    rng = np.random.default_rng(0)
-    idx = np.arange(16)
-    td = rng.uniform(0, 3, size=16)
-    buf.update_priorities(idx, td)
-    model.update(idx, td, buf.eps)
+    buf, model = primed(E, M, n, alpha, 9, np.random.default_rng(0).uniform(0, 3, size=16))
     P = probs(model, alpha)
     _, flat = buf.sample(key=3, batch_size=40000, with_replacement=True)
     counts = np.bincount(flat.numpy(), minlength=M * E)
@@ -132,14 +136,8 @@ def test_per_chi_square_with_replacement():
 
 def test_per_without_replacement_is_plackett_luce():
     """First position ~ P; second position ~ sum_j P_j P_i / (1 - P_j) (together: the inclusion law for B=2)."""
-    E, M, n, alpha = 1, 8, 1, 1.0
-    buf = build(E=E, M=M, n=n, alpha=alpha)
-    model = Model(M, E, n)
-    buf.insert(make_transition(0, 8, E))
-    model.insert(8)
-    td = np.array([0.1, 0.5, 1.0, 2.0, 4.0, 0.3, 0.05, 1.5])
-    buf.update_priorities(np.arange(8), td)
-    model.update(range(8), td, buf.eps)
+    alpha = 1.0
+    buf, model = primed(1, 8, 1, alpha, 8, np.array([0.1, 0.5, 1.0, 2.0, 4.0, 0.3, 0.05, 1.5]))
     P = np.array([probs(model, alpha)[i] for i in range(8)])
     trials = 3000
     first, second = np.zeros(8), np.zeros(8)
