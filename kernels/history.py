@@ -14,6 +14,7 @@ import triton.language as tl
 
 import gpubuf.kernels as _pkg
 from gpubuf.kernels import INDEX, Variant, signature, upload, word_groups
+from gpubuf.kernels.tables import table_entry
 from gpubuf.kernels.words import WORDS
 
 BLOCK = 1024
@@ -30,9 +31,7 @@ def _append_kernel(
 ):
     row = tl.program_id(0)
     g = tl.program_id(1)  # key
-    src = tl.load(table_ptr + 3 * g).to(like_ptr.dtype)
-    dst = tl.load(table_ptr + 3 * g + 1).to(like_ptr.dtype)
-    E = tl.load(table_ptr + 3 * g + 2)
+    src, dst, E = table_entry(table_ptr, g, 3, like_ptr)
     offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # last chunk of the entry is partial; keys narrower than the widest skip whole chunks
     mask = offs < E
@@ -58,9 +57,7 @@ def _gather_frames_kernel(
     g = tl.program_id(1)  # key
     row = rf // n
     j = rf % n
-    src = tl.load(table_ptr + 3 * g).to(like_ptr.dtype)
-    dst = tl.load(table_ptr + 3 * g + 1).to(like_ptr.dtype)
-    E = tl.load(table_ptr + 3 * g + 2)
+    src, dst, E = table_entry(table_ptr, g, 3, like_ptr)
     offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < E
     env = tl.load(meta_ptr + row)

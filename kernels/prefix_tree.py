@@ -81,7 +81,9 @@ def _update_kernel(
     # (no atomics, so the tree stays a deterministic function of its leaves). The programs of the
     # grid share each level's work; a block-wide barrier orders the levels of a one-program launch,
     # and a many-program launch does one level (launches on one stream are ordered). Duplicate
-    # parents store equal values.
+    # parents store equal values. The leaf loop and the parent loop share their shape (a strided
+    # loop over a range or over idx) on purpose: one jit helper per loop body would hide the two
+    # passes' different bounds and strides behind constexpr arguments.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ar = tl.arange(0, BLOCK)

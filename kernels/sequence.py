@@ -12,6 +12,7 @@ import triton.language as tl
 
 import gpubuf.kernels as _pkg
 from gpubuf.kernels import INDEX, Variant, signature, upload, word_groups
+from gpubuf.kernels.tables import table_entry
 from gpubuf.kernels.words import WORDS
 
 BLOCK = 1024
@@ -28,13 +29,12 @@ def _gather_kernel(
     M,  # rows per env
     BLOCK: tl.constexpr,
 ):
+    # the grid of history's frame gather ((row, step) x pair x chunk), read the same way on purpose
     bj = tl.program_id(0)  # b * n + j
     g = tl.program_id(1)  # leaf
     b = bj // n
     j = bj % n
-    src = tl.load(table_ptr + 4 * g).to(like_ptr.dtype)
-    dst = tl.load(table_ptr + 4 * g + 1).to(like_ptr.dtype)
-    D = tl.load(table_ptr + 4 * g + 2)
+    src, dst, D = table_entry(table_ptr, g, 4, like_ptr)
     shift = tl.load(table_ptr + 4 * g + 3)  # 0, or 1 for next observations
     offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D  # last chunk of the row is partial

@@ -22,6 +22,7 @@ from gpubuf.kernels import (
     upload,
     word_groups,
 )
+from gpubuf.kernels.tables import table_entry
 from gpubuf.kernels.words import WORDS
 
 BLOCK = 1024
@@ -52,9 +53,7 @@ def _stack_kernel(
     q = bjq % k
     b = bjq // k // n
     j = bjq // k % n
-    src = tl.load(table_ptr + 4 * g).to(like_ptr.dtype)
-    dst = tl.load(table_ptr + 4 * g + 1).to(like_ptr.dtype)
-    D = tl.load(table_ptr + 4 * g + 2)
+    src, dst, D = table_entry(table_ptr, g, 4, like_ptr)
     shift = tl.load(table_ptr + 4 * g + 3)
     s = tl.load(start_ptr + b)
     env = s % E
