@@ -154,13 +154,16 @@ def test_stacks_and_returns_while_an_actor_inserts():
     buf.insert(stream.rows(6))
     k, gamma = 3, 0.5
 
-    def actor(stop):
-        for _ in range(1500):
-            if stop.is_set():
-                break
-            buf.insert(stream.rows(1))
-
     checked = []
+    end = time.monotonic() + DEADLINE_S / 2
+
+    def actor(stop):  # inserts, and goes on until the learner checked enough (a slow first draw)
+        inserts = 0
+        while inserts < 1500 or sum(checked) < 160:
+            buf.insert(stream.rows(1))
+            inserts += 1
+            if time.monotonic() > end:
+                break
 
     def learner(stop):
         gen = torch.Generator().manual_seed(7)
@@ -193,20 +196,26 @@ def test_planner_reads_while_a_thread_appends():
     ab, n = 2, 4
     hist = HistoryBuffer(E, 16, action_block=ab, block_keys=("act",), device="cpu")
 
-    def appender(stop):
-        for s in range(3000):
-            if stop.is_set():
-                break
+    checked = []
+    end = time.monotonic() + DEADLINE_S / 2
+
+    def appender(stop):  # appends, and goes on until the planners checked enough
+        s = 0
+        while s < 3000 or len(checked) < 40:
             v = np.full((E, 1), s + 1, dtype=np.float32)
             hist.append({"a": v, "b": np.repeat(v[..., None], 3, -1), "act": v})
             if s % 97 == 0:
                 hist.reset([0])
+            s += 1
+            if time.monotonic() > end:
+                break
 
     def planner(stop):
         while not stop.is_set():
             got = hist.get(n)
             if got is None:
                 continue
+            checked.append(1)
             a, b, act = got["a"], got["b"].reshape(E, n, 3), got["act"]
             assert torch.equal(b, a[..., None].expand(E, n, 3)), (a, b)
             gaps = a.diff(dim=1)
@@ -217,6 +226,7 @@ def test_planner_reads_while_a_thread_appends():
             assert (act[~real] == 0).all(), (a, act)
 
     run_workers(appender, planner, planner)
+    assert len(checked) >= 40
 
 
 def test_hold_the_lock_to_make_several_calls_one_step():
