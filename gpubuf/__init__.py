@@ -72,6 +72,11 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         module.__spec__ = self.specs.pop(module.__spec__.name, module.__spec__)  # the real module's spec
 
+    def get_code(self, fullname):
+        """The code of the module that holds an earlier path, for ``python -m gpubuf.cli`` (runpy)."""
+        spec = importlib.util.find_spec(_MOVED[fullname])
+        return spec.loader.get_code(spec.name)
+
 
 sys.meta_path.append(_MovedModules())
 

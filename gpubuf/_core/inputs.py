@@ -272,6 +272,21 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise TypeError(f"{name}: cannot store {src} in the stored dtype {dtype} without changing values ({why})")
 
 
+def is_int(value) -> bool:
+    """A Python or numpy int, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def int_seed(name: str, value) -> int:
+    """An int seed as ``torch.Generator.manual_seed`` takes it, in ``[-2**63, 2**64)``; else ``TypeError`` or
+    ``ValueError`` naming ``name``."""
+    if not is_int(value):
+        raise TypeError(f"{name}: expected an int seed or None, got {type(value).__name__}")
+    if not -(2**63) <= int(value) < 2**64:
+        raise ValueError(f"{name}: an int seed must lie in [-2**63, 2**64), got {value}")
+    return int(value)
+
+
 def generator_for(key, default: torch.Generator) -> torch.Generator:
     """The generator a sampling ``key`` names: ``None`` -> ``default``, a ``torch.Generator`` as is,
     an int -> a fresh host generator seeded with it (the same int, the same draws); else
@@ -280,11 +295,9 @@ def generator_for(key, default: torch.Generator) -> torch.Generator:
         return default
     if isinstance(key, torch.Generator):
         return key
-    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-        if not -(2**63) <= int(key) < 2**64:
-            raise ValueError(f"key: an int seed must lie in [-2**63, 2**64), got {key}")
+    if is_int(key):
         g = torch.Generator()
-        g.manual_seed(int(key))
+        g.manual_seed(int_seed("key", key))
         return g
     raise TypeError(f"key: expected a torch.Generator, an int seed or None, got {type(key).__name__}")
 

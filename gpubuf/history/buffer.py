@@ -210,7 +210,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
     @locked
     def get(self, n: int, env_ids=None, out: dict | None = None,
             keys=None) -> dict[str, torch.Tensor] | None:
-        """The last ``n`` strided entries per selected env, oldest first; ``None`` if one is empty.
+        """The last ``n`` strided entries per selected env, oldest first; ``None`` if ``n <= 0`` or one is empty.
 
         Regular keys: ``(rows, n)`` for per-env shape ``()``, else ``(rows, n*T, ...)``. Block keys:
         ``(rows, n-1, action_block*D)``, omitted when ``n == 1``. ``keys``: an iterable of ``str``

@@ -36,7 +36,7 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.concurrency import CallGuard, locked
-from gpubuf._core.inputs import generator_for, host_indices
+from gpubuf._core.inputs import generator_for, host_indices, int_seed
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import memory_ranges
 from gpubuf._core.transition import Transition
@@ -57,7 +57,8 @@ class TransitionBuffer(Samples, BufferState):
     """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
 
     Args:
-        max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows.
+        max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows, so
+            the buffer holds ``M * E`` (a remainder of ``max_size`` is not used).
         sample_batch_size: default number of windows per :meth:`sample`.
         data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when
             ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and
@@ -68,7 +69,8 @@ class TransitionBuffer(Samples, BufferState):
             ``(B, n_steps, ...)``.
         device: sampling device (validity, prefix-sum trees, priorities, returned batches);
             ``None`` -> ``cuda`` when available, else ``cpu``.
-        seed: seed of the buffer's own generator (used when :meth:`sample` gets ``key=None``).
+        seed: an int in ``[-2**63, 2**64)`` seeding the buffer's own generator (used when
+            :meth:`sample` gets ``key=None``); ``None`` seeds it from the OS.
         storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host
             memory: a CUDA buffer then gathers sampled windows on the host, reading the starts back
             once per sample, and moves them to the device through pinned memory with non-blocking
@@ -95,6 +97,7 @@ class TransitionBuffer(Samples, BufferState):
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
                  vectorized_env: bool = True, n_steps: int = 1, *, device=None,
                  seed: int | None = None, storage_device=None, storage_dir=None):
+        seed = None if seed is None else int_seed("seed", seed)
         self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size,
                                                   data_sample, vectorized_env, n_steps,
                                                   self._config_extra())
@@ -118,7 +121,7 @@ class TransitionBuffer(Samples, BufferState):
             if seed is None:
                 self.generator.seed()
             else:
-                self.generator.manual_seed(int(seed))
+                self.generator.manual_seed(seed)
             if self.storage.reopen(self.ring, self.sampler, self.generator):
                 self.flush()  # the directory's state was saved by a flush cut short: complete it
         except BaseException:

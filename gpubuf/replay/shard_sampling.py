@@ -8,7 +8,7 @@ shard.
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import generator_for
+from gpubuf._core.inputs import generator_for, int_seed, is_int
 from gpubuf.replay.buffer import BOUNDARIES
 from gpubuf.replay.shard_transport import ARG_ERRORS, ShardTransport
 from gpubuf.replay.shard_windows import WindowPacker, bytes_as
@@ -25,10 +25,9 @@ class ShardSampler:
 
     def generator(self, key) -> torch.Generator:
         """The requester's generator: an int ``key`` is mixed with the rank, so ranks given one key draw apart."""
-        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-            if not -(2**63) <= int(key) < 2**64:
-                raise ValueError(f"key: an int seed must lie in [-2**63, 2**64), got {key}")
-            seed = np.random.SeedSequence([int(key) % 2**64, self.transport.rank]).generate_state(1, np.uint64)[0]
+        if is_int(key):
+            seed = np.random.SeedSequence([int_seed("key", key) % 2**64, self.transport.rank]).generate_state(
+                1, np.uint64)[0]
             g = torch.Generator()
             g.manual_seed(int(seed))
             return g

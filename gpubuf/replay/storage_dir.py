@@ -235,16 +235,22 @@ class StorageDir:
 
         def restore(state):
             since = ring.count  # held rows written after the flushed state: at max_priority
+            journal = f"the row journal {self.path / self.COUNTERS}"
             if state is None and flushes:
-                raise ValueError(f"missing, while the row journal counts {flushes} flushes")
+                raise ValueError(f"missing, while {journal} counts {flushes} flushes")
             if state is not None:  # a dict (load_state)
                 rng = state["rng"]
                 if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
                     raise ValueError(f"rng: expected a uint8 generator state, got {type(rng).__name__}")
                 torch.Generator().set_state(rng)  # checked before anything is restored
-                flush = check_range("flush", state.get("flush", 0), flushes, flushes + 1)
+                flush = check_range("flush", state.get("flush", 0), 0, 2**62)
+                flushed = check_range("total", state["total"], 0, 2**62)
+                # one flush ahead (a flush or a load cut short) the state may hold rows the journal does not
+                if not (flush - flushes in (0, 1) and flushed <= (2**62 if flush > flushes else ring.total)):
+                    raise ValueError(f"it was saved by flush {flush} with {flushed} rows ever written, which "
+                                     f"{journal} ({flushes} flushes, {ring.total} rows ever written) cannot follow: "
+                                     "one of the two files is damaged, or they come from different buffers")
                 ahead.append(flush > flushes)  # a flush cut short: its state is what the rows held then
-                flushed = check_range("total", state["total"], 0, 2**62 if ahead[0] else ring.total)
                 since = 0 if ahead[0] else min(ring.total - flushed, ring.count)
             reopen(state, since)
             if state is not None:

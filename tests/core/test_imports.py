@@ -200,6 +200,14 @@ def test_earlier_module_paths_are_the_new_modules():
                "from gpubuf.wrappers import ActionRepeatWrapper; print(gpubuf.envpool.EnvPoolSource)")
 
 
+def test_an_earlier_path_runs_as_a_script():
+    """``python -m gpubuf.cli`` (the earlier path of ``gpubuf.apps.cli``) runs the CLI."""
+    proc = subprocess.run([sys.executable, "-m", "gpubuf.cli", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == f"gpubuf {gpubuf.__version__}"
+
+
 def test_the_walk_sees_the_package():
     assert {"gpubuf", "gpubuf.replay.buffer", "gpubuf.history.buffer", "gpubuf.apps.cli",
             "gpubuf.apps.benchmarking.timing"} <= set(GRAPH)

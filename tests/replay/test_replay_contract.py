@@ -121,6 +121,25 @@ def test_keys_generator_int_none(backend, device):
         buf.sample(key=2**64)
 
 
+@pytest.mark.parametrize("prioritized", [False, True])
+@pytest.mark.parametrize("seed, error, match", [
+    (True, TypeError, "seed: expected an int seed or None, got bool"),
+    (1.5, TypeError, "seed: expected an int seed or None, got float"),
+    ("x", TypeError, "seed: expected an int seed or None, got str"),
+    (2**64, ValueError, r"seed: an int seed must lie in \[-2\*\*63, 2\*\*64\), got 1844674"),
+])
+def test_a_bad_seed_is_refused_before_anything_is_made(prioritized, seed, error, match, tmp_path):
+    from gpubuf import PrioritizedTransitionBuffer
+
+    cls = PrioritizedTransitionBuffer if prioritized else TransitionBuffer
+    with pytest.raises(error, match=match):
+        cls(30, 4, make_transition(0, 1, 3), seed=seed, storage_dir=tmp_path / "buf")
+    assert not (tmp_path / "buf").exists()
+    a = cls(30, 4, make_transition(0, 1, 3), seed=np.int64(7)).insert(make_transition(0, 8, 3))
+    b = cls(30, 4, make_transition(0, 1, 3), seed=7).insert(make_transition(0, 8, 3))
+    assert torch.equal(a.sample(return_indices=False).reward, b.sample(return_indices=False).reward)
+
+
 def test_state_dict_round_trip(backend, device):
     buf = build(device=device)
     buf.insert(make_transition(0, 8, 3, trunc_steps=(5,))).insert(make_transition(8, 5, 3))

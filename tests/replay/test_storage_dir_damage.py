@@ -112,6 +112,17 @@ def test_a_journal_cut_to_the_length_of_the_earlier_format_is_refused(tmp_path, 
                   "journal.*a damaged \\(cut short\\?\\) row journal", TransitionBuffer)
 
 
+def test_a_zeroed_journal_is_named_beside_the_state_it_cannot_follow(tmp_path):
+    """Zeros are a journal of an empty ring that never flushed; the state says two flushes: both files are named."""
+    path = tmp_path / "b"
+    buf = make(path, TransitionBuffer).insert(rows(5, 3, width=3))
+    buf.flush()
+    buf.close()
+    (path / "counters.bin").write_bytes(bytes(journal_words(path).nbytes))
+    refused(path, r"state.pt cannot be restored .*saved by flush 2 with \d+ rows ever written, which the row "
+                  r"journal .*counters.bin \(0 flushes, 0 rows ever written\) cannot follow", TransitionBuffer)
+
+
 def test_a_cut_journal_of_a_directory_made_before_the_journal_was_recorded_is_refused_by_its_state(tmp_path):
     """A journal-era directory made before gpubuf.json named the journal: a state.pt numbered by a flush tells."""
     path = flushed(tmp_path / "b", TransitionBuffer)
