@@ -8,7 +8,7 @@ The package is layered; each layer imports only the ones before it:
 ``gpubuf.apps`` (MBRL, demo, CLI, benchmarking).
 
 ``import gpubuf`` loads the core only: the buffers, their samplers and storages, the device ops and the
-checkpoints. The rest loads on first use, by name: the EnvPool source (``EnvPoolSource``, ``Step``,
+checkpoints. The rest loads on first use, by name: the sources (``EnvPoolSource``, ``VectorEnvSource``, ``Step``,
 ``StepStager``), planning (``Planner``, ``CEMSolver``, ``PlanConfig``) and the sharded buffer
 (``ShardedBuffer``). Every module path of the flat layout of earlier releases (``gpubuf.envpool``,
 ``gpubuf.distributed``, ``gpubuf.prioritized``, ``gpubuf.copies``, ...) imports the module that now holds it, so
@@ -31,12 +31,14 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from gpubuf.planning import CEMSolver, PlanConfig, Planner
     from gpubuf.replay.sharded import ShardedBuffer
     from gpubuf.sources.envpool import EnvPoolSource, Step, StepStager
+    from gpubuf.sources.vector_env import VectorEnvSource
 
 # public name -> the module that defines it, imported on first access
 _LAZY = {
     "CEMSolver": "gpubuf.planning", "PlanConfig": "gpubuf.planning", "Planner": "gpubuf.planning",
     "EnvPoolSource": "gpubuf.sources.envpool", "Step": "gpubuf.sources.envpool",
     "StepStager": "gpubuf.sources.envpool", "ShardedBuffer": "gpubuf.replay.sharded",
+    "VectorEnvSource": "gpubuf.sources.vector_env",
 }
 # earlier module paths -> the modules that hold them now
 _MOVED = {
@@ -84,7 +86,7 @@ __all__ = [
     "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig",
     "Planner",
     "PrioritizedTransitionBuffer", "ShardedBuffer", "Step", "StepStager", "Transition",
-    "TransitionBuffer",
+    "TransitionBuffer", "VectorEnvSource",
 ]
 try:
     __version__ = version("gpubuf")

@@ -1,6 +1,7 @@
 """Sources: what steps vector envs and writes their rows into the buffers, each module loaded when used.
 
-:mod:`gpubuf.sources.envpool` drives EnvPool envs through parts any source can reuse: :mod:`gpubuf.sources.rows` (the
+:mod:`gpubuf.sources.envpool` drives EnvPool envs and :mod:`gpubuf.sources.vector_env` gymnasium vector envs, both
+through :mod:`gpubuf.sources.source` (what every source shares) and the parts behind it: :mod:`gpubuf.sources.rows` (the
 row convention), :mod:`gpubuf.sources.staging` (env outputs -> device tensors), :mod:`gpubuf.sources.actions` (the
 action codec), :mod:`gpubuf.sources.extra` (the caller's per-step data) and :mod:`gpubuf.sources.layout` (the leaves of
 the rows). :mod:`gpubuf.sources.wrappers`: gymnasium wrappers whose stacks live in a HistoryBuffer.

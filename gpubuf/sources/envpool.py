@@ -10,13 +10,12 @@
 
 import numpy as np
 
-from gpubuf._core.concurrency import CallGuard, locked
+from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.inputs import as_index_array
-from gpubuf.sources.actions import ActionCodec, action_fill, check_action_fill
-from gpubuf.sources.extra import ExtraData
+from gpubuf.sources.actions import action_fill, check_action_fill
 from gpubuf.sources.layout import RESERVED
-from gpubuf.sources.rows import RowWriter
+from gpubuf.sources.source import RowSource
 from gpubuf.sources.staging import Step, StepStager
 
 __all__ = ["EnvPoolSource", "Step", "StepStager", "action_fill", "check_action_fill", "info_spec"]
@@ -44,7 +43,7 @@ def info_spec(env, info_keys, obs_key: str) -> dict:
 
 @refuse_copies("it drives a live EnvPool env; make a new source in the other process and copy its buffers "
                "(state_dict) there")
-class EnvPoolSource:
+class EnvPoolSource(RowSource):
     """Steps an ``envpool`` env and hands every received row to the buffers as device tensors.
 
     Args:
@@ -87,72 +86,19 @@ class EnvPoolSource:
         if not isinstance(config, dict) or "num_envs" not in config or not hasattr(env, "recv"):
             raise TypeError(f"env: expected an envpool env (envpool.make(...)), got {type(env).__name__}")
         self.env = env
-        self.n_envs = int(config["num_envs"])
+        n_envs = int(config["num_envs"])
         self.batch_size = int(config["batch_size"])
-        self.is_async = self.batch_size < self.n_envs
-        self._info_spec = info_spec(env, info_keys, obs_key)
+        self.is_async = self.batch_size < n_envs
         self.info_keys = tuple(info_keys)
-        self._actions = codec = ActionCodec(env.action_space, self.n_envs, action_fill)
-        # the stored action of rows whose action the env ignored (its float32 echo is the stager's)
-        self.action_dtype, self.action_shape, self.action_fill = codec.dtype, codec.shape, codec.fill
-        self.n_actions = codec.n  # Discrete spaces: actions lie in [0, n)
-        self.stager = StepStager(self.n_envs, obs_key, device=device, action_fill=codec.echo_fill)
-        self.device = self.stager.device
-        self._guard = CallGuard(self.device)  # one call at a time (threads)
-        self._extra = ExtraData(self.n_envs, self.device)
-        self._rows = RowWriter(self.stager, codec, self._extra, env.observation_space, self._info_spec, self.is_async)
+        super().__init__(n_envs, env.action_space, env.observation_space, obs_key=obs_key, device=device,
+                         action_fill=action_fill, info_spec=info_spec(env, info_keys, obs_key),
+                         single_rows="an async env" if self.is_async else "")
         self._order = np.arange(self.n_envs, dtype=np.int64)  # env ids in order (never returned)
         self._order_bytes = self._order.tobytes()  # a received batch of every env, in order
-        self._sent = codec.zeros((self.n_envs,))  # last sent, per env
+        self._sent = self._actions.zeros((self.n_envs,))  # last sent, per env
         self._in_flight = np.zeros(self.n_envs, dtype=bool)  # sent (or reset), not yet received
         self.history = history
         self.transitions = transitions
-
-    # ------------------------------------------------------------------ buffers
-    # (history and transitions: two settable properties alike in shape on purpose, each the row writer's buffer,
-    # attached under the source's lock)
-
-    @property
-    def history(self):
-        """The attached :class:`~gpubuf.HistoryBuffer` (or ``None``); may be set at any time (``n_envs`` must match).
-        One attached later starts with the next received row."""
-        return self._rows.history
-
-    @history.setter
-    @locked
-    def history(self, history) -> None:
-        self._rows.attach_history(history)
-
-    @property
-    def transitions(self):
-        """The attached ``TransitionBuffer`` (or ``None``); may be set at any time, also after ``reset()`` or mid-run.
-        Its leaves must be those of :meth:`transition_sample` (same paths, shapes and dtypes; any further ``info``
-        leaves are extra data), else a ``ValueError`` naming the leaf, before anything is attached. A buffer attached
-        later stores the rows from each env's pending observation on (the one already returned by ``reset()``/the last
-        step), so its first row is that observation; extra leaves of actions sent before attaching hold
-        :func:`~gpubuf.sources.actions.action_fill`. Replacing or detaching (``None``) a vectorized buffer ends its
-        episodes as a ``reset()`` does (one ``is_last`` row per env holding its pending observation), so re-attaching it
-        later never joins two stretches of a run."""
-        return self._rows.transitions
-
-    @transitions.setter
-    @locked
-    def transitions(self, tb) -> None:
-        self._rows.attach_transitions(tb)
-
-    @locked
-    def transition_sample(self, vectorized: bool = True, extra=None):
-        """A ``Transition`` shaped like one insert, to build the ``transitions`` buffer from.
-
-        ``vectorized=True`` (sync only): leaves ``(1, num_envs, ...)``, one time row per step, next observations
-        inferred by the buffer, ``info["is_last"]`` marking the rows that hold no transition (see the class).
-        ``vectorized=False`` (sync or async; build the buffer with ``vectorized_env=False``): leaves ``(1, ...)`` with
-        an explicit ``next_observation``; each received row is one transition and reset frames are skipped. Either way
-        ``info`` holds the ``info_keys`` fields and ``extra``: ``{name: example}``, one env's value of each extra leaf
-        (its shape and dtype; e.g. ``np.float32(0)`` for a log-probability), which every ``send``/``step`` must then
-        pass.
-        """
-        return self._rows.transition_sample(vectorized, extra)
 
     # ------------------------------------------------------------------ stepping
 

@@ -56,11 +56,12 @@ class RowWriter:
         extra: the caller's :class:`~gpubuf.sources.extra.ExtraData`, stored with each row.
         obs_space: the observation's ``shape`` and numpy ``dtype``.
         info_spec: ``{key: (per-env shape, numpy dtype)}`` of the env's info fields stored with each row.
-        single_rows: rows arrive for some envs at a time (async): only buffers with ``vectorized_env=False``.
+        single_rows: why rows may arrive for some envs at a time (``""``: never): only buffers with
+            ``vectorized_env=False`` then.
     """
 
     def __init__(self, stager: StepStager, codec: ActionCodec, extra: ExtraData, obs_space, info_spec: dict,
-                 single_rows: bool):
+                 single_rows: str):
         self.stager, self.codec, self.extra = stager, codec, extra
         self.n_envs, self.device, self.obs_space = stager.n_envs, stager.device, obs_space
         self.info_spec, self.single_rows = info_spec, single_rows
@@ -105,7 +106,7 @@ class RowWriter:
         leaves = buffer_leaves(tb)
         vectorized = bool(tb.vectorized_env)
         if vectorized and self.single_rows:
-            raise ValueError("transitions: an async env needs a buffer with vectorized_env=False "
+            raise ValueError(f"transitions: {self.single_rows} needs a buffer with vectorized_env=False "
                              "(built from transition_sample(vectorized=False))")
         if vectorized and tb.n_envs != self.n_envs:
             raise ValueError(f"transitions: expected a TransitionBuffer over {self.n_envs} envs "

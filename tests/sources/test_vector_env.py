@@ -1,0 +1,321 @@
+"""VectorEnvSource on real gymnasium vector envs (CartPole-v1 and Pendulum-v1, sync and async, all three autoreset
+modes), every stored row checked against what each sub-env did.
+
+The ground truth is a wrapper around each sub-env that logs every ``reset`` and ``step`` it runs (observation before,
+action executed, reward, flags, observation after), whatever the vector env's autoreset mode: a transition of a buffer
+with ``vectorized_env=False`` must be exactly one logged step, in order; a vectorized buffer (``NEXT_STEP``) must hold
+the row convention's rows built from the logs (a step's row: observation before, executed action, reward,
+``terminated``; the step after an episode end: the final observation with ``is_last``, ``truncated``, reward 0 and the
+fill), and its windows, next observations and n-step returns never cross an episode end.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+gym = pytest.importorskip("gymnasium")
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv  # noqa: E402
+
+from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TransitionBuffer  # noqa: E402
+from gpubuf.sources.actions import action_fill  # noqa: E402
+from gpubuf.sources.vector_env import VectorEnvSource  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
+TASKS = {"CartPole-v1": 15, "Pendulum-v1": 12}  # max_episode_steps: CartPole both terminates and truncates
+
+
+class Logged(gym.Wrapper):
+    """Logs every reset and step of one sub-env: ``("reset", obs)`` and ``("step", obs_before, action, reward,
+    terminated, truncated, obs_after, info)``."""
+
+    def __init__(self, env, log: list):
+        super().__init__(env)
+        self.log, self.obs = log, None
+
+    def reset(self, **kw):
+        obs, info = self.env.reset(**kw)
+        self.obs = obs
+        self.log.append(("reset", obs))
+        return obs, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.log.append(("step", self.obs, np.array(action), float(reward), bool(terminated), bool(truncated), obs,
+                         dict(info)))
+        self.obs = obs
+        return obs, reward, terminated, truncated, info
+
+
+def logged_env(task, E, mode, logs=None):
+    """A SyncVectorEnv of ``E`` logged sub-envs (``logs[i]`` their logs), or without ``logs`` an AsyncVectorEnv."""
+    steps = TASKS[task]
+    if logs is None:
+        return AsyncVectorEnv([lambda: gym.make(task, max_episode_steps=steps)] * E, autoreset_mode=mode)
+    return SyncVectorEnv([lambda log=log: Logged(gym.make(task, max_episode_steps=steps), log) for log in logs],
+                         autoreset_mode=mode)
+
+
+def random_actions(src, rng):
+    if src.n_actions is not None:
+        return rng.integers(0, src.n_actions, src.n_envs)
+    return rng.uniform(-3, 3, (src.n_envs, *src.action_shape)).astype(np.float32)  # beyond Pendulum's box: clipped
+
+
+def drive(src, K, seed=0, extra=None):
+    rng = np.random.default_rng(seed)
+    src.reset(seed=seed)
+    for _ in range(K):
+        src.step(random_actions(src, rng), extra=None if extra is None else extra(rng))
+
+
+def transitions_of(buf) -> dict:
+    """The held transitions of a ``vectorized_env=False`` buffer, in insert order (no wrap)."""
+    data = buf.state_dict()["data"]
+    n = len(buf)
+    return {k: v[:n].cpu().numpy() for k, v in data.items()}
+
+
+# ------------------------------------------------------------------ single transitions, every mode
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("task", list(TASKS))
+def test_each_transition_is_one_step_a_sub_env_took(task, mode, device):
+    E, K = 3, 40
+    logs = [[] for _ in range(E)]
+    src = VectorEnvSource(logged_env(task, E, mode, logs), device=device)
+    buf = TransitionBuffer(E * K + 8, 8, src.transition_sample(vectorized=False), vectorized_env=False,
+                           device=device)
+    src.transitions = buf
+    drive(src, K)
+    got = transitions_of(buf)
+    steps = [entry for log in logs for entry in log if entry[0] == "step"]
+    assert len(buf) == len(steps) and any(s[4] for s in steps) + any(s[5] for s in steps) >= 1
+    # the buffer's transitions, per env in order, are the logged steps (matched by their observation)
+    by_obs = {s[1].tobytes(): s for s in steps}
+    assert len(by_obs) == len(steps), "observations must identify steps"
+    for i in range(len(buf)):
+        s = by_obs[got["observation"][i].astype(steps[0][1].dtype).tobytes()]
+        np.testing.assert_array_equal(got["next_observation"][i], s[6].astype(np.float32))  # final obs at an end
+        np.testing.assert_array_equal(got["action"][i].reshape(s[2].shape), s[2].astype(got["action"].dtype))
+        assert got["reward"][i] == np.float32(s[3]) and got["terminated"][i] == s[4] and got["truncated"][i] == s[5]
+    ends = sum(s[4] or s[5] for s in steps)
+    assert ends >= E, f"the run must end episodes ({ends})"
+
+
+# ------------------------------------------------------------------ the vectorized rows (NEXT_STEP)
+
+
+def expected_rows(logs, fill, K, shape):
+    """``(K, E, ...)`` rows the convention prescribes for a NEXT_STEP run of ``K`` steps after a reset, from the sub-env
+    logs (a NEXT_STEP env answers the step after an end with a reset: the row of the final observation)."""
+    rows = {k: [] for k in ("observation", "action", "reward", "terminated", "truncated", "is_last")}
+    for log in logs:
+        obs, col = log[0][1], {k: [] for k in rows}
+        for entry in log[1:K + 1]:
+            if entry[0] == "reset":  # the action of this step was ignored: the final observation's row
+                row = (obs, np.full(shape, fill), 0.0, False, True, True)
+                obs = entry[1]
+            else:
+                row = (obs, np.reshape(entry[2], shape), entry[3], entry[4], False, False)
+                obs = entry[6]
+            for k, v in zip(col, row, strict=True):
+                col[k].append(v)
+        for k in rows:
+            rows[k].append(col[k])
+    return {k: np.swapaxes(np.array(v), 0, 1) for k, v in rows.items()}
+
+
+def next_step_run(task, device, n_steps, K=40, E=3):
+    """A logged NEXT_STEP run of ``K`` steps into a vectorized buffer of ``n_steps`` windows and a history:
+    ``(source, buffer, history, logs, expected rows)``."""
+    logs = [[] for _ in range(E)]
+    src = VectorEnvSource(logged_env(task, E, AutoresetMode.NEXT_STEP, logs), device=device)
+    hist = HistoryBuffer(E, 64, device=device)
+    src.history = hist
+    buf = TransitionBuffer(E * (K + 4), 8, src.transition_sample(), n_steps=n_steps, device=device)
+    src.transitions = buf
+    drive(src, K)
+    return src, buf, hist, logs, expected_rows(logs, action_fill(src.action_dtype), K, src.action_shape)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_next_step_rows_follow_the_convention(task, backend, device):
+    K = 40
+    src, buf, hist, logs, want = next_step_run(task, device, 3, K)
+    data = buf.state_dict()["data"]
+    got = {"observation": data["observation"], "action": data["action"], "reward": data["reward"],
+           "terminated": data["terminated"], "truncated": data["truncated"], "is_last": data["info['is_last']"]}
+    for key, value in want.items():
+        np.testing.assert_array_equal(got[key][:K].cpu().numpy(), value.reshape(got[key][:K].shape).astype(
+            got[key].cpu().numpy().dtype), err_msg=key)
+    assert want["is_last"].any() and len(buf) == K * src.n_envs
+    # the history's newest frame is each env's current observation
+    frames = hist.get(1)["observation"][:, 0].cpu().numpy()
+    np.testing.assert_array_equal(frames, np.stack([log[-1][1] if log[-1][0] == "reset" else log[-1][6]
+                                                    for log in logs]).astype(frames.dtype))
+
+    # windows never cross an episode end; next observations are the frames the actions led to
+    batch, idx = buf.sample(key=3, batch_size=32, boundaries="forbid", with_next_obs=True, return_indices=True)
+    env, row, _ = (t.cpu().numpy() for t in buf.locate(idx))
+    rows = row[:, None] + np.arange(3)
+    np.testing.assert_array_equal(batch.observation.cpu().numpy(), want["observation"][rows, env[:, None]])
+    assert not want["is_last"][rows, env[:, None]].any()
+    nxt = np.concatenate([want["observation"], want["observation"][-1:]])  # the frame after row r is row r + 1's
+    np.testing.assert_array_equal(batch.next_observation.cpu().numpy(), nxt[rows + 1, env[:, None]])
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_next_step_returns_and_stacks_stop_at_episode_ends(task, device):
+    K, gamma = 40, 0.5
+    src, buf, _, _, want = next_step_run(task, device, 1, K)
+    first = np.zeros_like(want["is_last"])
+    first[1:] = want["is_last"][:-1]  # the row after a final observation holds the reset frame
+    b, idx = buf.sample(key=4, batch_size=64, n_step_return=(3, gamma), frame_stack=2, return_indices=True)
+    env, row, _ = (t.cpu().numpy() for t in buf.locate(idx))
+    for i in range(len(idx)):
+        e, r = env[i], row[i]
+        assert not want["is_last"][r, e]
+        older = r if r == 0 or first[r, e] else r - 1  # padding repeats the episode's first frame
+        np.testing.assert_array_equal(b.observation[i].cpu().numpy(),
+                                      np.stack([want["observation"][older, e], want["observation"][r, e]]))
+        total, disc, m = 0.0, 1.0, 0
+        for j in range(3):  # rows whose successor is held (row K, the pending observation, is not)
+            if r + j >= K - 1 or want["is_last"][r + j, e]:
+                break
+            total += disc * want["reward"][r + j, e]
+            disc, m = disc * gamma, m + 1
+            if want["terminated"][r + j, e]:
+                disc = 0.0
+                break
+        assert b.reward[i].item() == pytest.approx(total, rel=1e-5, abs=1e-5), (e, r)
+        assert b.discount[i].item() == pytest.approx(disc, rel=1e-6), (e, r)
+        if disc:  # the bootstrap observation: m rows later, inside the episode
+            np.testing.assert_array_equal(b.next_observation[i, -1].cpu().numpy(), want["observation"][r + m, e])
+
+
+def test_same_step_modes_refuse_a_vectorized_buffer(device):
+    for mode in MODES[1:]:
+        src = VectorEnvSource(gym.make_vec("CartPole-v1", 2, vectorization_mode="sync",
+                                           vector_kwargs={"autoreset_mode": mode}), device=device)
+        buf = TransitionBuffer(64, 4, src.transition_sample(), device=device)
+        with pytest.raises(ValueError, match=f"transitions: an env of autoreset_mode '{mode.value}' needs a buffer "
+                                             "with vectorized_env=False"):
+            src.transitions = buf
+        assert src.transitions is None
+
+
+# ------------------------------------------------------------------ async, info fields, extra data
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_async_writes_the_rows_sync_writes(mode, device):
+    E, K = 3, 30
+    vectorized = mode == AutoresetMode.NEXT_STEP
+    out = []
+    for logs in ([[] for _ in range(E)], None):
+        src = VectorEnvSource(logged_env("Pendulum-v1", E, mode, logs), device=device)
+        buf = PrioritizedTransitionBuffer(E * (K + 4), 8, src.transition_sample(vectorized), vectorized_env=vectorized,
+                                          device=device)
+        src.transitions = buf
+        drive(src, K, seed=5)
+        out.append(buf.state_dict()["data"])
+        src.env.close()
+    for key in out[0]:
+        torch.testing.assert_close(out[0][key], out[1][key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+def test_extra_data_rides_with_its_row_and_an_unreported_info_field_is_zero(device):
+    E, K = 2, 25
+    env = SyncVectorEnv([lambda: gym.make("CartPole-v1", max_episode_steps=9)] * E)
+    src = VectorEnvSource(env, device=device, info_keys={"episode_step": np.int64(0)})
+    tb = TransitionBuffer(E * (K + 4), 4, src.transition_sample(extra={"logp": np.float32(0)}), device=device)
+    src.transitions = tb
+    rng, sent = np.random.default_rng(0), []
+    src.reset(seed=1)
+    for _ in range(K):
+        logp = rng.normal(size=E).astype(np.float32)
+        src.step(rng.integers(0, 2, E), extra={"logp": logp})
+        sent.append(logp)
+    data = tb.state_dict()["data"]
+    np.testing.assert_array_equal(data["info['logp']"][:K].cpu().numpy(), np.stack(sent))
+    assert (data["info['episode_step']"][:K] == 0).all()  # CartPole reports no such field
+
+
+def test_an_info_field_the_env_reports_is_stored_with_the_row_of_its_observation(device):
+    E, K = 2, 20
+
+    class Stamped(gym.Wrapper):  # info["stamp"]: the observation's first value, reported with it
+        def reset(self, **kw):
+            obs, info = self.env.reset(**kw)
+            return obs, {**info, "stamp": np.float32(obs[0])}
+
+        def step(self, action):
+            obs, r, te, tr, info = self.env.step(action)
+            return obs, r, te, tr, {**info, "stamp": np.float32(obs[0])}
+
+    env = SyncVectorEnv([lambda: Stamped(gym.make("CartPole-v1", max_episode_steps=7))] * E)
+    src = VectorEnvSource(env, device=device, info_keys={"stamp": np.float32(0)})
+    tb = TransitionBuffer(E * (K + 4), 4, src.transition_sample(), device=device)
+    src.transitions = tb
+    drive(src, K)
+    data = tb.state_dict()["data"]
+    np.testing.assert_array_equal(data["info['stamp']"][:K].cpu().numpy(), data["observation"][:K, :, 0].cpu().numpy())
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: gym.make("CartPole-v1"), TypeError, "env: expected a gymnasium VectorEnv"),
+    (lambda: object(), TypeError, "env: expected a gymnasium VectorEnv"),
+])
+def test_a_non_vector_env_is_refused(make, exc, match):
+    with pytest.raises(exc, match=match):
+        VectorEnvSource(make(), device="cpu")
+
+
+@pytest.mark.parametrize("info_keys, exc, match", [
+    (("x",), TypeError, "info_keys: expected a dict"),
+    ({"reward": 0.0}, ValueError, "info_keys: expected field names other than"),
+    ({"_x": 0.0}, ValueError, "'_'-prefixed masks, got '_x'"),
+    ({"final_obs": 0.0}, ValueError, "got 'final_obs'"),
+    ({"x": "text"}, TypeError, r"info_keys\['x'\]: expected a bool or numeric example"),
+])
+def test_bad_info_keys_are_refused(info_keys, exc, match):
+    with pytest.raises(exc, match=match):
+        VectorEnvSource(gym.make_vec("CartPole-v1", 2), device="cpu", info_keys=info_keys)
+
+
+def test_bad_actions_and_calls_are_refused_before_the_env_steps(device):
+    logs = [[], []]
+    src = VectorEnvSource(logged_env("CartPole-v1", 2, AutoresetMode.NEXT_STEP, logs), device=device)
+    tb = TransitionBuffer(64, 4, src.transition_sample(), device=device)
+    src.transitions = tb
+    with pytest.raises(RuntimeError, match="step: reset"):
+        src.step(np.zeros(2, np.int64))
+    src.reset(seed=0)
+    before = [len(log) for log in logs]
+    for bad, exc in ((np.zeros(3, np.int64), ValueError), (np.array([0, 2]), ValueError),
+                     (np.array([0.5, 1.0]), ValueError), ("x", TypeError)):
+        with pytest.raises(exc, match="actions"):
+            src.step(bad)
+    with pytest.raises(ValueError, match="extra"):
+        src.step(np.zeros(2, np.int64), extra={"nope": np.zeros(2)})
+    assert [len(log) for log in logs] == before and len(tb) == 0
+    with pytest.raises(ValueError, match="autoreset_mode"):
+        env = gym.make_vec("CartPole-v1", 2)
+        env.metadata = {**env.metadata, "autoreset_mode": "Sometimes"}
+        VectorEnvSource(env, device=device)
+
+
+def test_copies_are_refused():
+    import copy
+    import pickle
+
+    src = VectorEnvSource(gym.make_vec("CartPole-v1", 2), device="cpu")
+    for fn in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            fn(src)
