@@ -151,6 +151,7 @@ class VectorEnvSource(RowSource):
             self._extra.store(extras)
         terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
         reward = np.asarray(reward)
+        obs = np.ascontiguousarray(obs)  # e.g. CartPole's own vector env returns a transposed view; staged as is
         if self.autoreset_mode == "NextStep":
             first, self._ended = self._ended, terminated | truncated
             return self._rows.receive(obs, reward, terminated, truncated, self._order, first, acts, self._infos(info),

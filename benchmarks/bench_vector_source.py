@@ -1,0 +1,116 @@
+"""``VectorEnvSource.step`` against the raw gymnasium vector-env step it wraps (issue 27: within 1.5x at 1024 envs on
+CPU), and the bytes each step stores against a buffer that also stores next observations.
+
+Interleaved rounds, each timing ``--steps`` calls of every variant back to back on its own env (same construction,
+same random actions), medians over the rounds:
+
+- ``raw``: ``env.step(actions)``;
+- ``source``: ``VectorEnvSource(env).step(actions)`` writing into a vectorized ``TransitionBuffer`` and a
+  ``HistoryBuffer`` (NEXT_STEP rows);
+- ``host-only``: the same source over a vector env that replays recorded outputs (no simulator): the source's own
+  per-step cost.
+
+Envs: CartPole-v1 through gymnasium's own vectorized implementation (``vector_entry_point``: numpy over all envs, the
+cheapest raw step, so the strictest ratio) and through ``SyncVectorEnv`` (one Python env per slot).
+
+    python benchmarks/bench_vector_source.py                    # 16 and 1024 envs -> results/vector_source_cpu.json
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium.vector import VectorEnv
+
+from gpubuf import HistoryBuffer, TransitionBuffer
+from gpubuf.apps.benchmarking.timing import machine
+from gpubuf.sources.vector_env import VectorEnvSource
+
+
+def make(mode: str, n: int):
+    return gym.make_vec("CartPole-v1", n, vectorization_mode=mode)
+
+
+class Replayed(VectorEnv):
+    """A vector env that replays recorded ``step`` outputs of ``env`` (same spaces and metadata); no simulator."""
+
+    def __init__(self, env, actions):
+        self.num_envs, self.metadata = env.num_envs, env.metadata
+        self.single_observation_space, self.single_action_space = env.single_observation_space, env.single_action_space
+        self.observation_space, self.action_space = env.observation_space, env.action_space
+        self._reset = env.reset(seed=0)
+        self._steps = [env.step(a) for a in actions]
+        self._i = 0
+
+    def reset(self, *, seed=None, options=None):
+        return self._reset
+
+    def step(self, actions):
+        out = self._steps[self._i % len(self._steps)]
+        self._i += 1
+        return out
+
+
+def source_for(env, n):
+    src = VectorEnvSource(env, device="cpu")
+    src.history = HistoryBuffer(n, 8, device="cpu")
+    src.transitions = TransitionBuffer(n * 256, 256, src.transition_sample(), device="cpu", seed=0)
+    src.reset(seed=0)
+    return src
+
+
+def row_bytes(buf, with_next_obs: bool) -> int:
+    """Bytes one env's row takes in ``buf`` (plus one more observation when next observations are stored too)."""
+    data = buf.state_dict()["data"]
+    per_row = {k: v[0, 0].numel() * v.element_size() for k, v in data.items()}
+    return sum(per_row.values()) + (per_row["observation"] if with_next_obs else 0)
+
+
+def bench(mode: str, n: int, steps: int, rounds: int) -> dict:
+    rng = np.random.default_rng(0)
+    actions = [rng.integers(0, 2, n) for _ in range(steps)]
+    raw = make(mode, n)
+    raw.reset(seed=0)
+    src = source_for(make(mode, n), n)
+    host = source_for(Replayed(make(mode, n), actions), n)
+    calls = {"raw": raw.step, "source": src.step, "host-only": host.step}
+    times = {k: [] for k in calls}
+    for r in range(rounds):
+        order = list(calls)[r % 3:] + list(calls)[:r % 3]
+        for name in order:
+            fn = calls[name]
+            t0 = time.perf_counter()
+            for a in actions:
+                fn(a)
+            times[name].append((time.perf_counter() - t0) / steps * 1e6)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    buf = src.transitions
+    return {"env": f"CartPole-v1 ({mode})", "num_envs": n, "raw_us": med["raw"], "source_us": med["source"],
+            "host_only_us": med["host-only"], "ratio": med["source"] / med["raw"],
+            "bytes_per_env_step": row_bytes(buf, False), "bytes_with_next_obs": row_bytes(buf, True)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=21)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vector_source_cpu.json")
+    args = p.parse_args()
+    rows = []
+    for mode, n in (("vector_entry_point", 16), ("vector_entry_point", 1024), ("sync", 16), ("sync", 1024)):
+        rows.append(bench(mode, n, args.steps if n < 1024 or mode != "sync" else max(5, args.steps // 5),
+                          args.rounds))
+        r = rows[-1]
+        print(f"| {r['env']} | {n} | {r['raw_us']:.0f} | {r['source_us']:.0f} | {r['ratio']:.2f} | "
+              f"{r['host_only_us']:.0f} | {r['bytes_per_env_step']} | {r['bytes_with_next_obs']} |", flush=True)
+    args.out.write_text(json.dumps({"meta": machine(torch.device("cpu")), "steps": args.steps, "rounds": args.rounds,
+                                    "command": "python benchmarks/bench_vector_source.py", "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
