@@ -13,16 +13,17 @@ from gpubuf._core.transition import Transition, flatten, leaf_name
 RESERVED = ("action", "reward", "terminated", "truncated", "env_id", "players", "is_last")
 
 
-def transition_sample(obs_space, action_zeros, info_spec: dict, lead: tuple, extra=None) -> Transition:
-    """Zero leaves ``(*lead, ...)``: ``lead`` ``(1, n_envs)`` for a vectorized buffer (with ``info["is_last"]``, next
-    observations inferred), ``(1,)`` for single transitions (with ``next_observation``).
+def transition_sample(obs_space, action_zeros, info_spec: dict, lead: tuple, extra=None,
+                      is_last: bool = True) -> Transition:
+    """Zero leaves ``(*lead, ...)``: ``lead`` ``(1, n_envs)`` for a vectorized buffer (with ``info["is_last"]`` unless
+    ``is_last`` is False, next observations inferred), ``(1,)`` for single transitions (with ``next_observation``).
 
     ``obs_space`` has the observation's ``shape`` and numpy ``dtype``; ``action_zeros(lead)`` gives the actions;
     ``info_spec`` ``{key: (shape, numpy dtype)}`` the stored info fields; ``extra`` ``{name: example}`` one env's value
     of each extra leaf."""
     vectorized = len(lead) == 2
     obs = torch.from_numpy(np.zeros((*lead, *obs_space.shape), dtype=obs_space.dtype))
-    info = {"is_last": torch.zeros(lead, dtype=torch.bool)} if vectorized else {}
+    info = {"is_last": torch.zeros(lead, dtype=torch.bool)} if vectorized and is_last else {}
     info.update({k: torch.from_numpy(np.zeros((*lead, *s), d)) for k, (s, d) in info_spec.items()})
     if extra is not None:
         if not isinstance(extra, Mapping):

@@ -30,6 +30,18 @@ last one) is real and may be bootstrapped from. A reset after rows were written 
 Rows of a buffer with ``vectorized_env=False`` (sync or async): each received row but reset frames is one transition
 with its ``next_observation`` and the env's ``terminated``/``truncated``.
 
+Envs that reset inside the step that ends an episode (gymnasium's SAME_STEP and DISABLED modes, GPU simulators) hand
+over the reset frame with the step's reward and flags. With the final observation
+(:meth:`RowWriter.receive_ends_in_step`) the writer writes the final observation as the env's row, then the reset frame
+as its next row, as if the env had spent a step on the reset: two rows of one env in one step, so only buffers with
+``vectorized_env=False``. Without it (``has_final_obs=False``, :meth:`RowWriter.receive_resets_in_step`) a vectorized
+buffer without ``info["is_last"]`` gets one row per env per step: the observation before the step, the action, reward,
+``terminated`` and ``truncated`` as the env reported them; the next row holds the reset frame. The buffer then ends
+episodes at ``terminated | truncated`` rows: a truncated last transition is never drawn with ``with_next_obs`` and no
+n-step return or stack reaches past it (its successor is unknown); a terminated one is drawn with discount 0 (its
+``next_observation`` is the next episode's first frame, which no target uses). A reset after rows were written ends each
+episode with a row of its pending observation (the fill, reward 0, ``truncated`` set).
+
 Extra per-step data (:class:`~gpubuf.sources.extra.ExtraData`) is stored as ``info[name]`` in the row of the step it was
 sent with (as sent, on ``is_last`` rows too; the fill on the rows a reset adds). Rows whose action the env ignored
 (reset frames, and the soft reset after a life loss) echo the fill in ``step.info["action"]`` and in the history; with
@@ -58,10 +70,13 @@ class RowWriter:
         info_spec: ``{key: (per-env shape, numpy dtype)}`` of the env's info fields stored with each row.
         single_rows: why rows may arrive for some envs at a time (``""``: never): only buffers with
             ``vectorized_env=False`` then.
+        has_final_obs: the env hands over the final observation of each episode (else: a vectorized buffer without
+            ``info["is_last"]``, :meth:`receive_resets_in_step`).
     """
 
     def __init__(self, stager: StepStager, codec: ActionCodec, extra: ExtraData, obs_space, info_spec: dict,
-                 single_rows: str):
+                 single_rows: str, has_final_obs: bool = True):
+        self.has_final_obs = has_final_obs
         self.stager, self.codec, self.extra = stager, codec, extra
         self.n_envs, self.device, self.obs_space = stager.n_envs, stager.device, obs_space
         self.info_spec, self.single_rows = info_spec, single_rows
@@ -92,19 +107,22 @@ class RowWriter:
             self._check_transitions(tb)
         self.end_episodes()
         self.transitions = tb
-        own = {*self.info_spec, "is_last"}
+        own = {*self.info_spec, "is_last"} if self.has_final_obs else set(self.info_spec)
         self.extra.attach(None if tb is None else extra_leaves(buffer_leaves(tb), own))
         self._fresh[:] = True  # the new buffer holds no row of the current episodes
 
     def transition_sample(self, vectorized: bool = True, extra=None):
         """The ``Transition`` of one insert (see the source's ``transition_sample``)."""
         lead = (1, self.n_envs) if vectorized else (1,)
-        return transition_sample(self.obs_space, self.codec.zeros, self.info_spec, lead, extra)
+        return transition_sample(self.obs_space, self.codec.zeros, self.info_spec, lead, extra, self.has_final_obs)
 
     def _check_transitions(self, tb) -> None:
         """``ValueError`` naming the first leaf of ``tb`` that differs from the rows written."""
         leaves = buffer_leaves(tb)
         vectorized = bool(tb.vectorized_env)
+        if not vectorized and not self.has_final_obs:
+            raise ValueError("transitions: an env without final observations needs a vectorized buffer (built from "
+                             "transition_sample()): its rows mark the episode ends whose successor is unknown")
         if vectorized and self.single_rows:
             raise ValueError(f"transitions: {self.single_rows} needs a buffer with vectorized_env=False "
                              "(built from transition_sample(vectorized=False))")
@@ -128,8 +146,8 @@ class RowWriter:
         tb = self.transitions
         if self._has_prev.all() and not self._fresh.all() and tb is not None and tb.vectorized_env:
             n = self.n_envs
-            info = {"is_last": np.ones(n, dtype=bool), **{k: v.copy() for k, v in self._prev_info.items()},
-                    **self.extra.filled(n)}
+            info = {**({"is_last": np.ones(n, dtype=bool)} if self.has_final_obs else {}),
+                    **{k: v.copy() for k, v in self._prev_info.items()}, **self.extra.filled(n)}
             tb.insert(_row(self._prev_obs, self.codec.filled(n), np.zeros(n, np.float32), np.zeros(n, bool),
                            np.ones(n, bool), info))
             self._fresh[:] = True
@@ -171,6 +189,48 @@ class RowWriter:
             self._prev_info[key][at] = a
         self._fresh[at] = ignored
         self._ended[at] = ended
+        return step
+
+    def receive_ends_in_step(self, obs, reward, terminated, truncated, sent: np.ndarray, infos: dict, final,
+                             final_infos: dict) -> Step:
+        """Stage and write a step of every env in order whose ended envs (``terminated | truncated``, host bool
+        ``(n_envs,)``) returned their reset frame in ``obs`` and their final observation in ``final``
+        ``(ended, *obs)``, ``final_infos`` ``{key: (ended, ...)}`` the info reported with it: the final observations
+        are written first (the step's reward and flags), then every env's row of this step (the ended envs' reset
+        frames, reward 0). Returns the second batch."""
+        ended = terminated | truncated
+        if np.count_nonzero(ended):
+            ids = np.flatnonzero(ended)
+            self.receive(final, reward[ids], terminated[ids], truncated[ids], ids, np.zeros(len(ids), bool), sent[ids],
+                         final_infos, False)
+            reward, terminated, truncated = np.where(ended, 0, reward), terminated & ~ended, truncated & ~ended
+        return self.receive(obs, reward, terminated, truncated, self.stager.all_ids, ended, sent, infos, True)
+
+    def receive_resets_in_step(self, obs, reward, terminated, truncated, sent: np.ndarray, infos: dict) -> Step:
+        """Stage and write a step of every env in order whose ended envs returned their reset frame in ``obs``, with no
+        final observation (``has_final_obs=False``): each env's row holds its pending observation and this step's
+        action, reward and flags; the ended envs' reset frames start new histories (reward 0 there, as in a reset)."""
+        terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
+        reward = np.asarray(reward)
+        ended = terminated | truncated
+        some = np.count_nonzero(ended)
+        shown = (np.where(ended, 0, reward), terminated & ~ended, truncated & ~ended) if some else (
+            reward, terminated, truncated)
+        ids = self.stager.all_ids
+        step = self.stager.stage(obs, self.codec.echo(sent), *shown, ids, ended, infos, np.zeros_like(ended))
+        if self.history is not None:
+            if some:
+                self.history.reset(ids[ended])
+            self.history.append(step.info, env_ids=ids)
+        tb = self.transitions
+        if tb is not None and self._has_prev.all():
+            info = {**{k: v.copy() for k, v in self._prev_info.items()}, **self.extra.rows(ids)}
+            tb.insert(_row(self._prev_obs, sent.copy(), np.asarray(reward, dtype=np.float32), terminated, truncated,
+                           info))
+        self._remember(step, True)
+        for key, a in infos.items():
+            self._prev_info[key][:] = a
+        self._fresh[:] = False
         return step
 
     def _remember(self, step: Step, in_order: bool) -> None:

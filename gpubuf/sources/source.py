@@ -19,10 +19,11 @@ class RowSource:
         info_spec: ``{key: (per-env shape, numpy dtype)}`` of the env info fields stored with each row.
         single_rows: why the rows may arrive for some envs at a time (``""``: never): a vectorized transitions buffer
             is then refused, naming this reason.
+        has_final_obs: the env hands over each episode's final observation (:class:`~gpubuf.sources.rows.RowWriter`).
     """
 
     def __init__(self, n_envs: int, action_space, observation_space, *, obs_key: str, device, action_fill,
-                 info_spec: dict, single_rows: str = ""):
+                 info_spec: dict, single_rows: str = "", has_final_obs: bool = True):
         self.n_envs = n_envs
         self._actions = codec = ActionCodec(action_space, n_envs, action_fill)
         # the stored action of rows whose action the env ignored (its float32 echo is the stager's)
@@ -33,7 +34,8 @@ class RowSource:
         self._guard = CallGuard(self.device)  # one call at a time (threads)
         self._extra = ExtraData(n_envs, self.device)
         self._info_spec = info_spec
-        self._rows = RowWriter(self.stager, codec, self._extra, observation_space, info_spec, single_rows)
+        self._rows = RowWriter(self.stager, codec, self._extra, observation_space, info_spec, single_rows,
+                               has_final_obs)
 
     # history and transitions: two settable properties, each the row writer's buffer, attached under the lock
 

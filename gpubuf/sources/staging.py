@@ -57,7 +57,7 @@ class StepStager:
         self.obs_key = obs_key
         self.device = ops.resolve_device(device)
         self._staging = Staging(self.device)
-        self._all_ids = np.arange(self.n_envs, dtype=np.int64)
+        self.all_ids = np.arange(self.n_envs, dtype=np.int64)
         self._shapes: dict[str, tuple] = {}  # key -> (1, *per_env), fixed by the first call
         self._dtypes = {"action": torch.float32, "reward": torch.float32, "terminated": torch.bool,
                         "truncated": torch.bool}
@@ -74,7 +74,7 @@ class StepStager:
         as ``(R, 1, ...)`` in their own dtype (EnvPool info fields). ``action`` and ``reward`` are stored as float32 and
         must fit it (:func:`gpubuf._core.inputs.check_cast`); ``terminated``/``truncated``/``first`` are bool or 0/1
         integers. Every check runs before any write."""
-        ids = self._all_ids if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
+        ids = self.all_ids if env_ids is None else as_index_array(env_ids, "env_ids", self.n_envs)
         R = len(ids)
         first = np.zeros(R, dtype=bool) if first is None else as_flags(first, "first", (R,))
         return self.stage(obs, action, reward, terminated, truncated, ids, first, more)

@@ -157,21 +157,20 @@ class VectorEnvSource(RowSource):
             return self._rows.receive(obs, reward, terminated, truncated, self._order, first, acts, self._infos(info),
                                       True)
         ended = terminated | truncated
-        if not np.count_nonzero(ended):
-            return self._rows.receive(obs, reward, terminated, truncated, self._order, ended, acts, self._infos(info),
-                                      True)
-        ids = np.flatnonzero(ended)
-        if self.autoreset_mode == "SameStep":
-            final, final_info = np.stack([info["final_obs"][i] for i in ids]), info.get("final_info", {})
-        else:  # DISABLED: the step's observations are the final ones; reset the envs that ended
-            final, final_info = np.asarray(obs)[ids], info
-            obs, reset_info = self.env.reset(options={"reset_mask": ended})
-            info = _merged(info, reset_info, ended)  # the reset envs' info from the reset, the others' from the step
-            self.last = (obs, *out[1:4], info)
-        self._rows.receive(final, reward[ids], terminated[ids], truncated[ids], ids, self._no[:len(ids)], acts[ids],
-                           self._infos(final_info, ids), False)
-        return self._rows.receive(obs, np.where(ended, 0, reward), terminated & ~ended, truncated & ~ended,
-                                  self._order, ended, acts, self._infos(info), True)
+        final, final_info = None, {}
+        if np.count_nonzero(ended):
+            ids = np.flatnonzero(ended)
+            if self.autoreset_mode == "SameStep":
+                final, final_info = np.stack([info["final_obs"][i] for i in ids]), info.get("final_info", {})
+            else:  # DISABLED: the step's observations are the final ones; reset the envs that ended
+                final, final_info = obs[ids], info
+                obs, reset_info = self.env.reset(options={"reset_mask": ended})
+                obs = np.ascontiguousarray(obs)
+                info = _merged(info, reset_info, ended)  # the reset envs' info from the reset, others' from the step
+                self.last = (obs, *out[1:4], info)
+            final_info = self._infos(final_info, ids)
+        return self._rows.receive_ends_in_step(obs, reward, terminated, truncated, acts, self._infos(info), final,
+                                               final_info)
 
     def _infos(self, info: dict, ids: np.ndarray | None = None) -> dict:
         """``{key: (R, *shape)}`` host arrays of the stored info fields (rows ``ids`` of the env's batched ``info``;
