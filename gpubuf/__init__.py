@@ -7,9 +7,9 @@ The package is layered; each layer imports only the ones before it:
 ``gpubuf.replay`` and ``gpubuf.history`` (the buffers) <- ``gpubuf.sources`` and ``gpubuf.planning`` <-
 ``gpubuf.apps`` (MBRL, demo, CLI, benchmarking).
 
-``import gpubuf`` loads the core only: the buffers, their samplers and storages, the device ops and the
-checkpoints. The rest loads on first use, by name: the sources (``EnvPoolSource``, ``VectorEnvSource``, ``Step``,
-``StepStager``), planning (``Planner``, ``CEMSolver``, ``PlanConfig``) and the sharded buffer
+``import gpubuf`` loads the core only: the buffers, their samplers and storages, the device ops and the checkpoints.
+The rest loads on first use, by name: the sources (``EnvPoolSource``, ``VectorEnvSource``, ``TensorSource``,
+``Step``, ``StepStager``), planning (``Planner``, ``CEMSolver``, ``PlanConfig``) and the sharded buffer
 (``ShardedBuffer``). Every module path of the flat layout of earlier releases (``gpubuf.envpool``,
 ``gpubuf.distributed``, ``gpubuf.prioritized``, ``gpubuf.copies``, ...) imports the module that now holds it, so
 their imports and their pickles of buffers still load.
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from gpubuf.planning import CEMSolver, PlanConfig, Planner
     from gpubuf.replay.sharded import ShardedBuffer
     from gpubuf.sources.envpool import EnvPoolSource, Step, StepStager
+    from gpubuf.sources.tensors import TensorSource
     from gpubuf.sources.vector_env import VectorEnvSource
 
 # public name -> the module that defines it, imported on first access
@@ -38,7 +39,7 @@ _LAZY = {
     "CEMSolver": "gpubuf.planning", "PlanConfig": "gpubuf.planning", "Planner": "gpubuf.planning",
     "EnvPoolSource": "gpubuf.sources.envpool", "Step": "gpubuf.sources.envpool",
     "StepStager": "gpubuf.sources.envpool", "ShardedBuffer": "gpubuf.replay.sharded",
-    "VectorEnvSource": "gpubuf.sources.vector_env",
+    "VectorEnvSource": "gpubuf.sources.vector_env", "TensorSource": "gpubuf.sources.tensors",
 }
 # earlier module paths -> the modules that hold them now
 _MOVED = {
@@ -86,7 +87,7 @@ __all__ = [
     "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig",
     "Planner",
     "PrioritizedTransitionBuffer", "ShardedBuffer", "Step", "StepStager", "Transition",
-    "TransitionBuffer", "VectorEnvSource",
+    "TensorSource", "TransitionBuffer", "VectorEnvSource",
 ]
 try:
     __version__ = version("gpubuf")

@@ -73,3 +73,22 @@ def extra_leaves(leaves: dict, own) -> dict:
     """``{name: (shape, dtype)}`` of the ``info`` leaves in ``leaves`` other than the source's ``own`` keys: the
     caller's extra data."""
     return {p[1]: spec for p, spec in leaves.items() if p[0] == "info" and len(p) == 2 and p[1] not in own}
+
+
+def example_info_spec(info_keys, obs_key: str) -> dict:
+    """``{key: (per-env shape, numpy dtype)}`` from ``info_keys`` ``{name: example}`` (one env's value of each
+    field)."""
+    if not isinstance(info_keys, dict):
+        raise TypeError("info_keys: expected a dict {field name: one env's example value} such as "
+                        f"{{'x_position': np.float64(0)}}, got {type(info_keys).__name__}")
+    out = {}
+    for key, example in info_keys.items():
+        if not isinstance(key, str) or key in RESERVED or key == obs_key or key.startswith("_") or key in (
+                "final_obs", "final_info"):
+            raise ValueError(f"info_keys: expected field names other than {RESERVED + (obs_key,)}, 'final_obs', "
+                             f"'final_info' and '_'-prefixed masks, got {key!r}")
+        a = np.asarray(example)
+        if a.dtype == object or a.dtype.kind not in "biuf":
+            raise TypeError(f"info_keys[{key!r}]: expected a bool or numeric example, got {a.dtype}")
+        out[key] = (a.shape, a.dtype)
+    return out

@@ -25,7 +25,7 @@ import numpy as np
 
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
-from gpubuf.sources.layout import RESERVED
+from gpubuf.sources.layout import example_info_spec
 from gpubuf.sources.source import RowSource
 from gpubuf.sources.staging import Step
 
@@ -41,25 +41,6 @@ def autoreset_mode(env) -> str:
     if value not in MODES:
         raise ValueError(f"env: metadata['autoreset_mode'] must be one of gymnasium's {MODES}, got {mode!r}")
     return value
-
-
-def gym_info_spec(info_keys, obs_key: str) -> dict:
-    """``{key: (per-env shape, numpy dtype)}`` from ``info_keys`` ``{name: example}`` (one env's value of each
-    field)."""
-    if not isinstance(info_keys, dict):
-        raise TypeError("info_keys: expected a dict {field name: one env's example value} such as "
-                        f"{{'x_position': np.float64(0)}}, got {type(info_keys).__name__}")
-    out = {}
-    for key, example in info_keys.items():
-        if not isinstance(key, str) or key in RESERVED or key == obs_key or key.startswith("_") or key in (
-                "final_obs", "final_info"):
-            raise ValueError(f"info_keys: expected field names other than {RESERVED + (obs_key,)}, 'final_obs', "
-                             f"'final_info' and '_'-prefixed masks, got {key!r}")
-        a = np.asarray(example)
-        if a.dtype == object or a.dtype.kind not in "biuf":
-            raise TypeError(f"info_keys[{key!r}]: expected a bool or numeric example, got {a.dtype}")
-        out[key] = (a.shape, a.dtype)
-    return out
 
 
 @refuse_copies("it drives a live vector env; make a new source in the other process and copy its buffers "
@@ -106,7 +87,7 @@ class VectorEnvSource(RowSource):
             raise TypeError(f"env: expected an array observation space (Box, Discrete, ...), got {obs_space}")
         self.env = env
         self.autoreset_mode = autoreset_mode(env)
-        spec = gym_info_spec({} if info_keys is None else info_keys, obs_key)
+        spec = example_info_spec({} if info_keys is None else info_keys, obs_key)
         self.info_keys = dict(info_keys or {})
         same_step = self.autoreset_mode != "NextStep"
         super().__init__(int(env.num_envs), env.single_action_space, obs_space, obs_key=obs_key, device=device,

@@ -1,0 +1,195 @@
+"""TensorSource on a batched simulator written in torch (standing in for a GPU simulator): envs reset inside the step
+that ends their episode, with and without handing over the final observation.
+
+The simulator logs every env step it takes (observation before, action, reward, flags, observation after): with final
+observations, each transition of a ``vectorized_env=False`` buffer is exactly one logged step; without, a vectorized
+buffer holds one row per env per step, and no window, next observation, n-step return or stack crosses or bootstraps
+across an episode end.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from gpubuf import HistoryBuffer, TransitionBuffer
+from gpubuf.sources.tensors import TensorSource
+
+gym = pytest.importorskip("gymnasium")
+
+
+class TorchSim:
+    """``n`` point masses on a line, batched in torch: obs ``(n, 2)`` (position, velocity), action ``(n, 1)`` in
+    ``[-1, 1]``; an episode terminates when ``|position| > 1`` and is truncated after ``limit`` steps; an env that ends
+    resets in the same step (its returned observation is the reset frame). Logs every env step."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def __init__(self, n, limit=9, seed=0):
+        self.n, self.limit = n, limit
+        self.g = torch.Generator().manual_seed(seed)
+        self.state = self._fresh(n)
+        self.t = torch.zeros(n, dtype=torch.int64)
+        self.log = [[] for _ in range(n)]  # per env: (obs before, action, reward, terminated, truncated, obs after)
+
+    def _fresh(self, k):
+        return torch.rand(k, 2, generator=self.g) * 0.4 - 0.2
+
+    def reset(self):
+        return self.state.clone()
+
+    def step(self, action):
+        a = action.clamp(-1, 1)
+        before = self.state.clone()
+        vel = self.state[:, 1] + 0.3 * a[:, 0]
+        pos = self.state[:, 0] + vel
+        after = torch.stack([pos, vel], 1)
+        self.t += 1
+        terminated = pos.abs() > 1
+        truncated = (self.t >= self.limit) & ~terminated
+        reward = -pos.abs()
+        ended = terminated | truncated
+        self.state = after.clone()
+        self.state[ended] = self._fresh(int(ended.sum()))
+        self.t[ended] = 0
+        for e in range(self.n):
+            self.log[e].append((before[e].numpy(), a[e].numpy(), float(reward[e]), bool(terminated[e]),
+                                bool(truncated[e]), after[e].numpy()))
+        return self.state.clone(), reward, terminated, truncated, after  # after: the final observations
+
+
+def run(final_obs, vectorized, K=60, E=4, n_steps=1, history=None):
+    sim = TorchSim(E)
+    src = TensorSource(E, sim.observation_space, sim.action_space, final_obs=final_obs, device="cpu",
+                       history=history)
+    buf = TransitionBuffer(E * (K + 4), 16, src.transition_sample(vectorized), vectorized_env=vectorized,
+                           n_steps=n_steps, device="cpu", seed=0)
+    src.transitions = buf
+    src.reset(sim.reset())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(K):
+        act = torch.rand(E, 1, generator=g) * 3 - 1.5  # beyond the box: stored clipped
+        obs, reward, terminated, truncated, final = sim.step(act)
+        src.step(act, obs, reward, terminated, truncated, final_obs=final if final_obs else None)
+    return sim, src, buf
+
+
+def test_with_final_observations_each_transition_is_one_simulator_step():
+    sim, src, buf = run(final_obs=True, vectorized=False)
+    steps = [s for log in sim.log for s in log]
+    assert len(buf) == len(steps) and any(s[3] for s in steps) and any(s[4] for s in steps)
+    data = {k: v[:len(buf)].numpy() for k, v in buf.state_dict()["data"].items()}
+    by_obs = {s[0].tobytes(): s for s in steps}
+    for i in range(len(buf)):
+        s = by_obs[data["observation"][i].tobytes()]
+        np.testing.assert_array_equal(data["next_observation"][i], s[5])  # the final observation at an end
+        np.testing.assert_array_equal(data["action"][i], s[1])
+        assert (data["reward"][i], data["terminated"][i], data["truncated"][i]) == (np.float32(s[2]), s[3], s[4])
+
+
+def expected_rows(sim):
+    """``(K, E, ...)`` rows without final observations: the observation before each step, its action, reward, flags."""
+    cols = [np.array([[s[i] for s in log] for log in sim.log]) for i in range(5)]
+    return {k: np.swapaxes(c, 0, 1) for k, c in zip(("observation", "action", "reward", "terminated", "truncated"),
+                                                       cols, strict=True)}
+
+
+def test_without_final_observations_rows_are_the_steps_and_nothing_crosses_an_end():
+    hist = HistoryBuffer(4, 16, device="cpu")
+    sim, src, buf = run(final_obs=False, vectorized=True, n_steps=3, history=hist)
+    K = len(sim.log[0])
+    want = expected_rows(sim)
+    data = buf.state_dict()["data"]
+    assert "info['is_last']" not in data
+    for key, value in want.items():
+        np.testing.assert_array_equal(data[key][:K].numpy(), value.astype(data[key].numpy().dtype), err_msg=key)
+    ends = want["terminated"] | want["truncated"]
+    assert want["terminated"].any() and want["truncated"].any()
+    after = np.swapaxes(np.array([[s[5] for s in log] for log in sim.log]), 0, 1)  # what each action led to
+    # the history restarts at each reset frame: its newest frame is the simulator's state
+    np.testing.assert_array_equal(hist.get(1)["observation"][:, 0].numpy(), sim.state.numpy())
+
+    # next observations: a truncated last transition is never drawn; the others are what the action led to
+    b, idx = buf.sample(key=2, batch_size=200, with_next_obs=True, boundaries="forbid", return_indices=True)
+    env, row, _ = (t.numpy() for t in buf.locate(idx))
+    rows = row[:, None] + np.arange(3)
+    assert not want["truncated"][rows, env[:, None]].any()
+    assert not ends[rows[:, :-1], env[:, None]].any()  # an episode end only at a window's last row
+    live = ~want["terminated"][rows, env[:, None]]
+    np.testing.assert_array_equal(b.next_observation.numpy()[live], after[rows, env[:, None]][live])
+
+
+def test_without_final_observations_returns_and_stacks_stop_at_ends():
+    sim, src, buf = run(final_obs=False, vectorized=True, K=80)
+    K, gamma = len(sim.log[0]), 0.5
+    want = expected_rows(sim)
+    after = np.swapaxes(np.array([[s[5] for s in log] for log in sim.log]), 0, 1)
+    b, idx = buf.sample(key=3, batch_size=256, n_step_return=(3, gamma), frame_stack=2, return_indices=True)
+    env, row, _ = (t.numpy() for t in buf.locate(idx))
+    for i in range(len(idx)):
+        e, r = env[i], row[i]
+        assert not want["truncated"][r, e]  # its successor is unknown: never a start with a bootstrap
+        new_episode = r == 0 or want["terminated"][r - 1, e] or want["truncated"][r - 1, e]
+        older = r if new_episode else r - 1
+        np.testing.assert_array_equal(b.observation[i].numpy(), np.stack([want["observation"][older, e],
+                                                                          want["observation"][r, e]]))
+        total, disc, m = 0.0, 1.0, 0
+        for j in range(3):
+            if r + j >= K - 1 or want["truncated"][r + j, e]:
+                break
+            total += disc * want["reward"][r + j, e]
+            disc, m = disc * gamma, m + 1
+            if want["terminated"][r + j, e]:
+                disc = 0.0
+                break
+        assert b.reward[i].item() == pytest.approx(total, rel=1e-5, abs=1e-6), (e, r)
+        assert b.discount[i].item() == pytest.approx(disc, rel=1e-6), (e, r)
+        if disc:  # the bootstrap observation: what the m-th action led to, inside the episode
+            np.testing.assert_array_equal(b.next_observation[i, -1].numpy(), after[r + m - 1, e])
+
+
+@pytest.mark.parametrize("final_obs, vectorized, match", [
+    (True, True, "transitions: a simulator that hands over final observations needs a buffer with vectorized_env="),
+    (False, False, "transitions: an env without final observations needs a vectorized buffer"),
+])
+def test_a_buffer_the_rows_do_not_fit_is_refused(final_obs, vectorized, match):
+    sim = TorchSim(2)
+    src = TensorSource(2, sim.observation_space, sim.action_space, final_obs=final_obs, device="cpu")
+    buf = TransitionBuffer(64, 4, src.transition_sample(vectorized), vectorized_env=vectorized, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        src.transitions = buf
+    assert src.transitions is None
+
+
+def test_bad_steps_are_refused_before_anything_is_written():
+    sim = TorchSim(2)
+    src = TensorSource(2, sim.observation_space, sim.action_space, final_obs=True, device="cpu",
+                       info_keys={"t": np.int64(0)})
+    buf = TransitionBuffer(64, 4, src.transition_sample(False), vectorized_env=False, device="cpu")
+    src.transitions = buf
+    with pytest.raises(RuntimeError, match="reset"):
+        src.step(torch.zeros(2, 1), sim.reset(), torch.zeros(2), torch.zeros(2, dtype=torch.bool),
+                 torch.zeros(2, dtype=torch.bool), sim.reset(), infos={"t": np.zeros(2, np.int64)})
+    src.reset(sim.reset(), infos={"t": np.zeros(2, np.int64)})
+    obs, flags, t = sim.reset(), torch.zeros(2, dtype=torch.bool), {"t": np.zeros(2, np.int64)}
+    good = dict(actions=torch.zeros(2, 1), obs=obs, reward=torch.zeros(2), terminated=flags, truncated=flags,
+                final_obs=obs, infos=t)
+    for change, exc, match in (
+            ({"reward": torch.zeros(3)}, ValueError, r"reward: expected shape \(2,\)"),
+            ({"terminated": torch.tensor([0, 2])}, ValueError, "terminated: expected bools"),
+            ({"final_obs": None}, ValueError, "final_obs: this source was built with final_obs=True"),
+            ({"final_obs": torch.zeros(2, 3)}, ValueError, r"final_obs: expected shape \(2, 2\)"),
+            ({"infos": {}}, ValueError, r"infos: expected the keys of info_keys \['t'\]"),
+            ({"infos": {"t": np.zeros(3)}}, ValueError, r"infos\['t'\]: expected shape"),
+            ({"actions": torch.zeros(3, 1)}, ValueError, "actions"),
+            ({"actions": torch.full((2, 1), float("nan"))}, ValueError, "actions")):
+        with pytest.raises(exc, match=match):
+            src.step(**{**good, **change})
+    assert len(buf) == 0
+    src.step(**good)
+    assert len(buf) == 2
+    for bad, exc, match in ((dict(n_envs=0), ValueError, "n_envs"), (dict(final_obs=1), TypeError, "final_obs"),
+                            (dict(observation_space=object()), TypeError, "observation_space")):
+        kw = dict(n_envs=2, observation_space=sim.observation_space, action_space=sim.action_space, final_obs=True)
+        with pytest.raises(exc, match=match):
+            TensorSource(**{**kw, **bad})
