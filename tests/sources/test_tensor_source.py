@@ -193,3 +193,56 @@ def test_bad_steps_are_refused_before_anything_is_written():
         kw = dict(n_envs=2, observation_space=sim.observation_space, action_space=sim.action_space, final_obs=True)
         with pytest.raises(exc, match=match):
             TensorSource(**{**kw, **bad})
+
+
+# ------------------------------------------------------------------ a JAX simulator through DLPack
+
+
+@pytest.mark.parametrize("final_obs", [True, False])
+def test_gymnax_cartpole_arrays_cross_by_dlpack(final_obs):
+    """gymnax's CartPole, vmapped over 4 envs and jitted, with its own same-step auto-reset: the jax arrays go to the
+    source as they are; the rows match what each env did (its ``info["final_observation"]`` at episode ends)."""
+    jax = pytest.importorskip("jax")
+    gymnax = pytest.importorskip("gymnax")
+    jnp = jax.numpy
+    env, params = gymnax.make("CartPole-v1")
+    params = params.replace(max_steps_in_episode=12)  # truncations as well as terminations
+    E, K = 4, 40
+    step_fn = jax.jit(jax.vmap(env.step, in_axes=(0, 0, 0, None)))
+    keys = jax.random.split(jax.random.PRNGKey(0), E)
+    obs, state = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
+    space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+    src = TensorSource(E, space, gym.spaces.Discrete(2), final_obs=final_obs, device="cpu")
+    buf = TransitionBuffer(E * (K + 4), 16, src.transition_sample(not final_obs), vectorized_env=not final_obs,
+                           device="cpu")
+    src.transitions = buf
+    src.reset(obs)
+    log = []  # (obs before, action, reward, terminated, truncated, obs after) per step, (E, ...) numpy
+    rng = np.random.default_rng(0)
+    for k in range(K):
+        keys = jax.random.split(jax.random.PRNGKey(k + 1), E)
+        act = jnp.asarray(rng.integers(0, 2, E), dtype=jnp.int32)
+        nxt, state, reward, terminated, truncated, info = step_fn(keys, state, act, params)
+        src.step(act, nxt, reward, terminated, truncated, final_obs=info["final_observation"] if final_obs else None)
+        log.append((np.asarray(obs), np.asarray(act), np.asarray(reward), np.asarray(terminated),
+                    np.asarray(truncated), np.asarray(info["final_observation"])))
+        obs = nxt
+    term, trunc = np.array([s[3] for s in log]), np.array([s[4] for s in log])
+    assert term.any() and trunc.any()
+    rows = len(buf) if final_obs else K  # transitions, or time rows of E envs
+    data = {k: v[:rows].numpy() for k, v in buf.state_dict()["data"].items()}
+    if final_obs:  # one transition per env step, each with its real successor
+        steps = {log[k][0][e].tobytes(): (k, e) for k in range(K) for e in range(E)}
+        assert len(buf) == K * E
+        for i in range(len(buf)):
+            k, e = steps[data["observation"][i].tobytes()]
+            np.testing.assert_array_equal(data["next_observation"][i], log[k][5][e])
+            assert (data["action"][i], data["terminated"][i], data["truncated"][i]) == (log[k][1][e], term[k, e],
+                                                                                         trunc[k, e])
+    else:  # one row per env per step, the env's own flags
+        np.testing.assert_array_equal(data["observation"], np.stack([s[0] for s in log]))
+        np.testing.assert_array_equal(data["action"], np.stack([s[1] for s in log]))
+        np.testing.assert_array_equal(data["terminated"], term)
+        np.testing.assert_array_equal(data["truncated"], trunc)
+        b = buf.sample(key=1, batch_size=64, with_next_obs=True)
+        assert not b.truncated.any()
