@@ -8,7 +8,8 @@ same random actions), medians over the rounds:
 - ``source``: ``VectorEnvSource(env).step(actions)`` writing into a vectorized ``TransitionBuffer`` and a
   ``HistoryBuffer`` (NEXT_STEP rows);
 - ``host-only``: the same source over a vector env that replays recorded outputs (no simulator): the source's own
-  per-step cost.
+  per-step cost;
+- ``TensorSource``: its step on recorded torch tensors (no final observations, a vectorized buffer and a history).
 
 Envs: CartPole-v1 through gymnasium's own vectorized implementation (``vector_entry_point``: numpy over all envs, the
 cheapest raw step, so the strictest ratio) and through ``SyncVectorEnv`` (one Python env per slot).
@@ -95,6 +96,31 @@ def bench(mode: str, n: int, steps: int, rounds: int) -> dict:
             "bytes_per_env_step": row_bytes(buf, False), "bytes_with_next_obs": row_bytes(buf, True)}
 
 
+def bench_tensors(n: int, steps: int, rounds: int) -> dict:
+    """``TensorSource.step`` (no final observations, a vectorized buffer and a history) on recorded torch tensors of
+    ``n`` CartPole-sized envs: the source's whole cost per simulator step."""
+    from gpubuf.sources.tensors import TensorSource
+
+    obs_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+    src = TensorSource(n, obs_space, gym.spaces.Discrete(2), final_obs=False, device="cpu")
+    src.history = HistoryBuffer(n, 8, device="cpu")
+    src.transitions = TransitionBuffer(n * 256, 256, src.transition_sample(), device="cpu", seed=0)
+    g = torch.Generator().manual_seed(0)
+    src.reset(torch.rand(n, 4, generator=g))
+    recorded = [(torch.randint(0, 2, (n,), generator=g), torch.rand(n, 4, generator=g), torch.rand(n, generator=g),
+                 torch.rand(n, generator=g) < 0.01, torch.rand(n, generator=g) < 0.005) for _ in range(steps)]
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for step in recorded:
+            src.step(*step)
+        times.append((time.perf_counter() - t0) / steps * 1e6)
+    buf = src.transitions
+    return {"env": "TensorSource (torch tensors, no final obs)", "num_envs": n, "raw_us": None,
+            "source_us": statistics.median(times), "host_only_us": statistics.median(times), "ratio": None,
+            "bytes_per_env_step": row_bytes(buf, False), "bytes_with_next_obs": row_bytes(buf, True)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
@@ -105,11 +131,18 @@ def main():
     for mode, n in (("vector_entry_point", 16), ("vector_entry_point", 1024), ("sync", 16), ("sync", 1024)):
         rows.append(bench(mode, n, args.steps if n < 1024 or mode != "sync" else max(5, args.steps // 5),
                           args.rounds))
-        r = rows[-1]
-        print(f"| {r['env']} | {n} | {r['raw_us']:.0f} | {r['source_us']:.0f} | {r['ratio']:.2f} | "
-              f"{r['host_only_us']:.0f} | {r['bytes_per_env_step']} | {r['bytes_with_next_obs']} |", flush=True)
+        show(rows[-1])
+    for n in (16, 1024):
+        rows.append(bench_tensors(n, args.steps, args.rounds))
+        show(rows[-1])
     args.out.write_text(json.dumps({"meta": machine(torch.device("cpu")), "steps": args.steps, "rounds": args.rounds,
                                     "command": "python benchmarks/bench_vector_source.py", "rows": rows}, indent=1))
+
+
+def show(r: dict) -> None:
+    raw, ratio = ("-", "-") if r["raw_us"] is None else (f"{r['raw_us']:.0f}", f"{r['ratio']:.2f}")
+    print(f"| {r['env']} | {r['num_envs']} | {raw} | {r['source_us']:.0f} | {ratio} | {r['host_only_us']:.0f} | "
+          f"{r['bytes_per_env_step']} | {r['bytes_with_next_obs']} |", flush=True)
 
 
 if __name__ == "__main__":
