@@ -26,6 +26,18 @@ def action_fill(dtype) -> float | int | bool:
     return -1 if dtype.kind == "i" else int(np.iinfo(dtype).max)
 
 
+def check_action_space(space, name: str = "env") -> None:
+    """``TypeError`` naming ``name`` unless ``space`` is one a source encodes: ``Discrete`` from 0, or a float ``Box``
+    (clipped to its bounds)."""
+    kind = type(space).__name__
+    dtype = getattr(space, "dtype", None)
+    ok = (kind == "Discrete" and int(getattr(space, "start", 0)) == 0) or (
+        kind == "Box" and dtype is not None and np.dtype(dtype).kind == "f")
+    if not ok:
+        raise TypeError(f"{name}: expected an action space Discrete(n) (from 0) or a float Box, got {space} (other "
+                        "spaces are not encoded yet: map actions to one of these with a gymnasium action wrapper)")
+
+
 def _real_number(value, name: str) -> float:
     """``value`` as a Python float when it is a real number (not a bool), else ``TypeError``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):

@@ -123,6 +123,10 @@ class RowWriter:
         if not vectorized and not self.has_final_obs:
             raise ValueError("transitions: an env without final observations needs a vectorized buffer (built from "
                              "transition_sample()): its rows mark the episode ends whose successor is unknown")
+        if not vectorized and self.n_envs > 1 and getattr(tb, "n_steps", 1) > 1:
+            raise ValueError(f"transitions: a buffer with vectorized_env=False stores the transitions of the "
+                             f"{self.n_envs} envs interleaved, so its windows of n_steps={tb.n_steps} would mix envs; "
+                             "build it with n_steps=1 (or use a vectorized buffer for windows)")
         if vectorized and self.single_rows:
             raise ValueError(f"transitions: {self.single_rows} needs a buffer with vectorized_env=False "
                              "(built from transition_sample(vectorized=False))")

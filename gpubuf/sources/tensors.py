@@ -25,6 +25,7 @@ import torch
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.inputs import as_tensor
+from gpubuf.sources.actions import check_action_space
 from gpubuf.sources.layout import example_info_spec
 from gpubuf.sources.source import RowSource
 from gpubuf.sources.staging import Step
@@ -70,6 +71,7 @@ class TensorSource(RowSource):
             if getattr(space, "dtype", None) is None or getattr(space, "shape", None) is None:
                 raise TypeError(f"{name}: expected a space with a shape and a numpy dtype (e.g. a gymnasium Box), got "
                                 f"{type(space).__name__}")
+        check_action_space(action_space, "action_space")
         spec = example_info_spec({} if info_keys is None else info_keys, obs_key)
         self.final_obs = final_obs
         super().__init__(int(n_envs), action_space, observation_space, obs_key=obs_key, device=device,

@@ -21,10 +21,13 @@ one time row of every env per step, is refused with a ``ValueError`` naming ``tr
 layouts work.
 """
 
+import warnings
+
 import numpy as np
 
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
+from gpubuf.sources.actions import check_action_space
 from gpubuf.sources.layout import example_info_spec
 from gpubuf.sources.source import RowSource
 from gpubuf.sources.staging import Step
@@ -82,6 +85,7 @@ class VectorEnvSource(RowSource):
 
         if not isinstance(env, VectorEnv):
             raise TypeError(f"env: expected a gymnasium VectorEnv (gymnasium.make_vec(...)), got {type(env).__name__}")
+        check_action_space(env.single_action_space, "env")
         obs_space = env.single_observation_space
         if not hasattr(obs_space, "dtype") or obs_space.dtype is None or getattr(obs_space, "shape", None) is None:
             raise TypeError(f"env: expected an array observation space (Box, Discrete, ...), got {obs_space}")
@@ -98,6 +102,7 @@ class VectorEnvSource(RowSource):
         self._zeros = np.zeros(self.n_envs, dtype=np.float32)
         self._no = np.zeros(self.n_envs, dtype=bool)
         self._started = False
+        self._unreported = set()  # info_keys the env has not reported yet (warned once each)
         self.last = None
         self.history = history
         self.transitions = transitions
@@ -126,10 +131,22 @@ class VectorEnvSource(RowSource):
             raise RuntimeError("step: reset() the source first")
         acts = self._actions.host(actions, self.n_envs)
         extras = None if extra is None and not self._extra.spec else self._extra.check(extra, self.n_envs)
-        obs, reward, terminated, truncated, info = out = self.env.step(acts)
+        out = self.env.step(acts)
         self.last = out
         if extras:
             self._extra.store(extras)
+        try:
+            return self._write(acts, *out)
+        except Exception as err:  # the env stepped but its rows were not all written: the pending rows are stale
+            self._started = False
+            if err.args and isinstance(err.args[0], str):
+                err.args = (f"{err.args[0]} (the env stepped, but its outputs could not be written: reset() the "
+                            "source before the next step)", *err.args[1:])
+            raise
+
+    def _write(self, acts, obs, reward, terminated, truncated, info) -> Step:
+        """Write the rows of one env step (the env's outputs as it returned them)."""
+        out = (obs, reward, terminated, truncated, info)
         terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
         reward = np.asarray(reward)
         obs = np.ascontiguousarray(obs)  # e.g. CartPole's own vector env returns a transposed view; staged as is
@@ -167,6 +184,13 @@ class VectorEnvSource(RowSource):
                                      f"{dtype} {(n, *shape)}")
                 mask = np.asarray(info.get(f"_{key}", np.ones(n, dtype=bool)), dtype=bool)
                 a[mask] = values[mask]
+                if not np.array_equal(a[mask], values[mask], equal_nan=a.dtype.kind in "fc"):
+                    raise ValueError(f"info_keys: the env's {key!r} values ({values.dtype}) do not fit the example's "
+                                     f"dtype {dtype} exactly; give an example of their dtype")
+            elif key not in self._unreported:
+                self._unreported.add(key)
+                warnings.warn(f"info_keys: the env reported no {key!r} in its info; stored as 0 until it does",
+                              stacklevel=4)
             out[key] = a if ids is None else a[ids]
         return out
 

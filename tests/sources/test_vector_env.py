@@ -319,3 +319,76 @@ def test_copies_are_refused():
     for fn in (copy.copy, copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match="cannot be copied or pickled"):
             fn(src)
+
+
+# ------------------------------------------------------------------ review findings
+
+
+class LateInfo(gym.Env):
+    """Reports ``info["x"]`` (a 2-vector, or a float when ``value`` says so) only at its third step."""
+
+    observation_space = gym.spaces.Box(-100, 100, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, value=None):
+        self.value = np.ones(2) if value is None else value
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(1, self.t, np.float32), 1.0, False, False, ({"x": self.value} if self.t == 3 else {})
+
+
+def test_env_outputs_that_cannot_be_written_stop_the_source_until_a_reset():
+    env = SyncVectorEnv([LateInfo, LateInfo])
+    src = VectorEnvSource(env, device="cpu", info_keys={"x": np.float64(0)})
+    buf = TransitionBuffer(100, 4, src.transition_sample(vectorized=False), vectorized_env=False, device="cpu")
+    src.transitions = buf
+    with pytest.warns(UserWarning, match="info_keys: the env reported no 'x'"):
+        src.reset(seed=0)
+    src.step(np.zeros(2, np.int64))
+    src.step(np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match=r"info_keys: the env's 'x' came as .*reset\(\) the source before the next"):
+        src.step(np.zeros(2, np.int64))
+    with pytest.raises(RuntimeError, match="step: reset"):
+        src.step(np.zeros(2, np.int64))
+    src.reset(seed=0)
+    src.step(np.zeros(2, np.int64))
+    data = buf.state_dict()["data"]
+    held = slice(0, len(buf))
+    pairs = {(float(o), float(n)) for o, n in zip(data["observation"][held, 0], data["next_observation"][held, 0],
+                                                  strict=True)}
+    assert pairs == {(0.0, 1.0), (1.0, 2.0)}, pairs  # never the stale (2 -> 4)
+
+
+def test_an_info_value_the_example_dtype_cannot_hold_is_refused():
+    env = SyncVectorEnv([lambda: LateInfo(0.7)] * 2)
+    src = VectorEnvSource(env, device="cpu", info_keys={"x": np.int64(0)})
+    src.reset(seed=0)
+    for _ in range(2):
+        src.step(np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="info_keys: the env's 'x' values .* do not fit the example's dtype int64"):
+        src.step(np.zeros(2, np.int64))
+
+
+@pytest.mark.parametrize("space", [gym.spaces.MultiDiscrete([2, 3]), gym.spaces.MultiBinary(5),
+                                   gym.spaces.Box(0, 3, (1,), np.int64), gym.spaces.Discrete(3, start=-1),
+                                   gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(2)))])
+def test_action_spaces_the_source_cannot_encode_are_refused(space):
+    class Env(gym.Env):
+        observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+        action_space = space
+
+    with pytest.raises(TypeError, match="env: expected an action space Discrete\\(n\\) \\(from 0\\) or a float Box"):
+        VectorEnvSource(SyncVectorEnv([Env]), device="cpu")
+
+
+def test_interleaved_single_transitions_refuse_windows():
+    src = VectorEnvSource(gym.make_vec("CartPole-v1", 2, vectorization_mode="sync"), device="cpu")
+    buf = TransitionBuffer(200, 8, src.transition_sample(vectorized=False), vectorized_env=False, n_steps=3)
+    with pytest.raises(ValueError, match="transitions: a buffer with vectorized_env=False stores the transitions of "
+                                         "the 2 envs interleaved"):
+        src.transitions = buf
