@@ -23,7 +23,12 @@ from gpubuf.sources.vector_env import VectorEnvSource  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
-TASKS = {"CartPole-v1": 15, "Pendulum-v1": 12}  # max_episode_steps: CartPole both terminates and truncates
+# max_episode_steps: CartPole and Hopper (MuJoCo, falls over) both terminate and truncate
+TASKS = {"CartPole-v1": 15, "Pendulum-v1": 12, "Hopper-v5": 15}
+try:
+    import mujoco  # noqa: F401
+except ImportError:  # gymnasium's MuJoCo envs need it (the test extra installs it)
+    del TASKS["Hopper-v5"]
 
 
 class Logged(gym.Wrapper):
@@ -98,7 +103,7 @@ def test_each_transition_is_one_step_a_sub_env_took(task, mode, device):
     assert len(by_obs) == len(steps), "observations must identify steps"
     for i in range(len(buf)):
         s = by_obs[got["observation"][i].astype(steps[0][1].dtype).tobytes()]
-        np.testing.assert_array_equal(got["next_observation"][i], s[6].astype(np.float32))  # final obs at an end
+        np.testing.assert_array_equal(got["next_observation"][i], s[6].astype(got["next_observation"].dtype))  # final
         np.testing.assert_array_equal(got["action"][i].reshape(s[2].shape), s[2].astype(got["action"].dtype))
         assert got["reward"][i] == np.float32(s[3]) and got["terminated"][i] == s[4] and got["truncated"][i] == s[5]
     ends = sum(s[4] or s[5] for s in steps)
