@@ -143,3 +143,18 @@ def assert_gets_equal(got: dict | None, expected: dict | None) -> None:
             assert have.dtype == want.dtype and have.shape == want.shape, key
         want = torch.as_tensor(want).to(have.dtype)
         torch.testing.assert_close(have, want.cpu(), rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+def reference_return(reward, terminated, stop, r: int, e: int, held: int, n: int, gamma: float):
+    """``(return, discount, rows used)`` of the n-step return from row ``r`` of env ``e``, by definition: rows whose
+    successor is held (``< held - 1``), stopping before a ``stop`` row and after a ``terminated`` one (discount 0).
+    ``reward``, ``terminated``, ``stop``: ``(rows, envs)`` arrays."""
+    total, disc, m = 0.0, 1.0, 0
+    for j in range(n):
+        if r + j >= held - 1 or stop[r + j, e]:
+            break
+        total += disc * reward[r + j, e]
+        disc, m = disc * gamma, m + 1
+        if terminated[r + j, e]:
+            return total, 0.0, m
+    return total, disc, m

@@ -173,12 +173,7 @@ class RowWriter:
         # the rows whose action the env ignored: reset frames, and the soft reset that follows an end without one
         was_ended = self._ended if in_order else self._ended[ids]
         ignored = first | was_ended if np.count_nonzero(was_ended) else first
-        step = self.stager.stage(obs, self.codec.echo(sent), reward, terminated, truncated, ids, first, infos,
-                                 ignored)
-        if self.history is not None:
-            if np.count_nonzero(first):
-                self.history.reset(ids[first])
-            self.history.append(step.info, env_ids=ids)
+        step = self._stage(obs, reward, terminated, truncated, ids, first, sent, infos, ignored)
         if self.transitions is not None and self._has_prev[ids].any():  # else nothing pending (after a reset)
             reward = np.asarray(reward, dtype=np.float32)
             terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
@@ -186,11 +181,9 @@ class RowWriter:
                 self._insert_single(step, ignored, sent, reward, terminated, truncated)
             elif self._has_prev.all():
                 self._insert_vectorized(ids, ignored, sent, reward, terminated)
-        self._remember(step, in_order)
+        self._remember(step, infos, in_order)
         ended = np.asarray(terminated, dtype=bool) | np.asarray(truncated, dtype=bool)
         at = slice(None) if in_order else ids
-        for key, a in infos.items():
-            self._prev_info[key][at] = a
         self._fresh[at] = ignored
         self._ended[at] = ended
         return step
@@ -221,25 +214,33 @@ class RowWriter:
         shown = (np.where(ended, 0, reward), terminated & ~ended, truncated & ~ended) if some else (
             reward, terminated, truncated)
         ids = self.stager.all_ids
-        step = self.stager.stage(obs, self.codec.echo(sent), *shown, ids, ended, infos, np.zeros_like(ended))
-        if self.history is not None:
-            if some:
-                self.history.reset(ids[ended])
-            self.history.append(step.info, env_ids=ids)
+        step = self._stage(obs, *shown, ids, ended, sent, infos, np.zeros_like(ended))
         tb = self.transitions
         if tb is not None and self._has_prev.all():
             info = {**{k: v.copy() for k, v in self._prev_info.items()}, **self.extra.rows(ids)}
             tb.insert(_row(self._prev_obs, sent.copy(), np.asarray(reward, dtype=np.float32), terminated, truncated,
                            info))
-        self._remember(step, True)
-        for key, a in infos.items():
-            self._prev_info[key][:] = a
+        self._remember(step, infos, True)
         self._fresh[:] = False
         return step
 
-    def _remember(self, step: Step, in_order: bool) -> None:
-        """Keep each received env's observation: the pending row, stored by the next step (or a buffer attached before
-        it)."""
+    def _stage(self, obs, reward, terminated, truncated, ids, first, sent, infos, ignored) -> Step:
+        """Stage a batch (the action echo of the ``ignored`` rows: the fill) and append it to the history, flushing the
+        envs whose row is a reset frame (``first``)."""
+        step = self.stager.stage(obs, self.codec.echo(sent), reward, terminated, truncated, ids, first, infos,
+                                 ignored)
+        if self.history is not None:
+            if np.count_nonzero(first):
+                self.history.reset(ids[first])
+            self.history.append(step.info, env_ids=ids)
+        return step
+
+    def _remember(self, step: Step, infos: dict, in_order: bool) -> None:
+        """Keep each received env's observation and info fields: the pending row, stored by the next step (or a buffer
+        attached before it)."""
+        at = slice(None) if in_order else step.env_ids
+        for key, a in infos.items():
+            self._prev_info[key][at] = a
         rows, ids = step.info[self.stager.obs_key], step.env_ids  # (R, 1, *obs)
         if self._prev_obs is None:
             self._prev_obs = torch.zeros((self.n_envs, *rows.shape[2:]), dtype=rows.dtype, device=self.device)

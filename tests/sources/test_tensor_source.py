@@ -10,6 +10,7 @@ across an episode end.
 import numpy as np
 import pytest
 import torch
+from fixtures import reference_return
 
 from gpubuf import HistoryBuffer, TransitionBuffer
 from gpubuf.sources.tensors import TensorSource
@@ -133,15 +134,7 @@ def test_without_final_observations_returns_and_stacks_stop_at_ends():
         older = r if new_episode else r - 1
         np.testing.assert_array_equal(b.observation[i].numpy(), np.stack([want["observation"][older, e],
                                                                           want["observation"][r, e]]))
-        total, disc, m = 0.0, 1.0, 0
-        for j in range(3):
-            if r + j >= K - 1 or want["truncated"][r + j, e]:
-                break
-            total += disc * want["reward"][r + j, e]
-            disc, m = disc * gamma, m + 1
-            if want["terminated"][r + j, e]:
-                disc = 0.0
-                break
+        total, disc, m = reference_return(want["reward"], want["terminated"], want["truncated"], r, e, K, 3, gamma)
         assert b.reward[i].item() == pytest.approx(total, rel=1e-5, abs=1e-6), (e, r)
         assert b.discount[i].item() == pytest.approx(disc, rel=1e-6), (e, r)
         if disc:  # the bootstrap observation: what the m-th action led to, inside the episode
@@ -246,3 +239,14 @@ def test_gymnax_cartpole_arrays_cross_by_dlpack(final_obs):
         np.testing.assert_array_equal(data["truncated"], trunc)
         b = buf.sample(key=1, batch_size=64, with_next_obs=True)
         assert not b.truncated.any()
+
+
+def test_copies_are_refused():
+    import copy
+    import pickle
+
+    sim = TorchSim(2)
+    src = TensorSource(2, sim.observation_space, sim.action_space, final_obs=False, device="cpu")
+    for fn in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="TensorSource: cannot be copied or pickled"):
+            fn(src)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 gym = pytest.importorskip("gymnasium")
+from fixtures import reference_return  # noqa: E402
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv  # noqa: E402
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TransitionBuffer  # noqa: E402
@@ -186,15 +187,7 @@ def test_next_step_returns_and_stacks_stop_at_episode_ends(task, device):
         older = r if r == 0 or first[r, e] else r - 1  # padding repeats the episode's first frame
         np.testing.assert_array_equal(b.observation[i].cpu().numpy(),
                                       np.stack([want["observation"][older, e], want["observation"][r, e]]))
-        total, disc, m = 0.0, 1.0, 0
-        for j in range(3):  # rows whose successor is held (row K, the pending observation, is not)
-            if r + j >= K - 1 or want["is_last"][r + j, e]:
-                break
-            total += disc * want["reward"][r + j, e]
-            disc, m = disc * gamma, m + 1
-            if want["terminated"][r + j, e]:
-                disc = 0.0
-                break
+        total, disc, m = reference_return(want["reward"], want["terminated"], want["is_last"], r, e, K, 3, gamma)
         assert b.reward[i].item() == pytest.approx(total, rel=1e-5, abs=1e-5), (e, r)
         assert b.discount[i].item() == pytest.approx(disc, rel=1e-6), (e, r)
         if disc:  # the bootstrap observation: m rows later, inside the episode
@@ -397,3 +390,38 @@ def test_interleaved_single_transitions_refuse_windows():
     with pytest.raises(ValueError, match="transitions: a buffer with vectorized_env=False stores the transitions of "
                                          "the 2 envs interleaved"):
         src.transitions = buf
+
+
+def test_two_threads_stepping_one_source_take_turns():
+    """Each call runs whole under the source's lock: every stored transition is one real sub-env step."""
+    import threading
+
+    E, K = 2, 30
+    logs = [[] for _ in range(E)]
+    src = VectorEnvSource(logged_env("CartPole-v1", E, AutoresetMode.SAME_STEP, logs), device="cpu")
+    buf = TransitionBuffer(E * 2 * K + 8, 8, src.transition_sample(vectorized=False), vectorized_env=False,
+                           device="cpu")
+    src.transitions = buf
+    src.reset(seed=0)
+    errors = []
+
+    def stepper(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(K):
+                src.step(rng.integers(0, 2, E))
+        except BaseException as err:  # noqa: B036 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=stepper, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    steps = {(s[1].tobytes(), s[6].tobytes()) for log in logs for s in log if s[0] == "step"}
+    data = buf.state_dict()["data"]
+    got = {(o.numpy().tobytes(), n.numpy().tobytes()) for o, n in zip(data["observation"][:len(buf)],
+                                                                      data["next_observation"][:len(buf)],
+                                                                      strict=True)}
+    assert len(buf) == 2 * K * E and got == steps
