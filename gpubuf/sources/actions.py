@@ -218,7 +218,8 @@ class ActionCodec:
         if self.dtype.kind == "f":  # a continuous env: finite values its dtype holds
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise ValueError(f"actions: expected finite actions, got {arr[~np.isfinite(arr)][:5].tolist()}")
-            check_cast(torch.from_numpy(np.ascontiguousarray(arr)), self._torch_dtype, "actions")
+            readable = arr if arr.flags.c_contiguous and arr.flags.writeable else arr.copy()  # a JAX array: read-only
+            check_cast(torch.from_numpy(readable), self._torch_dtype, "actions")
             arr = arr.reshape(want).astype(self.dtype)
             if self._bounds is not None:  # what the env executes (EnvPool clips to its box)
                 arr = np.clip(arr, *self._bounds)

@@ -16,7 +16,10 @@ MuJoCo Playground, Brax, gymnax): the observation they return for that env is al
 
 Observations stay where they come (a CUDA tensor is staged in place, no copy); the episode-end flags, rewards, actions
 and info fields are read to the host once per step (one device synchronisation per step on CUDA), where the history's
-resets and the buffers' episode bookkeeping live.
+resets and the buffers' episode bookkeeping live. Values are stored as the simulator gives them, cast to the buffers'
+dtypes where the cast is exact (bool or integer observations into a float space, bool or integer rewards into float32);
+NaN observations and rewards are stored as they are (a diverged simulator's output is the caller's to filter), while
+non-finite actions are refused.
 """
 
 import numpy as np

@@ -250,3 +250,18 @@ def test_copies_are_refused():
     for fn in (copy.copy, copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match="TensorSource: cannot be copied or pickled"):
             fn(src)
+
+
+def test_jax_actions_for_a_box_pass_without_a_warning():
+    """A JAX array reads as a read-only numpy view: the action check copies it rather than warn."""
+    import warnings
+
+    jnp = pytest.importorskip("jax").numpy
+    sim = TorchSim(2)
+    src = TensorSource(2, sim.observation_space, sim.action_space, final_obs=False, device="cpu")
+    src.reset(sim.reset())
+    obs, reward, terminated, truncated, _ = sim.step(torch.zeros(2, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = src.step(jnp.full((2, 1), 5.0), obs, reward, terminated, truncated)
+    assert (step.info["action"] == 1.0).all()  # clipped to the box
