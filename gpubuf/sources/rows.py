@@ -30,17 +30,18 @@ last one) is real and may be bootstrapped from. A reset after rows were written 
 Rows of a buffer with ``vectorized_env=False`` (sync or async): each received row but reset frames is one transition
 with its ``next_observation`` and the env's ``terminated``/``truncated``.
 
-Envs that reset inside the step that ends an episode (gymnasium's SAME_STEP and DISABLED modes, GPU simulators) hand
-over the reset frame with the step's reward and flags. With the final observation
-(:meth:`RowWriter.receive_ends_in_step`) the writer writes the final observation as the env's row, then the reset frame
-as its next row, as if the env had spent a step on the reset: two rows of one env in one step, so only buffers with
-``vectorized_env=False``. Without it (``has_final_obs=False``, :meth:`RowWriter.receive_resets_in_step`) a vectorized
-buffer without ``info["is_last"]`` gets one row per env per step: the observation before the step, the action, reward,
-``terminated`` and ``truncated`` as the env reported them; the next row holds the reset frame. The buffer then ends
-episodes at ``terminated | truncated`` rows: a truncated last transition is never drawn with ``with_next_obs`` and no
-n-step return or stack reaches past it (its successor is unknown); a terminated one is drawn with discount 0 (its
-``next_observation`` is the next episode's first frame, which no target uses). A reset after rows were written ends each
-episode with a row of its pending observation (the fill, reward 0, ``truncated`` set).
+Envs that reset inside the step that ends an episode (gymnasium's SAME_STEP and DISABLED modes, GPU simulators;
+``ends_in_step``) hand over the reset frame with the step's reward and flags. With a buffer of ``vectorized_env=False``
+and the final observation (:meth:`RowWriter.receive_ends_in_step`) the writer writes the final observation as the env's
+row, then the reset frame as its next row, as if the env had spent a step on the reset: every transition keeps its real
+successor. A vectorized buffer stores one time row of every env per step, so it gets one row per env per step, without
+``info["is_last"]`` (:meth:`RowWriter.receive_resets_in_step`): the observation before the step, the action, reward,
+``terminated`` and ``truncated`` as the env reported them; the next row holds the reset frame, and a final observation
+the env handed over goes to the history only. The buffer then ends episodes at ``terminated | truncated`` rows: a
+truncated last transition is never drawn with ``with_next_obs`` and no n-step return or stack reaches past it (its
+successor is not stored: one transition per truncated episode is not learned from); a terminated one is drawn with
+discount 0 (its ``next_observation`` is the next episode's first frame, which no target uses). A reset after rows were
+written ends each episode with a row of its pending observation (the fill, reward 0, ``truncated`` set).
 
 Extra per-step data (:class:`~gpubuf.sources.extra.ExtraData`) is stored as ``info[name]`` in the row of the step it was
 sent with (as sent, on ``is_last`` rows too; the fill on the rows a reset adds). Rows whose action the env ignored
@@ -70,13 +71,14 @@ class RowWriter:
         info_spec: ``{key: (per-env shape, numpy dtype)}`` of the env's info fields stored with each row.
         single_rows: why rows may arrive for some envs at a time (``""``: never): only buffers with
             ``vectorized_env=False`` then.
-        has_final_obs: the env hands over the final observation of each episode (else: a vectorized buffer without
-            ``info["is_last"]``, :meth:`receive_resets_in_step`).
+        has_final_obs: the env hands over the final observation of each episode (else: vectorized buffers only).
+        ends_in_step: the env resets inside the step that ends an episode (always so without final observations): its
+            vectorized buffers hold no ``info["is_last"]`` (:meth:`receive_resets_in_step`).
     """
 
     def __init__(self, stager: StepStager, codec: ActionCodec, extra: ExtraData, obs_space, info_spec: dict,
-                 single_rows: str, has_final_obs: bool = True):
-        self.has_final_obs = has_final_obs
+                 single_rows: str, has_final_obs: bool = True, ends_in_step: bool = False):
+        self.has_final_obs, self.ends_in_step = has_final_obs, ends_in_step or not has_final_obs
         self.stager, self.codec, self.extra = stager, codec, extra
         self.n_envs, self.device, self.obs_space = stager.n_envs, stager.device, obs_space
         self.info_spec, self.single_rows = info_spec, single_rows
@@ -107,14 +109,13 @@ class RowWriter:
             self._check_transitions(tb)
         self.end_episodes()
         self.transitions = tb
-        own = {*self.info_spec, "is_last"} if self.has_final_obs else set(self.info_spec)
-        self.extra.attach(None if tb is None else extra_leaves(buffer_leaves(tb), own))
+        self.extra.attach(None if tb is None else extra_leaves(buffer_leaves(tb), {*self.info_spec, "is_last"}))
         self._fresh[:] = True  # the new buffer holds no row of the current episodes
 
     def transition_sample(self, vectorized: bool = True, extra=None):
         """The ``Transition`` of one insert (see the source's ``transition_sample``)."""
         lead = (1, self.n_envs) if vectorized else (1,)
-        return transition_sample(self.obs_space, self.codec.zeros, self.info_spec, lead, extra, self.has_final_obs)
+        return transition_sample(self.obs_space, self.codec.zeros, self.info_spec, lead, extra, not self.ends_in_step)
 
     def _check_transitions(self, tb) -> None:
         """``ValueError`` naming the first leaf of ``tb`` that differs from the rows written."""
@@ -150,7 +151,7 @@ class RowWriter:
         tb = self.transitions
         if self._has_prev.all() and not self._fresh.all() and tb is not None and tb.vectorized_env:
             n = self.n_envs
-            info = {**({"is_last": np.ones(n, dtype=bool)} if self.has_final_obs else {}),
+            info = {**({} if self.ends_in_step else {"is_last": np.ones(n, dtype=bool)}),
                     **{k: v.copy() for k, v in self._prev_info.items()}, **self.extra.filled(n)}
             tb.insert(_row(self._prev_obs, self.codec.filled(n), np.zeros(n, np.float32), np.zeros(n, bool),
                            np.ones(n, bool), info))
@@ -193,20 +194,29 @@ class RowWriter:
         """Stage and write a step of every env in order whose ended envs (``terminated | truncated``, host bool
         ``(n_envs,)``) returned their reset frame in ``obs`` and their final observation in ``final``
         ``(ended, *obs)``, ``final_infos`` ``{key: (ended, ...)}`` the info reported with it: the final observations
-        are written first (the step's reward and flags), then every env's row of this step (the ended envs' reset
-        frames, reward 0). Returns the second batch."""
+        are received first (the step's reward and flags), then every env's row of this step (the ended envs' reset
+        frames, reward 0). A vectorized buffer gets the rows of :meth:`receive_resets_in_step` (the final
+        observations go to the history only). Returns the second batch."""
         ended = terminated | truncated
+        vectorized = self.transitions is not None and self.transitions.vectorized_env
         if np.count_nonzero(ended):
-            ids = np.flatnonzero(ended)
-            self.receive(final, reward[ids], terminated[ids], truncated[ids], ids, np.zeros(len(ids), bool), sent[ids],
-                         final_infos, False)
+            ids, none = np.flatnonzero(ended), np.zeros(int(np.count_nonzero(ended)), bool)
+            if vectorized:
+                self._stage(final, reward[ids], terminated[ids], truncated[ids], ids, none, sent[ids], final_infos,
+                            none)
+            else:
+                self.receive(final, reward[ids], terminated[ids], truncated[ids], ids, none, sent[ids], final_infos,
+                             False)
+        if vectorized:
+            return self.receive_resets_in_step(obs, reward, terminated, truncated, sent, infos)
+        if np.count_nonzero(ended):
             reward, terminated, truncated = np.where(ended, 0, reward), terminated & ~ended, truncated & ~ended
         return self.receive(obs, reward, terminated, truncated, self.stager.all_ids, ended, sent, infos, True)
 
     def receive_resets_in_step(self, obs, reward, terminated, truncated, sent: np.ndarray, infos: dict) -> Step:
-        """Stage and write a step of every env in order whose ended envs returned their reset frame in ``obs``, with no
-        final observation (``has_final_obs=False``): each env's row holds its pending observation and this step's
-        action, reward and flags; the ended envs' reset frames start new histories (reward 0 there, as in a reset)."""
+        """Stage and write a step of every env in order whose ended envs returned their reset frame in ``obs``, into a
+        vectorized buffer: each env's row holds its pending observation and this step's action, reward and flags; the
+        ended envs' reset frames start new histories (reward 0 and the action fill there, as in a reset)."""
         terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
         reward = np.asarray(reward)
         ended = terminated | truncated
@@ -214,7 +224,7 @@ class RowWriter:
         shown = (np.where(ended, 0, reward), terminated & ~ended, truncated & ~ended) if some else (
             reward, terminated, truncated)
         ids = self.stager.all_ids
-        step = self._stage(obs, *shown, ids, ended, sent, infos, np.zeros_like(ended))
+        step = self._stage(obs, *shown, ids, ended, sent, infos, ended)
         tb = self.transitions
         if tb is not None and self._has_prev.all():
             info = {**{k: v.copy() for k, v in self._prev_info.items()}, **self.extra.rows(ids)}
@@ -222,6 +232,7 @@ class RowWriter:
                            info))
         self._remember(step, infos, True)
         self._fresh[:] = False
+        self._ended[:] = False  # no step of such an env ignores its action
         return step
 
     def _stage(self, obs, reward, terminated, truncated, ids, first, sent, infos, ignored) -> Step:

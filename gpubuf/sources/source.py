@@ -20,10 +20,12 @@ class RowSource:
         single_rows: why the rows may arrive for some envs at a time (``""``: never): a vectorized transitions buffer
             is then refused, naming this reason.
         has_final_obs: the env hands over each episode's final observation (:class:`~gpubuf.sources.rows.RowWriter`).
+        ends_in_step: the env resets inside the step that ends an episode (its vectorized buffers hold no
+            ``info["is_last"]``).
     """
 
     def __init__(self, n_envs: int, action_space, observation_space, *, obs_key: str, device, action_fill,
-                 info_spec: dict, single_rows: str = "", has_final_obs: bool = True):
+                 info_spec: dict, single_rows: str = "", has_final_obs: bool = True, ends_in_step: bool = False):
         self.n_envs = n_envs
         self._actions = codec = ActionCodec(action_space, n_envs, action_fill)
         # the stored action of rows whose action the env ignored (its float32 echo is the stager's)
@@ -35,7 +37,7 @@ class RowSource:
         self._extra = ExtraData(n_envs, self.device)
         self._info_spec = info_spec
         self._rows = RowWriter(self.stager, codec, self._extra, observation_space, info_spec, single_rows,
-                               has_final_obs)
+                               has_final_obs, ends_in_step)
 
     # history and transitions: two settable properties, each the row writer's buffer, attached under the lock
 
@@ -72,10 +74,11 @@ class RowSource:
         """A ``Transition`` shaped like one insert, to build the ``transitions`` buffer from.
 
         ``vectorized=True``: leaves ``(1, n_envs, ...)``, one time row per step, next observations inferred by the
-        buffer, ``info["is_last"]`` marking the rows that hold no transition. ``vectorized=False`` (build the buffer
-        with ``vectorized_env=False``): leaves ``(1, ...)`` with an explicit ``next_observation``; each received row is
-        one transition and reset frames are skipped. Either way ``info`` holds the ``info_keys`` fields and ``extra``:
-        ``{name: example}``, one env's value of each extra leaf (its shape and dtype; e.g. ``np.float32(0)`` for a
-        log-probability), which every ``send``/``step`` must then pass.
+        buffer, ``info["is_last"]`` marking the rows that hold no transition (not for an env that resets inside the step
+        that ends an episode: its buffer ends episodes at ``terminated | truncated`` rows). ``vectorized=False`` (build
+        the buffer with ``vectorized_env=False``): leaves ``(1, ...)`` with an explicit ``next_observation``; each
+        received row is one transition and reset frames are skipped. Either way ``info`` holds the ``info_keys`` fields
+        and ``extra``: ``{name: example}``, one env's value of each extra leaf (its shape and dtype; e.g.
+        ``np.float32(0)`` for a log-probability), which every ``send``/``step`` must then pass.
         """
         return self._rows.transition_sample(vectorized, extra)

@@ -5,14 +5,15 @@ when it has one the final observation of each episode that ended) and writes the
 :mod:`gpubuf.sources.rows`. Such simulators reset an env inside the step that ends its episode (Isaac Lab, ManiSkill3,
 MuJoCo Playground, Brax, gymnax): the observation they return for that env is already the next episode's reset frame.
 
-- With final observations (``final_obs=True``): the final observation is written as that env's row, then the reset
-  frame (as :class:`~gpubuf.VectorEnvSource` does for gymnasium's SAME_STEP mode): buffers with
-  ``vectorized_env=False``, every transition with its real successor.
-- Without (``final_obs=False``): a vectorized buffer without ``info["is_last"]`` (build it from
-  :meth:`transition_sample`), one row per env per step, episodes ending at ``terminated | truncated`` rows. What that
-  costs: a truncated last transition's successor is unknown, so it is never drawn with ``with_next_obs``, and no n-step
-  return or frame stack reaches past it; a terminated one is drawn with discount 0 (its ``next_observation`` is the next
-  episode's first frame, which no target uses; a world model should mask it with ``terminated``).
+- A vectorized buffer (build it from :meth:`transition_sample`), with or without final observations: one row per env
+  per step without ``info["is_last"]``, episodes ending at ``terminated | truncated`` rows (a final observation goes
+  to the history only). What that costs: a truncated last transition's successor is not stored, so it is never drawn
+  with ``with_next_obs``, and no n-step return or frame stack reaches past it; a terminated one is drawn with discount 0
+  (its ``next_observation`` is the next episode's first frame, which no target uses; a world model should mask it with
+  ``terminated``).
+- A buffer with ``vectorized_env=False`` (``final_obs=True`` only): the final observation is written as that env's row,
+  then the reset frame (as :class:`~gpubuf.VectorEnvSource` does for gymnasium's SAME_STEP mode), every transition with
+  its real successor.
 
 Observations stay where they come (a CUDA tensor is staged in place, no copy); the episode-end flags, rewards, actions
 and info fields are read to the host once per step (one device synchronisation per step on CUDA), where the history's
@@ -78,9 +79,7 @@ class TensorSource(RowSource):
         spec = example_info_spec({} if info_keys is None else info_keys, obs_key)
         self.final_obs = final_obs
         super().__init__(int(n_envs), action_space, observation_space, obs_key=obs_key, device=device,
-                         action_fill=action_fill, info_spec=spec,
-                         single_rows="a simulator that hands over final observations" if final_obs else "",
-                         has_final_obs=final_obs)
+                         action_fill=action_fill, info_spec=spec, has_final_obs=final_obs, ends_in_step=True)
         self._obs_shape = tuple(observation_space.shape)
         self._no = np.zeros(self.n_envs, dtype=bool)
         self._zeros = np.zeros(self.n_envs, dtype=np.float32)

@@ -14,11 +14,15 @@ vectorized implementation) and writes its rows by the row convention of :mod:`gp
 - ``DISABLED``: the source resets the envs that ended, through ``env.reset(options={"reset_mask": ended})``, right after
   the step, and writes the same rows as for ``SAME_STEP``.
 
-So in the two same-step modes an episode end yields two rows of one env in one step (its final observation and its
-reset frame): such an env feeds buffers with ``vectorized_env=False`` (each transition with its own
-``next_observation``; every transition keeps its real successor, the final observation included); a vectorized buffer,
-one time row of every env per step, is refused with a ``ValueError`` naming ``transitions``. With ``NEXT_STEP`` both
-layouts work.
+So in the two same-step modes an episode end yields two rows of one env in one step (its final observation and its reset
+frame). A buffer with ``vectorized_env=False`` gets both: each transition with its own ``next_observation``, the final
+observation included. A vectorized buffer stores one time row of every env per step: it gets each env's step as one row
+(observation before, executed action, the env's reward, ``terminated`` and ``truncated``) without ``info["is_last"]``
+rows, the reset frame in the env's next row, and ends episodes at ``terminated | truncated`` rows; the final observation
+goes to the history only, so a truncated episode's last transition has no stored successor and is never drawn with
+``with_next_obs`` nor bootstrapped by an n-step return or stack (one transition per truncated episode is not learned
+from; a terminated one keeps discount 0). With ``NEXT_STEP`` a vectorized buffer holds EnvPool's rows, the final
+observation as an ``info["is_last"]`` row.
 """
 
 import warnings
@@ -67,9 +71,10 @@ class VectorEnvSource(RowSource):
         action_fill: the action stored on every row whose action the env ignored (reset frames), as for
             :class:`~gpubuf.EnvPoolSource` (default: NaN for float actions, -1 for signed integer ones).
 
-    Rows (the module docstring has the autoreset modes): with a vectorized buffer (``NEXT_STEP`` only) one time row of
-    every env per step, the step after an episode's end holding its last observation as an ``info["is_last"]`` row (the
-    fill, reward 0, ``truncated`` set); with ``vectorized_env=False`` one transition per step of each env, with its
+    Rows (the module docstring has the autoreset modes): with a vectorized buffer one time row of every env per step
+    (``NEXT_STEP``: the step after an episode's end holds its last observation as an ``info["is_last"]`` row, with the
+    fill, reward 0, ``truncated`` set; the same-step modes: no such rows, episodes end at ``terminated | truncated``
+    rows); with ``vectorized_env=False`` one transition per step of each env, with its
     ``next_observation`` (the final observation at an episode end). Actions outside a ``Box`` are clipped to it before
     they are sent, so the buffers store what the env executed.
 
@@ -95,8 +100,7 @@ class VectorEnvSource(RowSource):
         self.info_keys = dict(info_keys or {})
         same_step = self.autoreset_mode != "NextStep"
         super().__init__(int(env.num_envs), env.single_action_space, obs_space, obs_key=obs_key, device=device,
-                         action_fill=action_fill, info_spec=spec,
-                         single_rows=f"an env of autoreset_mode {self.autoreset_mode!r}" if same_step else "")
+                         action_fill=action_fill, info_spec=spec, ends_in_step=same_step)
         self._order = np.arange(self.n_envs, dtype=np.int64)
         self._ended = np.zeros(self.n_envs, dtype=bool)  # NEXT_STEP: the env's last step ended an episode
         self._zeros = np.zeros(self.n_envs, dtype=np.float32)

@@ -3,10 +3,11 @@ modes), every stored row checked against what each sub-env did.
 
 The ground truth is a wrapper around each sub-env that logs every ``reset`` and ``step`` it runs (observation before,
 action executed, reward, flags, observation after), whatever the vector env's autoreset mode: a transition of a buffer
-with ``vectorized_env=False`` must be exactly one logged step, in order; a vectorized buffer (``NEXT_STEP``) must hold
-the row convention's rows built from the logs (a step's row: observation before, executed action, reward,
-``terminated``; the step after an episode end: the final observation with ``is_last``, ``truncated``, reward 0 and the
-fill), and its windows, next observations and n-step returns never cross an episode end.
+with ``vectorized_env=False`` must be exactly one logged step, in order; a vectorized buffer must hold the row
+convention's rows built from the logs (a step's row: observation before, executed action, reward, ``terminated``;
+``NEXT_STEP``: the step after an episode end holds the final observation with ``is_last``, ``truncated``, reward 0 and
+the fill; the same-step modes: the env's own flags, no ``is_last`` rows), and its windows, next observations and n-step
+returns never cross an episode end.
 """
 
 import numpy as np
@@ -194,15 +195,100 @@ def test_next_step_returns_and_stacks_stop_at_episode_ends(task, device):
             np.testing.assert_array_equal(b.next_observation[i, -1].cpu().numpy(), want["observation"][r + m, e])
 
 
-def test_same_step_modes_refuse_a_vectorized_buffer(device):
-    for mode in MODES[1:]:
-        src = VectorEnvSource(gym.make_vec("CartPole-v1", 2, vectorization_mode="sync",
+def same_step_rows(logs, K):
+    """``(K, E, ...)`` rows of a same-step run of ``K`` steps into a vectorized buffer: each logged step is one row
+    (observation before, action, reward, flags), plus ``after``: the observation each step led to (the final one at an
+    episode end)."""
+    steps = [[entry for entry in log if entry[0] == "step"][:K] for log in logs]
+    cols = [np.array([[s[i] for s in col] for col in steps]) for i in range(1, 7)]
+    names = ("observation", "action", "reward", "terminated", "truncated", "after")
+    return {k: np.swapaxes(c, 0, 1) for k, c in zip(names, cols, strict=True)}
+
+
+def same_step_run(task, mode, device, n_steps, K=45, E=3):
+    """A logged same-step run of ``K`` steps into a vectorized buffer of ``n_steps`` windows and a history:
+    ``(buffer, history, logs, expected rows)``."""
+    logs = [[] for _ in range(E)]
+    src = VectorEnvSource(logged_env(task, E, mode, logs), device=device)
+    hist = HistoryBuffer(E, 64, device=device)
+    src.history = hist
+    buf = TransitionBuffer(E * (K + 4), 8, src.transition_sample(), n_steps=n_steps, device=device)
+    src.transitions = buf
+    drive(src, K)
+    return buf, hist, logs, same_step_rows(logs, K)
+
+
+SAME_STEP_CASES = [(t, m) for t in ("CartPole-v1", "Pendulum-v1") for m in MODES[1:]]
+
+
+@pytest.mark.parametrize("task, mode", SAME_STEP_CASES, ids=lambda x: getattr(x, "value", x))
+def test_same_step_modes_into_a_vectorized_buffer_never_cross_an_end(task, mode, device):
+    """A same-step env into a vectorized buffer: one row per env per step, the env's own flags, no ``is_last`` leaf;
+    windows and next observations stay inside episodes, and a truncated last transition (whose successor, the final
+    observation, is not stored) is never drawn with a next observation."""
+    K = 45
+    buf, hist, logs, want = same_step_run(task, mode, device, 3, K)
+    data = buf.state_dict()["data"]
+    assert "info['is_last']" not in data and len(buf) == K * 3
+    for key in ("observation", "action", "reward", "terminated", "truncated"):
+        np.testing.assert_array_equal(data[key][:K].cpu().numpy(), want[key].reshape(data[key][:K].shape).astype(
+            data[key].cpu().numpy().dtype), err_msg=key)
+    ends = want["terminated"] | want["truncated"]
+    assert want["truncated"].any(), "the run must truncate an episode"
+    # the history holds each env's current observation (the reset frame after an end)
+    frames = hist.get(1)["observation"][:, 0].cpu().numpy()
+    last = [log[-1][1] if log[-1][0] == "reset" else log[-1][6] for log in logs]
+    np.testing.assert_array_equal(frames, np.stack(last).astype(frames.dtype))
+
+    b, idx = buf.sample(key=2, batch_size=64, with_next_obs=True, boundaries="forbid", return_indices=True)
+    env, row, _ = (t.cpu().numpy() for t in buf.locate(idx))
+    rows = row[:, None] + np.arange(3)
+    assert not want["truncated"][rows, env[:, None]].any()  # never a truncated last transition with a next obs
+    assert not ends[rows[:, :-1], env[:, None]].any()  # an episode end only at a window's last row
+    live = ~want["terminated"][rows, env[:, None]]
+    got = b.next_observation.cpu().numpy()
+    np.testing.assert_array_equal(got[live], want["after"][rows, env[:, None]][live].astype(got.dtype))
+
+
+@pytest.mark.parametrize("task, mode", SAME_STEP_CASES, ids=lambda x: getattr(x, "value", x))
+def test_same_step_returns_and_stacks_stop_at_episode_ends(task, mode, device):
+    K, gamma = 45, 0.5
+    buf, _, _, want = same_step_run(task, mode, device, 1, K)
+    b, idx = buf.sample(key=4, batch_size=64, n_step_return=(3, gamma), frame_stack=2, return_indices=True)
+    env, row, _ = (t.cpu().numpy() for t in buf.locate(idx))
+    obs = b.observation.cpu().numpy()
+    for i in range(len(idx)):
+        e, r = env[i], row[i]
+        assert not want["truncated"][r, e]  # its successor is not stored: never a start with a bootstrap
+        new_episode = r == 0 or want["terminated"][r - 1, e] or want["truncated"][r - 1, e]
+        older = r if new_episode else r - 1
+        np.testing.assert_array_equal(obs[i], np.stack([want["observation"][older, e],
+                                                        want["observation"][r, e]]).astype(obs.dtype))
+        total, disc, m = reference_return(want["reward"], want["terminated"], want["truncated"], r, e, K, 3, gamma)
+        assert b.reward[i].item() == pytest.approx(total, rel=1e-5, abs=1e-5), (e, r)
+        assert b.discount[i].item() == pytest.approx(disc, rel=1e-6), (e, r)
+        if disc:  # the bootstrap observation: what the m-th action led to, inside the episode
+            np.testing.assert_array_equal(b.next_observation[i, -1].cpu().numpy(),
+                                          want["after"][r + m - 1, e].astype(obs.dtype))
+
+
+@pytest.mark.parametrize("mode", MODES[1:], ids=lambda m: m.value)
+def test_same_step_history_is_the_same_whatever_the_buffer(mode, device):
+    """The history gets the final observation, then the reset frame, with a vectorized buffer as without one."""
+    E, K = 2, 30
+    got = []
+    for vectorized in (True, False, None):
+        src = VectorEnvSource(gym.make_vec("CartPole-v1", E, vectorization_mode="sync",
                                            vector_kwargs={"autoreset_mode": mode}), device=device)
-        buf = TransitionBuffer(64, 4, src.transition_sample(), device=device)
-        with pytest.raises(ValueError, match=f"transitions: an env of autoreset_mode '{mode.value}' needs a buffer "
-                                             "with vectorized_env=False"):
-            src.transitions = buf
-        assert src.transitions is None
+        src.history = hist = HistoryBuffer(E, 64, device=device)
+        if vectorized is not None:
+            src.transitions = TransitionBuffer(E * (K + 4), 4, src.transition_sample(vectorized),
+                                               vectorized_env=vectorized, device=device)
+        drive(src, K)
+        got.append(hist.get(40))
+    for other in got[1:]:
+        for key in got[0]:
+            torch.testing.assert_close(got[0][key], other[key], equal_nan=True, msg=key)
 
 
 # ------------------------------------------------------------------ async, info fields, extra data
@@ -211,9 +297,9 @@ def test_same_step_modes_refuse_a_vectorized_buffer(device):
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 def test_async_writes_the_rows_sync_writes(mode, device):
     E, K = 3, 30
-    vectorized = mode == AutoresetMode.NEXT_STEP
     out = []
-    for logs in ([[] for _ in range(E)], None):
+    for logs, vectorized in (([[] for _ in range(E)], True), (None, True), ([[] for _ in range(E)], False),
+                             (None, False)):
         src = VectorEnvSource(logged_env("Pendulum-v1", E, mode, logs), device=device)
         buf = PrioritizedTransitionBuffer(E * (K + 4), 8, src.transition_sample(vectorized), vectorized_env=vectorized,
                                           device=device)
@@ -221,8 +307,9 @@ def test_async_writes_the_rows_sync_writes(mode, device):
         drive(src, K, seed=5)
         out.append(buf.state_dict()["data"])
         src.env.close()
-    for key in out[0]:
-        torch.testing.assert_close(out[0][key], out[1][key], rtol=0, atol=0, equal_nan=True, msg=key)
+    for a, b in ((out[0], out[1]), (out[2], out[3])):
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True, msg=key)
 
 
 def test_extra_data_rides_with_its_row_and_an_unreported_info_field_is_zero(device):
