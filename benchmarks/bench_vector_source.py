@@ -12,7 +12,9 @@ same random actions), medians over the rounds:
 - ``TensorSource``: its step on recorded torch tensors (no final observations, a vectorized buffer and a history).
 
 Envs: CartPole-v1 through gymnasium's own vectorized implementation (``vector_entry_point``: numpy over all envs, the
-cheapest raw step, so the strictest ratio) and through ``SyncVectorEnv`` (one Python env per slot).
+cheapest raw step, so the strictest ratio) and through ``SyncVectorEnv`` (one Python env per slot); 84x84 frames from
+ale-py's own Atari vector env (Pong, grayscale, one frame per observation; the bench extra installs ale-py), and
+TensorSource on recorded 84x84 uint8 frames.
 
     python benchmarks/bench_vector_source.py                    # 16 and 1024 envs -> results/vector_source_cpu.json
 """
@@ -57,10 +59,19 @@ class Replayed(VectorEnv):
         return out
 
 
-def source_for(env, n):
+def atari(n: int):
+    """ale-py's Atari vector env of ``n`` Pong envs, 84x84 grayscale, one frame per observation (NEXT_STEP)."""
+    try:
+        from ale_py.vector_env import AtariVectorEnv
+    except ImportError as e:
+        raise SystemExit("the 84x84 rows need ale-py: pip install -e '.[bench]'") from e
+    return AtariVectorEnv("pong", num_envs=n, stack_num=1)
+
+
+def source_for(env, n, rows: int = 256):
     src = VectorEnvSource(env, device="cpu")
     src.history = HistoryBuffer(n, 8, device="cpu")
-    src.transitions = TransitionBuffer(n * 256, 256, src.transition_sample(), device="cpu", seed=0)
+    src.transitions = TransitionBuffer(n * rows, 256, src.transition_sample(), device="cpu", seed=0)
     src.reset(seed=0)
     return src
 
@@ -72,13 +83,15 @@ def row_bytes(buf, with_next_obs: bool) -> int:
     return sum(per_row.values()) + (per_row["observation"] if with_next_obs else 0)
 
 
-def bench(mode: str, n: int, steps: int, rounds: int) -> dict:
+def bench(label: str, make_env, n: int, steps: int, rounds: int, rows: int = 256) -> dict:
+    """Interleaved rounds of the raw step, the source's step and the source on replayed outputs, all on one env of
+    ``n`` sub-envs made by ``make_env()`` (discrete actions; one env, as a 1024-env Atari vector env takes minutes to
+    build: the source's rows are not checked here, only timed)."""
+    env = make_env()
     rng = np.random.default_rng(0)
-    actions = [rng.integers(0, 2, n) for _ in range(steps)]
-    raw = make(mode, n)
-    raw.reset(seed=0)
-    src = source_for(make(mode, n), n)
-    host = source_for(Replayed(make(mode, n), actions), n)
+    actions = [rng.integers(0, env.single_action_space.n, n) for _ in range(steps)]
+    host = source_for(Replayed(env, actions), n, rows)  # records its outputs from env
+    raw, src = env, source_for(env, n, rows)
     calls = {"raw": raw.step, "source": src.step, "host-only": host.step}
     times = {k: [] for k in calls}
     for r in range(rounds):
@@ -91,23 +104,31 @@ def bench(mode: str, n: int, steps: int, rounds: int) -> dict:
             times[name].append((time.perf_counter() - t0) / steps * 1e6)
     med = {k: statistics.median(v) for k, v in times.items()}
     buf = src.transitions
-    return {"env": f"CartPole-v1 ({mode})", "num_envs": n, "raw_us": med["raw"], "source_us": med["source"],
+    env.close()
+    return {"env": label, "num_envs": n, "raw_us": med["raw"], "source_us": med["source"],
             "host_only_us": med["host-only"], "ratio": med["source"] / med["raw"],
             "bytes_per_env_step": row_bytes(buf, False), "bytes_with_next_obs": row_bytes(buf, True)}
 
 
-def bench_tensors(n: int, steps: int, rounds: int) -> dict:
+def bench_tensors(n: int, steps: int, rounds: int, frames: bool = False) -> dict:
     """``TensorSource.step`` (no final observations, a vectorized buffer and a history) on recorded torch tensors of
-    ``n`` CartPole-sized envs: the source's whole cost per simulator step."""
+    ``n`` CartPole-sized envs (``frames``: 84x84 uint8 frames): the source's whole cost per simulator step."""
     from gpubuf.sources.tensors import TensorSource
 
-    obs_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+    shape = (84, 84) if frames else (4,)
+    obs_space = gym.spaces.Box(0, 255, shape, np.uint8) if frames else gym.spaces.Box(-np.inf, np.inf, shape,
+                                                                                       np.float32)
     src = TensorSource(n, obs_space, gym.spaces.Discrete(2), final_obs=False, device="cpu")
     src.history = HistoryBuffer(n, 8, device="cpu")
-    src.transitions = TransitionBuffer(n * 256, 256, src.transition_sample(), device="cpu", seed=0)
+    src.transitions = TransitionBuffer(n * (32 if frames else 256), 256, src.transition_sample(), device="cpu", seed=0)
     g = torch.Generator().manual_seed(0)
-    src.reset(torch.rand(n, 4, generator=g))
-    recorded = [(torch.randint(0, 2, (n,), generator=g), torch.rand(n, 4, generator=g), torch.rand(n, generator=g),
+
+    def obs():
+        return torch.randint(0, 256, (n, *shape), generator=g, dtype=torch.uint8) if frames else torch.rand(
+            n, *shape, generator=g)
+
+    src.reset(obs())
+    recorded = [(torch.randint(0, 2, (n,), generator=g), obs(), torch.rand(n, generator=g),
                  torch.rand(n, generator=g) < 0.01, torch.rand(n, generator=g) < 0.005) for _ in range(steps)]
     times = []
     for _ in range(rounds):
@@ -116,7 +137,8 @@ def bench_tensors(n: int, steps: int, rounds: int) -> dict:
             src.step(*step)
         times.append((time.perf_counter() - t0) / steps * 1e6)
     buf = src.transitions
-    return {"env": "TensorSource (torch tensors, no final obs)", "num_envs": n, "raw_us": None,
+    label = "84x84 uint8 frames" if frames else "4 float32"
+    return {"env": f"TensorSource (torch tensors, {label}, no final obs)", "num_envs": n, "raw_us": None,
             "source_us": statistics.median(times), "host_only_us": statistics.median(times), "ratio": None,
             "bytes_per_env_step": row_bytes(buf, False), "bytes_with_next_obs": row_bytes(buf, True)}
 
@@ -126,20 +148,29 @@ def main():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vector_source_cpu.json")
+    p.add_argument("--atari-envs", type=int, nargs="*", default=[16, 256],
+                   help="sizes of the Atari rows (a 1024-env ALE vector env takes many minutes to build on 2 cores)")
     args = p.parse_args()
     rows = []
     for mode, n in (("vector_entry_point", 16), ("vector_entry_point", 1024), ("sync", 16), ("sync", 1024)):
-        rows.append(bench(mode, n, args.steps if n < 1024 or mode != "sync" else max(5, args.steps // 5),
-                          args.rounds))
-        show(rows[-1])
-    for n in (16, 1024):
-        rows.append(bench_tensors(n, args.steps, args.rounds))
-        show(rows[-1])
+        rows.append(bench(f"CartPole-v1 ({mode})", lambda mode=mode, n=n: make(mode, n), n,
+                          args.steps if n < 1024 or mode != "sync" else max(5, args.steps // 5), args.rounds))
+        show(rows[-1], rows, args)
+    for frames in (False, True):
+        for n in (16, 1024):
+            rows.append(bench_tensors(n, args.steps, args.rounds, frames))
+            show(rows[-1], rows, args)
+    for n in args.atari_envs:  # a 256-env Atari step takes ~60 ms on 2 cores: fewer steps and rounds
+        rows.append(bench("Pong 84x84 (ale-py AtariVectorEnv)", lambda n=n: atari(n), n,
+                          args.steps if n <= 16 else max(5, args.steps // 5),
+                          args.rounds if n <= 16 else max(5, args.rounds // 2), rows=32))
+        show(rows[-1], rows, args)
+
+
+def show(r: dict, rows: list, args) -> None:
+    """Print a row; write every row so far to ``args.out``."""
     args.out.write_text(json.dumps({"meta": machine(torch.device("cpu")), "steps": args.steps, "rounds": args.rounds,
                                     "command": "python benchmarks/bench_vector_source.py", "rows": rows}, indent=1))
-
-
-def show(r: dict) -> None:
     raw, ratio = ("-", "-") if r["raw_us"] is None else (f"{r['raw_us']:.0f}", f"{r['ratio']:.2f}")
     print(f"| {r['env']} | {r['num_envs']} | {raw} | {r['source_us']:.0f} | {ratio} | {r['host_only_us']:.0f} | "
           f"{r['bytes_per_env_step']} | {r['bytes_with_next_obs']} |", flush=True)

@@ -40,7 +40,7 @@ from gpubuf._core.inputs import generator_for, host_indices, int_seed
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import memory_ranges
 from gpubuf._core.transition import Transition
-from gpubuf.replay import tiers
+from gpubuf.replay import tiers, write_backs
 from gpubuf.replay.buffer_state import BufferState
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
 from gpubuf.replay.readers import BatchReader
@@ -93,6 +93,10 @@ class TransitionBuffer(Samples, BufferState):
     ``torch.save`` give an independent, complete buffer (:mod:`gpubuf._core.copies`); a ``storage_dir``
     buffer refuses (use :meth:`save` or ``state_dict``).
     """
+
+    # write-backs the last update_rows / update_priorities call given generations dropped (their rows
+    # were overwritten since the sample); 0 after a call without generations
+    stale_updates = 0
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
                  vectorized_env: bool = True, n_steps: int = 1, *, device=None,
@@ -226,10 +230,12 @@ class TransitionBuffer(Samples, BufferState):
 
     @locked
     def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
-                return_indices, frame_stack, frame_stride, n_step_return):
+                return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
         """:meth:`sample` with the buffer's defaults resolved: check, draw, read."""
         if not isinstance(return_indices, bool):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
+        if not isinstance(return_generations, bool):
+            raise TypeError(f"return_generations: expected a bool, got {return_generations!r}")
         reader = self.reader
         plain = frame_stack is None and n_step_return is None and type(frame_stride) is int and frame_stride == 1
         spec = None if plain else reader.spec(frame_stack, frame_stride, n_step_return, out)  # steady: no call
@@ -251,6 +257,8 @@ class TransitionBuffer(Samples, BufferState):
             if ops.allocation_failed(err):
                 raise ops.memory_error("batch_size", what, err) from None
             raise
+        if return_generations:
+            return batch, idx, write_backs.generations(self.ring, idx)
         return (batch, idx) if return_indices else batch
 
     @locked
@@ -279,6 +287,46 @@ class TransitionBuffer(Samples, BufferState):
         return GraphSampler(self, batch_size, with_next_obs, generator, boundaries,
                             frame_stack=frame_stack, frame_stride=frame_stride,
                             n_step_return=n_step_return)
+
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
+    @locked
+    def update_rows(self, indices, values: dict, *, generations=None):
+        """Write ``values`` ``{name: (B, ...)}`` into the stored ``info`` leaves (say latents a
+        world model computed from the sampled windows) at flat starts ``indices`` (B,); returns
+        ``self``. A leaf's ``(B, *shape)`` values go to the start rows; with ``n_steps > 1``,
+        ``(B, n_steps, *shape)`` values go to every row of the windows. With ``generations`` (from
+        ``sample(..., return_generations=True)``) the starts whose rows were overwritten since the
+        sample are skipped, and :attr:`stale_updates` counts them. Duplicate starts: one of their
+        values is kept. Observations, actions, rewards and flags are not written back.
+
+        Raises (writing nothing) on a name that is not an ``info`` leaf, a misshapen value or one
+        its leaf's dtype cannot hold, non-integer indices or ones outside ``[0, max_size)``
+        (``IndexError``), a rows not held (``IndexError``, without ``generations``), or a closed
+        ``storage_dir`` buffer; on a ``storage_dir`` the values reach the files as the other rows do
+        (made durable by ``flush()``)."""
+        self.storage.check_open()
+        idx = write_backs.as_indices(indices)
+        checked = write_backs.row_values(self.config, values, idx.shape[0], self.config.n_steps)
+        write_backs.check_range(self.ring, idx)
+        if generations is None:
+            self.stale_updates = 0
+            self.ring.locate(idx.cpu().numpy())  # IndexError for a row not held
+        else:
+            keep = self._current(idx, generations)
+            idx = idx[keep]
+            checked = {p: (t[keep.to(t.device)], w) for p, (t, w) in checked.items()}
+        if idx.numel():
+            with signals_held():
+                write_backs.write_rows(self.storage, self.ring, idx, checked, self.config.n_steps)
+        return self
+
+    def _current(self, idx: torch.Tensor, generations) -> torch.Tensor:
+        """The mask of flat starts ``idx`` (K,) still holding ``generations``, the others counted
+        into :attr:`stale_updates`."""
+        keep = write_backs.current(self.ring, idx, generations)
+        self.stale_updates = int(keep.numel() - keep.sum())
+        return keep
 
     @locked
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

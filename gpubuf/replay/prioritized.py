@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from gpubuf._core.concurrency import locked
-from gpubuf._core.inputs import finite_float
+from gpubuf._core.inputs import finite_float, priority_updates
 from gpubuf._core.transition import Transition
+from gpubuf.replay import write_backs
 from gpubuf.replay.buffer import TransitionBuffer
 from gpubuf.replay.samplers import PrioritizedSampler
 
@@ -82,16 +83,26 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
-    def update_priorities(self, indices, td_errors):
+    def update_priorities(self, indices, td_errors, *, generations=None):
         """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
 
         Duplicate indices keep their largest value. ``max_priority`` becomes ``max(max_priority,
-        new)``. Empty inputs do nothing. Raises (writing nothing) on non-integer or out-of-range
-        indices, a length mismatch, NaN/inf results, a priority whose ``**alpha`` mass would
+        new)``. Empty inputs do nothing. With ``generations`` (from ``sample(...,
+        return_generations=True)``) the starts whose rows were overwritten since that sample keep
+        their priority (the TD error was computed on other data), and :attr:`stale_updates` counts
+        them. Raises (writing nothing) on non-integer or out-of-range indices, a length mismatch,
+        misshapen ``generations``, NaN/inf results, a priority whose ``**alpha`` mass would
         overflow, or a closed ``storage_dir`` buffer (its next flush could not keep the change);
         ``RuntimeError`` in a process that did not open its ``storage_dir`` (a fork).
         """
         self.storage.check_open()
+        if generations is None:
+            self.stale_updates = 0
+        else:
+            idx, td = priority_updates(indices, td_errors)
+            write_backs.check_range(self.ring, idx)
+            keep = self._current(idx, generations)
+            indices, td_errors = idx[keep], td[keep.to(td.device)]
         self.sampler.update_priorities(indices, td_errors)
         return self
 

@@ -25,6 +25,8 @@ rows: the ``count`` rows before ``pos``; head rows: of ``T`` rows written at ``p
 the wrap (``min(T, M - pos)``).
 """
 
+import os
+
 import numpy as np
 
 NEXT_OBS, IN_EPISODE = 1, 2  # validity kind bits
@@ -46,6 +48,9 @@ class StartRing:
         self.pos = 0  # next row written
         self.count = 0  # rows held, at most M: the `count` rows before `pos`
         self.total = 0  # rows ever written
+        # generations of the held rows start past every one handed out before a restore (write_backs.py),
+        # from a random base: another ring (a re-opened storage_dir) shares none with this one
+        self.base = int.from_bytes(os.urandom(6), "little") << 8
         self.trunc = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows holding a truncation
         self.n_trunc = 0  # truncated rows stored
         self.ends = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows ending an episode
@@ -184,7 +189,8 @@ class StartRing:
                 last: np.ndarray | None = None) -> None:
         """Set the write position, row count, truncation flags, episode ends, (default: ``count``)
         rows ever written and rows holding no transition (default: none); the flags are copied;
-        validity is forgotten."""
+        validity is forgotten, and every generation handed out before is stale."""
+        self.base += self.total + 1
         self.pos, self.count = pos, count
         self.trunc, self.ends = np.array(trunc, dtype=bool), np.array(ends, dtype=bool)
         self.last = np.zeros_like(self.trunc) if last is None else np.array(last, dtype=bool)

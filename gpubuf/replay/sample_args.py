@@ -14,7 +14,7 @@ from gpubuf._core.transition import Transition
 class Samples:
     """Base of the buffers that sample: the shared :meth:`sample`; a subclass implements
     ``_sample(key, with_replacement, batch_size, with_next_obs, boundaries, out, return_indices,
-    frame_stack, frame_stride, n_step_return)`` with the defaults resolved."""
+    frame_stack, frame_stride, n_step_return, return_generations)`` with the defaults resolved."""
 
     default_with_replacement = True  # uniform buffers draw with replacement
     default_return_indices = False  # and return the batch alone
@@ -25,7 +25,7 @@ class Samples:
                with_next_obs: bool = False, boundaries: str = "allow", *,
                out: Transition | None = None, return_indices: bool | None = None,
                frame_stack: int | None = None, frame_stride: int = 1,
-               n_step_return: tuple[int, float] | None = None):
+               n_step_return: tuple[int, float] | None = None, return_generations: bool = False):
         """A batch of ``B`` windows of ``n_steps`` rows from drawn valid starts: uniformly, or, in a
         prioritized buffer, with probability ``P_i`` (the batch then carries ``PER_weights`` (B,)
         float32; a caller's ``out.PER_weights`` is replaced by a fresh tensor). With
@@ -47,6 +47,13 @@ class Samples:
         device has in all raises ``MemoryError`` naming ``batch_size`` and the bytes before anything
         is drawn; an allocation that fails raises the same. A sample that raises leaves the
         generator (the buffer's or ``key``'s), the priorities and the counts as they were.
+
+        ``return_generations=True`` returns ``(batch, indices, generations)``: each start's
+        generation ``(B,)`` int64 on the device (no read-back), which identifies what its row held
+        when sampled. Pass it back with a later write-back (``update_priorities(...,
+        generations=)``, ``update_rows(..., generations=)``) and the values for rows overwritten
+        since (the ring wrapped, or a load replaced the rows) are dropped, not written onto the
+        newer data.
 
         ``boundaries``: ``"allow"``, ``"mask"`` or ``"forbid"``, what a window may do at an episode
         end (:mod:`gpubuf.replay.buffer` says how). ``out`` may be a :class:`Transition` of
@@ -82,4 +89,5 @@ class Samples:
         return self._sample(key, self.default_with_replacement if with_replacement is None
                             else with_replacement, batch_size, with_next_obs, boundaries, out,
                             self.default_return_indices if return_indices is None
-                            else return_indices, frame_stack, frame_stride, n_step_return)
+                            else return_indices, frame_stack, frame_stride, n_step_return,
+                            return_generations)

@@ -78,9 +78,13 @@ def _check_shards(everyone: list[dict]) -> None:
                       stacklevel=3)
 
 
-def _refused(prioritized: bool, out, return_indices, frame_stack, frame_stride, n_step_return) -> None:
+def _refused(prioritized: bool, out, return_indices, frame_stack, frame_stride, n_step_return,
+             return_generations=False) -> None:
     """Raise ``ValueError`` naming the first argument of the shared ``sample`` signature that a sharded sample
     does not offer (windows of ``n_steps`` rows into fresh tensors, global indices of prioritized shards)."""
+    if return_generations is not False:
+        raise ValueError("return_generations: ShardedBuffer.sample does not return generations (its write-backs "
+                         f"are not generation-checked); expected False, got {return_generations!r}")
     if out is not None:
         raise ValueError("out: ShardedBuffer.sample assembles each batch from the exchanged windows into fresh "
                          f"tensors; expected None, got a {type(out).__name__}")
@@ -173,7 +177,7 @@ class ShardedBuffer:
     def sample(self, key=None, with_replacement: bool | None = None, batch_size: int | None = None,
                with_next_obs: bool = False, boundaries: str = "allow", *, out: Transition | None = None,
                return_indices: bool | None = None, frame_stack: int | None = None, frame_stride: int = 1,
-               n_step_return: tuple[int, float] | None = None):
+               n_step_return: tuple[int, float] | None = None, return_generations: bool = False):
         """A batch of ``B`` windows (collective; each rank gets its own) drawn from the union of the shards.
 
         Returns what the local buffer's ``sample`` does: a :class:`Transition` of ``(B, n_steps, ...)`` leaves
@@ -192,7 +196,7 @@ class ShardedBuffer:
         that gave it; the others raise ``RuntimeError``) unless left at its default: ``out`` (batches are
         assembled from the exchanged windows), ``return_indices=True`` with uniform shards (global indices come
         from prioritized shards only), ``frame_stack``, ``frame_stride`` and ``n_step_return`` (windows of
-        ``n_steps`` stored rows only).
+        ``n_steps`` stored rows only), ``return_generations`` (write-backs to shards are not generation-checked).
 
         Without replacement, each rank's batch is exact sequential sampling without replacement from the union:
         rounds of draws with replacement from the shards' remaining masses (mass less what this rank already
@@ -205,7 +209,8 @@ class ShardedBuffer:
         limit (its trees sum what remains).
         """
         try:
-            _refused(self.prioritized, out, return_indices, frame_stack, frame_stride, n_step_return)
+            _refused(self.prioritized, out, return_indices, frame_stack, frame_stride, n_step_return,
+                     return_generations)
             refusal = None
         except ValueError as err:
             refusal = err

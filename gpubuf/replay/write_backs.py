@@ -1,0 +1,100 @@
+"""Write-backs that never land on a recycled row: the generation of each sampled start, and the check and
+write of values a learner sends back later (priorities, stored latents).
+
+A row's **generation** identifies what it holds: ``base + serial``, where ``serial`` counts the rows the buffer
+ever wrote before it (the ``step`` of :meth:`~gpubuf.TransitionBuffer.locate`) and ``base``, random per buffer (a
+re-opened ``storage_dir`` does not share it), grows past every generation handed out whenever the rows are replaced
+wholesale (a ``load_state_dict``). So a flat start sampled with generation ``g`` still holds what was sampled
+exactly while its generation is ``g``: once the ring overwrote the row (or a load replaced it), it differs.
+Computed from the ring's counters on the indices' device: nothing is stored per row, nothing is read back.
+"""
+
+import numpy as np
+import torch
+
+from gpubuf._core.inputs import as_tensor, check_cast
+from gpubuf.replay.config import IS_LAST
+
+
+def generations(ring, idx: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` int64 generations of held flat starts ``idx`` (B,) int64, on their device (no read-back)."""
+    row = torch.div(idx, ring.n_envs, rounding_mode="floor")
+    return (row - ring.oldest).remainder(ring.max_rows) + (ring.base + ring.total - ring.count)
+
+
+def as_indices(indices) -> torch.Tensor:
+    """1-D integer ``indices`` as an int64 tensor where they live (an empty list reads as int64); else ``TypeError``
+    naming ``indices``."""
+    idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
+    if idx.dim() == 1 and idx.numel() == 0:
+        idx = idx.to(torch.int64)
+    if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
+    return idx.to(torch.int64)
+
+
+def current(ring, idx: torch.Tensor, given) -> torch.Tensor:
+    """``(K,)`` bool on ``idx``'s device: which flat starts ``idx`` (K,) integer still hold the generation
+    ``given`` (K,) they were sampled with (a row since overwritten, or no longer held, does not). ``ValueError``
+    naming ``generations`` for a misshapen or non-integer ``given``."""
+    g = as_tensor(np.asarray(given) if isinstance(given, (list, tuple)) else given, "generations")
+    if g.dim() != 1 or g.shape[0] != idx.shape[0] or g.dtype.is_floating_point or g.dtype.is_complex \
+            or g.dtype == torch.bool:
+        raise ValueError(f"generations: expected a 1-D integer array of {idx.shape[0]} values (one per index, as "
+                         f"sample(return_generations=True) returns them), got {g.dtype} of shape {tuple(g.shape)}")
+    idx = idx.to(torch.int64)
+    row = torch.div(idx, ring.n_envs, rounding_mode="floor")
+    age = (row - ring.oldest).remainder(ring.max_rows)
+    now = age + (ring.base + ring.total - ring.count)
+    return (age < ring.count) & (now == g.to(device=idx.device, dtype=torch.int64))
+
+
+def check_range(ring, idx: torch.Tensor) -> None:
+    """``IndexError`` naming ``indices`` for a flat start outside ``[0, M * E)`` (one read-back)."""
+    size = ring.max_rows * ring.n_envs
+    if idx.numel() and bool(((idx < 0) | (idx >= size)).any()):
+        bad = idx[(idx < 0) | (idx >= size)][:5].tolist()
+        raise IndexError(f"indices: expected flat starts in [0, {size}), got {bad}")
+
+
+def row_values(config, values, B: int, n_steps: int) -> dict:
+    """``{path: (tensor, windows)}`` of ``values`` ``{name: (B, ...)}`` checked against the buffer's ``info``
+    leaves (not ``is_last``): a leaf's ``(B, *shape)`` values go to the start rows, ``(B, n_steps, *shape)`` ones
+    (``n_steps > 1``) to every row of the windows (``windows`` True). ``ValueError``/``TypeError`` naming
+    ``values``."""
+    allowed = sorted(leaf.path[1] for leaf in config.leaves
+                     if leaf.path[0] == "info" and len(leaf.path) == 2 and leaf.path != IS_LAST)
+    if not isinstance(values, dict) or not values:
+        raise TypeError(f"values: expected a non-empty dict {{info leaf name: (B, ...) values}} of the leaves "
+                        f"{allowed}, got {values!r:.80}")
+    out = {}
+    for name, value in values.items():
+        if name not in allowed:
+            raise ValueError(f"values: expected names of the buffer's info leaves {allowed} (observations, actions, "
+                             f"rewards and flags are not written back), got {name!r}")
+        leaf = config.by_path[("info", name)]
+        t = as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value, f"values[{name!r}]")
+        shapes = [(B, *leaf.shape)] + ([(B, n_steps, *leaf.shape)] if n_steps > 1 else [])
+        if tuple(t.shape) not in shapes:
+            raise ValueError(f"values[{name!r}]: expected shape {' or '.join(map(str, shapes))}, got "
+                             f"{tuple(t.shape)}")
+        check_cast(t, leaf.dtype, f"values[{name!r}]")
+        out[leaf.path] = (t, t.dim() > len(shapes[0]))
+    return out
+
+
+def write_rows(storage, ring, idx: torch.Tensor, values: dict, n_steps: int) -> None:
+    """Write checked ``values`` (:func:`row_values`) at flat starts ``idx`` (K,) int64 (the start rows, or the
+    ``n_steps`` rows of each window) of ``storage``'s ``(M, E, ...)`` leaves."""
+    E, M = ring.n_envs, ring.max_rows
+    dev = storage.device
+    idx = idx.to(dev)
+    row, env = torch.div(idx, E, rounding_mode="floor"), idx.remainder(E)
+    for path, (t, windows) in values.items():
+        data = storage.data[path]
+        rows, envs = row, env
+        if windows:
+            rows = (row[:, None] + torch.arange(n_steps, device=dev)).remainder(M)
+            envs = env[:, None].expand_as(rows)
+        key = (rows, envs) if storage.config.vectorized_env else (rows,)
+        data.index_put_(key, t.to(device=dev, dtype=data.dtype))
