@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from gpubuf._core.checkpoint import CheckpointError
 from gpubuf._core.transition import Transition
 from gpubuf.history import HistoryBuffer
-from gpubuf.replay import GraphSampler, PrioritizedTransitionBuffer, TransitionBuffer
+from gpubuf.replay import GraphSampler, PrioritizedTransitionBuffer, RateLimiter, TransitionBuffer
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and go-to-definition
     from gpubuf.planning import CEMSolver, PlanConfig, Planner
@@ -86,7 +86,7 @@ sys.meta_path.append(_MovedModules())
 __all__ = [
     "CEMSolver", "CheckpointError", "EnvPoolSource", "GraphSampler", "HistoryBuffer", "PlanConfig",
     "Planner",
-    "PrioritizedTransitionBuffer", "ShardedBuffer", "Step", "StepStager", "Transition",
+    "PrioritizedTransitionBuffer", "RateLimiter", "ShardedBuffer", "Step", "StepStager", "Transition",
     "TensorSource", "TransitionBuffer", "VectorEnvSource",
 ]
 try:

@@ -5,5 +5,6 @@ the CUDA-graph sampler and the sharded buffer (:mod:`gpubuf.replay.sharded`, loa
 from gpubuf.replay.buffer import BOUNDARIES, TransitionBuffer
 from gpubuf.replay.graph_sampler import GraphSampler
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
+from gpubuf.replay.rate_limiter import RateLimiter
 
-__all__ = ["BOUNDARIES", "GraphSampler", "PrioritizedTransitionBuffer", "TransitionBuffer"]
+__all__ = ["BOUNDARIES", "GraphSampler", "PrioritizedTransitionBuffer", "RateLimiter", "TransitionBuffer"]

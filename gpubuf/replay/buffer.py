@@ -32,6 +32,7 @@ Writes are two-phase: every leaf is checked and staged first (where any conversi
 committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
 """
 
+import numpy as np
 import torch
 
 from gpubuf import ops
@@ -43,6 +44,7 @@ from gpubuf._core.transition import Transition
 from gpubuf.replay import tiers, write_backs
 from gpubuf.replay.buffer_state import BufferState
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
+from gpubuf.replay.rate_limiter import check_limiter
 from gpubuf.replay.readers import BatchReader
 from gpubuf.replay.ring import StartRing
 from gpubuf.replay.sample_args import Samples
@@ -82,6 +84,9 @@ class TransitionBuffer(Samples, BufferState):
             ``max_priority``). The buffer holds the directory's lock until :meth:`close`; files are
             allocated up front; a process killed at any instant re-opens to a state the buffer has
             been in (:mod:`gpubuf.replay.storage_dir` for the guarantee).
+        rate_limiter: a :class:`~gpubuf.RateLimiter` (one per buffer): :meth:`insert` and
+            :meth:`sample` wait for their turn (threads; holding no lock while they wait), its counts
+            ride along in ``state_dict`` and a ``storage_dir``'s flushes. ``None``: no limit.
 
     Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the
     capacity. Without replacement the draw is exact sequential sampling without replacement
@@ -100,7 +105,7 @@ class TransitionBuffer(Samples, BufferState):
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
                  vectorized_env: bool = True, n_steps: int = 1, *, device=None,
-                 seed: int | None = None, storage_device=None, storage_dir=None):
+                 seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None):
         seed = None if seed is None else int_seed("seed", seed)
         self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size,
                                                   data_sample, vectorized_env, n_steps,
@@ -112,6 +117,7 @@ class TransitionBuffer(Samples, BufferState):
         self.backend = ops.backend_for(self.device)
         self._guard = CallGuard(self.device)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
+        self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs)
         self.storage = MemoryStorage(config, self.storage_device) if storage_dir is None else \
             MappedStorage(config, storage_dir)
         try:  # a failure from here on releases a storage_dir's lock at once
@@ -126,12 +132,24 @@ class TransitionBuffer(Samples, BufferState):
                 self.generator.seed()
             else:
                 self.generator.manual_seed(seed)
-            if self.storage.reopen(self.ring, self.sampler, self.generator):
+            if self.storage.reopen(self.ring, self._reopen, self.generator):
                 self.flush()  # the directory's state was saved by a flush cut short: complete it
         except BaseException:
             if self.storage.dir is not None:
                 self.storage.dir.close()
             raise
+        if self.rate_limiter is not None:
+            self.rate_limiter.attach(self._guard)
+
+    def _reopen(self, state: dict | None, since: int) -> None:
+        """Restore a re-opened ``storage_dir``'s flushed ``state`` (``None``: none) into the sampler and the
+        rate limiter (``since``: rows held written after that flush)."""
+        self.sampler.reopen(state, since)
+        if self.rate_limiter is not None:
+            saved = None if state is None else state.get("rate_limiter")
+            if saved is not None:
+                saved = {**saved, "inserts": saved["inserts"] + since * self.config.n_envs}
+            self.rate_limiter.load(saved, len(self))
 
     def _config_extra(self) -> tuple:  # hook: the subclass's own configuration fields
         return ()
@@ -195,7 +213,22 @@ class TransitionBuffer(Samples, BufferState):
         that opened it, a fork, raises ``RuntimeError`` naming both pids). Device
         ``truncated``/``terminated`` are read back. Host
         storage: an insert of numpy arrays with the signature of the last one accepted takes the
-        steady-state path (:mod:`gpubuf.replay.steady_insert`)."""
+        steady-state path (:mod:`gpubuf.replay.steady_insert`). With a :attr:`rate_limiter` the call first
+        waits for its turn having let go of the buffer's lock (``TimeoutError`` after the limiter's
+        ``timeout``); an insert that then fails gives its count back."""
+        limiter = self.rate_limiter
+        n = None if limiter is None else self.config.items_in(transition)
+        if n is None:  # no limiter, or a malformed insert: its own error
+            return self._insert(transition)
+        limiter.take("insert", n)
+        try:
+            return self._insert(transition)
+        except BaseException:
+            limiter.give_back("insert", n)
+            raise
+
+    def _insert(self, transition: Transition):
+        """:meth:`insert` once its turn came (under the lock)."""
         staged = steady = self._steady.match(transition, self._owned)
         if steady is not None:  # the last accepted signature: numpy arrays of the stored layout
             self.storage.check_open()
@@ -218,6 +251,8 @@ class TransitionBuffer(Samples, BufferState):
             self.storage.after_write(ring.pos, ring.count, ring.total)
         if steady is None:
             self._steady.learn(transition, given)
+        if self.rate_limiter is not None:
+            self.rate_limiter.set_size(len(self))
         return self
 
     def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
@@ -240,8 +275,25 @@ class TransitionBuffer(Samples, BufferState):
         plain = frame_stack is None and n_step_return is None and type(frame_stride) is int and frame_stride == 1
         spec = None if plain else reader.spec(frame_stack, frame_stride, n_step_return, out)  # steady: no call
         returns = spec is not None and spec.n is not None
-        B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
-                                         boundaries)
+        if self.rate_limiter is None:
+            B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
+                                             boundaries)
+            return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
+                                       spec, return_indices, return_generations)
+        B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs or returns, boundaries)
+        self.rate_limiter.take("sample", B)  # waits for its turn, letting go of the lock
+        try:
+            self.sampler.check_draw(kind, B, with_replacement)  # the rows as they are after the wait
+            return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
+                                       spec, return_indices, return_generations)
+        except BaseException:
+            self.rate_limiter.give_back("sample", B)
+            raise
+
+    def _draw_and_read(self, key, B, kind, with_replacement, with_next_obs, boundaries, out, spec,
+                       return_indices, return_generations):
+        """Draw ``B`` starts of ``kind`` and read their batch (under the lock)."""
+        reader = self.reader
         g = generator_for(key, self.generator)
         what = reader.check_memory(B, with_next_obs, spec, with_replacement, out is None)
         # a failed sample leaves the generator as it was (an int key's is new for this call)
@@ -327,6 +379,18 @@ class TransitionBuffer(Samples, BufferState):
         keep = write_backs.current(self.ring, idx, generations)
         self.stale_updates = int(keep.numel() - keep.sum())
         return keep
+
+    def can_sample(self, n: int | None = None) -> bool:
+        """Whether the :attr:`rate_limiter` lets a sample of ``n`` windows (``None``: the default batch) run now
+        (always without one, the buffer's own checks aside)."""
+        return self.rate_limiter is None or self.rate_limiter.can_sample(self.config.batch_size(n))
+
+    def can_insert(self, n: int) -> bool:
+        """Whether the :attr:`rate_limiter` lets an insert of ``n`` transitions (``T * n_envs`` of a vectorized
+        buffer) run now (always without one)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n: expected a positive int (transitions), got {n!r}")
+        return self.rate_limiter is None or self.rate_limiter.can_insert(int(n))
 
     @locked
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,10 +27,11 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         lead = (1, c.n_envs) if c.vectorized_env else (1,)
         sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype)
                             for leaf in c.leaves})
+        limiter = self.rate_limiter
         return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size,
                 "data_sample": sample, "vectorized_env": c.vectorized_env, "n_steps": c.n_steps,
                 "device": str(self.device), "storage_device": self._init_storage[0],
-                **dict(c.extra)}
+                "rate_limiter": None if limiter is None else limiter.fresh(), **dict(c.extra)}
 
     def copy_refusal(self) -> str | None:
         if self.storage.dir is None:
@@ -43,21 +44,32 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
     @locked
     def state_dict(self) -> dict:
         """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG
-        state and the sampler's own entries: tensors and plain values only."""
+        state and the sampler's own entries: tensors and plain values only; with a rate limiter,
+        its counts (``"rate_limiter"``)."""
         state = self.config.as_dict()
         state.update(shapes={leaf.name: leaf.shape for leaf in self.config.leaves},
                      data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves},
                      pos=self.ring.pos, count=self.ring.count,
                      trunc=torch.from_numpy(self.ring.trunc.copy()),
                      rng=self.generator.get_state(), **self.sampler.state())
+        if self.rate_limiter is not None:
+            state["rate_limiter"] = self.rate_limiter.state()
         return state
 
     @locked
     def load_state_dict(self, state) -> None:
         """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch
         raises naming the key and changes nothing. Should reading the data fail after validation
-        (an I/O error), the buffer is emptied rather than left half-loaded."""
-        pos, count, rng, (trunc, ends, last) = self.config.check_state(state, self.state_dict())
+        (an I/O error), the buffer is emptied rather than left half-loaded. A rate limiter takes the
+        state's counts (a state without them: as many inserts as transitions held, and samples that
+        put the ratio in the middle of its band); a limiter's counts in the state of a buffer without
+        one are ignored."""
+        limits = state.get("rate_limiter") if isinstance(state, dict) else None
+        if isinstance(state, dict) and "rate_limiter" in state:
+            state = {k: v for k, v in state.items() if k != "rate_limiter"}
+        template = self.state_dict()
+        template.pop("rate_limiter", None)
+        pos, count, rng, (trunc, ends, last) = self.config.check_state(state, template)
         checked = self.sampler.check_state(state, pos, count)
         data = {leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves}
         sources = unaliased({name: state["data"][name] for name in data}, data, self._owned)
@@ -78,6 +90,8 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
             self.sampler.forget()  # validity and trees are rebuilt from the rows
             self.reader.rows_loaded(whole=True)
             self.generator.set_state(rng)
+            if self.rate_limiter is not None:
+                self.rate_limiter.load(limits, len(self))
         self.flush()  # a storage_dir now holds the loaded state
 
     @locked
@@ -86,7 +100,8 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         ``beta`` when prioritized) beside the files and write every file back to disk, so that a
         later process re-opens this buffer as it is now. Without one: nothing to do. Returns
         ``self``."""
-        self.storage.flush(self.ring, {"rng": self.generator.get_state(), **self.sampler.flushed()})
+        limiter = {} if self.rate_limiter is None else {"rate_limiter": self.rate_limiter.state()}
+        self.storage.flush(self.ring, {"rng": self.generator.get_state(), **self.sampler.flushed(), **limiter})
         return self
 
     @locked

@@ -149,6 +149,16 @@ class ReplayConfig:
                   if batch or name != "sample_batch_size"}
         return {"buffer": self.buffer, "version": 1, **fields, **dict(self.extra)}
 
+    def items_in(self, transition) -> int | None:
+        """Transitions an insert of ``transition`` adds (``T * n_envs``, or ``T`` not vectorized), read from its
+        first leaf's length; ``None`` when that cannot be read (:meth:`rows` then names the error)."""
+        try:
+            first = next(iter(flatten(transition).values()))
+            T = int(first.shape[0])
+        except (StopIteration, AttributeError, IndexError, TypeError, ValueError):
+            return None
+        return T * (self.n_envs if self.vectorized_env else 1)
+
     def rows(self, transition) -> tuple[dict, dict, int]:
         """``(tensors, inputs, T)`` of an insert: every leaf as a tensor and as given, after
         checking the key set, shapes ``(T, E, ...)`` and value-preserving casts

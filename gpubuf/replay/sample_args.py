@@ -60,6 +60,10 @@ class Samples:
         preallocated tensors of exactly the returned shapes and dtypes on the buffer's device: the
         windows are written there and ``out`` is returned.
 
+        With a ``rate_limiter`` (:class:`~gpubuf.RateLimiter`) the call, once its arguments are
+        checked, waits for its turn having let go of the buffer's lock (``TimeoutError`` after the
+        limiter's ``timeout``), and counts ``B`` samples; a sample that then raises gives them back.
+
         Pixel replay (each frame stored once, in ``observation``; no stored ``next_observation``):
 
         - ``frame_stack=k``: every observation leaf comes back as the stack of its row's last ``k``

@@ -217,8 +217,9 @@ class MemoryStorage:
     def close(self) -> None:
         """Release what lets this storage be written (a ``storage_dir``'s lock)."""
 
-    def reopen(self, ring, sampler, generator: torch.Generator) -> bool:
-        """Restore what a re-opened directory holds into ``ring``, ``sampler`` and ``generator``;
+    def reopen(self, ring, reopen, generator: torch.Generator) -> bool:
+        """Restore what a re-opened directory holds into ``ring``, the sampler (``reopen(flushed state or
+        None, rows held written after it)``) and ``generator``;
         returns whether its flushed state was saved by a flush cut short (the buffer then completes
         it). Nothing to re-open here."""
         return False
@@ -274,7 +275,7 @@ class MappedStorage(MemoryStorage):
     def before_load(self, total: int) -> None:
         self.dir.before_load(total)  # a load killed half-way re-opens as an empty buffer
 
-    def reopen(self, ring, sampler, generator: torch.Generator) -> bool:
+    def reopen(self, ring, reopen, generator: torch.Generator) -> bool:
         # everything is restored and checked before the directory is claimed (lock file, a journal
         # of the earlier format converted): a refused re-open leaves it as it was
         if not self.reopened:
@@ -286,7 +287,7 @@ class MappedStorage(MemoryStorage):
         zeros = np.zeros((M, self.config.n_envs), dtype=bool)
         ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends,
                      total, last)
-        ahead = self.dir.restore_flushed(ring, flushes, sampler.reopen, generator)
+        ahead = self.dir.restore_flushed(ring, flushes, reopen, generator)
         self.dir.claim()
         return ahead
 

@@ -1,0 +1,217 @@
+"""RateLimiter: how many samples a replay buffer serves per inserted transition (Reverb's semantics).
+
+A limiter keeps two exact counts, ``inserts`` (transitions inserted: ``T * n_envs`` per vectorized insert,
+``T`` otherwise) and ``samples`` (windows sampled: ``B`` per call), and the buffer's ``size``
+(transitions held). With ``diff = inserts * samples_per_insert - samples``:
+
+- a sample of ``n`` may run once ``size >= min_size_to_sample`` and ``diff - n >= min_diff``;
+- an insert of ``n`` may run while ``size + n <= min_size_to_sample`` (filling up is never blocked), or when
+  ``diff + n * samples_per_insert <= max_diff``.
+
+:meth:`RateLimiter.min_size` only waits for ``min_size_to_sample`` transitions;
+:meth:`RateLimiter.sample_to_insert_ratio` holds ``samples / inserts`` near ``samples_per_insert``: ``diff``
+stays within ``error_buffer`` of ``samples_per_insert * min_size_to_sample``. A blocked call waits on a
+condition of the buffer's own lock, which it lets go of while it waits, so the other side runs and wakes it; ``timeout``
+(seconds; ``None``: wait as long as it takes, ``0``: never wait) ends a wait with ``TimeoutError``. A call
+that fails after its turn came (a bad argument, no valid start) gives its counts back.
+"""
+
+import math
+import threading
+import time
+
+
+class RateLimiter:
+    """Reverb-style rate limiter of one replay buffer (give it to the buffer's ``rate_limiter=``).
+
+    Args:
+        samples_per_insert: samples served per inserted transition (``> 0``).
+        min_size_to_sample: transitions held before the first sample (``>= 1``).
+        min_diff, max_diff: the band ``inserts * samples_per_insert - samples`` stays in; their gap must be at
+            least ``2 * max(1, samples_per_insert)`` (else a sample and an insert could both be blocked).
+        timeout: seconds a blocked ``sample``/``insert`` waits before ``TimeoutError`` (``None``: no limit).
+    """
+
+    def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float,
+                 timeout: float | None = None):
+        self.samples_per_insert = _positive("samples_per_insert", samples_per_insert)
+        if isinstance(min_size_to_sample, bool) or not isinstance(min_size_to_sample, int) \
+                or min_size_to_sample < 1:
+            raise ValueError(f"min_size_to_sample: expected an int >= 1, got {min_size_to_sample!r}")
+        self.min_size_to_sample = min_size_to_sample
+        for name, v in (("min_diff", min_diff), ("max_diff", max_diff)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise ValueError(f"{name}: expected a number (inf allowed), got {v!r}")
+        gap = 2 * max(1.0, self.samples_per_insert)
+        if not max_diff - min_diff >= gap:
+            raise ValueError(f"min_diff, max_diff: expected max_diff - min_diff >= {gap:g} "
+                             f"(2 * max(1, samples_per_insert)), got {min_diff!r} and {max_diff!r}")
+        self.min_diff, self.max_diff = float(min_diff), float(max_diff)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
+        self.timeout = timeout
+        self.inserts = self.samples = 0
+        self.size = 0  # transitions the buffer holds (set by the buffer)
+        self.attached = False  # limits a buffer (one at most)
+        self._guard = None  # that buffer's CallGuard
+        self._cond = threading.Condition()
+
+    @classmethod
+    def min_size(cls, min_size_to_sample: int, timeout: float | None = None) -> "RateLimiter":
+        """Samples wait for ``min_size_to_sample`` transitions; nothing else is limited."""
+        return cls(1.0, min_size_to_sample, -math.inf, math.inf, timeout)
+
+    @classmethod
+    def sample_to_insert_ratio(cls, samples_per_insert: float, min_size_to_sample: int, error_buffer,
+                               timeout: float | None = None) -> "RateLimiter":
+        """Hold ``samples / inserts`` at ``samples_per_insert``: ``diff`` within ``error_buffer`` (a number, or
+        ``(below, above)``) of ``samples_per_insert * min_size_to_sample``."""
+        below, above = error_buffer if isinstance(error_buffer, (tuple, list)) else (error_buffer, error_buffer)
+        for v in (below, above):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"error_buffer: expected a number >= 0 or two, got {error_buffer!r}")
+        offset = _positive("samples_per_insert", samples_per_insert) * min_size_to_sample \
+            if isinstance(min_size_to_sample, int) else 0.0
+        return cls(samples_per_insert, min_size_to_sample, offset - below, offset + above, timeout)
+
+    # ------------------------------------------------------------------ checks
+
+    @property
+    def diff(self) -> float:
+        return self.inserts * self.samples_per_insert - self.samples
+
+    def can_sample(self, n: int) -> bool:
+        """Whether a sample of ``n`` windows may run now."""
+        return self.size >= self.min_size_to_sample and self.diff - n >= self.min_diff
+
+    def can_insert(self, n: int) -> bool:
+        """Whether an insert of ``n`` transitions may run now."""
+        return self.size + n <= self.min_size_to_sample or self.diff + n * self.samples_per_insert <= self.max_diff
+
+    def attach(self, guard) -> None:
+        """This limiter now limits the buffer of ``guard`` (its :class:`~gpubuf._core.concurrency.CallGuard`):
+        waits let go of that buffer's lock."""
+        self.attached, self._guard = True, guard
+        self._cond = threading.Condition(guard.lock)
+
+    # ------------------------------------------------------------------ turns
+
+    def take(self, what: str, n: int) -> None:
+        """Wait (without the buffer's lock) until a ``what`` (``"sample"``/``"insert"``) of ``n`` may run, then
+        count it; ``TimeoutError`` after :attr:`timeout` seconds."""
+        can = self.can_sample if what == "sample" else self.can_insert
+        step, span = (n if what == "sample" else n * self.samples_per_insert), self.max_diff - self.min_diff
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        with self._cond:
+            while not can(n):
+                if step > span:
+                    raise ValueError(f"rate_limiter: {_a(what)} of {n} moves inserts * samples_per_insert - samples "
+                                     f"by {step:g}, more than max_diff - min_diff = {span:g}, so it could never run "
+                                     "(widen error_buffer, or insert and sample fewer at a time)")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"rate_limiter: {_a(what)} of {n} waited {self.timeout} s ({self})")
+                self._wait(left)
+            self._count(what, n)
+
+    def _wait(self, left: float | None) -> None:
+        """Wait on the condition, the buffer's lock let go of (the calls of the thread that takes it meanwhile start
+        from depth 0)."""
+        guard = self._guard
+        depth = None if guard is None else guard.depth
+        if guard is not None:
+            guard.depth = 0
+        try:
+            self._cond.wait(left)
+        finally:
+            if guard is not None:
+                guard.depth = depth
+
+    def give_back(self, what: str, n: int) -> None:
+        """Undo the count of a ``what`` of ``n`` that failed after its turn."""
+        with self._cond:
+            self._count(what, -n)
+
+    def _count(self, what: str, n: int) -> None:
+        if what == "sample":
+            self.samples += n
+        else:
+            self.inserts += n
+        self._cond.notify_all()
+
+    def set_size(self, size: int) -> None:
+        """The buffer now holds ``size`` transitions."""
+        with self._cond:
+            self.size = size
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ state and copies
+
+    def state(self) -> dict:
+        return {"inserts": self.inserts, "samples": self.samples}
+
+    def load(self, state: dict | None, size: int) -> None:
+        """Counts from :meth:`state` (``None``: ``size`` inserts and the samples that put ``diff`` in the middle of
+        its band, so neither side waits at once)."""
+        with self._cond:
+            if state is None:
+                self.inserts = size
+                mid = 0.0 if math.isinf(self.min_diff) or math.isinf(self.max_diff) else \
+                    (self.min_diff + self.max_diff) / 2
+                self.samples = max(0, int(size * self.samples_per_insert - mid))
+            else:
+                for key in ("inserts", "samples"):
+                    v = state.get(key) if isinstance(state, dict) else None
+                    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                        raise ValueError(f"state_dict['rate_limiter'][{key!r}]: expected an int >= 0, got {v!r}")
+                self.inserts, self.samples = state["inserts"], state["samples"]
+            self.size = size
+            self._cond.notify_all()
+
+    def config(self) -> tuple:
+        return (self.samples_per_insert, self.min_size_to_sample, self.min_diff, self.max_diff, self.timeout)
+
+    def fresh(self) -> "RateLimiter":
+        """A limiter of the same configuration with zero counts (a copied buffer's)."""
+        return RateLimiter(*self.config())
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_cond"], state["_guard"]
+        return {**state, "attached": False}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._guard, self._cond = None, threading.Condition()
+
+    def __repr__(self) -> str:
+        return (f"RateLimiter(samples_per_insert={self.samples_per_insert:g}, min_size_to_sample="
+                f"{self.min_size_to_sample}, min_diff={self.min_diff:g}, max_diff={self.max_diff:g}; inserts="
+                f"{self.inserts}, samples={self.samples}, size={self.size})")
+
+
+def check_limiter(limiter, capacity: int) -> "RateLimiter | None":
+    """``limiter`` checked for a buffer holding ``capacity`` transitions (``None``: none); ``TypeError`` /
+    ``ValueError`` naming ``rate_limiter``."""
+    if limiter is None:
+        return None
+    if not isinstance(limiter, RateLimiter):
+        raise TypeError(f"rate_limiter: expected a gpubuf.RateLimiter or None, got {type(limiter).__name__}")
+    if limiter.attached:
+        raise ValueError("rate_limiter: this RateLimiter already limits another buffer (its counts are that "
+                         "buffer's); give each buffer its own")
+    if limiter.min_size_to_sample > capacity:
+        raise ValueError(f"rate_limiter: min_size_to_sample={limiter.min_size_to_sample} exceeds the "
+                         f"{capacity} transitions the buffer holds, so it could never sample")
+    return limiter
+
+
+def _a(what: str) -> str:
+    return f"an {what}" if what == "insert" else f"a {what}"
+
+
+def _positive(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
+        raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+    return float(v)

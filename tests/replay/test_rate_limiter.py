@@ -1,0 +1,204 @@
+"""RateLimiter: Reverb's samples-per-insert semantics on a replay buffer, held over long random schedules, blocking
+calls from threads that never deadlock, exact counts through state_dict, copies and storage_dir."""
+
+import copy
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer
+
+E = 2
+
+
+def rollout(T: int) -> Transition:
+    return Transition(observation=np.random.rand(T, E, 3).astype(np.float32), action=np.zeros((T, E), np.float32),
+                      reward=np.zeros((T, E), np.float32), terminated=np.zeros((T, E), bool),
+                      truncated=np.zeros((T, E), bool))
+
+
+def buffer(limiter, cls=TransitionBuffer, **kw):
+    return cls(E * 64, 4, rollout(1), device="cpu", seed=0, rate_limiter=limiter, **kw)
+
+
+@pytest.mark.parametrize("spi, min_size, error", [(4.0, 10, 12.0), (0.5, 6, 3.0), (1.0, 1, (2.0, 5.0))])
+def test_a_random_schedule_holds_the_ratio_within_the_error_buffer(spi, min_size, error):
+    """Single thread, non-blocking: every call the limiter allows runs, every other one times out at once and
+    changes nothing; the counts are exact and ``inserts * spi - samples`` stays in its band."""
+    lim = RateLimiter.sample_to_insert_ratio(spi, min_size, error, timeout=0)
+    buf = buffer(lim)
+    below, above = error if isinstance(error, tuple) else (error, error)
+    lo, hi = spi * min_size - below, spi * min_size + above
+    rng = np.random.default_rng(0)
+    inserted = sampled = refused = 0
+    for _ in range(1500):
+        if rng.random() < 0.5:
+            T = int(rng.integers(1, 3))
+            allowed = buf.can_insert(T * E)
+            try:
+                buf.insert(rollout(T))
+                inserted += T * E
+                assert allowed
+            except TimeoutError:
+                assert not allowed
+                refused += 1
+        else:
+            B = int(rng.integers(1, 4))
+            allowed = buf.can_sample(B)
+            try:
+                buf.sample(batch_size=B)
+                sampled += B
+                assert allowed
+            except TimeoutError:
+                assert not allowed
+                refused += 1
+        assert (lim.inserts, lim.samples) == (inserted, sampled)  # exact counts
+        diff = lim.inserts * spi - lim.samples
+        assert diff <= hi + 1e-9
+        if lim.samples:
+            assert diff >= lo - 1e-9
+    assert refused and sampled and inserted
+    assert abs(sampled / inserted - spi) <= (hi + 4) / inserted  # the ratio, within the band's width
+
+
+def test_min_size_only_waits_for_the_first_rows():
+    lim = RateLimiter.min_size(6, timeout=0)
+    buf = buffer(lim)
+    buf.insert(rollout(2))  # 4 transitions
+    assert not buf.can_sample(1)
+    with pytest.raises(TimeoutError, match="rate_limiter: a sample of 4 waited 0 s"):
+        buf.sample()
+    assert lim.samples == 0
+    buf.insert(rollout(1))
+    for _ in range(50):  # then nothing is limited
+        buf.sample()
+    assert lim.samples == 200 and lim.inserts == 6
+
+
+def test_actor_and_learner_threads_block_on_each_other_and_never_deadlock():
+    lim = RateLimiter.sample_to_insert_ratio(2.0, 8, 16.0, timeout=10)
+    buf = buffer(lim, PrioritizedTransitionBuffer)
+    errors, diffs = [], []
+
+    def actor():
+        try:
+            for _ in range(150):
+                buf.insert(rollout(1))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    def learner():
+        try:
+            for _ in range(150):
+                _, idx = buf.sample(batch_size=4, with_replacement=True)
+                buf.update_priorities(idx, torch.rand(4))
+                diffs.append(lim.inserts * 2.0 - lim.samples)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=actor), threading.Thread(target=learner)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert lim.inserts == 300 and lim.samples == 600
+    assert min(diffs) >= 0 and max(diffs) <= 32  # within the band (16 +- 16), as seen after each sample
+
+
+def test_a_blocked_call_times_out_holding_no_lock():
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 4, 2.0, timeout=0.3)
+    buf = buffer(lim)
+    buf.insert(rollout(2))
+    buf.insert(rollout(1))  # inserts 6: diff 6 = max_diff
+    done = threading.Event()
+
+    def blocked():
+        with pytest.raises(TimeoutError, match="rate_limiter: an insert of 2 waited 0.3 s"):
+            buf.insert(rollout(1))
+        done.set()
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    assert len(buf) == 6 and buf.state_dict()["count"] == 3  # the buffer answers while the insert waits
+    t.join(5)
+    assert done.is_set() and lim.inserts == 6
+
+
+def test_a_failed_call_gives_its_counts_back():
+    lim = RateLimiter.min_size(1, timeout=0)
+    buf = buffer(lim)
+    with pytest.raises(ValueError):
+        buf.insert(Transition(observation=np.zeros((1, E, 4), np.float32), action=np.zeros((1, E), np.float32),
+                              reward=np.zeros((1, E), np.float32), terminated=np.zeros((1, E), bool),
+                              truncated=np.zeros((1, E), bool)))
+    assert lim.inserts == 0
+    buf.insert(rollout(1))
+    with pytest.raises(ValueError, match="boundaries"):
+        buf.sample(boundaries="nope")
+    assert lim.samples == 0
+
+
+def test_counts_ride_along_state_dict_copies_and_storage_dir(tmp_path):
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 4, 8.0, timeout=0)
+    buf = buffer(lim)
+    buf.insert(rollout(4))
+    buf.sample(batch_size=3)
+    state = buf.state_dict()
+    assert state["rate_limiter"] == {"inserts": 8, "samples": 3}
+
+    other = buffer(RateLimiter.sample_to_insert_ratio(1.0, 4, 8.0, timeout=0))
+    other.load_state_dict(state)
+    assert (other.rate_limiter.inserts, other.rate_limiter.samples) == (8, 3)
+    plain = buffer(None)
+    plain.load_state_dict(state)  # a buffer without a limiter ignores the counts
+    centred = buffer(RateLimiter.sample_to_insert_ratio(1.0, 4, 8.0, timeout=0))
+    centred.load_state_dict(plain.state_dict())  # no counts: inserts = held, ratio in the middle of its band
+    assert centred.rate_limiter.inserts == 8 and centred.rate_limiter.diff == pytest.approx(4.0)
+
+    twin = copy.deepcopy(buf)
+    assert twin.rate_limiter is not lim and (twin.rate_limiter.inserts, twin.rate_limiter.samples) == (8, 3)
+    twin.sample(batch_size=2)
+    assert lim.samples == 3  # independent
+
+    d = tmp_path / "r"
+    disk = buffer(RateLimiter.sample_to_insert_ratio(1.0, 4, 8.0, timeout=0), storage_dir=d)
+    disk.insert(rollout(4))
+    disk.sample(batch_size=5)
+    disk.flush()
+    disk.insert(rollout(1))  # after the flush: counted from the journal on re-open
+    disk.close()
+    again = buffer(RateLimiter.sample_to_insert_ratio(1.0, 4, 8.0, timeout=0), storage_dir=d)
+    assert (again.rate_limiter.inserts, again.rate_limiter.samples) == (10, 5)
+    again.close()
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: RateLimiter(0.0, 1, -1, 1), ValueError, "samples_per_insert: expected a finite number > 0"),
+    (lambda: RateLimiter(1.0, 0, -1, 1), ValueError, "min_size_to_sample: expected an int >= 1"),
+    (lambda: RateLimiter(1.0, 1, 0, 1), ValueError, r"min_diff, max_diff: expected max_diff - min_diff >= 2"),
+    (lambda: RateLimiter(1.0, 1, math.nan, 1), ValueError, "min_diff: expected a number"),
+    (lambda: RateLimiter(1.0, 1, -1, 1, timeout=-1), ValueError, "timeout: expected None or seconds >= 0"),
+    (lambda: RateLimiter.sample_to_insert_ratio(1.0, 1, -2), ValueError, "error_buffer: expected a number >= 0"),
+    (lambda: buffer("fast"), TypeError, "rate_limiter: expected a gpubuf.RateLimiter or None, got str"),
+    (lambda: buffer(RateLimiter.min_size(E * 64 + 1)), ValueError, "rate_limiter: min_size_to_sample=129 exceeds"),
+])
+def test_bad_limiters_are_refused(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_one_limiter_per_buffer_and_requests_that_could_never_run_are_refused():
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 2, 2.0, timeout=0)
+    buf = buffer(lim)
+    with pytest.raises(ValueError, match="rate_limiter: this RateLimiter already limits another buffer"):
+        buffer(lim)
+    buf.insert(rollout(1))
+    with pytest.raises(ValueError, match="rate_limiter: a sample of 8 moves inserts"):
+        buf.sample(batch_size=8)
+    with pytest.raises(ValueError, match="n: expected a positive int"):
+        buf.can_insert(0)
+    assert lim.samples == 0
