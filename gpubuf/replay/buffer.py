@@ -380,6 +380,32 @@ class TransitionBuffer(Samples, BufferState):
         self.stale_updates = int(keep.numel() - keep.sum())
         return keep
 
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
+    @locked
+    def cut_episodes(self):
+        """End every env's episode at its newest row, in place: ``truncated`` is set there, so no window
+        with ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it
+        (its successor counts as unknown, as after a truncation whose final observation was not kept).
+        What a source without ``info["is_last"]`` rows does when its run is cut (a ``reset()``, the buffer
+        detached). Returns ``self``; an empty buffer is left as it is; ``ValueError`` without a
+        ``truncated`` leaf."""
+        paths = self.config.paths("truncated")
+        if not paths:
+            raise ValueError("cut_episodes: the buffer stores no truncated leaf to mark the cut with")
+        self.storage.check_open()
+        ring = self.ring
+        if ring.count == 0:
+            return self
+        row = (ring.pos - 1) % ring.max_rows
+        with signals_held():
+            for path in paths:
+                self.storage.data[path][row] = True
+            ring.truncate_row(row)
+            self.reader.rows_written(row, 1, 1)
+            self.sampler.refresh_after_write(row, 1)
+        return self
+
     def can_sample(self, n: int | None = None) -> bool:
         """Whether the :attr:`rate_limiter` lets a sample of ``n`` windows (``None``: the default batch) run now
         (always without one, the buffer's own checks aside)."""

@@ -41,7 +41,7 @@ the env handed over goes to the history only. The buffer then ends episodes at `
 truncated last transition is never drawn with ``with_next_obs`` and no n-step return or stack reaches past it (its
 successor is not stored: one transition per truncated episode is not learned from); a terminated one is drawn with
 discount 0 (its ``next_observation`` is the next episode's first frame, which no target uses). A reset after rows were
-written ends each episode with a row of its pending observation (the fill, reward 0, ``truncated`` set).
+written (or the buffer detached) ends each episode at its newest row, marked ``truncated`` in place: no row is added.
 
 Extra per-step data (:class:`~gpubuf.sources.extra.ExtraData`) is stored as ``info[name]`` in the row of the step it was
 sent with (as sent, on ``is_last`` rows too; the fill on the rows a reset adds). Rows whose action the env ignored
@@ -146,15 +146,19 @@ class RowWriter:
     # ------------------------------------------------------------------ episodes
 
     def end_episodes(self) -> None:
-        """Write each env's pending observation as an ``is_last`` row of a vectorized buffer holding rows of the current
-        episodes (a reset, or the buffer replaced)."""
+        """End the current episodes in a vectorized buffer holding rows of them (a reset, or the buffer replaced): each
+        env's pending observation as an ``is_last`` row; without ``is_last`` rows (an env that resets inside the
+        step), the episodes end at each env's newest row (:meth:`~gpubuf.TransitionBuffer.cut_episodes`)."""
         tb = self.transitions
         if self._has_prev.all() and not self._fresh.all() and tb is not None and tb.vectorized_env:
             n = self.n_envs
-            info = {**({} if self.ends_in_step else {"is_last": np.ones(n, dtype=bool)}),
-                    **{k: v.copy() for k, v in self._prev_info.items()}, **self.extra.filled(n)}
-            tb.insert(_row(self._prev_obs, self.codec.filled(n), np.zeros(n, np.float32), np.zeros(n, bool),
-                           np.ones(n, bool), info))
+            if self.ends_in_step:
+                tb.cut_episodes()
+            else:
+                info = {"is_last": np.ones(n, dtype=bool), **{k: v.copy() for k, v in self._prev_info.items()},
+                        **self.extra.filled(n)}
+                tb.insert(_row(self._prev_obs, self.codec.filled(n), np.zeros(n, np.float32), np.zeros(n, bool),
+                               np.ones(n, bool), info))
             self._fresh[:] = True
 
     def restart(self) -> None:

@@ -60,8 +60,9 @@ class RowSource:
         later stores the rows from each env's pending observation on (the one already returned by ``reset()``/the last
         step), so its first row is that observation; extra leaves of actions sent before attaching hold
         :func:`~gpubuf.sources.actions.action_fill`. Replacing or detaching (``None``) a vectorized buffer ends its
-        episodes as a ``reset()`` does (one ``is_last`` row per env holding its pending observation), so re-attaching it
-        later never joins two stretches of a run."""
+        episodes as a ``reset()`` does (one ``is_last`` row per env holding its pending observation; for an env that
+        resets inside the step, each env's newest row marked ``truncated`` in place), so re-attaching it later never
+        joins two stretches of a run."""
         return self._rows.transitions
 
     @transitions.setter

@@ -4,7 +4,7 @@ truncated flags, with index-valued data (observation = step * E + env) so every 
 import numpy as np
 import pytest
 import torch
-from fixtures import index_rows
+from fixtures import index_rows, make_transition
 from scipy import stats
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
@@ -273,3 +273,28 @@ def test_a_loaded_state_is_never_written_through_the_flags_it_was_read_from():
                              info={"is_last": ones}))
     for k, t in source.state_dict()["data"].items():
         assert torch.equal(t, before[k]), k
+
+
+@pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
+def test_cut_episodes_marks_the_newest_row_as_a_load_would(cls):
+    """cut_episodes() ends every env's episode at its newest row in place: validity, masses and marks are those of a
+    buffer loaded from the same rows."""
+    buf = cls(4 * 16, 8, make_transition(0, 1, 4), n_steps=3, device="cpu", seed=0)
+    buf.cut_episodes()  # empty: nothing to do
+    buf.insert(make_transition(0, 12, 4, trunc_steps=(6,)))
+    buf.insert(make_transition(12, 8, 4))  # wrapped: 16 rows held
+    buf.cut_episodes()
+    newest = (buf.state_dict()["pos"] - 1) % 16
+    assert buf.state_dict()["data"]["truncated"][newest].all()
+    fresh = cls(4 * 16, 8, make_transition(0, 1, 4), n_steps=3, device="cpu", seed=0)
+    fresh.load_state_dict(buf.state_dict())
+    for with_next_obs in (False, True):
+        for boundaries in ("allow", "mask", "forbid"):
+            torch.testing.assert_close(buf.sampling_mass(with_next_obs, boundaries),
+                                       fresh.sampling_mass(with_next_obs, boundaries))
+    assert buf.num_valid(True) == fresh.num_valid(True) < buf.num_valid(False)
+    np.testing.assert_array_equal(buf.episode_marks().marks.numpy(), fresh.episode_marks().marks.numpy())
+    plain = TransitionBuffer(16, 4, Transition(observation=torch.zeros(1, 4, 2), action=torch.zeros(1, 4),
+                                               reward=torch.zeros(1, 4), terminated=None, truncated=None), device="cpu")
+    with pytest.raises(ValueError, match="cut_episodes: the buffer stores no truncated leaf"):
+        plain.cut_episodes()

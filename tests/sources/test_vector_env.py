@@ -273,6 +273,40 @@ def test_same_step_returns_and_stacks_stop_at_episode_ends(task, mode, device):
 
 
 @pytest.mark.parametrize("mode", MODES[1:], ids=lambda m: m.value)
+@pytest.mark.parametrize("cut", ["reset", "detach"])
+def test_a_cut_same_step_run_adds_no_row_and_nothing_crosses_the_cut(mode, cut, device):
+    """A reset (or the buffer detached and attached again) mid-run: each env's newest row is marked truncated in
+    place, no fill row is written, and no window, next observation or return reaches across the cut."""
+    E, K = 3, 10
+    src = VectorEnvSource(gym.make_vec("Pendulum-v1", E, vectorization_mode="sync",
+                                       vector_kwargs={"autoreset_mode": mode}), device=device)
+    buf = TransitionBuffer(E * 64, 8, src.transition_sample(), n_steps=3, device=device)
+    src.transitions = buf
+    drive(src, K)
+    if cut == "reset":
+        drive(src, K, seed=1)  # drive resets first
+    else:
+        src.transitions = None
+        src.transitions = buf
+        rng = np.random.default_rng(2)
+        for _ in range(K):
+            src.step(random_actions(src, rng))
+    data = buf.state_dict()["data"]
+    assert len(buf) == 2 * K * E  # one row per env per step: nothing added at the cut
+    assert not torch.isnan(data["action"][:2 * K]).any()
+    assert data["truncated"][K - 1].all()  # the cut: each env's newest row before it
+    for boundaries in ("mask", "forbid"):
+        b, idx = buf.sample(key=1, batch_size=256, boundaries=boundaries, return_indices=True)
+        _, row, _ = (t.cpu().numpy() for t in buf.locate(idx))
+        if boundaries == "forbid":  # the cut (row K - 1) only ever a window's last row
+            assert not np.isin(row, [K - 2, K - 1]).any()
+        else:
+            first = b.is_first.cpu().numpy()
+            crosses = (row[:, None] + np.arange(3)) == K  # the row after the cut inside a window
+            assert first[crosses & (np.arange(3) > 0)].all()  # starts a new episode there
+
+
+@pytest.mark.parametrize("mode", MODES[1:], ids=lambda m: m.value)
 def test_same_step_history_is_the_same_whatever_the_buffer(mode, device):
     """The history gets the final observation, then the reset frame, with a vectorized buffer as without one."""
     E, K = 2, 30
