@@ -384,7 +384,8 @@ class TransitionBuffer(Samples, BufferState):
     @torch.compiler.disable
     @locked
     def cut_episodes(self):
-        """End every env's episode at its newest row, in place: ``truncated`` is set there, so no window
+        """End every env's episode at its newest row, in place: ``truncated`` is set there (unless that row
+        ends an episode already, a termination say), so no window
         with ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it
         (its successor counts as unknown, as after a truncation whose final observation was not kept).
         What a source without ``info["is_last"]`` rows does when its run is cut (a ``reset()``, the buffer
@@ -398,10 +399,18 @@ class TransitionBuffer(Samples, BufferState):
         if ring.count == 0:
             return self
         row = (ring.pos - 1) % ring.max_rows
+        cut = ~ring.ends[row]  # a row that already ends an episode (terminated: drawn with discount 0) stays
+        if not cut.any():
+            return self
+        mask = torch.from_numpy(cut)
         with signals_held():
             for path in paths:
-                self.storage.data[path][row] = True
-            ring.truncate_row(row)
+                t = self.storage.data[path]
+                if self.config.vectorized_env:
+                    t[row][mask.to(t.device)] = True  # (E, ...) view of the row: written through
+                else:
+                    t[row] = True
+            ring.truncate_row(row, cut)
             self.reader.rows_written(row, 1, 1)
             self.sampler.refresh_after_write(row, 1)
         return self

@@ -13,8 +13,11 @@ through the final observation). A vectorized buffer holds them in one of two way
 
 Only whole episodes are exported: one whose first row the ring overwrote, or that has not ended yet, is left
 out, and so is every env's first stretch of rows before an episode end, unless ``first_is_reset=True`` says
-that the buffer's first rows are reset frames (it was attached before the source's ``reset()``, and the ring
-has not wrapped since). A buffer that keeps no final
+that the buffer's first rows are reset frames (it was attached before the source's ``reset()``, the ring has
+not wrapped since, and its rows were not loaded by ``load_state_dict``, which numbers them from 0 again).
+The row after an ``is_last`` row is taken for a reset frame, which holds for a buffer that stays attached to
+its source: one detached and attached again mid-episode starts each env with a partial episode there, which
+this cannot tell from a whole one (drop the episodes with ``first_step`` at the re-attach). A buffer that keeps no final
 observation (``vectorized_env=False``, or an env that resets inside the step that ends an episode) is refused.
 """
 
@@ -29,6 +32,8 @@ def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
     (T + 1, ...)}}`` numpy arrays (an ``info`` leaf's value on each observation's row; with stored next
     observations, the last one repeats the last transition's). ``ValueError`` naming ``buffer`` for a buffer
     that keeps no final observations."""
+    if not callable(getattr(buffer, "state_dict", None)) or not hasattr(buffer, "locate"):
+        raise TypeError(f"buffer: expected a TransitionBuffer, got {type(buffer).__name__}")
     state = buffer.state_dict()
     if not state.get("vectorized_env", False):
         raise ValueError("buffer: its transitions interleave the envs (vectorized_env=False), so they cannot be cut "
@@ -36,14 +41,16 @@ def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
     if not isinstance(first_is_reset, bool):
         raise TypeError(f"first_is_reset: expected True or False, got {first_is_reset!r}")
     data = {k: v.cpu().numpy() for k, v in state["data"].items()}
+    nested = sorted(k for k in data if "[" in k and not k.startswith("info["))
+    if nested:
+        raise ValueError(f"buffer: nested observations or actions ({nested[:3]}) are not exported; export a buffer "
+                         "of one observation and one action leaf")
     is_last = data.get("info['is_last']")
     has_next = "next_observation" in data
     if is_last is None and not has_next:
         raise ValueError("buffer: it keeps no final observations (no info['is_last'] rows of an env source and no "
                          "stored next_observation: an env that resets inside the step that ends an episode), so its "
                          "episodes cannot have T + 1 observations")
-    if not isinstance(data.get("observation"), np.ndarray):
-        raise ValueError("buffer: expected one observation leaf (nested observations are not exported)")
     M, count, pos = data["observation"].shape[0], state["count"], state["pos"]
     rows = (pos - count + np.arange(count)) % M  # oldest first
     infos = [n for n in data if n.startswith("info[") and n != "info['is_last']"]
@@ -75,7 +82,13 @@ def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
             yield {"env": env, "first_step": first_step + int(a), "observations": obs,
                    "actions": col["action"][a:a + T], "rewards": col["reward"][a:a + T].astype(np.float64),
                    "terminations": term, "truncations": trunc,
-                   "infos": {n[len("info['"):-2]: v for n, v in info.items()}}
+                   "infos": {_info_name(n): v for n, v in info.items()}}
+
+
+def _info_name(leaf: str) -> str:
+    """``"latent"`` of the leaf name ``"info['latent']"``; a nested one's path joined by ``/``
+    (``"info['agent']['lp']"`` -> ``"agent/lp"``)."""
+    return "/".join(part.strip("'") for part in leaf[len("info["):-1].split("]["))
 
 
 def to_hdf5(buffer, path, first_is_reset: bool = False) -> int:

@@ -82,11 +82,13 @@ class StartRing:
         self.total += T
         return pos, head_rows
 
-    def truncate_row(self, row: int) -> None:
-        """Mark every env's ``row`` truncated and ending an episode (validity is refreshed by the caller)."""
+    def truncate_row(self, row: int, envs: np.ndarray) -> None:
+        """Mark ``row`` truncated and ending an episode for the ``envs`` (E,) bool (validity is refreshed by the
+        caller)."""
         for flags, name in ((self.trunc, "n_trunc"), (self.ends, "n_ends")):
-            setattr(self, name, getattr(self, name) + int(flags.shape[1] - np.count_nonzero(flags[row])))
-            flags[row] = True
+            before = int(np.count_nonzero(flags[row]))
+            flags[row] |= envs
+            setattr(self, name, getattr(self, name) + int(np.count_nonzero(flags[row])) - before)
 
     @staticmethod
     def _put(flags: np.ndarray, new: np.ndarray | None, pos: int, head_rows: int, T: int) -> int:

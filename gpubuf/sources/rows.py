@@ -150,7 +150,8 @@ class RowWriter:
         env's pending observation as an ``is_last`` row; without ``is_last`` rows (an env that resets inside the
         step), the episodes end at each env's newest row (:meth:`~gpubuf.TransitionBuffer.cut_episodes`)."""
         tb = self.transitions
-        if self._has_prev.all() and not self._fresh.all() and tb is not None and tb.vectorized_env:
+        closed = getattr(getattr(tb, "storage", None), "closed", False)  # a closed storage_dir: nothing to write
+        if self._has_prev.all() and not self._fresh.all() and tb is not None and tb.vectorized_env and not closed:
             n = self.n_envs
             if self.ends_in_step:
                 tb.cut_episodes()

@@ -298,3 +298,19 @@ def test_cut_episodes_marks_the_newest_row_as_a_load_would(cls):
                                                reward=torch.zeros(1, 4), terminated=None, truncated=None), device="cpu")
     with pytest.raises(ValueError, match="cut_episodes: the buffer stores no truncated leaf"):
         plain.cut_episodes()
+
+
+def test_cut_episodes_leaves_a_terminated_newest_row_alone():
+    buf = PrioritizedTransitionBuffer(3 * 16, 8, make_transition(0, 1, 3), device="cpu", seed=0)
+    tr = make_transition(0, 6, 3)
+    tr.terminated[-1, 1] = True  # env 1's newest row ends its episode already
+    buf.insert(tr)
+    buf.cut_episodes()
+    data = buf.state_dict()["data"]
+    assert data["truncated"][5].tolist() == [True, False, True]
+    buf.insert(make_transition(6, 2, 3))  # its successor is written: drawn with next observations (discount 0)
+    mass = buf.sampling_mass(True)
+    assert mass[5 * 3 + 1] > 0 and mass[5 * 3] == 0 and mass[5 * 3 + 2] == 0
+    fresh = PrioritizedTransitionBuffer(3 * 16, 8, make_transition(0, 1, 3), device="cpu", seed=0)
+    fresh.load_state_dict(buf.state_dict())
+    torch.testing.assert_close(buf.sampling_mass(True), fresh.sampling_mass(True))

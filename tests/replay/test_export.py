@@ -157,3 +157,21 @@ def test_buffers_without_final_observations_or_episodes_are_refused():
     assert list(export.episodes(empty)) == []
     with pytest.raises(ValueError, match="buffer: it holds no whole episode"):
         export.to_minari(empty, "gpubuf/y-v0", env="CartPole-v1")
+
+
+def test_nested_leaves_and_non_buffers():
+    nested = make_transition(0, 1, 2, multi_agent=True)
+    buf = TransitionBuffer(2 * 8, 4, nested, device="cpu")
+    with pytest.raises(ValueError, match="buffer: nested observations or actions"):
+        list(export.episodes(buf))
+    with pytest.raises(TypeError, match="buffer: expected a TransitionBuffer, got object"):
+        list(export.episodes(object()))
+    tr = make_transition(0, 6, 2, trunc_steps=(2,))
+    tr = dataclasses.replace(tr, next_observation=tr.observation + 0.5,
+                             info={"agent": {"lp": tr.reward.clone()}})
+    flat = TransitionBuffer(2 * 8, 4, dataclasses.replace(tr, **{k: getattr(tr, k)[:1] for k in (
+        "observation", "action", "reward", "terminated", "truncated", "next_observation")},
+        info={"agent": {"lp": tr.reward[:1]}}), device="cpu")
+    flat.insert(tr)
+    eps = list(export.episodes(flat, first_is_reset=True))
+    assert eps and all(set(e["infos"]) == {"agent/lp"} for e in eps)  # a nested info leaf: its path joined by /

@@ -546,3 +546,26 @@ def test_two_threads_stepping_one_source_take_turns():
                                                                       data["next_observation"][:len(buf)],
                                                                       strict=True)}
     assert len(buf) == 2 * K * E and got == steps
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value)
+def test_a_closed_storage_dir_buffer_can_be_detached_and_its_reopened_self_attached(mode, tmp_path):
+    """Closing a storage_dir buffer a source writes: detaching it (or resetting) writes nothing into the closed files;
+    the re-opened buffer can be attached and written."""
+    src = VectorEnvSource(gym.make_vec("Pendulum-v1", 2, vectorization_mode="sync",
+                                       vector_kwargs={"autoreset_mode": mode}), device="cpu")
+    buf = TransitionBuffer(2 * 32, 4, src.transition_sample(), device="cpu", storage_dir=tmp_path / "r")
+    src.transitions = buf
+    drive(src, 5)
+    n = len(buf)
+    buf.close()
+    with pytest.raises(ValueError, match="was closed"):
+        src.step(np.zeros((2, 1), np.float32))
+    src.transitions = None
+    src.reset(seed=1)
+    again = TransitionBuffer(2 * 32, 4, src.transition_sample(), device="cpu", storage_dir=tmp_path / "r")
+    assert len(again) == n
+    src.transitions = again
+    src.step(np.zeros((2, 1), np.float32))
+    assert len(again) == n + 2
+    again.close()
