@@ -302,19 +302,26 @@ def generator_for(key, default: torch.Generator) -> torch.Generator:
     raise TypeError(f"key: expected a torch.Generator, an int seed or None, got {type(key).__name__}")
 
 
-def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices (K,), td_errors (K,))`` as tensors where they live: 1-D integers (an empty list
-    reads as int64) and as many real TD errors; else ``TypeError``/``ValueError`` naming the
-    argument."""
+def index_array(indices) -> torch.Tensor:
+    """1-D integer ``indices`` as a tensor where they live (an empty list reads as int64); else
+    ``TypeError`` naming ``indices``."""
     idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices,
                     "indices")
-    td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors,
-                   "td_errors")
     if idx.dim() == 1 and idx.numel() == 0:
         idx = idx.to(torch.int64)  # an empty list reads as float64
     if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex \
             or idx.dtype == torch.bool:
         raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
+    return idx
+
+
+def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices (K,), td_errors (K,))`` as tensors where they live: 1-D integers
+    (:func:`index_array`) and as many real TD errors; else ``TypeError``/``ValueError`` naming the
+    argument."""
+    idx = index_array(indices)
+    td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors,
+                   "td_errors")
     if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex \
             or td.dtype == torch.bool:
         raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per "

@@ -37,7 +37,7 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.concurrency import CallGuard, locked
-from gpubuf._core.inputs import generator_for, host_indices, int_seed
+from gpubuf._core.inputs import generator_for, host_indices, index_array, int_seed
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import memory_ranges
 from gpubuf._core.transition import Transition
@@ -358,7 +358,7 @@ class TransitionBuffer(Samples, BufferState):
         ``storage_dir`` buffer; on a ``storage_dir`` the values reach the files as the other rows do
         (made durable by ``flush()``)."""
         self.storage.check_open()
-        idx = write_backs.as_indices(indices)
+        idx = index_array(indices).to(torch.int64)
         checked = write_backs.row_values(self.config, values, idx.shape[0], self.config.n_steps)
         write_backs.check_range(self.ring, idx)
         if generations is None:

@@ -22,17 +22,6 @@ def generations(ring, idx: torch.Tensor) -> torch.Tensor:
     return (row - ring.oldest).remainder(ring.max_rows) + (ring.base + ring.total - ring.count)
 
 
-def as_indices(indices) -> torch.Tensor:
-    """1-D integer ``indices`` as an int64 tensor where they live (an empty list reads as int64); else ``TypeError``
-    naming ``indices``."""
-    idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
-    if idx.dim() == 1 and idx.numel() == 0:
-        idx = idx.to(torch.int64)
-    if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-        raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
-    return idx.to(torch.int64)
-
-
 def current(ring, idx: torch.Tensor, given) -> torch.Tensor:
     """``(K,)`` bool on ``idx``'s device: which flat starts ``idx`` (K,) integer still hold the generation
     ``given`` (K,) they were sampled with (a row since overwritten, or no longer held, does not). ``ValueError``
@@ -42,11 +31,9 @@ def current(ring, idx: torch.Tensor, given) -> torch.Tensor:
             or g.dtype == torch.bool:
         raise ValueError(f"generations: expected a 1-D integer array of {idx.shape[0]} values (one per index, as "
                          f"sample(return_generations=True) returns them), got {g.dtype} of shape {tuple(g.shape)}")
-    idx = idx.to(torch.int64)
-    row = torch.div(idx, ring.n_envs, rounding_mode="floor")
-    age = (row - ring.oldest).remainder(ring.max_rows)
-    now = age + (ring.base + ring.total - ring.count)
-    return (age < ring.count) & (now == g.to(device=idx.device, dtype=torch.int64))
+    now = generations(ring, idx.to(torch.int64))
+    held = now < ring.base + ring.total  # its age below the rows held
+    return held & (now == g.to(device=idx.device, dtype=torch.int64))
 
 
 def check_range(ring, idx: torch.Tensor) -> None:
