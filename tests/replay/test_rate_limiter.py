@@ -202,3 +202,30 @@ def test_one_limiter_per_buffer_and_requests_that_could_never_run_are_refused():
     with pytest.raises(ValueError, match="n: expected a positive int"):
         buf.can_insert(0)
     assert lim.samples == 0
+
+
+def test_a_pickled_or_forked_limited_buffer_keeps_counting():
+    import multiprocessing as mp
+    import pickle
+
+    lim = RateLimiter.min_size(4, timeout=0)
+    buf = buffer(lim)
+    buf.insert(rollout(2))
+    buf.sample(batch_size=3)
+    twin = pickle.loads(pickle.dumps(buf))
+    assert (twin.rate_limiter.inserts, twin.rate_limiter.samples) == (4, 3) and twin.rate_limiter is not lim
+    twin.sample(batch_size=2)
+    assert twin.rate_limiter.samples == 5 and lim.samples == 3
+
+    def child(q):
+        buf.insert(rollout(1))  # the child's own copy: its limiter counts, waits and wakes as the parent's
+        buf.sample(batch_size=2)
+        q.put((buf.rate_limiter.inserts, buf.rate_limiter.samples))
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(60)
+    assert got == (6, 5) and p.exitcode == 0 and lim.inserts == 4
