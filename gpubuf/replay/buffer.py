@@ -44,6 +44,7 @@ from gpubuf._core.transition import Transition
 from gpubuf.replay import tiers, write_backs
 from gpubuf.replay.buffer_state import BufferState
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
+from gpubuf.replay.process_writers import ReplayWriter, WriterHub
 from gpubuf.replay.rate_limiter import check_limiter
 from gpubuf.replay.readers import BatchReader
 from gpubuf.replay.ring import StartRing
@@ -140,6 +141,7 @@ class TransitionBuffer(Samples, BufferState):
             raise
         if self.rate_limiter is not None:
             self.rate_limiter.attach(self._guard)
+        self._hub = None  # the writers in other processes (WriterHub), once one was handed out
 
     def _reopen(self, state: dict | None, since: int) -> None:
         """Restore a re-opened ``storage_dir``'s flushed ``state`` (``None``: none) into the sampler and the
@@ -271,6 +273,8 @@ class TransitionBuffer(Samples, BufferState):
             raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
         if not isinstance(return_generations, bool):
             raise TypeError(f"return_generations: expected a bool, got {return_generations!r}")
+        if self._hub is not None:
+            self._hub.collect()
         reader = self.reader
         plain = frame_stack is None and n_step_return is None and type(frame_stride) is int and frame_stride == 1
         spec = None if plain else reader.spec(frame_stack, frame_stride, n_step_return, out)  # steady: no call
@@ -383,8 +387,9 @@ class TransitionBuffer(Samples, BufferState):
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
-    def cut_episodes(self):
-        """End every env's episode at its newest row, in place: ``truncated`` is set there (unless that row
+    def cut_episodes(self, envs=None):
+        """End every env's episode (``envs``: a ``(n_envs,)`` bool mask of the envs to end) at its newest row,
+        in place: ``truncated`` is set there (unless that row
         ends an episode already, a termination say), so no window
         with ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it
         (its successor counts as unknown, as after a truncation whose final observation was not kept).
@@ -400,6 +405,8 @@ class TransitionBuffer(Samples, BufferState):
             return self
         row = (ring.pos - 1) % ring.max_rows
         cut = ~ring.ends[row]  # a row that already ends an episode (terminated: drawn with discount 0) stays
+        if envs is not None:
+            cut &= np.asarray(envs, bool)
         if not cut.any():
             return self
         mask = torch.from_numpy(cut)
@@ -417,7 +424,11 @@ class TransitionBuffer(Samples, BufferState):
 
     def can_sample(self, n: int | None = None) -> bool:
         """Whether the :attr:`rate_limiter` lets a sample of ``n`` windows (``None``: the default batch) run now
-        (always without one, the buffer's own checks aside)."""
+        (always without one, the buffer's own checks aside), once what writers in other processes published is
+        committed."""
+        if self._hub is not None:
+            with self.lock:
+                self._hub.collect(report=False)
         return self.rate_limiter is None or self.rate_limiter.can_sample(self.config.batch_size(n))
 
     def can_insert(self, n: int) -> bool:
@@ -426,6 +437,33 @@ class TransitionBuffer(Samples, BufferState):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n: expected a positive int (transitions), got {n!r}")
         return self.rate_limiter is None or self.rate_limiter.can_insert(int(n))
+
+    @torch.compiler.disable
+    @locked
+    def writer(self, envs=None, rows: int | None = None) -> ReplayWriter:
+        """A :class:`~gpubuf.replay.process_writers.ReplayWriter` through which one other process (an actor,
+        given it as a ``torch.multiprocessing`` process argument) inserts into this buffer: ``envs`` are the env
+        lanes it writes, ``range(a, b)`` (``None``: all; a buffer with ``vectorized_env=False`` has none), ``rows``
+        its queue's length in rows per env (at most ``max_size // n_envs``; ``None``: 64, or that if fewer). Its
+        rows are committed by this process: in :meth:`sample`, :meth:`can_sample`, a rate limiter's wait, and :meth:`collect`; a vectorized
+        buffer's row once every lane's writer published it. Lanes go to one writer at a time: ``ValueError``
+        for lanes overlapping a running writer's, or for the range of one that ended, unless exactly its range
+        (its last row then ends those lanes' episodes). The writer's queue lives in shared host memory (CUDA
+        memory for a buffer storing on a GPU), allocated here once."""
+        if self._hub is None:
+            self._hub = WriterHub(self)
+            if self.rate_limiter is not None:
+                self.rate_limiter.poll = self._hub.collect
+        return self._hub.add(envs, rows)
+
+    @torch.compiler.disable
+    @locked
+    def collect(self) -> int:
+        """Commit the rows that writers in other processes (:meth:`writer`) published, as far as the rate limiter
+        lets inserts run now; returns the transitions committed (0 without writers). ``WriterDied`` once for a
+        writer whose process ended without closing it, after its published rows were committed. Rows still
+        queued by writers are in no checkpoint: call this before ``save``/``state_dict``."""
+        return 0 if self._hub is None else self._hub.collect()
 
     @locked
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -56,6 +56,7 @@ class RateLimiter:
         self.attached = False  # limits a buffer (one at most)
         self._guard = None  # that buffer's CallGuard
         self._cond = threading.Condition()
+        self.poll = None  # called every few ms while a call waits: commits rows of writers in other processes
 
     @classmethod
     def min_size(cls, min_size_to_sample: int, timeout: float | None = None) -> "RateLimiter":
@@ -112,7 +113,11 @@ class RateLimiter:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"rate_limiter: {_a(what)} of {n} waited {self.timeout} s ({self})")
-                self._wait(left)
+                if self.poll is None:
+                    self._wait(left)
+                else:  # rows from other processes arrive only when this process commits them
+                    self._wait(_POLL_S if left is None else min(left, _POLL_S))
+                    self.poll()
             self._count(what, n)
 
     def _wait(self, left: float | None) -> None:
@@ -179,7 +184,7 @@ class RateLimiter:
     def __getstate__(self):
         state = dict(self.__dict__)
         del state["_cond"], state["_guard"]
-        return {**state, "attached": False}
+        return {**state, "attached": False, "poll": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -189,6 +194,9 @@ class RateLimiter:
         return (f"RateLimiter(samples_per_insert={self.samples_per_insert:g}, min_size_to_sample="
                 f"{self.min_size_to_sample}, min_diff={self.min_diff:g}, max_diff={self.max_diff:g}; inserts="
                 f"{self.inserts}, samples={self.samples}, size={self.size})")
+
+
+_POLL_S = 0.002  # how often a waiting call commits rows of writers in other processes
 
 
 def check_limiter(limiter, capacity: int) -> "RateLimiter | None":

@@ -1,0 +1,210 @@
+"""Writers in other processes: actor processes (spawned, real gymnasium envs) insert through ReplayWriter
+handles into one buffer the test process owns and samples."""
+
+import copy
+import os
+import pickle
+import signal
+import time
+
+import numpy as np
+import process_actors
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer
+from gpubuf.replay.process_writers import WriterDied
+
+SPAWN = mp.get_context("spawn")
+
+
+def rows(T, E, start=0, shape=(3,)):
+    n = np.arange(start, start + T, dtype=np.float32)
+    obs = np.broadcast_to(n.reshape(T, 1, *([1] * len(shape))), (T, E, *shape)).copy()
+    return Transition(observation=obs, action=np.broadcast_to(n[:, None], (T, E)).astype(np.float32),
+                      reward=np.zeros((T, E), np.float32), terminated=np.zeros((T, E), bool),
+                      truncated=np.zeros((T, E), bool))
+
+
+def cartpole_sample(E):
+    z = np.zeros((1, E), np.int64)
+    return Transition(observation=np.zeros((1, E, 4), np.float32), action=z, reward=np.zeros((1, E), np.float32),
+                      terminated=np.zeros((1, E), bool), truncated=np.zeros((1, E), bool),
+                      info={"step": z, "actor": z})
+
+
+def start(target, *args):
+    p = SPAWN.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def drain(buf, procs, deadline_s=180.0, sample=True):
+    """Sample/collect until every process ended and nothing is left to commit."""
+    end = time.monotonic() + deadline_s
+    while any(p.is_alive() for p in procs):
+        assert time.monotonic() < end, "actors did not finish"
+        if sample and buf.num_valid() >= buf.sample_batch_size:
+            buf.sample()
+        else:
+            buf.collect()
+            time.sleep(0.01)
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    buf.collect()
+
+
+def test_two_cartpole_actors_fill_their_lanes_in_order_with_a_rate_limiter():
+    E_w, T, inserts = 3, 4, 30
+    limiter = RateLimiter.sample_to_insert_ratio(samples_per_insert=2.0, min_size_to_sample=24, error_buffer=64.0,
+                                                 timeout=60)
+    buf = PrioritizedTransitionBuffer(2 * E_w * 200, 8, cartpole_sample(2 * E_w), seed=0, rate_limiter=limiter)
+    writers = [buf.writer(envs=range(0, E_w), rows=16), buf.writer(envs=range(E_w, 2 * E_w), rows=16)]
+    assert "envs 0..2 of PrioritizedTransitionBuffer" in repr(writers[0])
+    procs = [start(process_actors.cartpole_actor, w, a, E_w, inserts, T, 10 + a) for a, w in enumerate(writers)]
+    samples = 0
+    end = time.monotonic() + 180
+    while limiter.inserts < 2 * E_w * inserts * T:
+        assert time.monotonic() < end
+        batch, idx = buf.sample()  # blocks on the limiter and commits the actors' rows meanwhile
+        buf.update_priorities(idx, torch.rand(len(idx)))
+        samples += len(idx)
+        assert limiter.min_diff <= limiter.diff <= limiter.max_diff
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert len(buf) == 2 * E_w * inserts * T and limiter.samples == samples
+    step, actor = buf.storage.data[("info", "step")], buf.storage.data[("info", "actor")]
+    n = inserts * T
+    assert (step[:n] == torch.arange(n)[:, None]).all()  # every lane in order, row t of every actor in row t
+    assert (actor[:n] == torch.tensor([0] * E_w + [1] * E_w)).all()
+    # the rows are the env's: an actor replayed with the same seed gives the same rows
+    import gymnasium as gym
+    env = gym.make_vec("CartPole-v1", num_envs=E_w, vectorization_mode="vector_entry_point")
+    obs, _ = env.reset(seed=11)
+    want, _ = process_actors.cartpole_rows(n, E_w, 1, 0, env, obs, np.random.default_rng(11))
+    got = buf.storage.data
+    assert torch.equal(got[("observation",)][:n, E_w:], torch.from_numpy(want.observation))
+    assert torch.equal(got[("reward",)][:n, E_w:], torch.from_numpy(want.reward))
+    assert torch.equal(got[("terminated",)][:n, E_w:], torch.from_numpy(want.terminated))
+
+
+def test_an_actor_killed_mid_write_loses_only_its_rows_in_flight_and_is_reported():
+    E, shape = 2, (64, 64)  # big rows: a kill lands inside a copy often
+    buf = TransitionBuffer(E * 4000, 4, rows(1, E, shape=shape), seed=0)
+    writer = buf.writer(rows=8)
+    done = torch.zeros(1, dtype=torch.int64).share_memory_()
+    proc = start(process_actors.numbered_actor, writer, E, shape, 3, 0, done)
+    end = time.monotonic() + 120
+    while len(buf) < 300 * E:
+        assert time.monotonic() < end
+        buf.collect()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    with pytest.raises(WriterDied, match=f"process {proc.pid} exited or was killed"):
+        buf.collect()
+    assert buf.collect() == 0  # reported once
+    held = buf.ring.count
+    assert held == int(done[0]) or held == int(done[0]) + 3  # published rows all in (the kill may follow a publish)
+    obs = buf.storage.data[("observation",)][:held]
+    assert (obs == torch.arange(held, dtype=torch.float32).view(-1, 1, 1, 1)).all()  # no torn row
+    assert (buf.storage.data[("action",)][:held] == torch.arange(held).view(-1, 1)).all()
+    # the lanes go to a new actor; the dead one's last row ends their episodes
+    assert buf.sample(boundaries="forbid", batch_size=4) is not None
+    again = buf.writer(rows=8)
+    proc = start(process_actors.numbered_actor, again, E, shape, 3, 10_000, None, 30)
+    drain(buf, [proc], sample=False)
+    assert buf.ring.count == held + 30
+    assert buf.storage.data[("truncated",)][held - 1].all()
+    fresh = buf.storage.data[("observation",)][held:held + 30, :, 0, 0]
+    assert (fresh == torch.arange(10_000, 10_030).view(-1, 1)).all()
+
+
+def test_a_dead_actor_wakes_a_learner_waiting_on_the_limiter():
+    E = 2
+    limiter = RateLimiter.min_size(1000, timeout=60)
+    buf = TransitionBuffer(E * 1000, 4, rows(1, E), seed=0, rate_limiter=limiter)
+    proc = start(process_actors.kill_self_actor, buf.writer(), E)
+    t0 = time.monotonic()
+    with pytest.raises(WriterDied):
+        buf.sample()
+    assert time.monotonic() - t0 < 50
+    proc.join(10)
+    assert len(buf) == E
+
+
+def flat(value, T):
+    return Transition(observation=np.full((T, 3), value, np.float32), action=np.zeros(T, np.float32),
+                      reward=np.zeros(T, np.float32), terminated=np.zeros(T, bool), truncated=np.zeros(T, bool))
+
+
+def test_writers_of_a_buffer_that_is_not_vectorized_commit_whole_inserts():
+    buf = TransitionBuffer(1000, 4, flat(0, 1), vectorized_env=False, seed=0)
+    with pytest.raises(ValueError, match="envs: a buffer with vectorized_env=False"):
+        buf.writer(envs=range(0, 1))
+    a, b = buf.writer(rows=16), buf.writer(rows=16)
+    a.insert(flat(1, 5))
+    b.insert(flat(2, 2))
+    a.insert(flat(3, 3))
+    assert buf.collect() == 10
+    got = buf.storage.data[("observation",)][:10, 0].tolist()
+    assert got == [1] * 5 + [3] * 3 + [2] * 2
+
+
+def test_bad_writer_arguments_and_copies_are_refused():
+    E = 4
+    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0)
+    for bad in (range(0, 0), range(2, 6), range(-1, 2), range(0, 4, 2), 3, "all"):
+        with pytest.raises(ValueError, match="envs: expected a non-empty range"):
+            buf.writer(envs=bad)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="rows: expected a positive int"):
+            buf.writer(rows=bad)
+    with pytest.raises(ValueError, match="rows: expected at most the buffer's 50 rows"):
+        buf.writer(rows=51)
+    w = buf.writer(envs=slice(0, 2), rows=4)
+    with pytest.raises(ValueError, match="overlaps the lanes range"):
+        buf.writer(envs=range(1, 3))
+    with pytest.raises(ValueError, match="still writes these lanes"):
+        buf.writer(envs=range(0, 2))
+    with pytest.raises(ValueError, match="expected shape"):
+        w.insert(rows(2, E))  # 4 lanes into a 2-lane writer
+    with pytest.raises(ValueError, match="1 <= T <= 4"):
+        w.insert(rows(5, 2))
+    with pytest.raises(TimeoutError, match="did not make room"):
+        w.insert(rows(4, 2)).insert(rows(1, 2), timeout=0.05)
+    assert w.pending == 4 and buf.collect() == 0  # lanes 2..3 have no writer: nothing commits
+    for c in (pickle.loads(pickle.dumps(w)), copy.deepcopy(w), copy.copy(w)):
+        with pytest.raises(RuntimeError, match="a copy holding no shared memory"):
+            c.insert(rows(1, 2))
+    w.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        w.insert(rows(1, 2))
+    assert len(buf) == 0
+
+
+def test_a_copy_or_a_forked_child_of_the_owner_takes_no_rows():
+    E = 2
+    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0)
+    w = buf.writer(rows=8)
+    w.insert(rows(3, E))
+    assert copy.deepcopy(buf).collect() == 0
+    pid = os.fork()
+    if pid == 0:  # the child's buffer commits nobody's rows
+        os._exit(0 if buf.collect() == 0 and w.pending == 3 else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert buf.collect() == 3 * E and len(buf) == 3 * E
+
+
+def test_write_backs_drop_rows_another_process_overwrote():
+    E = 2
+    buf = PrioritizedTransitionBuffer(E * 20, 8, rows(1, E), seed=0)
+    buf.insert(rows(20, E))
+    batch, idx, gen = buf.sample(return_generations=True)
+    proc = start(process_actors.numbered_actor, buf.writer(rows=20), E, (3,), 20, 100, None, 20)
+    drain(buf, [proc], sample=False)  # the actor's 20 rows replaced every row sampled
+    buf.update_priorities(idx, torch.full((8,), 5.0), generations=gen)
+    assert buf.stale_updates == 8
+    assert torch.equal(buf.sampling_mass(), torch.ones(E * 20, dtype=torch.float64))
