@@ -442,14 +442,16 @@ class TransitionBuffer(Samples, BufferState):
     @locked
     def writer(self, envs=None, rows: int | None = None) -> ReplayWriter:
         """A :class:`~gpubuf.replay.process_writers.ReplayWriter` through which one other process (an actor,
-        given it as a ``torch.multiprocessing`` process argument) inserts into this buffer: ``envs`` are the env
-        lanes it writes, ``range(a, b)`` (``None``: all; a buffer with ``vectorized_env=False`` has none), ``rows``
-        its queue's length in rows per env (at most ``max_size // n_envs``; ``None``: 64, or that if fewer). Its
-        rows are committed by this process: in :meth:`sample`, :meth:`can_sample`, a rate limiter's wait, and :meth:`collect`; a vectorized
-        buffer's row once every lane's writer published it. Lanes go to one writer at a time: ``ValueError``
-        for lanes overlapping a running writer's, or for the range of one that ended, unless exactly its range
-        (its last row then ends those lanes' episodes). The writer's queue lives in shared host memory (CUDA
-        memory for a buffer storing on a GPU), allocated here once."""
+        given it as a ``torch.multiprocessing`` process argument) inserts into this buffer.
+
+        ``envs``: the env lanes it writes, ``range(a, b)`` (``None``: all; a buffer with ``vectorized_env=False``
+        has none). ``rows``: its queue's length in rows per env (at most ``max_size // n_envs``; ``None``: 64, or
+        that if fewer). Its rows are committed by this process, in :meth:`sample`, :meth:`can_sample`, a rate
+        limiter's wait and :meth:`collect`; a vectorized buffer's row once every lane's writer published it.
+        A lane has one writer at a time: ``ValueError`` for lanes overlapping another writer's, except exactly
+        the range of a writer that ended (closed, or its process gone), whose last row then ends those lanes'
+        episodes. The queue lives in shared host memory (CUDA memory for a buffer storing on a GPU), allocated
+        here once."""
         if self._hub is None:
             self._hub = WriterHub(self)
             if self.rate_limiter is not None:
