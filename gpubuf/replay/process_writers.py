@@ -129,6 +129,19 @@ class ReplayWriter:
         self.control[CLOSED] = 1
 
     @property
+    def vectorized_env(self) -> bool:
+        return self.config.vectorized_env
+
+    @property
+    def n_envs(self) -> int:
+        """Env lanes this writer writes (1 not vectorized)."""
+        return self.config.n_envs
+
+    @property
+    def n_steps(self) -> int:
+        return self.config.n_steps
+
+    @property
     def pending(self) -> int:
         """Rows published and not yet committed by the owner."""
         return int(self.control[PUBLISHED] - self.control[CONSUMED])

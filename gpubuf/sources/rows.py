@@ -131,6 +131,10 @@ class RowWriter:
         if vectorized and self.single_rows:
             raise ValueError(f"transitions: {self.single_rows} needs a buffer with vectorized_env=False "
                              "(built from transition_sample(vectorized=False))")
+        if vectorized and self.ends_in_step and not hasattr(tb, "cut_episodes"):
+            raise ValueError(f"transitions: {type(tb).__name__} cannot end the episodes of rows it already handed on, "
+                             "as an env that resets inside the ending step needs at a reset; feed it from an env that "
+                             "keeps final observations (EnvPool, a next-step autoreset vector env)")
         if vectorized and tb.n_envs != self.n_envs:
             raise ValueError(f"transitions: expected a TransitionBuffer over {self.n_envs} envs "
                              f"(build it from transition_sample()), got {tb.n_envs}")

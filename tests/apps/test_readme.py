@@ -75,4 +75,9 @@ def test_doc_block_runs(page, code, monkeypatch, tmp_path):
                               "learner.py"], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         return
+    if 'if __name__ == "__main__":' in code:  # a script whose spawned processes import it: run as one
+        (tmp_path / "script.py").write_text(code)
+        run = subprocess.run([sys.executable, "script.py"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return
     exec(compile(code, str(page), "exec"), {"__name__": "readme"})

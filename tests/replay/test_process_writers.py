@@ -208,3 +208,30 @@ def test_write_backs_drop_rows_another_process_overwrote():
     buf.update_priorities(idx, torch.full((8,), 5.0), generations=gen)
     assert buf.stale_updates == 8
     assert torch.equal(buf.sampling_mass(), torch.ones(E * 20, dtype=torch.float64))
+
+
+def test_a_source_feeds_a_writer_unless_its_env_resets_inside_the_ending_step():
+    import gymnasium as gym
+
+    from gpubuf import VectorEnvSource
+
+    def env(mode):
+        return gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync", vector_kwargs={"autoreset_mode": mode})
+
+    bufs = []
+    for through_writer in (True, False):  # the same run into a writer and straight into a buffer
+        source = VectorEnvSource(env(gym.vector.AutoresetMode.NEXT_STEP))
+        buf = TransitionBuffer(2 * 100, 4, source.transition_sample(), seed=0)
+        source.transitions = buf.writer() if through_writer else buf
+        source.reset(seed=0)
+        for t in range(40):
+            source.step(np.full(2, t % 2, np.int64))
+        buf.collect()
+        bufs.append(buf)
+    assert len(bufs[0]) == len(bufs[1]) > 2 * 30
+    for path, t in bufs[1].storage.data.items():
+        assert torch.equal(bufs[0].storage.data[path], t), path
+    same = VectorEnvSource(env(gym.vector.AutoresetMode.SAME_STEP))
+    other = TransitionBuffer(2 * 100, 4, same.transition_sample(), seed=0)
+    with pytest.raises(ValueError, match="cannot end the episodes of rows it already handed on"):
+        same.transitions = other.writer()
