@@ -216,7 +216,8 @@ def test_a_source_feeds_a_writer_unless_its_env_resets_inside_the_ending_step():
     from gpubuf import VectorEnvSource
 
     def env(mode):
-        return gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync", vector_kwargs={"autoreset_mode": mode})
+        return gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync",
+                            vector_kwargs={"autoreset_mode": mode})
 
     bufs = []
     for through_writer in (True, False):  # the same run into a writer and straight into a buffer
