@@ -130,7 +130,8 @@ def main():
                       "speedup": many / one})
         print(f"| {P} | {P * ENVS} | {one:,.0f} | {many:,.0f} | {many / one:.2f} |", flush=True)
     args.out.write_text(json.dumps({"machine": machine(torch.device("cpu")), "envs_per_actor": ENVS,
-                                    "rows_per_insert": T, "batch": B, "blocks": args.blocks, "rounds": args.rounds, "table": table},
+                                    "rows_per_insert": T, "batch": B, "blocks": args.blocks, "rounds": args.rounds,
+                                    "table": table},
                                    indent=1))
 
 
