@@ -50,6 +50,7 @@ from gpubuf.replay.readers import BatchReader
 from gpubuf.replay.ring import StartRing
 from gpubuf.replay.sample_args import Samples
 from gpubuf.replay.samplers import TreeSampler, UniformSampler
+from gpubuf.replay.selectors import check_selector
 from gpubuf.replay.steady_insert import SteadyInsert
 from gpubuf.replay.storage import MappedStorage, MemoryStorage
 
@@ -88,6 +89,9 @@ class TransitionBuffer(Samples, BufferState):
         rate_limiter: a :class:`~gpubuf.RateLimiter` (one per buffer): :meth:`insert` and
             :meth:`sample` wait for their turn (threads; holding no lock while they wait), its counts
             ride along in ``state_dict`` and a ``storage_dir``'s flushes. ``None``: no limit.
+        selector: which valid starts :meth:`sample` draws (:mod:`gpubuf.replay.selectors`: ``Recency``,
+            ``Mixture`` of uniform, prioritized and recency, ``Fifo``/``Lifo`` queues, DreamerV3's ``Online``
+            queue; one per buffer). ``None``: the buffer's own draw.
 
     Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the
     capacity. Without replacement the draw is exact sequential sampling without replacement
@@ -106,7 +110,8 @@ class TransitionBuffer(Samples, BufferState):
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
                  vectorized_env: bool = True, n_steps: int = 1, *, device=None,
-                 seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None):
+                 seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None,
+                 selector=None):
         seed = None if seed is None else int_seed("seed", seed)
         self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size,
                                                   data_sample, vectorized_env, n_steps,
@@ -119,11 +124,16 @@ class TransitionBuffer(Samples, BufferState):
         self._guard = CallGuard(self.device)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
         self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs)
+        self.selector = check_selector(selector)
         self.storage = MemoryStorage(config, self.storage_device) if storage_dir is None else \
             MappedStorage(config, storage_dir)
         try:  # a failure from here on releases a storage_dir's lock at once
             self.ring = StartRing(config.max_rows, config.n_envs, config.n_steps, config.kinds)
             self.sampler = self._make_sampler()
+            if self.selector is not None:
+                self.selector.attach(self)
+                if self.selector.replacement_only:
+                    self.default_with_replacement = True
             self.reader = BatchReader(config, self.storage, self.ring, self.device, self.backend)
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             self._steady = SteadyInsert(config, self.storage)
@@ -147,6 +157,8 @@ class TransitionBuffer(Samples, BufferState):
         """Restore a re-opened ``storage_dir``'s flushed ``state`` (``None``: none) into the sampler and the
         rate limiter (``since``: rows held written after that flush)."""
         self.sampler.reopen(state, since)
+        if self.selector is not None:
+            self.selector.rows_loaded()
         if self.rate_limiter is not None:
             saved = None if state is None else state.get("rate_limiter")
             if saved is not None:
@@ -248,6 +260,8 @@ class TransitionBuffer(Samples, BufferState):
             pos, before_wrap = ring.write(T, trunc, ends, last)
             self.storage.write(staged, pos, before_wrap, T)
             self.sampler.rows_written(pos, before_wrap, T)
+            if self.selector is not None:
+                self.selector.rows_written(pos, before_wrap, T)
             self.sampler.refresh_after_write(pos, T)
             self.reader.rows_written(pos, before_wrap, T)
             self.storage.after_write(ring.pos, ring.count, ring.total)
@@ -262,8 +276,13 @@ class TransitionBuffer(Samples, BufferState):
         """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises (a
         check the sampling calls run under :attr:`lock`; it takes none itself)."""
         B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs, boundaries)
-        self.sampler.check_draw(kind, B, with_replacement)
+        self._check_draw(kind, B, with_replacement)
         return B, kind
+
+    def _check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
+        self.sampler.check_draw(kind, B, with_replacement and not (self.selector and self.selector.queue))
+        if self.selector is not None:
+            self.selector.check(kind, B, with_replacement)
 
     @locked
     def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
@@ -287,7 +306,7 @@ class TransitionBuffer(Samples, BufferState):
         B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs or returns, boundaries)
         self.rate_limiter.take("sample", B)  # waits for its turn, letting go of the lock
         try:
-            self.sampler.check_draw(kind, B, with_replacement)  # the rows as they are after the wait
+            self._check_draw(kind, B, with_replacement)  # the rows as they are after the wait
             return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
                                        spec, return_indices, return_generations)
         except BaseException:
@@ -304,7 +323,7 @@ class TransitionBuffer(Samples, BufferState):
         rng = g.get_state() if key is None or isinstance(key, torch.Generator) else None
         try:
             read = reader.prepare(B, with_next_obs, boundaries, spec, out, self._owned)
-            idx, mass = self.sampler.draw(kind, B, g, with_replacement)
+            idx, mass = (self.selector or self.sampler).draw(kind, B, g, with_replacement)
             batch = read(idx)
             self.sampler.weigh(batch, mass)
         except BaseException as err:
@@ -437,6 +456,16 @@ class TransitionBuffer(Samples, BufferState):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n: expected a positive int (transitions), got {n!r}")
         return self.rate_limiter is None or self.rate_limiter.can_insert(int(n))
+
+    @locked
+    def num_unserved(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
+        """Valid starts (for :meth:`sample` with this ``with_next_obs`` and ``boundaries``) that the buffer's queue
+        selector (``Fifo``, ``Lifo``, ``Online``) has not served yet; ``ValueError`` without one."""
+        if self.selector is None or not self.selector.queue:
+            raise ValueError(f"num_unserved: this buffer's selector ({self.selector!r}) keeps no queue")
+        kind = self.config.kind(with_next_obs, boundaries)
+        self.sampler.activate(kind)
+        return self.selector.unserved(kind)
 
     @torch.compiler.disable
     @locked

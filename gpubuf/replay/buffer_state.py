@@ -31,7 +31,8 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size,
                 "data_sample": sample, "vectorized_env": c.vectorized_env, "n_steps": c.n_steps,
                 "device": str(self.device), "storage_device": self._init_storage[0],
-                "rate_limiter": None if limiter is None else limiter.fresh(), **dict(c.extra)}
+                "rate_limiter": None if limiter is None else limiter.fresh(),
+                "selector": None if self.selector is None else self.selector.fresh(), **dict(c.extra)}
 
     def copy_refusal(self) -> str | None:
         if self.storage.dir is None:
@@ -52,6 +53,8 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
                      pos=self.ring.pos, count=self.ring.count,
                      trunc=torch.from_numpy(self.ring.trunc.copy()),
                      rng=self.generator.get_state(), **self.sampler.state())
+        if self.selector is not None:
+            state.update(self.selector.state())
         if self.rate_limiter is not None:
             state["rate_limiter"] = self.rate_limiter.state()
         return state
@@ -65,10 +68,14 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         put the ratio in the middle of its band); a limiter's counts in the state of a buffer without
         one are ignored."""
         limits = state.get("rate_limiter") if isinstance(state, dict) else None
-        if isinstance(state, dict) and "rate_limiter" in state:
-            state = {k: v for k, v in state.items() if k != "rate_limiter"}
+        served = state.get("selector_served") if isinstance(state, dict) else None
+        if isinstance(state, dict):  # optional entries, taken apart from the checked ones
+            state = {k: v for k, v in state.items() if k not in ("rate_limiter", "selector_served")}
         template = self.state_dict()
         template.pop("rate_limiter", None)
+        template.pop("selector_served", None)
+        if self.selector is not None:
+            self.selector.check_state(served)
         pos, count, rng, (trunc, ends, last) = self.config.check_state(state, template)
         checked = self.sampler.check_state(state, pos, count)
         data = {leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves}
@@ -92,6 +99,9 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
             self.generator.set_state(rng)
             if self.rate_limiter is not None:
                 self.rate_limiter.load(limits, len(self))
+            if self.selector is not None:
+                self.selector.rows_loaded()
+                self.selector.load({} if served is None else {"selector_served": served})
         self.flush()  # a storage_dir now holds the loaded state
 
     @locked

@@ -27,8 +27,9 @@ class GraphSampler:
     prioritized one).
 
     Built by :meth:`TransitionBuffer.graph_sampler`. Draws are exact: starts with probability
-    proportional to their mass (uniform over valid starts, or ``priority**alpha``), as
-    :meth:`TransitionBuffer.sample` with ``with_replacement=True``, but from a device generator:
+    proportional to their mass (uniform over valid starts, or ``priority**alpha``; a ``Recency`` or
+    ``Mixture`` selector's probabilities), as :meth:`TransitionBuffer.sample` with
+    ``with_replacement=True``, but from a device generator:
     ``generator`` (a ``torch.Generator`` on the buffer's device; register it with the graph,
     ``CUDAGraph.register_generator_state``) or, when ``None``, the device's default generator
     (``torch.manual_seed`` seeds it; CUDA graphs handle it by themselves).
@@ -65,6 +66,10 @@ class GraphSampler:
             raise ValueError("buffer: a GraphSampler gathers on the sampling device; this buffer's "
                              f"storage is on {buffer.storage_device}, not {buffer.device}")
         reader, sampler = buffer.reader, buffer.sampler
+        selector = buffer.selector
+        if selector is not None and not selector.capturable:
+            raise ValueError(f"buffer: its selector {selector!r} decides on the host; a GraphSampler draws with "
+                             "Recency, Mixture or the buffer's own draw")
         spec = reader.spec(frame_stack, frame_stride, n_step_return, None)
         returns = spec is not None and spec.n is not None
         B, kind = buffer.check_sample_args(batch_size, True, with_next_obs or returns, boundaries)
@@ -79,6 +84,7 @@ class GraphSampler:
         self._guard = buffer.guard  # calls hold the buffer's lock
         self.buffer, self.batch_size, self.generator = buffer, B, generator
         self._tree = sampler.tree(kind)  # kept current from now on
+        self._selector, self._kind = selector, kind
         dev = buffer.device
         try:  # a failed allocation raises MemoryError naming batch_size
             self.u = torch.empty(B, dtype=torch.float64, device=dev)  # (B,) uniforms
@@ -129,7 +135,11 @@ class GraphSampler:
         every call."""
         tree, config = self._tree, self._config
         torch.rand(self.u.shape, dtype=torch.float64, generator=self.generator, out=self.u)
-        tree.sample(self.u, out=self.indices)
+        if self._selector is None:
+            tree.sample(self.u, out=self.indices)
+        else:  # the selector's probabilities, from device state only
+            idx, q = self._selector.draw_u(self._kind, self.u)
+            self.indices.copy_(idx)
         if self._stacked is not None:
             self._stacked.run(self.indices)
         elif self._tables is not None:
@@ -139,7 +149,10 @@ class GraphSampler:
             self._storage.gather_windows(self._work, self.indices)
         config.refresh_flags(self.out)  # has_transition from the rows just gathered
         if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
-            tree.leaves(self.indices, out=self._mass)
+            if self._selector is None:
+                tree.leaves(self.indices, out=self._mass)
+            else:
+                self._mass.copy_(q)
             torch.amin(self._mass, 0, out=self._min)
             # the buffer's beta when this runs (or is replayed)
             torch.neg(self._beta, out=self._neg_beta)

@@ -129,6 +129,12 @@ class TreeSampler:
             raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling "
                              "without replacement needs")
 
+    def valid_mask(self, kind: int) -> torch.Tensor:
+        """(M*E,) bool on the device: the validity of every start of ``kind`` (built now unless kept already, the
+        same tensor from then on, kept current)."""
+        self.activate(kind)
+        return self._valid[kind]
+
     def tree(self, kind: int) -> PrefixSumTree:
         """The tree of ``kind``, built now unless kept already, and kept current from then on."""
         self.activate(kind)

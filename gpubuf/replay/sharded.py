@@ -128,6 +128,9 @@ class ShardedBuffer:
         if not shard:
             mine["error"] = f"expected a gpubuf TransitionBuffer or PrioritizedTransitionBuffer, " \
                             f"got {type(local).__name__}"
+        elif local.selector is not None:
+            mine["error"] = f"a shard with a selector ({local.selector!r}) draws from its own rows only; shards " \
+                            "sample the union with the buffers' own draws"
         elif backend == "nccl" and not on_cuda:
             mine["error"] = f"an NCCL group needs the shard on a CUDA device, got {local.device}"
         else:
