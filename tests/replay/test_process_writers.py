@@ -236,3 +236,15 @@ def test_a_source_feeds_a_writer_unless_its_env_resets_inside_the_ending_step():
     other = TransitionBuffer(2 * 100, 4, same.transition_sample(), seed=0)
     with pytest.raises(ValueError, match="cannot end the episodes of rows it already handed on"):
         same.transitions = other.writer()
+
+
+def test_an_actor_writes_into_a_storage_dir_buffer_that_reopens_with_its_rows(tmp_path):
+    E = 2
+    with TransitionBuffer(E * 100, 4, rows(1, E), seed=0, storage_dir=tmp_path / "replay") as buf:
+        proc = start(process_actors.numbered_actor, buf.writer(rows=16), E, (3,), 5, 0, None, 40)
+        drain(buf, [proc], sample=False)
+        assert len(buf) == 40 * E
+    again = TransitionBuffer(E * 100, 4, rows(1, E), seed=0, storage_dir=tmp_path / "replay")
+    assert len(again) == 40 * E
+    assert (again.storage.data[("action",)][:40] == torch.arange(40).view(-1, 1)).all()
+    again.close()

@@ -196,3 +196,12 @@ def test_bad_selectors_are_refused_naming_the_argument():
         buf.num_unserved()
     with pytest.raises(ValueError, match="decides on the host"):
         filled(selector=Fifo()).graph_sampler()
+
+
+def test_recency_on_a_reopened_storage_dir_counts_ages_from_its_newest_row(tmp_path):
+    with filled(selector=Recency(), storage_dir=tmp_path / "r") as buf:
+        want = valid(buf) * (ages(buf) + 1.0) ** -1
+    again = TransitionBuffer(E * M, 48, index_rows(1, E), n_steps=2, seed=0, selector=Recency(),
+                             storage_dir=tmp_path / "r")
+    assert_matches(counts(lambda: again.sample(return_indices=True)[1], 300), want)
+    again.close()
