@@ -5,7 +5,8 @@ Each actor steps gymnasium's native vector CartPole (``ENVS`` envs, numpy, one t
 ready (process start-up excluded) to when the last row is committed:
 
 - ``one process``: the learner process steps all ``P * ENVS`` envs itself (``P`` vector envs, one after the
-  other), inserts every block and samples once per block, as a single-process loop does;
+  other), inserts their ``T`` rows as one block of ``P * ENVS`` lanes and samples once per block, as a
+  single-process loop does;
 - ``P actor processes``: ``P`` spawned actors insert through ``buffer.writer(envs=...)`` handles (lanes of one
   vectorized buffer of ``P * ENVS`` envs) while the learner samples, which commits their rows.
 
@@ -71,17 +72,20 @@ def actor(writer, seed: int, blocks: int, flags) -> None:
 
 
 def one_process(P: int, blocks: int) -> float:
-    buf = TransitionBuffer(P * ENVS * 4096, B, empty(ENVS), seed=0)
+    buf = TransitionBuffer(P * ENVS * 4096, B, empty(P * ENVS), seed=0)
     envs = [make_env(s) for s in range(P)]
     rngs = [np.random.default_rng(s) for s in range(P)]
     obs = [o for _, o in envs]
     t0 = time.perf_counter()
     for _ in range(blocks):
+        parts = []
         for i, (env, _) in enumerate(envs):
             rows, obs[i] = block(env, obs[i], rngs[i])
-            buf.insert(rows)
-            if buf.num_valid() >= B:
-                buf.sample()
+            parts.append(rows)
+        buf.insert(Transition(**{f: np.concatenate([getattr(r, f) for r in parts], axis=1)
+                                 for f in ("observation", "action", "reward", "terminated", "truncated")}))
+        if buf.num_valid() >= B:
+            buf.sample()
     return P * ENVS * T * blocks / (time.perf_counter() - t0)
 
 

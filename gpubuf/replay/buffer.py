@@ -479,8 +479,9 @@ class TransitionBuffer(Samples, BufferState):
         limiter's wait and :meth:`collect`; a vectorized buffer's row once every lane's writer published it.
         A lane has one writer at a time: ``ValueError`` for lanes overlapping another writer's, except exactly
         the range of a writer that ended (closed, or its process gone), whose last row then ends those lanes'
-        episodes. The queue lives in shared host memory (CUDA memory for a buffer storing on a GPU), allocated
-        here once."""
+        episodes. With a rate limiter, ``ValueError`` when one row of all lanes (committed whole) moves its
+        ratio by more than its band. The queue lives in shared host memory (CUDA memory for a buffer storing on
+        a GPU), allocated here once."""
         if self._hub is None:
             self._hub = WriterHub(self)
             if self.rate_limiter is not None:

@@ -13,7 +13,7 @@ from gpubuf._core import checkpoint
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import CopiedByState
 from gpubuf._core.signals import signals_held
-from gpubuf._core.state import copy_into, unaliased
+from gpubuf._core.state import copy_into, host_tensor, unaliased
 from gpubuf._core.transition import unflatten
 
 
@@ -76,6 +76,8 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         template.pop("selector_served", None)
         if self.selector is not None:
             self.selector.check_state(served)
+            if served is not None:  # read now (a checkpoint's file-backed tensor): no I/O once writing began
+                served = host_tensor(served)
         pos, count, rng, (trunc, ends, last) = self.config.check_state(state, template)
         checked = self.sampler.check_state(state, pos, count)
         data = {leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves}

@@ -29,6 +29,8 @@ too); ``insert(..., timeout=)`` ends the wait with ``TimeoutError``, and a dead 
 """
 
 import dataclasses
+import math
+import multiprocessing.context
 import os
 import time
 
@@ -40,6 +42,7 @@ from gpubuf.replay.config import ReplayConfig
 
 # the int64 control words of one writer, in shared host memory
 PUBLISHED, CONSUMED, PID, CLOSED = range(4)
+CLOSED_BY_ACTOR, RETIRED = 1, 2  # values of CLOSED: closed by its actor; ended by the owner (dead or replaced)
 _POLL_S = (0.0002, 0.005)  # first and longest sleep of a waiting actor
 
 
@@ -89,6 +92,7 @@ class ReplayWriter:
             self.queue[leaf.path] = t if device.type == "cuda" else t.share_memory_()
         self.control = torch.zeros(4, dtype=torch.int64).share_memory_()
         self.copied = False
+        self._started = None  # (owner side) the process it was handed to at a spawn: its pid before the actor claims
 
     # ------------------------------------------------------------------ actor side
 
@@ -98,6 +102,9 @@ class ReplayWriter:
         queue has no room for them (``timeout`` seconds, ``None``: no limit, then ``TimeoutError``); nothing is
         published on any error."""
         self._check_writer()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
+                                    or not timeout >= 0 or math.isnan(timeout)):
+            raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         values, _, T = self.config.rows(transition)
         control = self.control
         deadline = None if timeout is None else time.monotonic() + float(timeout)
@@ -126,7 +133,8 @@ class ReplayWriter:
     def close(self) -> None:
         """This writer inserts no more: its published rows are still committed, then its lanes may be handed
         to a new writer (not reported as dead)."""
-        self.control[CLOSED] = 1
+        if not self.control[CLOSED]:
+            self.control[CLOSED] = CLOSED_BY_ACTOR
 
     @property
     def vectorized_env(self) -> bool:
@@ -151,6 +159,9 @@ class ReplayWriter:
         if self.copied or not control.is_shared():
             raise RuntimeError(f"{self}: this is a copy holding no shared memory (a plain pickle or copy); pass the "
                                "writer to the actor as a torch.multiprocessing process argument, or fork")
+        if control[CLOSED] == RETIRED:
+            raise RuntimeError(f"{self}: retired by the owner (its process died, or its lanes went to another "
+                               "writer); ask the owner for a new writer")
         if control[CLOSED]:
             raise RuntimeError(f"{self}: closed")
         pid, me = int(control[PID]), os.getpid()
@@ -163,7 +174,12 @@ class ReplayWriter:
     # ------------------------------------------------------------------ copies
 
     def __getstate__(self):
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        state["_started"] = None
+        popen = multiprocessing.context.get_spawning_popen()
+        if popen is not None and os.getpid() == self.owner_pid:  # handed to a process being spawned: watch it
+            self._started = popen
+        return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -197,9 +213,21 @@ class ReplayWriter:
     def consumed(self, n: int) -> None:
         self.control[CONSUMED] += n
 
+    def pid(self) -> int:
+        """The process writing through it: the one that claimed it, else the one it was spawned into (0: none
+        known)."""
+        pid = int(self.control[PID])
+        if pid == 0 and self._started is not None:
+            pid = getattr(self._started, "pid", None) or 0
+        return pid
+
+    def dead(self) -> bool:
+        """Not closed, and its process gone."""
+        return not self.control[CLOSED] and not process_alive(self.pid())
+
     def finished(self) -> bool:
-        """Closed, or its process gone."""
-        return bool(self.control[CLOSED]) or not process_alive(int(self.control[PID]))
+        """Closed or retired, or its process gone."""
+        return bool(self.control[CLOSED]) or self.dead()
 
     def mark_last_truncated(self, paths: list) -> bool:
         """Set ``truncated`` on the newest published row (the writer is gone); False when none is pending."""
@@ -237,11 +265,24 @@ class WriterHub:
                 raise ValueError(f"envs: {_show(envs)} overlaps the lanes {_show(lanes)} of another writer; "
                                  "give each writer its own range, or exactly the range of a writer that ended")
         writer = ReplayWriter(config, envs, rows, buffer.storage_device, type(buffer).__name__, self.owner_pid)
+        self._check_band(envs)
         group = self.groups.setdefault(envs, [])
         if group and config.vectorized_env:
+            group[-1].control[CLOSED] = max(int(group[-1].control[CLOSED]), RETIRED)  # its handle writes no more
             self._cut(group[-1], envs)
         group.append(writer)
         return writer
+
+    def _check_band(self, envs) -> None:
+        """``ValueError`` when the rate limiter's band is narrower than one committed row (all lanes)."""
+        limiter, config = self.buffer.rate_limiter, self.buffer.config
+        if limiter is None or not config.vectorized_env:
+            return
+        step, span = config.n_envs * limiter.samples_per_insert, limiter.max_diff - limiter.min_diff
+        if step > span:
+            raise ValueError(f"envs: a row of all {config.n_envs} lanes (committed whole) moves the rate limiter's "
+                             f"inserts * samples_per_insert - samples by {step:g}, more than max_diff - min_diff = "
+                             f"{span:g}, so it could never be committed (widen error_buffer)")
 
     def _lanes(self, envs) -> range | None:
         config = self.buffer.config
@@ -336,13 +377,16 @@ class WriterHub:
     def _report(self) -> None:
         for writers in self.groups.values():
             for w in writers:
-                if (id(w) not in self.reported and w.pending == 0 and not w.control[CLOSED]
-                        and not process_alive(int(w.control[PID]))):
+                if id(w) not in self.reported and w.dead():
                     self.reported.add(id(w))
+                    pid, pending = w.pid(), w.pending
+                    w.control[CLOSED] = RETIRED  # another process taking the handle up cannot write through it
+                    left = ("every row it published is committed" if pending == 0 else
+                            f"the {pending} rows it published are committed with the other lanes' rows")
                     again = (f"; hand its lanes to a new writer: buffer.writer(envs={_show(w.envs)})"
                              if w.envs is not None else "")
-                    raise WriterDied(f"{w}: its process {int(w.control[PID])} exited or was killed; every row it "
-                                     f"published is committed, rows in flight are lost{again}")
+                    raise WriterDied(f"{w}: its process {pid} exited or was killed; {left}, rows in flight are "
+                                     f"lost{again}")
 
 
 def _most(n: int, fits) -> int:

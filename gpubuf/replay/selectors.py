@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from gpubuf._core.signals import signals_held
-from gpubuf._core.state import check_tensor
+from gpubuf._core.state import check_tensor, host_tensor
 
 COMPONENTS = ("uniform", "prioritized", "recency")
 
@@ -128,7 +128,7 @@ class Recency(Selector):
 
     def __init__(self, exponent: float = 1.0):
         super().__init__()
-        if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 < exponent < math.inf:
+        if not _number(exponent) or not 0 < exponent < math.inf:
             raise ValueError(f"exponent: expected a finite number > 0, got {exponent!r}")
         self.exponent = float(exponent)
 
@@ -162,7 +162,7 @@ class Mixture(Selector):
         super().__init__()
         fractions = {"uniform": uniform, "prioritized": prioritized, "recency": recency}
         for name, f in fractions.items():
-            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < math.inf:
+            if not _number(f) or not 0 <= f < math.inf:
                 raise ValueError(f"{name}: expected a finite fraction >= 0, got {f!r}")
         total = sum(fractions.values())
         if total <= 0:
@@ -273,7 +273,7 @@ class _Queue(Selector):
 
     def load(self, state: dict) -> None:
         served = state.get("selector_served")
-        self.served[:] = False if served is None else served.cpu().numpy()
+        self.served[:] = False if served is None else host_tensor(served).numpy()
 
 
 
@@ -375,6 +375,10 @@ def _distinct_rest(sampler, kind: int, k: int, g: torch.Generator, taken: torch.
             return sampler.draw(kind, k, g, False)
         finally:
             tree.update(taken, saved)
+
+
+def _number(x) -> bool:
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, float, np.integer, np.floating))
 
 
 def _with_replacement(selector: Selector, with_replacement: bool) -> None:

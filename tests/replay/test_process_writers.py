@@ -173,6 +173,8 @@ def test_bad_writer_arguments_and_copies_are_refused():
         w.insert(rows(2, E))  # 4 lanes into a 2-lane writer
     with pytest.raises(ValueError, match="1 <= T <= 4"):
         w.insert(rows(5, 2))
+    with pytest.raises(ValueError, match="timeout: expected None or seconds >= 0, got 'x'"):
+        w.insert(rows(1, 2), timeout="x")
     with pytest.raises(TimeoutError, match="did not make room"):
         w.insert(rows(4, 2)).insert(rows(1, 2), timeout=0.05)
     assert w.pending == 4 and buf.collect() == 0  # lanes 2..3 have no writer: nothing commits
@@ -248,3 +250,38 @@ def test_an_actor_writes_into_a_storage_dir_buffer_that_reopens_with_its_rows(tm
     assert len(again) == 40 * E
     assert (again.storage.data[("action",)][:40] == torch.arange(40).view(-1, 1)).all()
     again.close()
+
+
+def test_an_actor_killed_before_it_took_its_writer_up_is_reported_and_its_lanes_freed():
+    E = 2
+    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0)
+    proc = start(process_actors.numbered_actor, buf.writer(envs=range(0, 1)), 1, (3,), 1, 0, None, 5)
+    os.kill(proc.pid, signal.SIGKILL)  # at once: maybe before the child unpickled the writer
+    proc.join(10)
+    with pytest.raises(WriterDied, match=f"its process {proc.pid} exited or was killed"):
+        buf.collect()
+    buf.writer(envs=range(0, 1))  # the lanes are free again
+
+
+def test_a_dead_or_replaced_writer_refuses_to_write_again():
+    E = 2
+    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0)
+    old = buf.writer()
+    proc = start(process_actors.numbered_actor, old, E, (3,), 1, 0, None, 2, False)  # exits without close()
+    proc.join(60)
+    with pytest.raises(WriterDied, match="every row it published is committed"):
+        buf.collect()
+    assert len(buf) == 2 * E
+    with pytest.raises(RuntimeError, match="retired by the owner"):
+        old.insert(rows(1, E))  # the handle taken up again (here by the owner itself)
+    new = buf.writer()
+    new.insert(rows(1, E, start=7))
+    assert buf.collect() == E and buf.storage.data[("truncated",)][1].all()  # the seam ends the episodes
+
+
+def test_a_writer_whose_rows_could_never_pass_the_rate_limiter_is_refused():
+    E = 16
+    limiter = RateLimiter.sample_to_insert_ratio(1.0, min_size_to_sample=4, error_buffer=4)
+    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0, rate_limiter=limiter)
+    with pytest.raises(ValueError, match="envs: a row of all 16 lanes .* could never be committed"):
+        buf.writer()

@@ -205,3 +205,20 @@ def test_recency_on_a_reopened_storage_dir_counts_ages_from_its_newest_row(tmp_p
                              storage_dir=tmp_path / "r")
     assert_matches(counts(lambda: again.sample(return_indices=True)[1], 300), want)
     again.close()
+
+
+def test_queue_marks_survive_save_and_load(tmp_path):
+    buf = TransitionBuffer(2 * 10, 3, index_rows(1, 2), seed=0, selector=Fifo())
+    buf.insert(index_rows(4, 2))
+    buf.sample()
+    buf.save(tmp_path / "q.ckpt")
+    other = TransitionBuffer(2 * 10, 3, index_rows(1, 2), seed=0, selector=Online())
+    other.load(tmp_path / "q.ckpt")
+    assert other.num_unserved() == 5 and other.sample(return_indices=True)[1].tolist()[:3] == [3, 4, 5]
+
+
+def test_numpy_numbers_configure_selectors():
+    assert Recency(np.int64(2)).exponent == 2.0
+    assert Mixture(uniform=np.float32(1), recency=np.int32(1)).fractions["uniform"] == 0.5
+    with pytest.raises(ValueError, match="exponent"):
+        Recency(np.bool_(True))
