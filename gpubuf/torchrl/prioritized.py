@@ -1,0 +1,126 @@
+"""torchrl's ``PrioritizedSampler`` drawing from gpubuf's wide prefix-sum tree.
+
+:class:`PrioritizedSampler` is torchrl's own class (its ``alpha``, ``beta``, ``eps``, ``max_priority_within_buffer``,
+``update_priority``, ``mark_update``, ``state_dict``, ``dumps``/``loads`` and the ``"priority_weight"`` it returns,
+unchanged) with its two segment trees replaced by :class:`SumTree` and :class:`MinTree`:
+
+- :class:`SumTree` keeps each leaf ``(priority + eps) ** alpha`` (rounded to the sampler's ``dtype``, as
+  torchrl's trees store it) in gpubuf's float64 :class:`~gpubuf.replay.tree.PrefixSumTree`: batched updates
+  recompute only the touched parents, draws descend it on the device, and a leaf of zero mass is never drawn;
+- :class:`MinTree` keeps the same leaves for the minimum priority that normalises the weights
+  (``(p_i / min p) ** -beta``, as torchrl computes them).
+
+So it runs without torchrl's compiled extension, which torchrl's own trees need, and on the storage's device.
+"""
+
+import torch
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
+
+from gpubuf import ops
+from gpubuf.replay.tree import PrefixSumTree
+
+_BELOW_ONE = 1.0 - 2.0 ** -53  # the largest float64 uniform below 1
+
+
+def _index(index, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(index, dtype=torch.long, device=device).reshape(-1)
+
+
+def _last_writes(idx: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(idx, values)`` keeping the last write of each repeated index (torchrl's trees write in order)."""
+    uniq, inv = torch.unique(idx, return_inverse=True)
+    if uniq.numel() == idx.numel():
+        return idx, values
+    last = torch.full(uniq.shape, -1, dtype=torch.long, device=idx.device)
+    last.scatter_reduce_(0, inv, torch.arange(idx.numel(), device=idx.device), "amax")
+    return uniq, values[last]
+
+
+class SumTree:
+    """torchrl's sum segment tree interface (``[index]``, ``query``, ``scan_lower_bound``) over gpubuf's
+    ``PrefixSumTree`` of ``capacity`` float64 leaves on ``device``; values are rounded to ``dtype`` first."""
+
+    def __init__(self, capacity: int, device, dtype: torch.dtype):
+        self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
+        self.tree = PrefixSumTree(capacity, self.device, ops.backend_for(self.device))
+
+    @property
+    def leaves(self) -> torch.Tensor:
+        """(capacity,) float64 view of the leaves."""
+        return self.tree.tree[:self.capacity]
+
+    def __setitem__(self, index, value) -> None:
+        idx = _index(index, self.device)
+        v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
+        v = v.expand(idx.shape) if v.numel() == 1 else v
+        if v.shape != idx.shape:
+            raise ValueError(f"value: expected one value or {idx.numel()} (one per index), got {v.numel()}")
+        if idx.numel():
+            self.tree.update(*_last_writes(idx, v.contiguous()))
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            return float(self.leaves[index])
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
+        return self.leaves[idx.reshape(-1)].to(self.dtype).reshape(idx.shape)
+
+    def query(self, left, right):
+        """The mass of leaves ``[left, right)``: a float for int bounds, a 0-d tensor (no host sync) for tensor
+        bounds."""
+        if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
+            at = torch.arange(self.capacity, device=self.device)
+            return torch.where((at >= left) & (at < right), self.leaves, 0).sum()
+        if left <= 0 and right >= self.capacity:
+            return float(self.tree.total())
+        return float(self.leaves[max(left, 0):right].sum())
+
+    def scan_lower_bound(self, mass) -> torch.Tensor:
+        """The leaf whose prefix-sum interval holds each of ``mass`` (in ``[0, total)``), never a zero leaf."""
+        m = torch.as_tensor(mass, dtype=torch.float64, device=self.device)
+        u = (m / self.tree.total()).clamp_(0.0, _BELOW_ONE)
+        return self.tree.sample(u.reshape(-1).contiguous()).reshape(m.shape)
+
+
+class MinTree:
+    """torchrl's min segment tree interface (``[index]``, ``query``) over ``capacity`` leaves (``inf`` until
+    written), rounded to ``dtype``."""
+
+    def __init__(self, capacity: int, device, dtype: torch.dtype):
+        self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
+        self.leaves = torch.full((capacity,), torch.inf, dtype=torch.float64, device=self.device)
+
+    def __setitem__(self, index, value) -> None:
+        idx = _index(index, self.device)
+        v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
+        v = v.expand(idx.shape) if v.numel() == 1 else v
+        if idx.numel():
+            idx, v = _last_writes(idx, v.contiguous())
+            self.leaves[idx] = v
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            return float(self.leaves[index])
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
+        return self.leaves[idx.reshape(-1)].to(self.dtype).reshape(idx.shape)
+
+    def query(self, left, right):
+        """The smallest leaf of ``[left, right)`` (float for int bounds, 0-d tensor for tensor bounds)."""
+        if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
+            at = torch.arange(self.capacity, device=self.device)
+            return torch.where((at >= left) & (at < right), self.leaves, torch.inf).min()
+        return float(self.leaves[max(left, 0):right].min())
+
+
+class PrioritizedSampler(_TorchRLPrioritizedSampler):
+    """torchrl's ``PrioritizedSampler`` (same arguments: ``max_capacity``, ``alpha``, ``beta``, ``eps``,
+    ``dtype`` float32/float64, ``reduction``, ``max_priority_within_buffer``, ``device``) drawing from gpubuf's
+    prefix-sum tree. The trees live on ``device`` (default: a CUDA storage's device once it is seen, else the
+    CPU)."""
+
+    def _init(self) -> None:
+        if self.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype: expected torch.float32 or torch.float64, got {self.dtype}")
+        device = self._device if self._device is not None else torch.device("cpu")
+        self._sum_tree = SumTree(self._max_capacity, device, self.dtype)
+        self._min_tree = MinTree(self._max_capacity, device, self.dtype)
+        self._max_priority = None

@@ -1,0 +1,151 @@
+"""gpubuf.torchrl.PrioritizedSampler inside torchrl's replay buffers: the same call sequences as torchrl's own
+prioritized sampler give the same indices and weights.
+
+torchrl's own sampler keeps its priorities in segment trees from its compiled extension, which does not load
+against this torch; the reference here is torchrl's own sampler class with those two trees replaced by plain numpy
+ones (``NumpySumTree``/``NumpyMinTree`` below: values stored in the sampler's dtype, prefix sums searched with
+``searchsorted``), so everything else the comparison runs is torchrl's code."""
+
+import numpy as np
+import pytest
+import torch
+
+torchrl = pytest.importorskip("torchrl")
+from scipy import stats  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler  # noqa: E402
+
+from gpubuf.torchrl import PrioritizedSampler  # noqa: E402
+
+
+class NumpySumTree:
+    def __init__(self, capacity, dtype):
+        self.v = np.zeros(capacity, dtype=np.float64)
+        self.dtype = np.float32 if dtype == torch.float32 else np.float64
+
+    def __setitem__(self, index, value):
+        idx = np.asarray(torch.as_tensor(index).reshape(-1).cpu())
+        val = np.broadcast_to(np.asarray(torch.as_tensor(value).reshape(-1).cpu(), dtype=self.dtype), idx.shape)
+        for i, x in zip(idx, val, strict=True):  # in order: the last write of an index wins
+            self.v[i] = float(x)
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            return self.v[index]
+        return torch.as_tensor(self.v[np.asarray(torch.as_tensor(index).cpu())].astype(self.dtype))
+
+    def query(self, left, right):
+        return float(self.v[left:right].sum())
+
+    def scan_lower_bound(self, mass):
+        return torch.as_tensor(np.searchsorted(np.cumsum(self.v), np.asarray(mass), side="right"))
+
+
+class NumpyMinTree(NumpySumTree):
+    def __init__(self, capacity, dtype):
+        super().__init__(capacity, dtype)
+        self.v[:] = np.inf
+
+    def query(self, left, right):
+        return float(self.v[left:right].min())
+
+
+class ReferenceSampler(TorchRLPrioritizedSampler):
+    def _init(self):
+        self._sum_tree = NumpySumTree(self._max_capacity, self.dtype)
+        self._min_tree = NumpyMinTree(self._max_capacity, self.dtype)
+        self._max_priority = None
+
+
+def buffers(capacity, **kw):
+    return [TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), sampler=cls(capacity, **kw), batch_size=16)
+            for cls in (PrioritizedSampler, ReferenceSampler)]
+
+
+def data(start, n):
+    return TensorDict({"obs": torch.arange(start, start + n, dtype=torch.float32).view(n, 1)}, batch_size=[n])
+
+
+def sample_both(rbs, seed):
+    out = []
+    for rb in rbs:
+        np.random.seed(seed)  # torchrl's CPU sampler draws its masses with np.random
+        out.append(rb.sample())
+    return out
+
+
+def assert_same(a, b):
+    assert torch.equal(a["index"], b["index"])
+    assert torch.equal(a["obs"], b["obs"])
+    assert torch.allclose(a["priority_weight"], b["priority_weight"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("within", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_call_sequence_of_a_prioritized_torchrl_buffer_matches_torchrls_sampler(within, dtype):
+    rbs = buffers(64, alpha=0.7, beta=0.5, eps=1e-6, dtype=dtype, max_priority_within_buffer=within)
+    g = torch.Generator().manual_seed(0)
+    start = 0
+    for step in range(12):
+        for rb in rbs:
+            rb.extend(data(start, 23))  # the ring wraps every few steps
+        start += 23
+        a, b = sample_both(rbs, step)
+        assert_same(a, b)
+        td = torch.rand(16, generator=g) * (3.0 if step % 4 else 0.0)  # some rounds write zero priorities
+        for rb, s in zip(rbs, (a, b), strict=True):
+            s.set("td_error", td)
+            rb.update_tensordict_priority(s)
+        idx = torch.randint(0, len(rbs[0]), (5,), generator=g)
+        prio = torch.rand(5, generator=g)
+        for rb in rbs:
+            rb.update_priority(idx, prio)
+            rb.mark_update(idx[:2])
+        assert len(rbs[0]) == len(rbs[1])
+        assert float(rbs[0].sampler.default_priority) == pytest.approx(float(rbs[1].sampler.default_priority))
+    for seed in range(20):
+        assert_same(*sample_both(rbs, 100 + seed))
+
+
+def test_state_dict_dumps_loads_and_empty_round_trip(tmp_path):
+    rbs = buffers(50, alpha=0.6, beta=0.4)
+    for rb in rbs:
+        rb.extend(data(0, 40))
+        rb.update_priority(torch.arange(40), torch.linspace(0.1, 4.0, 40))
+    again = buffers(50, alpha=0.6, beta=0.4)
+    for rb, other in zip(rbs, again, strict=True):
+        other.load_state_dict(rb.state_dict())
+    assert_same(*sample_both(again, 1))
+    assert_same(*sample_both([again[0], rbs[1]], 2))
+    rbs[0].dumps(tmp_path / "plug")
+    loaded = buffers(50, alpha=0.6, beta=0.4)[0]
+    loaded.loads(tmp_path / "plug")
+    assert_same(*sample_both([loaded, rbs[1]], 3))
+    for rb in rbs:
+        rb.empty()
+        assert len(rb) == 0
+        rb.extend(data(0, 10))
+    assert_same(*sample_both(rbs, 4))
+
+
+def test_draws_follow_the_priorities_exactly():
+    rb = buffers(30, alpha=0.8, beta=1.0, eps=1e-8)[0]
+    rb.extend(data(0, 30))
+    prio = torch.linspace(0.0, 2.0, 30)  # one zero priority: drawn with (eps) ** alpha only
+    rb.update_priority(torch.arange(30), prio)
+    p = (prio.double() + 1e-8) ** 0.8
+    counts = np.zeros(30)
+    for _ in range(400):
+        np.add.at(counts, rb.sample()["index"].numpy(), 1)
+    keep = p.numpy() > 1e-5
+    assert counts[~keep].sum() == 0
+    assert stats.chisquare(counts[keep], p.numpy()[keep] / p.numpy()[keep].sum() * counts.sum()).pvalue > 1e-4
+    s = rb.sample()
+    want = (p[s["index"]] / p.min()) ** -1.0
+    assert torch.allclose(s["priority_weight"].double(), want, rtol=1e-5)
+
+
+def test_a_bad_dtype_is_refused_naming_it():
+    with pytest.raises(ValueError, match="dtype: expected torch.float32 or torch.float64"):
+        PrioritizedSampler(10, 0.5, 0.5, dtype=torch.float16)
