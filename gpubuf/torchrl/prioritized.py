@@ -13,7 +13,11 @@ unchanged) with its two segment trees replaced by :class:`SumTree` and :class:`M
 So it runs without torchrl's compiled extension, which torchrl's own trees need, and on the storage's device.
 """
 
+import json
+from pathlib import Path
+
 import torch
+from tensordict import MemoryMappedTensor
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
 
 from gpubuf import ops
@@ -124,3 +128,41 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._sum_tree = SumTree(self._max_capacity, device, self.dtype)
         self._min_tree = MinTree(self._max_capacity, device, self.dtype)
         self._max_priority = None
+
+    # torchrl's own dumps/loads write and read the same files one leaf at a time in Python; these do it whole
+
+    def dumps(self, path) -> None:
+        """Write ``sumtree.memmap``, ``mintree.memmap`` (float64 leaves) and ``sampler_metadata.json`` under
+        ``path``, the files torchrl's sampler writes."""
+        path = Path(path).absolute()
+        path.mkdir(parents=True, exist_ok=True)
+        for name, tree in (("sumtree", self._sum_tree), ("mintree", self._min_tree)):
+            file = MemoryMappedTensor.empty((self._max_capacity,), dtype=torch.float64,
+                                            filename=path / f"{name}.memmap")
+            file.copy_(tree.leaves.cpu())
+        value, index = self._max_priority
+
+        def plain(x):
+            return None if x is None else float(x)
+
+        meta = {"_alpha": float(self._alpha), "_beta": float(self._beta), "_eps": float(self._eps),
+                "_max_priority": [plain(value), plain(index)], "_max_capacity": float(self._max_capacity),
+                "_schema_version": self._STATE_SCHEMA_VERSION}
+        (path / "sampler_metadata.json").write_text(json.dumps(meta))
+
+    def loads(self, path) -> None:
+        """Read what :meth:`dumps` (or torchrl's sampler) wrote under ``path``; ``RuntimeError`` for another
+        ``max_capacity``."""
+        path = Path(path).absolute()
+        meta = json.loads((path / "sampler_metadata.json").read_text())
+        if int(meta["_max_capacity"]) != self._max_capacity:
+            raise RuntimeError(f"max capacity of loaded metadata ({meta['_max_capacity']}) differs from "
+                               f"self._max_capacity ({self._max_capacity}).")
+        self._alpha, self._beta, self._eps = meta["_alpha"], meta["_beta"], meta["_eps"]
+        value, index = meta["_max_priority"]
+        self._max_priority = (value, None if index is None else int(index))
+        every = torch.arange(self._max_capacity)
+        for name, tree in (("sumtree", self._sum_tree), ("mintree", self._min_tree)):
+            leaves = MemoryMappedTensor.from_filename(shape=(self._max_capacity,), dtype=torch.float64,
+                                                      filename=path / f"{name}.memmap")
+            tree[every] = leaves.clone()

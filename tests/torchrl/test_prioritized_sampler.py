@@ -149,3 +149,23 @@ def test_draws_follow_the_priorities_exactly():
 def test_a_bad_dtype_is_refused_naming_it():
     with pytest.raises(ValueError, match="dtype: expected torch.float32 or torch.float64"):
         PrioritizedSampler(10, 0.5, 0.5, dtype=torch.float16)
+
+
+def test_dumps_and_loads_write_torchrls_files(tmp_path):
+    """The plug-in's files load into torchrl's sampler and back: the same draws afterwards."""
+    rbs = buffers(4096, alpha=0.6, beta=0.4)
+    for rb in rbs:
+        rb.extend(data(0, 3000))
+        rb.update_priority(torch.arange(3000), torch.linspace(0.0, 4.0, 3000))
+    rbs[0].dumps(tmp_path / "plug")
+    reference = buffers(4096, alpha=0.6, beta=0.4)[1]
+    reference.loads(tmp_path / "plug")  # torchrl's own loads, one leaf at a time
+    assert_same(*sample_both([rbs[0], reference], 5))
+    reference.dumps(tmp_path / "ref")  # torchrl's own dumps
+    plug = buffers(4096, alpha=0.6, beta=0.4)[0]
+    plug.loads(tmp_path / "ref")
+    assert_same(*sample_both([plug, rbs[1]], 6))
+    assert float(plug.sampler.default_priority) == pytest.approx(4.0)
+    wrong = PrioritizedSampler(100, 0.6, 0.4)
+    with pytest.raises(RuntimeError, match="max capacity of loaded metadata"):
+        wrong.loads(tmp_path / "plug" / "sampler")
