@@ -26,8 +26,13 @@ from gpubuf.replay.tree import PrefixSumTree
 _BELOW_ONE = 1.0 - 2.0 ** -53  # the largest float64 uniform below 1
 
 
-def _index(index, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(index, dtype=torch.long, device=device).reshape(-1)
+def _index(index, device: torch.device, capacity: int) -> torch.Tensor:
+    """(K,) int64 leaves; ``IndexError`` (before any write) for one outside ``[0, capacity)``."""
+    idx = torch.as_tensor(index, dtype=torch.long, device=device).reshape(-1)
+    if idx.numel() and not bool(((idx >= 0) & (idx < capacity)).all()):
+        bad = idx[(idx < 0) | (idx >= capacity)][:5].tolist()
+        raise IndexError(f"index: expected leaves in [0, {capacity}), got {bad}")
+    return idx
 
 
 def _last_writes(idx: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +59,7 @@ class SumTree:
         return self.tree.tree[:self.capacity]
 
     def __setitem__(self, index, value) -> None:
-        idx = _index(index, self.device)
+        idx = _index(index, self.device, self.capacity)
         v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
         v = v.expand(idx.shape) if v.numel() == 1 else v
         if v.shape != idx.shape:
@@ -94,7 +99,7 @@ class MinTree:
         self.leaves = torch.full((capacity,), torch.inf, dtype=torch.float64, device=self.device)
 
     def __setitem__(self, index, value) -> None:
-        idx = _index(index, self.device)
+        idx = _index(index, self.device, self.capacity)
         v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
         v = v.expand(idx.shape) if v.numel() == 1 else v
         if idx.numel():
@@ -166,3 +171,5 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             leaves = MemoryMappedTensor.from_filename(shape=(self._max_capacity,), dtype=torch.float64,
                                                       filename=path / f"{name}.memmap")
             tree[every] = leaves.clone()
+        if meta.get("_schema_version", 0) < 1 and self._max_priority_within_buffer and value is not None:
+            self._recompute_max_priority_from_tree()  # older files kept the transformed maximum, as torchrl reads them

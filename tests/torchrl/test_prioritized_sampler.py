@@ -169,3 +169,37 @@ def test_dumps_and_loads_write_torchrls_files(tmp_path):
     wrong = PrioritizedSampler(100, 0.6, 0.4)
     with pytest.raises(RuntimeError, match="max capacity of loaded metadata"):
         wrong.loads(tmp_path / "plug" / "sampler")
+
+
+def test_an_index_outside_the_trees_is_refused_before_any_write():
+    rb = buffers(100, alpha=1.0, beta=1.0)[0]
+    rb.extend(data(0, 100))
+    before = rb.sampler._sum_tree.leaves.clone()  # noqa: SLF001
+    for bad in (110, -2):
+        with pytest.raises(IndexError, match=r"index: expected leaves in \[0, 100\)"):
+            rb.sampler._sum_tree[torch.tensor([3, bad])] = 1e6  # noqa: SLF001
+    with pytest.raises(IndexError):
+        rb.update_priority(torch.tensor([110]), torch.tensor([1e6]))
+    assert torch.equal(rb.sampler._sum_tree.leaves, before)  # noqa: SLF001
+    assert len(set(rb.sample()["index"].tolist())) > 1
+
+
+def test_loads_of_a_file_from_before_torchrls_schema_version_recomputes_the_maximum(tmp_path):
+    """Files without ``_schema_version`` hold the transformed within-buffer maximum; both samplers recompute it."""
+    import json
+
+    rbs = buffers(20, alpha=0.5, beta=0.4, max_priority_within_buffer=True)
+    rbs[0].extend(data(0, 20))
+    rbs[0].update_priority(torch.arange(20), torch.arange(20.0))
+    rbs[0].dumps(tmp_path / "d")
+    meta_path = tmp_path / "d" / "sampler" / "sampler_metadata.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["_schema_version"]
+    meta["_max_priority"] = [(19.0 + 1e-8) ** 0.5, 19]
+    meta_path.write_text(json.dumps(meta))
+    loaded = [PrioritizedSampler(20, 0.5, 0.4, max_priority_within_buffer=True),
+              ReferenceSampler(20, 0.5, 0.4, max_priority_within_buffer=True)]
+    for s in loaded:
+        s.loads(tmp_path / "d" / "sampler")
+    assert float(loaded[0].default_priority) == pytest.approx(19.0, rel=1e-5)
+    assert float(loaded[0].default_priority) == pytest.approx(float(loaded[1].default_priority), rel=1e-6)
