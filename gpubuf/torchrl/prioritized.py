@@ -45,12 +45,43 @@ def _last_writes(idx: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor,
     return uniq, values[last]
 
 
-class SumTree:
-    """torchrl's sum segment tree interface (``[index]``, ``query``, ``scan_lower_bound``) over gpubuf's
-    ``PrefixSumTree`` of ``capacity`` float64 leaves on ``device``; values are rounded to ``dtype`` first."""
+class _Leaves:
+    """What both trees share: ``capacity`` float64 leaves on ``device`` holding values rounded to ``dtype``, read by
+    ``[index]`` (a float for an int, else ``dtype`` values shaped like ``index``)."""
+
+    leaves: torch.Tensor  # (capacity,) float64
 
     def __init__(self, capacity: int, device, dtype: torch.dtype):
         self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
+
+    def _writes(self, index, value) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(leaves (K,), values (K,) float64)`` of a write, the last of each repeated leaf kept; ``IndexError`` or
+        ``ValueError`` before anything is written."""
+        idx = _index(index, self.device, self.capacity)
+        v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
+        v = v.expand(idx.shape) if v.numel() == 1 else v
+        if v.shape != idx.shape:
+            raise ValueError(f"value: expected one value or {idx.numel()} (one per index), got {v.numel()}")
+        return _last_writes(idx, v.contiguous())
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            return float(self.leaves[index])
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
+        return self.leaves[idx.reshape(-1)].to(self.dtype).reshape(idx.shape)
+
+    def _masked(self, left, right, fill: float) -> torch.Tensor:
+        """The leaves with those outside ``[left, right)`` (0-d tensors: no host sync) set to ``fill``."""
+        at = torch.arange(self.capacity, device=self.device)
+        return torch.where((at >= left) & (at < right), self.leaves, fill)
+
+
+class SumTree(_Leaves):
+    """torchrl's sum segment tree interface (``[index]``, ``query``, ``scan_lower_bound``) over gpubuf's
+    ``PrefixSumTree``."""
+
+    def __init__(self, capacity: int, device, dtype: torch.dtype):
+        super().__init__(capacity, device, dtype)
         self.tree = PrefixSumTree(capacity, self.device, ops.backend_for(self.device))
 
     @property
@@ -59,26 +90,15 @@ class SumTree:
         return self.tree.tree[:self.capacity]
 
     def __setitem__(self, index, value) -> None:
-        idx = _index(index, self.device, self.capacity)
-        v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
-        v = v.expand(idx.shape) if v.numel() == 1 else v
-        if v.shape != idx.shape:
-            raise ValueError(f"value: expected one value or {idx.numel()} (one per index), got {v.numel()}")
+        idx, v = self._writes(index, value)
         if idx.numel():
-            self.tree.update(*_last_writes(idx, v.contiguous()))
-
-    def __getitem__(self, index):
-        if isinstance(index, int):
-            return float(self.leaves[index])
-        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
-        return self.leaves[idx.reshape(-1)].to(self.dtype).reshape(idx.shape)
+            self.tree.update(idx, v)
 
     def query(self, left, right):
         """The mass of leaves ``[left, right)``: a float for int bounds, a 0-d tensor (no host sync) for tensor
         bounds."""
         if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
-            at = torch.arange(self.capacity, device=self.device)
-            return torch.where((at >= left) & (at < right), self.leaves, 0).sum()
+            return self._masked(left, right, 0.0).sum()
         if left <= 0 and right >= self.capacity:
             return float(self.tree.total())
         return float(self.leaves[max(left, 0):right].sum())
@@ -90,33 +110,22 @@ class SumTree:
         return self.tree.sample(u.reshape(-1).contiguous()).reshape(m.shape)
 
 
-class MinTree:
-    """torchrl's min segment tree interface (``[index]``, ``query``) over ``capacity`` leaves (``inf`` until
-    written), rounded to ``dtype``."""
+class MinTree(_Leaves):
+    """torchrl's min segment tree interface (``[index]``, ``query``) over leaves that are ``inf`` until written."""
 
     def __init__(self, capacity: int, device, dtype: torch.dtype):
-        self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
+        super().__init__(capacity, device, dtype)
         self.leaves = torch.full((capacity,), torch.inf, dtype=torch.float64, device=self.device)
 
     def __setitem__(self, index, value) -> None:
-        idx = _index(index, self.device, self.capacity)
-        v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
-        v = v.expand(idx.shape) if v.numel() == 1 else v
+        idx, v = self._writes(index, value)
         if idx.numel():
-            idx, v = _last_writes(idx, v.contiguous())
             self.leaves[idx] = v
-
-    def __getitem__(self, index):
-        if isinstance(index, int):
-            return float(self.leaves[index])
-        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
-        return self.leaves[idx.reshape(-1)].to(self.dtype).reshape(idx.shape)
 
     def query(self, left, right):
         """The smallest leaf of ``[left, right)`` (float for int bounds, 0-d tensor for tensor bounds)."""
         if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
-            at = torch.arange(self.capacity, device=self.device)
-            return torch.where((at >= left) & (at < right), self.leaves, torch.inf).min()
+            return self._masked(left, right, torch.inf).min()
         return float(self.leaves[max(left, 0):right].min())
 
 
