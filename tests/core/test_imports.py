@@ -225,7 +225,8 @@ def test_no_import_cycle():
 def test_core_modules_import_no_app_and_no_optional_package_at_module_level():
     """The apps may import the core; the core (every module but the apps) imports no app at module level,
     and neither does any module import an optional package (tqdm, matplotlib, envpool, ...) at module level
-    except the modules that exist to wrap one (gpubuf.sources.wrappers: gymnasium; gpubuf.torchrl: torchrl and its tensordict)."""
+    except the modules that exist to wrap one (gpubuf.sources.wrappers: gymnasium; gpubuf.torchrl: torchrl
+    and its tensordict)."""
     bad = [f"{name} -> {target} (line {line})" for name, edges in GRAPH.items() if not is_app(name)
            for target, where in edges.items() if is_app(target) for line, top in where if top]
     assert not bad, "core modules importing apps at module level:\n" + "\n".join(bad)
