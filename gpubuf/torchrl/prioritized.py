@@ -29,20 +29,47 @@ _BELOW_ONE = 1.0 - 2.0 ** -53  # the largest float64 uniform below 1
 def _index(index, device: torch.device, capacity: int) -> torch.Tensor:
     """(K,) int64 leaves; ``IndexError`` (before any write) for one outside ``[0, capacity)``."""
     idx = torch.as_tensor(index, dtype=torch.long, device=device).reshape(-1)
-    if idx.numel() and not bool(((idx >= 0) & (idx < capacity)).all()):
-        bad = idx[(idx < 0) | (idx >= capacity)][:5].tolist()
-        raise IndexError(f"index: expected leaves in [0, {capacity}), got {bad}")
+    if idx.numel():
+        lo, hi = torch.aminmax(idx)
+        if not (int(lo) >= 0 and int(hi) < capacity):
+            bad = idx[(idx < 0) | (idx >= capacity)][:5].tolist()
+            raise IndexError(f"index: expected leaves in [0, {capacity}), got {bad}")
     return idx
 
 
-def _last_writes(idx: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(idx, values)`` keeping the last write of each repeated index (torchrl's trees write in order)."""
-    uniq, inv = torch.unique(idx, return_inverse=True)
-    if uniq.numel() == idx.numel():
-        return idx, values
-    last = torch.full(uniq.shape, -1, dtype=torch.long, device=idx.device)
-    last.scatter_reduce_(0, inv, torch.arange(idx.numel(), device=idx.device), "amax")
-    return uniq, values[last]
+class _Writes:
+    """One write to both trees, prepared once: torchrl writes the same ``(index, value)`` to its sum tree and then
+    to its min tree, so the second tree reuses the first one's checked leaves and values (keyed by the two
+    objects and their in-place versions)."""
+
+    def __init__(self, capacity: int, device: torch.device, dtype: torch.dtype):
+        self.capacity, self.device, self.dtype = capacity, device, dtype
+        self._last_of = torch.empty(capacity, dtype=torch.long, device=device)  # scratch: last write per leaf
+        self._key, self._prepared = None, None
+
+    def __deepcopy__(self, memo):  # a copy (torchrl's state_dict deep-copies the trees) starts with no write
+        return _Writes(self.capacity, self.device, self.dtype)
+
+    def prepare(self, index, value) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(leaves (K,), values (K,) float64)``: every write of a repeated leaf carries its last value (torchrl's
+        trees write in order); ``IndexError`` or ``ValueError`` before anything is written."""
+        key = None
+        if isinstance(index, torch.Tensor) and isinstance(value, torch.Tensor):  # tensors tell in-place changes
+            key = (index, index._version, value, value._version)  # noqa: SLF001
+            last = self._key
+            if last is not None and last[0] is index and last[2] is value and last[1::2] == key[1::2]:
+                return self._prepared
+        idx = _index(index, self.device, self.capacity)
+        v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
+        v = v.expand(idx.shape) if v.numel() == 1 else v
+        if v.shape != idx.shape:
+            raise ValueError(f"value: expected one value or {idx.numel()} (one per index), got {v.numel()}")
+        if idx.numel() > 1:
+            order = torch.arange(idx.numel(), device=self.device)
+            self._last_of.scatter_reduce_(0, idx, order, "amax", include_self=False)
+            v = v.index_select(0, self._last_of.index_select(0, idx))
+        self._key, self._prepared = key, (idx, v.contiguous())
+        return self._prepared
 
 
 class _Leaves:
@@ -51,18 +78,9 @@ class _Leaves:
 
     leaves: torch.Tensor  # (capacity,) float64
 
-    def __init__(self, capacity: int, device, dtype: torch.dtype):
-        self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
-
-    def _writes(self, index, value) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(leaves (K,), values (K,) float64)`` of a write, the last of each repeated leaf kept; ``IndexError`` or
-        ``ValueError`` before anything is written."""
-        idx = _index(index, self.device, self.capacity)
-        v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
-        v = v.expand(idx.shape) if v.numel() == 1 else v
-        if v.shape != idx.shape:
-            raise ValueError(f"value: expected one value or {idx.numel()} (one per index), got {v.numel()}")
-        return _last_writes(idx, v.contiguous())
+    def __init__(self, writes: _Writes):
+        self.writes = writes
+        self.capacity, self.device, self.dtype = writes.capacity, writes.device, writes.dtype
 
     def __getitem__(self, index):
         if isinstance(index, int):
@@ -80,9 +98,9 @@ class SumTree(_Leaves):
     """torchrl's sum segment tree interface (``[index]``, ``query``, ``scan_lower_bound``) over gpubuf's
     ``PrefixSumTree``."""
 
-    def __init__(self, capacity: int, device, dtype: torch.dtype):
-        super().__init__(capacity, device, dtype)
-        self.tree = PrefixSumTree(capacity, self.device, ops.backend_for(self.device))
+    def __init__(self, writes: _Writes):
+        super().__init__(writes)
+        self.tree = PrefixSumTree(self.capacity, self.device, ops.backend_for(self.device))
 
     @property
     def leaves(self) -> torch.Tensor:
@@ -90,7 +108,7 @@ class SumTree(_Leaves):
         return self.tree.tree[:self.capacity]
 
     def __setitem__(self, index, value) -> None:
-        idx, v = self._writes(index, value)
+        idx, v = self.writes.prepare(index, value)
         if idx.numel():
             self.tree.update(idx, v)
 
@@ -111,21 +129,39 @@ class SumTree(_Leaves):
 
 
 class MinTree(_Leaves):
-    """torchrl's min segment tree interface (``[index]``, ``query``) over leaves that are ``inf`` until written."""
+    """torchrl's min segment tree interface (``[index]``, ``query``) over leaves that are ``inf`` until written.
 
-    def __init__(self, capacity: int, device, dtype: torch.dtype):
-        super().__init__(capacity, device, dtype)
-        self.leaves = torch.full((capacity,), torch.inf, dtype=torch.float64, device=self.device)
+    The minimum over every written leaf is kept between writes (a write only lowers it, unless it overwrites the
+    leaf that held it), so the query a draw makes, over the whole filled range, reads no leaves on the host."""
+
+    def __init__(self, writes: _Writes):
+        super().__init__(writes)
+        self.leaves = torch.full((self.capacity,), torch.inf, dtype=torch.float64, device=self.device)
+        self._end = 0  # 1 + the highest leaf ever written (host storage only)
+        self._min = torch.inf  # min of every leaf, None when unknown (host storage only)
 
     def __setitem__(self, index, value) -> None:
-        idx, v = self._writes(index, value)
-        if idx.numel():
+        idx, v = self.writes.prepare(index, value)
+        if not idx.numel():
+            return
+        if self.device.type != "cpu":
             self.leaves[idx] = v
+            return
+        old_min, new_min = self._min, float(v.min())
+        lost = old_min is None or new_min != new_min or (  # unknown, NaN written, or its leaf overwritten higher
+            new_min > old_min and bool((self.leaves.index_select(0, idx) == old_min).any()))
+        self.leaves[idx] = v
+        self._end = max(self._end, int(idx.max()) + 1)
+        self._min = None if lost else min(old_min, new_min)
 
     def query(self, left, right):
         """The smallest leaf of ``[left, right)`` (float for int bounds, 0-d tensor for tensor bounds)."""
         if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
             return self._masked(left, right, torch.inf).min()
+        if self.device.type == "cpu" and left <= 0 and right >= self._end:
+            if self._min is None:
+                self._min = float(self.leaves.min())
+            return self._min
         return float(self.leaves[max(left, 0):right].min())
 
 
@@ -139,9 +175,14 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if self.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype: expected torch.float32 or torch.float64, got {self.dtype}")
         device = self._device if self._device is not None else torch.device("cpu")
-        self._sum_tree = SumTree(self._max_capacity, device, self.dtype)
-        self._min_tree = MinTree(self._max_capacity, device, self.dtype)
+        writes = _Writes(self._max_capacity, torch.device(device), self.dtype)
+        self._sum_tree, self._min_tree = SumTree(writes), MinTree(writes)
         self._max_priority = None
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        if isinstance(self._sum_tree, SumTree) and isinstance(self._min_tree, MinTree):
+            self._min_tree.writes = self._sum_tree.writes  # copied apart: one prepared write serves both again
 
     # torchrl's own dumps/loads write and read the same files one leaf at a time in Python; these do it whole
 

@@ -203,3 +203,24 @@ def test_loads_of_a_file_from_before_torchrls_schema_version_recomputes_the_maxi
         s.loads(tmp_path / "d" / "sampler")
     assert float(loaded[0].default_priority) == pytest.approx(19.0, rel=1e-5)
     assert float(loaded[0].default_priority) == pytest.approx(float(loaded[1].default_priority), rel=1e-6)
+
+
+def test_the_smallest_priority_follows_writes_that_raise_it_repeat_leaves_or_change_in_place():
+    """The weights' normaliser (the smallest priority) after writes that raise the leaf holding it, after one update
+    naming a leaf twice (the last value wins) and after an in-place change of the same index tensor."""
+    rbs = buffers(40, alpha=1.0, beta=1.0, eps=0.0)
+    for rb in rbs:
+        rb.extend(data(0, 40))
+        rb.update_priority(torch.arange(40), torch.arange(1.0, 41.0))
+    g = torch.Generator().manual_seed(3)
+    for step in range(30):
+        low = int(torch.argmin(torch.as_tensor(rbs[1].sampler._min_tree.v)))  # noqa: SLF001
+        idx = torch.tensor([low, low, int(torch.randint(0, 40, (1,), generator=g))])
+        prio = torch.rand(3, generator=g) * 50 + (0.0 if step % 3 else 60.0)
+        for rb in rbs:
+            rb.update_priority(idx, prio)
+        assert_same(*sample_both(rbs, step))
+        idx[0] = (low + 1) % 40  # the same tensor, changed in place, written again
+        for rb in rbs:
+            rb.update_priority(idx, prio)
+        assert_same(*sample_both(rbs, 100 + step))
