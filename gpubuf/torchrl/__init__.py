@@ -1,10 +1,14 @@
 """gpubuf's draws inside torchrl's replay buffers (needs ``torchrl``: ``pip install gpubuf[torchrl]``).
 
-``PrioritizedSampler``: a drop-in for ``torchrl.data.PrioritizedSampler`` (same arguments, same call sequence,
-same ``"priority_weight"``) whose segment trees are gpubuf's prefix-sum tree (:mod:`gpubuf.torchrl.prioritized`).
+- ``PrioritizedSampler``: a drop-in for ``torchrl.data.PrioritizedSampler`` (same arguments, same call sequence,
+  same ``"priority_weight"``) whose segment trees are gpubuf's prefix-sum tree (:mod:`gpubuf.torchrl.prioritized`);
+- ``SliceSampler``: a drop-in for ``torchrl.data.SliceSampler`` (same arguments, same seeded draws, same ``info``)
+  with vectorised episode boundaries and draws (:mod:`gpubuf.torchrl.slices`).
+
 Importing this package imports torchrl; ``import gpubuf`` does not.
 """
 
 from gpubuf.torchrl.prioritized import PrioritizedSampler
+from gpubuf.torchrl.slices import SliceSampler
 
-__all__ = ["PrioritizedSampler"]
+__all__ = ["PrioritizedSampler", "SliceSampler"]
