@@ -224,3 +224,33 @@ def test_the_smallest_priority_follows_writes_that_raise_it_repeat_leaves_or_cha
         for rb in rbs:
             rb.update_priority(idx, prio)
         assert_same(*sample_both(rbs, 100 + step))
+
+
+@pytest.mark.parametrize("boundary", ["pad", "stop", "include_reset"])
+def test_torchrls_sequence_stage_on_the_plug_in_matches_torchrls_sampler(boundary):
+    """torchrl's ``Sequence`` sample unit expands the plug-in's anchors into windows (burn-in, bootstrap,
+    dilation, masks) and writes the max over each window's valid records back to its anchor, as on torchrl's."""
+    from torchrl.data import Sequence
+
+    unit = dict(length=3, burn_in=1, bootstrap=1, dilation=2, episode_boundary=boundary)
+    rbs = [TensorDictReplayBuffer(storage=LazyTensorStorage(50), sampler=cls(50, alpha=0.8, beta=0.6),
+                                  batch_size=6, sample_unit=Sequence(**unit))
+           for cls in (PrioritizedSampler, ReferenceSampler)]
+    g = torch.Generator().manual_seed(2)
+    for step in range(10):
+        n = 17
+        done = (torch.rand(n, 1, generator=g) < 0.15)
+        td = TensorDict({"obs": torch.arange(step * n, (step + 1) * n, dtype=torch.float32),
+                         ("next", "done"): done}, batch_size=[n])
+        for rb in rbs:
+            rb.extend(td)
+        a, b = sample_both(rbs, step)
+        assert_same(a, b)
+        for key in ("anchor_index", "validity_mask", "learning_mask"):
+            assert torch.equal(a[key], b[key]), key
+        td_error = torch.rand(a.shape[0], generator=g) * 3
+        for rb, s in zip(rbs, (a, b), strict=True):
+            s.set("td_error", td_error)
+            rb.update_tensordict_priority(s)
+    for seed in range(5):
+        assert_same(*sample_both(rbs, 50 + seed))
