@@ -7,6 +7,8 @@ argument is the only difference. Calls, batch 256, one thread, interleaved round
 - prioritized (alpha 0.6, beta 0.4, eps 1e-6): ``extend`` of 256 rows, ``sample()``, ``update_priority`` of the
   sampled indices; torchrl's ``PrioritizedSampler`` (its compiled segment trees: run from the venv of
   ``benchmarks/setup_peers.sh``, which rebuilds them for this torch) against ``gpubuf.torchrl.PrioritizedSampler``;
+- uniform: ``sample()`` with torchrl's ``RandomSampler``, for reference (there is no uniform plug-in: torchrl's draw
+  is one ``randint``; the time is the buffer's gather);
 - sequences: ``sample()`` of 8 slices of 32 steps; torchrl's ``SliceSampler`` against
   ``gpubuf.torchrl.SliceSampler``, both told the episode key (``traj_key="episode"``).
 
@@ -60,7 +62,7 @@ def contenders(n: int) -> dict:
 
     import gpubuf.torchrl as plugin
 
-    out = {}
+    out = {("uniform sample", "torchrl"): replay(n, native.RandomSampler()).sample}  # no plug-in: one randint
     for name, mod in (("torchrl", native), ("gpubuf", plugin)):
         per = replay(n, mod.PrioritizedSampler(n, alpha=0.6, beta=0.4, eps=1e-6))
         out.update({(f"prioritized {call}", name): fn for call, fn in prioritized_calls(per).items()})
