@@ -8,7 +8,11 @@ unchanged) with its two segment trees replaced by :class:`SumTree` and :class:`M
   torchrl's trees store it) in gpubuf's float64 :class:`~gpubuf.replay.tree.PrefixSumTree`: batched updates
   recompute only the touched parents, draws descend it on the device, and a leaf of zero mass is never drawn;
 - :class:`MinTree` keeps the same leaves for the minimum priority that normalises the weights
-  (``(p_i / min p) ** -beta``, as torchrl computes them).
+  (``(p_i / min p) ** -beta``, as torchrl computes them), and on the host that minimum itself between writes.
+
+Both answer a draw's query over the filled rows without reading the leaves, and a write of both trees is checked
+once. A refused update (an index outside the capacity: ``IndexError``) changes nothing, torchrl's maximum
+priority included.
 
 So it runs without torchrl's compiled extension, which torchrl's own trees need, and on the storage's device.
 """
@@ -24,17 +28,20 @@ from gpubuf import ops
 from gpubuf.replay.tree import PrefixSumTree
 
 _BELOW_ONE = 1.0 - 2.0 ** -53  # the largest float64 uniform below 1
+_BLOCK = 1024  # leaves per block of the min tree's block minima
 
 
-def _index(index, device: torch.device, capacity: int) -> torch.Tensor:
-    """(K,) int64 leaves; ``IndexError`` (before any write) for one outside ``[0, capacity)``."""
+def _index(index, device: torch.device, capacity: int) -> tuple[torch.Tensor, int]:
+    """``(leaves (K,) int64, 1 + the highest)``; ``IndexError`` (before any write) for one outside
+    ``[0, capacity)``."""
     idx = torch.as_tensor(index, dtype=torch.long, device=device).reshape(-1)
-    if idx.numel():
-        lo, hi = torch.aminmax(idx)
-        if not (int(lo) >= 0 and int(hi) < capacity):
-            bad = idx[(idx < 0) | (idx >= capacity)][:5].tolist()
-            raise IndexError(f"index: expected leaves in [0, {capacity}), got {bad}")
-    return idx
+    if not idx.numel():
+        return idx, 0
+    lo, hi = (int(x) for x in torch.aminmax(idx))
+    if not (lo >= 0 and hi < capacity):
+        bad = idx[(idx < 0) | (idx >= capacity)][:5].tolist()
+        raise IndexError(f"index: expected leaves in [0, {capacity}), got {bad}")
+    return idx, hi + 1
 
 
 class _Writes:
@@ -50,25 +57,26 @@ class _Writes:
     def __deepcopy__(self, memo):  # a copy (torchrl's state_dict deep-copies the trees) starts with no write
         return _Writes(self.capacity, self.device, self.dtype)
 
-    def prepare(self, index, value) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(leaves (K,), values (K,) float64)``: every write of a repeated leaf carries its last value (torchrl's
-        trees write in order); ``IndexError`` or ``ValueError`` before anything is written."""
+    def prepare(self, index, value) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(leaves (K,), values (K,) float64, 1 + the highest leaf)``: every write of a repeated leaf carries its
+        last value (torchrl's trees write in order); ``IndexError`` or ``ValueError`` before anything is written."""
         key = None
-        if isinstance(index, torch.Tensor) and isinstance(value, torch.Tensor):  # tensors tell in-place changes
+        if (isinstance(index, torch.Tensor) and isinstance(value, torch.Tensor)  # tensors tell in-place changes,
+                and not index.is_inference() and not value.is_inference()):  # but inference tensors do not
             key = (index, index._version, value, value._version)  # noqa: SLF001
             last = self._key
             if last is not None and last[0] is index and last[2] is value and last[1::2] == key[1::2]:
                 return self._prepared
-        idx = _index(index, self.device, self.capacity)
+        idx, end = _index(index, self.device, self.capacity)
         v = torch.as_tensor(value, device=self.device).to(self.dtype).to(torch.float64).reshape(-1)
         v = v.expand(idx.shape) if v.numel() == 1 else v
         if v.shape != idx.shape:
             raise ValueError(f"value: expected one value or {idx.numel()} (one per index), got {v.numel()}")
-        if idx.numel() > 1:
+        if idx.numel() > 1 and v.stride(0):  # repeats of one broadcast value need nothing
             order = torch.arange(idx.numel(), device=self.device)
             self._last_of.scatter_reduce_(0, idx, order, "amax", include_self=False)
             v = v.index_select(0, self._last_of.index_select(0, idx))
-        self._key, self._prepared = key, (idx, v.contiguous())
+        self._key, self._prepared = key, (idx, v.contiguous(), end)
         return self._prepared
 
 
@@ -77,10 +85,17 @@ class _Leaves:
     ``[index]`` (a float for an int, else ``dtype`` values shaped like ``index``)."""
 
     leaves: torch.Tensor  # (capacity,) float64
+    UNWRITTEN: float  # a leaf's value until written
 
     def __init__(self, writes: _Writes):
         self.writes = writes
         self.capacity, self.device, self.dtype = writes.capacity, writes.device, writes.dtype
+        self.end = 0  # 1 + the highest leaf written: a query over [0, end) or more reads every written leaf
+
+    def recount_end(self) -> None:
+        """:attr:`end` from the leaves (after a load wrote every leaf)."""
+        written = (self.leaves != self.UNWRITTEN).nonzero()
+        self.end = int(written[-1]) + 1 if written.numel() else 0
 
     def __getitem__(self, index):
         if isinstance(index, int):
@@ -96,7 +111,9 @@ class _Leaves:
 
 class SumTree(_Leaves):
     """torchrl's sum segment tree interface (``[index]``, ``query``, ``scan_lower_bound``) over gpubuf's
-    ``PrefixSumTree``."""
+    ``PrefixSumTree``: the mass of a range holding every written leaf is the tree's total."""
+
+    UNWRITTEN = 0.0
 
     def __init__(self, writes: _Writes):
         super().__init__(writes)
@@ -108,16 +125,17 @@ class SumTree(_Leaves):
         return self.tree.tree[:self.capacity]
 
     def __setitem__(self, index, value) -> None:
-        idx, v = self.writes.prepare(index, value)
+        idx, v, end = self.writes.prepare(index, value)
         if idx.numel():
             self.tree.update(idx, v)
+            self.end = max(self.end, end)
 
     def query(self, left, right):
         """The mass of leaves ``[left, right)``: a float for int bounds, a 0-d tensor (no host sync) for tensor
         bounds."""
         if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
             return self._masked(left, right, 0.0).sum()
-        if left <= 0 and right >= self.capacity:
+        if left <= 0 and right >= self.end:
             return float(self.tree.total())
         return float(self.leaves[max(left, 0):right].sum())
 
@@ -131,19 +149,27 @@ class SumTree(_Leaves):
 class MinTree(_Leaves):
     """torchrl's min segment tree interface (``[index]``, ``query``) over leaves that are ``inf`` until written.
 
-    The minimum over every written leaf is kept between writes (a write only lowers it, unless it overwrites the
-    leaf that held it), so the query a draw makes, over the whole filled range, reads no leaves on the host."""
+    On the host the minimum of every leaf is kept between writes (a write only lowers it, unless it raises the
+    leaf that held it), so the query a draw makes, over every written leaf, reads none; when a write raised it, the
+    next query takes the minima of the blocks of 1024 leaves written since the last one, and the minimum of those.
+    """
+
+    UNWRITTEN = torch.inf
 
     def __init__(self, writes: _Writes):
         super().__init__(writes)
-        self.leaves = torch.full((self.capacity,), torch.inf, dtype=torch.float64, device=self.device)
-        self._end = 0  # 1 + the highest leaf ever written (host storage only)
-        self._min = torch.inf  # min of every leaf, None when unknown (host storage only)
+        n = -(-self.capacity // _BLOCK)
+        self._padded = torch.full((n * _BLOCK,), torch.inf, dtype=torch.float64, device=self.device)
+        self.leaves = self._padded[:self.capacity]
+        self._blocks = torch.full((n,), torch.inf, dtype=torch.float64, device=self.device)  # each block's minimum
+        self._stale = torch.zeros(n, dtype=torch.bool, device=self.device)  # blocks written since then
+        self._min = torch.inf  # of every leaf; None when a write raised it
 
     def __setitem__(self, index, value) -> None:
-        idx, v = self.writes.prepare(index, value)
+        idx, v, end = self.writes.prepare(index, value)
         if not idx.numel():
             return
+        self.end = max(self.end, end)
         if self.device.type != "cpu":
             self.leaves[idx] = v
             return
@@ -151,16 +177,23 @@ class MinTree(_Leaves):
         lost = old_min is None or new_min != new_min or (  # unknown, NaN written, or its leaf overwritten higher
             new_min > old_min and bool((self.leaves.index_select(0, idx) == old_min).any()))
         self.leaves[idx] = v
-        self._end = max(self._end, int(idx.max()) + 1)
+        self._stale[idx // _BLOCK] = True
         self._min = None if lost else min(old_min, new_min)
+
+    def _every_leaf_min(self) -> float:
+        stale = self._stale.nonzero().squeeze(1)
+        if stale.numel():
+            self._blocks[stale] = self._padded.view(-1, _BLOCK).index_select(0, stale).amin(1)
+            self._stale.zero_()
+        return float(self._blocks.min())
 
     def query(self, left, right):
         """The smallest leaf of ``[left, right)`` (float for int bounds, 0-d tensor for tensor bounds)."""
         if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
             return self._masked(left, right, torch.inf).min()
-        if self.device.type == "cpu" and left <= 0 and right >= self._end:
+        if self.device.type == "cpu" and left <= 0 and right >= self.end:
             if self._min is None:
-                self._min = float(self.leaves.min())
+                self._min = self._every_leaf_min()
             return self._min
         return float(self.leaves[max(left, 0):right].min())
 
@@ -172,12 +205,22 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     CPU)."""
 
     def _init(self) -> None:
-        if self.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"dtype: expected torch.float32 or torch.float64, got {self.dtype}")
+        if self.dtype not in (torch.float32, torch.float64):  # the type torchrl raises
+            raise NotImplementedError(f"dtype: expected torch.float32 or torch.float64, got {self.dtype}")
         device = self._device if self._device is not None else torch.device("cpu")
         writes = _Writes(self._max_capacity, torch.device(device), self.dtype)
         self._sum_tree, self._min_tree = SumTree(writes), MinTree(writes)
         self._max_priority = None
+
+    def update_priority(self, index, priority, *, storage=None) -> None:
+        """torchrl's update; a refused index or priority (``IndexError``, ``ValueError``) changes nothing: torchrl
+        records a new maximum priority before its trees are written, and that record is undone here."""
+        before = self._max_priority
+        try:
+            super().update_priority(index, priority, storage=storage)
+        except (IndexError, ValueError):
+            self._max_priority = before
+            raise
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -221,5 +264,6 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             leaves = MemoryMappedTensor.from_filename(shape=(self._max_capacity,), dtype=torch.float64,
                                                       filename=path / f"{name}.memmap")
             tree[every] = leaves.clone()
+            tree.recount_end()
         if meta.get("_schema_version", 0) < 1 and self._max_priority_within_buffer and value is not None:
             self._recompute_max_priority_from_tree()  # older files kept the transformed maximum, as torchrl reads them

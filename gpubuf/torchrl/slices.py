@@ -17,6 +17,8 @@ Everything else (``span``, ``pad_output``, ``strict_length=False`` with an episo
 ``fragmented``, storages of more than one dimension, ``ListStorage``, GPU boundary search) runs torchrl's own code.
 """
 
+import weakref
+
 import numpy as np
 import torch
 from tensordict import TensorDictBase
@@ -88,15 +90,16 @@ class SliceSampler(_TorchRLSliceSampler):
         if self.cache_values and storage is not None and hasattr(storage, "_mutation_revision"):
             key = ("gpubuf-boundaries", id(storage), storage._mutation_revision, len(signal),  # noqa: SLF001
                    bool(at_capacity), _cursor(cursor), str(source))
-            if key in self._cache:
-                return self._cache[key]
+            hit = self._cache.get(key)
+            if hit is not None and hit[0]() is storage:  # not another storage at a reused id
+                return hit[1]
         found = boundaries(signal.detach().numpy(), trajectory is not None, at_capacity, _cursor(cursor))
         start, stop, length = (torch.from_numpy(x) for x in found)
         out = start.unsqueeze(1), stop.unsqueeze(1), length
         if key is not None:
             for old in [k for k in self._cache if isinstance(k, tuple) and k[:1] == ("gpubuf-boundaries",)]:
                 del self._cache[old]
-            self._cache[key] = out
+            self._cache[key] = (weakref.ref(storage), out)
         return out
 
     def _vectorised(self, storage) -> bool:

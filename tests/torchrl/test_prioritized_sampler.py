@@ -146,9 +146,28 @@ def test_draws_follow_the_priorities_exactly():
     assert torch.allclose(s["priority_weight"].double(), want, rtol=1e-5)
 
 
-def test_a_bad_dtype_is_refused_naming_it():
-    with pytest.raises(ValueError, match="dtype: expected torch.float32 or torch.float64"):
+def test_a_bad_dtype_is_refused_naming_it_with_torchrls_exception_type():
+    with pytest.raises(NotImplementedError, match="dtype: expected torch.float32 or torch.float64"):
         PrioritizedSampler(10, 0.5, 0.5, dtype=torch.float16)
+
+
+def test_inference_tensors_are_written_like_any_other():
+    """Rows, indices and priorities made under ``torch.inference_mode()`` (as a learner computes TD errors)."""
+    rbs = buffers(30, alpha=0.7, beta=0.5)
+    with torch.inference_mode():
+        rows = data(0, 30)
+        idx, prio = torch.arange(0, 30, 3), torch.linspace(0.1, 3.0, 10)
+    for rb in rbs:
+        rb.extend(rows)
+        rb.update_priority(idx, prio)
+    assert_same(*sample_both(rbs, 0))
+    a, b = sample_both(rbs, 1)
+    with torch.inference_mode():
+        td_error = torch.rand(16)
+    for rb, s in zip(rbs, (a, b), strict=True):
+        s.set("td_error", td_error)
+        rb.update_tensordict_priority(s)
+    assert_same(*sample_both(rbs, 2))
 
 
 def test_dumps_and_loads_write_torchrls_files(tmp_path):
@@ -178,9 +197,11 @@ def test_an_index_outside_the_trees_is_refused_before_any_write():
     for bad in (110, -2):
         with pytest.raises(IndexError, match=r"index: expected leaves in \[0, 100\)"):
             rb.sampler._sum_tree[torch.tensor([3, bad])] = 1e6  # noqa: SLF001
+    default = float(rb.sampler.default_priority)
     with pytest.raises(IndexError):
         rb.update_priority(torch.tensor([110]), torch.tensor([1e6]))
     assert torch.equal(rb.sampler._sum_tree.leaves, before)  # noqa: SLF001
+    assert float(rb.sampler.default_priority) == default  # the refused priority is not the new maximum
     assert len(set(rb.sample()["index"].tolist())) > 1
 
 
@@ -224,6 +245,32 @@ def test_the_smallest_priority_follows_writes_that_raise_it_repeat_leaves_or_cha
         for rb in rbs:
             rb.update_priority(idx, prio)
         assert_same(*sample_both(rbs, 100 + step))
+        if step % 10 == 9:  # the kept minimum survives a state round trip
+            again = buffers(40, alpha=1.0, beta=1.0, eps=0.0)[0]
+            again.load_state_dict(rbs[0].state_dict())
+            rbs[0] = again
+
+
+def test_a_buffer_filled_part_way_weighs_and_draws_over_its_rows_only(tmp_path):
+    """The mass and the smallest priority over the filled rows (torchrl queries ``[0, len)``), before and after a
+    round trip through disk, with rows past the fill written by an explicit update."""
+    rbs = buffers(5000, alpha=0.9, beta=0.7)
+    g = torch.Generator().manual_seed(5)
+    for rb in rbs:
+        rb.extend(data(0, 10))
+        rb.update_priority(torch.tensor([4900, 4901]), torch.tensor([50.0, 1e-3]))  # past the filled rows
+    for step in range(6):
+        for rb in rbs:
+            rb.extend(data(step * 300, 300))
+        idx = torch.randint(0, len(rbs[0]), (40,), generator=g)
+        prio = torch.rand(40, generator=g) * 4
+        for rb in rbs:
+            rb.update_priority(idx, prio)
+        assert_same(*sample_both(rbs, step))
+        if step == 3:
+            for i, rb in enumerate(rbs):
+                rb.dumps(tmp_path / str(i))
+                rb.loads(tmp_path / str(i))
 
 
 @pytest.mark.parametrize("boundary", ["pad", "stop", "include_reset"])
