@@ -10,7 +10,8 @@ argument is the only difference. Calls, batch 256, one thread, interleaved round
 - uniform: ``sample()`` with torchrl's ``RandomSampler``, for reference (there is no uniform plug-in: torchrl's draw
   is one ``randint``; the time is the buffer's gather);
 - sequences: ``sample()`` of 8 slices of 32 steps; torchrl's ``SliceSampler`` against
-  ``gpubuf.torchrl.SliceSampler``, both told the episode key (``traj_key="episode"``).
+  ``gpubuf.torchrl.SliceSampler``, both told the episode key (``traj_key="episode"``);
+- prioritized sequences: the same with ``PrioritizedSliceSampler`` (alpha 0.6, beta 0.4).
 
     /work/bench-venv/bin/python benchmarks/bench_torchrl.py      # -> results/torchrl_cpu.json
 """
@@ -66,9 +67,10 @@ def contenders(n: int) -> dict:
     for name, mod in (("torchrl", native), ("gpubuf", plugin)):
         per = replay(n, mod.PrioritizedSampler(n, alpha=0.6, beta=0.4, eps=1e-6))
         out.update({(f"prioritized {call}", name): fn for call, fn in prioritized_calls(per).items()})
-        if hasattr(mod, "SliceSampler"):
-            seq = replay(n, mod.SliceSampler(slice_len=SLICE, traj_key="episode"))
-            out[("sequences sample", name)] = seq.sample
+        seq = replay(n, mod.SliceSampler(slice_len=SLICE, traj_key="episode"))
+        out[("sequences sample", name)] = seq.sample
+        per_seq = replay(n, mod.PrioritizedSliceSampler(n, 0.6, 0.4, slice_len=SLICE, traj_key="episode"))
+        out[("prioritized sequences sample", name)] = per_seq.sample
     return out
 
 

@@ -20,6 +20,7 @@ So it runs without torchrl's compiled extension, which torchrl's own trees need,
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tensordict import MemoryMappedTensor
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
@@ -101,7 +102,8 @@ class _Leaves:
         if isinstance(index, int):
             return float(self.leaves[index])
         idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
-        return self.leaves[idx.reshape(-1)].to(self.dtype).reshape(idx.shape)
+        values = self.leaves[idx.reshape(-1)].to(self.dtype).reshape(idx.shape)
+        return values.cpu().numpy() if isinstance(index, np.ndarray) else values  # numpy in, numpy out (torchrl's)
 
     def _masked(self, left, right, fill: float) -> torch.Tensor:
         """The leaves with those outside ``[left, right)`` (0-d tensors: no host sync) set to ``fill``."""
@@ -198,11 +200,9 @@ class MinTree(_Leaves):
         return float(self.leaves[max(left, 0):right].min())
 
 
-class PrioritizedSampler(_TorchRLPrioritizedSampler):
-    """torchrl's ``PrioritizedSampler`` (same arguments: ``max_capacity``, ``alpha``, ``beta``, ``eps``,
-    ``dtype`` float32/float64, ``reduction``, ``max_priority_within_buffer``, ``device``) drawing from gpubuf's
-    prefix-sum tree. The trees live on ``device`` (default: a CUDA storage's device once it is seen, else the
-    CPU)."""
+class GpubufTrees:
+    """What a torchrl prioritized sampler class gets by putting this first among its bases: :class:`SumTree` and
+    :class:`MinTree` for its trees, updates that change nothing when refused, and whole-file ``dumps``/``loads``."""
 
     def _init(self) -> None:
         if self.dtype not in (torch.float32, torch.float64):  # the type torchrl raises
@@ -267,3 +267,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             tree.recount_end()
         if meta.get("_schema_version", 0) < 1 and self._max_priority_within_buffer and value is not None:
             self._recompute_max_priority_from_tree()  # older files kept the transformed maximum, as torchrl reads them
+
+
+class PrioritizedSampler(GpubufTrees, _TorchRLPrioritizedSampler):
+    """torchrl's ``PrioritizedSampler`` (same arguments: ``max_capacity``, ``alpha``, ``beta``, ``eps``,
+    ``dtype`` float32/float64, ``reduction``, ``max_priority_within_buffer``, ``device``) drawing from gpubuf's
+    prefix-sum tree. The trees live on ``device`` (default: a CUDA storage's device once it is seen, else the
+    CPU)."""

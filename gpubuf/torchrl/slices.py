@@ -71,13 +71,10 @@ def _cursor(cursor):
     return cursor
 
 
-class SliceSampler(_TorchRLSliceSampler):
-    """torchrl's ``SliceSampler`` (same arguments: ``num_slices`` or ``slice_len``, ``traj_key`` / ``end_key`` /
-    ``end_keys``, ``strict_length``, ``cache_values``, ``truncated_key``, ``span``, ``pad_output``, ...; same
-    ``(index,)`` and ``info``) with vectorised boundaries and draws. Sampling is with replacement; the batch is
-    slice-major and flat (``[num_slices * slice_len]``), as torchrl returns it. With ``cache_values=True`` the
-    boundaries are reused until the storage is next written (torchrl's rule: it tells writes by the storage's
-    revision, so an in-place edit of a stored tensor goes unseen)."""
+class NumpyBoundaries:
+    """What a torchrl slice sampler class gets by putting this first among its bases: the episode boundaries of a
+    one-dimensional signal on the host from :func:`boundaries` (torchrl's own code for the rest), kept with
+    ``cache_values=True`` until the storage is next written."""
 
     def _find_start_stop_traj(self, *, trajectory=None, end=None, at_capacity: bool, cursor=None, storage=None,
                               source=None):
@@ -101,6 +98,15 @@ class SliceSampler(_TorchRLSliceSampler):
                 del self._cache[old]
             self._cache[key] = (weakref.ref(storage), out)
         return out
+
+
+class SliceSampler(NumpyBoundaries, _TorchRLSliceSampler):
+    """torchrl's ``SliceSampler`` (same arguments: ``num_slices`` or ``slice_len``, ``traj_key`` / ``end_key`` /
+    ``end_keys``, ``strict_length``, ``cache_values``, ``truncated_key``, ``span``, ``pad_output``, ...; same
+    ``(index,)`` and ``info``) with vectorised boundaries and draws. Sampling is with replacement; the batch is
+    slice-major and flat (``[num_slices * slice_len]``), as torchrl returns it. With ``cache_values=True`` the
+    boundaries are reused until the storage is next written (torchrl's rule: it tells writes by the storage's
+    revision, so an in-place edit of a stored tensor goes unseen)."""
 
     def _vectorised(self, storage) -> bool:
         return (not self.fragmented and not self.pad_output and not any(self.span)

@@ -3,8 +3,7 @@ prioritized sampler give the same indices and weights.
 
 torchrl's own sampler keeps its priorities in segment trees from its compiled extension, which does not load
 against this torch; the reference here is torchrl's own sampler class with those two trees replaced by plain numpy
-ones (``NumpySumTree``/``NumpyMinTree`` below: values stored in the sampler's dtype, prefix sums searched with
-``searchsorted``), so everything else the comparison runs is torchrl's code."""
+ones (``tests/torchrl_reference.py``), so everything else the comparison runs is torchrl's code."""
 
 import numpy as np
 import pytest
@@ -14,48 +13,9 @@ torchrl = pytest.importorskip("torchrl")
 from scipy import stats  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler  # noqa: E402
+from torchrl_reference import ReferenceSampler  # noqa: E402
 
 from gpubuf.torchrl import PrioritizedSampler  # noqa: E402
-
-
-class NumpySumTree:
-    def __init__(self, capacity, dtype):
-        self.v = np.zeros(capacity, dtype=np.float64)
-        self.dtype = np.float32 if dtype == torch.float32 else np.float64
-
-    def __setitem__(self, index, value):
-        idx = np.asarray(torch.as_tensor(index).reshape(-1).cpu())
-        val = np.broadcast_to(np.asarray(torch.as_tensor(value).reshape(-1).cpu(), dtype=self.dtype), idx.shape)
-        for i, x in zip(idx, val, strict=True):  # in order: the last write of an index wins
-            self.v[i] = float(x)
-
-    def __getitem__(self, index):
-        if isinstance(index, int):
-            return self.v[index]
-        return torch.as_tensor(self.v[np.asarray(torch.as_tensor(index).cpu())].astype(self.dtype))
-
-    def query(self, left, right):
-        return float(self.v[left:right].sum())
-
-    def scan_lower_bound(self, mass):
-        return torch.as_tensor(np.searchsorted(np.cumsum(self.v), np.asarray(mass), side="right"))
-
-
-class NumpyMinTree(NumpySumTree):
-    def __init__(self, capacity, dtype):
-        super().__init__(capacity, dtype)
-        self.v[:] = np.inf
-
-    def query(self, left, right):
-        return float(self.v[left:right].min())
-
-
-class ReferenceSampler(TorchRLPrioritizedSampler):
-    def _init(self):
-        self._sum_tree = NumpySumTree(self._max_capacity, self.dtype)
-        self._min_tree = NumpyMinTree(self._max_capacity, self.dtype)
-        self._max_priority = None
 
 
 def buffers(capacity, **kw):
