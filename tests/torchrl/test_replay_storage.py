@@ -1,0 +1,213 @@
+"""gpubuf.torchrl.ReplayStorage in torchrl's replay buffers: the same call sequences as on torchrl's
+``LazyTensorStorage`` / ``LazyMemmapStorage`` give the same rows; a ``storage_dir`` re-opens with its rows in a fresh
+process, survives SIGKILL mid-extend with whole rows only, and refuses what its journal could not keep."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+torchrl = pytest.importorskip("torchrl")
+from tensordict import TensorDict  # noqa: E402
+from torchrl.data import (  # noqa: E402
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    RandomSampler,
+    ReplayBuffer,
+    TensorDictReplayBuffer,
+)
+
+from gpubuf.torchrl import PrioritizedSampler, ReplayStorage, SliceSampler  # noqa: E402
+
+CAP = 37
+
+
+def rows(start: int, n: int) -> TensorDict:
+    """Row r: obs = r (and r + 0.5), an episode id of 9-row episodes, a nested done flag."""
+    r = torch.arange(start, start + n)
+    return TensorDict({"obs": torch.stack([r, r], 1).float() + torch.tensor([0.0, 0.5]), "episode": r // 9,
+                       ("next", "done"): (r % 9 == 8).unsqueeze(1)}, batch_size=[n])
+
+
+SAMPLERS = {
+    "random": lambda: RandomSampler(),
+    "prioritized": lambda: PrioritizedSampler(CAP, alpha=0.7, beta=0.5),
+    "slices": lambda: SliceSampler(slice_len=3, traj_key="episode"),
+}
+
+
+def pair(sampler: str, tier: str, tmp_path):
+    """(gpubuf's buffer, torchrl's buffer) over the same sampler kind."""
+    if tier == "dir":
+        ours, theirs = ReplayStorage(CAP, storage_dir=tmp_path / "ours"), LazyMemmapStorage(
+            CAP, scratch_dir=tmp_path / "theirs")
+    else:
+        ours, theirs = ReplayStorage(CAP), LazyTensorStorage(CAP)
+    return [TensorDictReplayBuffer(storage=s, sampler=SAMPLERS[sampler](), batch_size=6) for s in (ours, theirs)]
+
+
+def sample_both(rbs, seed):
+    out = []
+    for rb in rbs:
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        out.append(rb.sample())
+    return out
+
+
+def assert_same(a, b):
+    assert sorted(map(str, a.keys(True, True))) == sorted(map(str, b.keys(True, True)))
+    for key in a.keys(True, True):
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("tier", ["memory", "dir"])
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+def test_the_call_sequence_of_a_torchrl_buffer_matches_torchrls_storage(sampler, tier, tmp_path):
+    rbs = pair(sampler, tier, tmp_path)
+    start = 0
+    for step in range(9):  # the ring wraps twice
+        n = [5, 11, 1, 17][step % 4]
+        for rb in rbs:
+            rb.extend(rows(start, n)) if n > 1 else rb.add(rows(start, 1)[0])
+        start += n
+        assert len(rbs[0]) == len(rbs[1])
+        assert_same(*sample_both(rbs, step))
+        if sampler == "prioritized":
+            for rb in rbs:
+                rb.update_priority(torch.arange(4), torch.tensor([0.1, 2.0, 3.0, 0.5]))
+    assert_same(rbs[0][:], rbs[1][:])
+    assert [r["obs"][0].item() for r in rbs[0].storage] == [r["obs"][0].item() for r in rbs[1].storage]
+
+    for rb in rbs:  # a transform on top
+        rb.append_transform(lambda td: td.set("twice", td["obs"] * 2))
+    assert_same(*sample_both(rbs, 100))
+
+    again = pair(sampler, tier, tmp_path / "again")  # state_dict into new buffers
+    for rb, other in zip(rbs, again, strict=True):
+        other.load_state_dict(rb.state_dict())
+    assert_same(*sample_both(again, 101))
+    for rb in again:
+        rb.extend(rows(start, 4))
+    assert_same(*sample_both(again, 102))
+
+    for i, rb in enumerate(rbs):  # dumps / loads through disk, into fresh buffers
+        rb.dumps(tmp_path / f"dump{i}")
+    loaded = pair(sampler, tier, tmp_path / "loaded")
+    for i, rb in enumerate(loaded):
+        rb.loads(tmp_path / f"dump{i}")
+    assert_same(*sample_both(loaded, 103))
+
+    for rb in rbs:
+        rb.empty()
+        assert len(rb) == 0
+        rb.extend(rows(1000, 12))
+    assert_same(*sample_both(rbs, 104))
+
+
+def test_a_storage_dir_reopens_in_a_fresh_process_and_goes_on_after_its_newest_row(tmp_path):
+    rb = TensorDictReplayBuffer(storage=ReplayStorage(CAP, storage_dir=tmp_path / "d"), batch_size=4)
+    reference = TensorDictReplayBuffer(storage=LazyTensorStorage(CAP), batch_size=4)
+    for n in (20, 30, 9):
+        for b in (rb, reference):
+            b.extend(rows(sum((20, 30, 9)[:(20, 30, 9).index(n)]), n))
+    rb.storage.flush()
+    rb.storage.close()
+    script = textwrap.dedent(f"""
+        import torch
+        from tensordict import TensorDict
+        from torchrl.data import TensorDictReplayBuffer
+        from gpubuf.torchrl import ReplayStorage
+        rb = TensorDictReplayBuffer(storage=ReplayStorage({CAP}, storage_dir={str(tmp_path / "d")!r}), batch_size=4)
+        r = torch.arange(59, 64)
+        rb.extend(TensorDict({{"obs": torch.stack([r, r], 1).float() + torch.tensor([0.0, 0.5]), "episode": r // 9,
+                               ("next", "done"): (r % 9 == 8).unsqueeze(1)}}, batch_size=[5]))
+        print(len(rb), rb.storage[:]["obs"][:, 0].tolist())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RL_WARNINGS": "0"})
+    assert out.returncode == 0, out.stderr
+    reference.extend(rows(59, 5))
+    length, stored = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(length) == len(reference)
+    assert eval(stored) == reference.storage[:]["obs"][:, 0].tolist()
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from tensordict import TensorDict
+    from torchrl.data import TensorDictReplayBuffer
+    from gpubuf.torchrl import ReplayStorage
+    rb = TensorDictReplayBuffer(storage=ReplayStorage(64, storage_dir=sys.argv[1]), batch_size=4)
+    k = rb.storage._ring[2]
+    print("ready", flush=True)
+    while True:
+        n = 1 + k % 23
+        r = torch.arange(k, k + n)
+        rb.extend(TensorDict({"obs": r.double().view(n, 1).expand(n, 65536).clone()}, batch_size=[n]))
+        k += n
+""")
+
+
+def test_sigkill_mid_extend_leaves_whole_rows_only(tmp_path):
+    """Rows of 65536 equal values (the row's number) written by extends of 1-23 rows; killed at random instants, the
+    directory re-opens holding the rows before its head, each whole, consecutive, and nothing past them."""
+    path = str(tmp_path / "d")
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "RL_WARNINGS": "0"})
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        storage = ReplayStorage(64, storage_dir=path)
+        head, held, total = storage._ring  # noqa: SLF001
+        assert min(total, 64) - 23 <= held <= min(total, 64) and held == len(storage) and total > 0  # less the
+        # held rows that an extend cut short was overwriting
+        obs = storage._storage["obs"]  # noqa: SLF001
+        newest = [(head - 1 - i) % 64 for i in range(held)]
+        for i, row in enumerate(newest):
+            assert torch.equal(obs[row], torch.full((65536,), float(total - 1 - i), dtype=torch.float64)), (row, i)
+        storage.close()
+
+
+def test_refusals_name_what_they_refuse_and_write_nothing(tmp_path):
+    with pytest.raises(ValueError, match="max_size: expected an int >= 1, got 0"):
+        ReplayStorage(0)
+    with pytest.raises(ValueError, match="storage_device: a storage_dir keeps rows on the host"):
+        ReplayStorage(10, storage_dir=tmp_path / "x", storage_device="meta")
+    with pytest.raises(TypeError, match="data: expected a TensorDict, got Tensor"):
+        ReplayBuffer(storage=ReplayStorage(10)).extend(torch.zeros(3, 2))
+
+    rb = TensorDictReplayBuffer(storage=ReplayStorage(CAP, storage_dir=tmp_path / "d"), batch_size=4)
+    rb.extend(rows(0, 10))
+    before = rb.storage[:].clone()
+    with pytest.raises(ValueError, match=r"cursor: a storage_dir takes rows at its head \(1 rows from row 10"):
+        rb[3] = rows(500, 1)[0]  # an in-place rewrite of a held row
+    assert torch.equal(rb.storage[:]["obs"], before["obs"]) and rb.storage._ring == (10, 10, 10)  # noqa: SLF001
+    with pytest.raises(ValueError, match="is open for writing by"):
+        ReplayStorage(CAP, storage_dir=tmp_path / "d")
+    rb.extend(rows(10, 3))  # the refusals left it writable
+    assert len(rb) == 13
+
+    pid = os.fork()
+    if pid == 0:  # a forked child may read, not write
+        code = 1
+        try:
+            rb.extend(rows(13, 2))
+        except RuntimeError as err:
+            code = 0 if "may not write it" in str(err) else 2
+        os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert len(rb) == 13 and rb.storage._ring == (13, 13, 13)  # noqa: SLF001
+    rb.storage.close()
+
+    with pytest.raises(ValueError, match="cannot re-open as this storage: it holds 37 rows, not max_size=40"):
+        ReplayStorage(40, storage_dir=tmp_path / "d")
