@@ -2,13 +2,15 @@
 
 Each contender is a ``TensorDictReplayBuffer`` over a ``LazyTensorStorage`` of N rows (obs float32[17], action
 float32[6], reward float32, done bool, an episode id int64: 1024-step episodes), filled before timing; the sampler
-argument is the only difference. Calls, batch 256, one thread, interleaved rounds, medians:
+argument (or the storage's, for uniform draws) is the only difference. Calls, batch 256, one thread, interleaved
+rounds, medians:
 
 - prioritized (alpha 0.6, beta 0.4, eps 1e-6): ``extend`` of 256 rows, ``sample()``, ``update_priority`` of the
   sampled indices; torchrl's ``PrioritizedSampler`` (its compiled segment trees: run from the venv of
   ``benchmarks/setup_peers.sh``, which rebuilds them for this torch) against ``gpubuf.torchrl.PrioritizedSampler``;
-- uniform: ``sample()`` with torchrl's ``RandomSampler``, for reference (there is no uniform plug-in: torchrl's draw
-  is one ``randint``; the time is the buffer's gather);
+- uniform: ``sample()`` with torchrl's ``RandomSampler`` (one ``randint``: the time is the storage's gather), over
+  ``LazyTensorStorage`` against ``gpubuf.torchrl.ReplayStorage``, and over files: ``LazyMemmapStorage`` against
+  ``ReplayStorage(storage_dir=...)`` (both in a temporary directory);
 - sequences: ``sample()`` of 8 slices of 32 steps; torchrl's ``SliceSampler`` against
   ``gpubuf.torchrl.SliceSampler``, both told the episode key (``traj_key="episode"``);
 - prioritized sequences: the same with ``PrioritizedSliceSampler`` (alpha 0.6, beta 0.4).
@@ -18,6 +20,8 @@ argument is the only difference. Calls, batch 256, one thread, interleaved round
 
 import argparse
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +41,10 @@ def rows(start: int, n: int) -> "TensorDict":  # noqa: F821
                        "episode": torch.arange(start, start + n) // EPISODE}, batch_size=[n])
 
 
-def replay(n: int, sampler):
+def replay(n: int, sampler, storage=None):
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(n), sampler=sampler, batch_size=B)
+    rb = TensorDictReplayBuffer(storage=storage or LazyTensorStorage(n), sampler=sampler, batch_size=B)
     for s in range(0, n, 2**16):
         rb.extend(rows(s, min(2**16, n - s)))
     return rb
@@ -57,13 +61,18 @@ def prioritized_calls(rb) -> dict:
             "update_priority": lambda: rb.update_priority(state["index"], torch.rand(B, generator=g) * 2 + 1e-6)}
 
 
-def contenders(n: int) -> dict:
+def contenders(n: int, scratch: Path) -> dict:
     """(call, implementation) -> zero-argument callable."""
     import torchrl.data as native
 
     import gpubuf.torchrl as plugin
 
-    out = {("uniform sample", "torchrl"): replay(n, native.RandomSampler()).sample}  # no plug-in: one randint
+    out = {("uniform sample", "torchrl"): replay(n, native.RandomSampler()).sample,
+           ("uniform sample", "gpubuf"): replay(n, native.RandomSampler(), plugin.ReplayStorage(n)).sample,
+           ("uniform sample, files", "torchrl"): replay(n, native.RandomSampler(), native.LazyMemmapStorage(
+               n, scratch_dir=scratch / f"torchrl{n}")).sample,
+           ("uniform sample, files", "gpubuf"): replay(n, native.RandomSampler(), plugin.ReplayStorage(
+               n, storage_dir=scratch / f"gpubuf{n}")).sample}
     for name, mod in (("torchrl", native), ("gpubuf", plugin)):
         per = replay(n, mod.PrioritizedSampler(n, alpha=0.6, beta=0.4, eps=1e-6))
         out.update({(f"prioritized {call}", name): fn for call, fn in prioritized_calls(per).items()})
@@ -84,8 +93,9 @@ def main():
     np.random.seed(0)
     table = []
     print("| N | call | torchrl (us) | gpubuf.torchrl (us) | speed-up |\n|---|---|---|---|---|")
+    scratch = Path(tempfile.mkdtemp(prefix="bench_torchrl_"))
     for log2 in map(int, args.log2_sizes.split(",")):
-        fns = contenders(2**log2)
+        fns = contenders(2**log2, scratch)
         us = median_us(fns, args.repeats)
         for call in dict.fromkeys(c for c, _ in fns):
             a, b = us.get((call, "torchrl")), us.get((call, "gpubuf"))
@@ -93,6 +103,7 @@ def main():
                           "speedup": a / b if a and b else None})
             cells = [f"{x:.1f}" if x else "-" for x in (a, b)] + [f"{a / b:.2f}x" if a and b else "-"]
             print(f"| 2**{log2} | {call} | " + " | ".join(cells) + " |", flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(torch.device("cpu")),
                                     "versions": versions(["torch", "torchrl", "tensordict", "numpy"]),

@@ -30,6 +30,8 @@ from gpubuf.replay.tree import PrefixSumTree
 
 _BELOW_ONE = 1.0 - 2.0 ** -53  # the largest float64 uniform below 1
 _BLOCK = 1024  # leaves per block of the min tree's block minima
+_DTYPES = {torch.float32: torch.float32, torch.FloatType: torch.float32,  # the names torchrl's sampler accepts
+           torch.float64: torch.float64, torch.DoubleTensor: torch.float64}
 
 
 def _index(index, device: torch.device, capacity: int) -> tuple[torch.Tensor, int]:
@@ -205,10 +207,11 @@ class GpubufTrees:
     :class:`MinTree` for its trees, updates that change nothing when refused, and whole-file ``dumps``/``loads``."""
 
     def _init(self) -> None:
-        if self.dtype not in (torch.float32, torch.float64):  # the type torchrl raises
+        dtype = _DTYPES.get(self.dtype)
+        if dtype is None:  # the type torchrl raises
             raise NotImplementedError(f"dtype: expected torch.float32 or torch.float64, got {self.dtype}")
         device = self._device if self._device is not None else torch.device("cpu")
-        writes = _Writes(self._max_capacity, torch.device(device), self.dtype)
+        writes = _Writes(self._max_capacity, torch.device(device), dtype)
         self._sum_tree, self._min_tree = SumTree(writes), MinTree(writes)
         self._max_priority = None
 

@@ -109,6 +109,12 @@ def test_draws_follow_the_priorities_exactly():
 def test_a_bad_dtype_is_refused_naming_it_with_torchrls_exception_type():
     with pytest.raises(NotImplementedError, match="dtype: expected torch.float32 or torch.float64"):
         PrioritizedSampler(10, 0.5, 0.5, dtype=torch.float16)
+    for name, dtype in ((torch.FloatType, torch.float32), (torch.DoubleTensor, torch.float64)):  # torchrl's names
+        rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10), batch_size=4,
+                                    sampler=PrioritizedSampler(10, 0.5, 0.5, dtype=name))
+        rb.extend(data(0, 10))
+        assert rb.sampler._sum_tree.dtype == dtype  # noqa: SLF001
+        assert rb.sample()["priority_weight"].shape == (4,)
 
 
 def test_inference_tensors_are_written_like_any_other():
