@@ -8,7 +8,7 @@ import torch
 
 torchrl = pytest.importorskip("torchrl")
 from tensordict import TensorDict  # noqa: E402
-from test_slice_sampler import assert_same_sample, episodes  # noqa: E402
+from test_slice_sampler import assert_same_sample, extended_steps  # noqa: E402
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402
 from torchrl_reference import ReferenceSliceSampler  # noqa: E402
 
@@ -32,13 +32,7 @@ def test_the_call_sequence_of_a_prioritized_slice_buffer_matches_torchrls_sample
                                   batch_size=12)
            for cls in (PrioritizedSliceSampler, ReferenceSliceSampler)]
     g = torch.Generator().manual_seed(len(name))
-    row, next_id = 0, 0
-    for step in range(14):  # the ring wraps several times, cutting episodes at the cursor
-        n = int(torch.randint(1, 30, (1,), generator=g))
-        td, next_id = episodes(row, next_id, n, g)
-        row += n
-        for rb in rbs:
-            rb.extend(td)
+    for step in extended_steps(rbs, g):
         out = []
         for rb in rbs:
             np.random.seed(step)  # the starts: torchrl's host sampler draws with np.random

@@ -34,6 +34,19 @@ def episodes(first_row: int, first_id: int, n: int, g: torch.Generator, longest:
     return td, int(ids[-1]) + 1
 
 
+def extended_steps(rbs, g: torch.Generator, steps: int = 14, init: bool = False):
+    """Yields each step's number after extending every buffer with the same random episodes (the ring wraps
+    several times, cutting episodes at the cursor)."""
+    row, next_id = 0, 0
+    for step in range(steps):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        td, next_id = episodes(row, next_id, n, g, init=init)
+        row += n
+        for rb in rbs:
+            rb.extend(td)
+        yield step
+
+
 CONFIGS = {
     "traj_key": dict(slice_len=4, traj_key="episode"),
     "end_key": dict(slice_len=4, end_key=("next", "done")),
@@ -61,14 +74,7 @@ def test_the_call_sequence_of_a_slice_buffer_matches_torchrls_sampler(name, stor
                                   storage(57, scratch_dir=tmp_path / cls.__module__), sampler=cls(**CONFIGS[name]),
                                   batch_size=12)
            for cls in (SliceSampler, TorchRLSliceSampler)]
-    g = torch.Generator().manual_seed(len(name))
-    row, next_id = 0, 0
-    for step in range(14):  # the ring wraps several times, cutting episodes at the cursor
-        n = int(torch.randint(1, 30, (1,), generator=g))
-        td, next_id = episodes(row, next_id, n, g, init=name == "init_key")
-        row += n
-        for rb in rbs:
-            rb.extend(td)
+    for step in extended_steps(rbs, torch.Generator().manual_seed(len(name)), init=name == "init_key"):
         out = []
         for rb in rbs:
             torch.manual_seed(step)
