@@ -8,23 +8,26 @@ write from that row's keys, shapes and dtypes, in one of three places:
 - **host memory** (``storage_device="cpu"`` with a CUDA ``device``): rows stay in host RAM (asked for huge pages),
   and each draw is gathered on the host into pinned memory and sent to ``device`` with one non-blocking copy per
   key, so the GPU holds only the batches;
-- **a ``storage_dir``**: gpubuf's memory-mapped files, allocated on disk at creation, with its row journal. A
-  process killed at any instant (``SIGKILL`` mid-``extend`` included) leaves a directory that re-opens holding
-  every complete row and none of the rows in flight; ``ReplayStorage(max_size, storage_dir=path)`` re-opens it
-  with its rows (a buffer made on it continues writing after the newest row), and ``flush()`` writes it back to
-  disk. One process writes it: the one that opened it (a forked child is refused, ``RuntimeError``); a second
-  opener is refused while the first holds it.
+- **a ``storage_dir``**: gpubuf's memory-mapped files, allocated on disk at creation, with its row journal. Rows
+  are written through a redo record: a block of at most 4096 rows is staged in the directory first, then armed,
+  copied into place and committed, so a process killed at any instant (``SIGKILL`` mid-``extend`` included)
+  leaves every row whole: a re-open finishes an armed copy, and rows whose block was not armed were never
+  touched. ``ReplayStorage(max_size, storage_dir=path)`` re-opens a directory with its rows (a buffer made on it
+  goes on writing after the newest row), and ``flush()`` writes it back to disk. One process writes it: the one
+  that opened it (a forked child is refused, ``RuntimeError``); a second opener is refused while the first holds
+  it.
 
-A ``storage_dir`` takes its rows at the ring's head only (the rows torchrl's ``RoundRobinWriter`` writes):
-rewriting held rows in place (``rb[index] = ...``, ``write_at``) raises ``ValueError`` with nothing written, as
-the journal could not tell a half-rewritten row from a whole one. torchrl's writer moves its cursor before the
-storage writes: after a write that raised (data without a stored key, say) it stands past rows that were never
-written, and a ``storage_dir`` refuses its next writes until ``empty()`` (or a re-open) starts the ring again.
+A ``storage_dir`` takes rows at the ring's head only (the rows torchrl's ``RoundRobinWriter`` writes; an extend of
+more than ``max_size`` rows keeps its last ``max_size``): rewriting rows in place (``rb[index] = ...``,
+``write_at``) raises ``ValueError`` with nothing written. torchrl's writer moves its cursor before the storage
+writes: after a write that raised (rows of another shape, say) it stands past rows that were never written, and a
+``storage_dir`` refuses its next writes until ``empty()`` (or a re-open) starts the ring again.
 """
 
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import TensorStorage
@@ -34,6 +37,8 @@ from gpubuf._core.host_memory import advise_huge
 from gpubuf.replay.storage_dir import StorageDir
 
 _KIND = "gpubuf.torchrl.ReplayStorage"
+_STAGED = 4096  # rows of the staging block a storage_dir writes through
+_REDO = "torchrl_redo.bin"  # int64 [armed, first row, rows, head, rows held, rows ever written] of the staged block
 
 
 def _rows(cursor, size: int) -> torch.Tensor:
@@ -102,11 +107,21 @@ class ReplayStorage(TensorStorage):
         self._storage, self.initialized = td, True
 
     def _open_dir(self, leaves: dict) -> None:
-        config = {"type": _KIND, "max_size": self.max_size, "keys": [list(k) for k in leaves]}
-        shapes = {f"key{i}": (1, self.max_size, *shape) for i, (shape, _) in enumerate(leaves.values())}
-        dtypes = {f"key{i}": dtype for i, (_, dtype) in enumerate(leaves.values())}
+        M, S = self.max_size, min(self.max_size, _STAGED)
+        config = {"type": _KIND, "max_size": M, "keys": [list(k) for k in leaves]}
+        shapes, dtypes = {}, {}
+        for i, (shape, dtype) in enumerate(leaves.values()):
+            shapes[f"key{i}"], shapes[f"staged{i}"] = (1, M, *shape), (1, S, *shape)
+            dtypes[f"key{i}"] = dtypes[f"staged{i}"] = dtype
         self._dir = StorageDir(self.storage_dir, config, shapes, dtypes)
         self._adopt({key: self._dir.tensors[f"key{i}"][0] for i, key in enumerate(leaves)})
+        staged = TensorDict({}, batch_size=[S])
+        for i, key in enumerate(leaves):
+            staged.set(key, self._dir.tensors[f"staged{i}"][0])
+        redo = Path(self._dir.path) / _REDO
+        if not redo.exists():
+            redo.write_bytes(bytes(6 * 8))
+        self._staged, self._redo = staged, np.memmap(redo, dtype=np.int64, mode="r+", shape=(6,))
 
     def _reopen(self) -> None:
         path = Path(self.storage_dir)
@@ -114,7 +129,7 @@ class ReplayStorage(TensorStorage):
             meta = json.loads((path / StorageDir.META).read_text())
             config, stored = meta["config"], meta["leaves"]
             if config.get("type") != _KIND:
-                raise ValueError(f"it holds a {config.get('type')!r}, not a {_KIND}")
+                raise ValueError(f"it was not made by {_KIND} (its gpubuf.json names no such storage)")
             if config["max_size"] != self.max_size:
                 raise ValueError(f"it holds {config['max_size']} rows, not max_size={self.max_size}")
             leaves = {tuple(k): (tuple(stored[f"key{i}"]["shape"][2:]), getattr(torch, stored[f"key{i}"]["dtype"]
@@ -126,6 +141,8 @@ class ReplayStorage(TensorStorage):
         except ValueError as err:
             raise ValueError(f"storage_dir: {str(path)!r} cannot re-open as this storage: {err}") from None
         self._open_dir(leaves)
+        if self._redo[0]:  # a block armed but perhaps not copied: copy it again (the same bytes), then commit
+            self._copy_staged(*(int(x) for x in self._redo[1:]))
         pos, count, total, _ = self._dir.opened_counters(self.max_size)
         self._dir.claim()
         self._ring = (pos, count, total)
@@ -160,19 +177,38 @@ class ReplayStorage(TensorStorage):
         T = rows.numel()
         if not self._head_known and T:  # after a load: a full ring's head is where its writer goes on
             pos = int(rows[0]) if count == M else count
-        if T > M or not torch.equal(rows, (pos + torch.arange(T)) % M):
-            raise ValueError(f"cursor: a storage_dir takes rows at its head ({T} rows from row {pos}, at most "
-                             f"{M}), got rows {rows[:8].tolist()}{' ...' if T > 8 else ''}; nothing was written")
-        self._dir.before_write(pos, count, total, T, M)
-        try:
-            super().set(cursor, data, set_cursor=set_cursor)
-        except BaseException:  # the journal holds what before_write left: the rows not overwritten
-            held = M - T if count + T > M else count
-            self._ring, self._len = (pos, held, total), held
-            raise
-        self._ring = ((pos + T) % M, min(count + T, M), total + T)
-        self._head_known = True
+        if not set_cursor or not torch.equal(rows, (pos + torch.arange(T)) % M):
+            raise ValueError(f"cursor: a storage_dir takes rows at its head (from row {pos}), got rows "
+                             f"{rows[:8].tolist()}{' ...' if T > 8 else ''}{'' if set_cursor else ' in place'}; "
+                             "nothing was written")
+        if not isinstance(data, TensorDictBase):
+            raise TypeError(f"data: expected a TensorDict, got {type(data).__name__}")
+        data = data.unsqueeze(0) if isinstance(cursor, int) else data
+        self._set_last_cursor(cursor)
+        skip = max(T - M, 0)  # an extend longer than the ring: its last M rows are what stays
+        for lo in range(skip, T, self._staged.shape[0]):
+            t = min(self._staged.shape[0], T - lo)
+            self._staged[:t] = data[lo:lo + t]  # staged first: a failure here changes no row
+            first = (pos + lo) % M
+            count, total = min(count + t, M), total + t
+            self._redo[1:] = (first, t, (first + t) % M, count, total)
+            self._redo[0] = 1  # armed: from here a re-open finishes the copy
+            self._copy_staged(first, t, (first + t) % M, count, total)
+        total += skip
+        self._ring, self._len, self._head_known = ((pos + T) % M, count, total), count, True
         self._dir.commit(*self._ring)
+        self._bump_mutation_revision()
+
+    def _copy_staged(self, first: int, t: int, head: int, count: int, total: int) -> None:
+        """Rows ``first .. first + t - 1`` (around the ring) = the staged block; commit the journal; disarm."""
+        self._dir.journal.mark_dirty()
+        M, staged = self.max_size, self._staged
+        split = min(t, M - first)
+        self._storage[first:first + split] = staged[:split]
+        if split < t:
+            self._storage[:t - split] = staged[split:t]
+        self._dir.commit(head, count, total)
+        self._redo[0] = 0
 
     def _check_open(self) -> None:
         self._dir.check_writer()
@@ -180,11 +216,11 @@ class ReplayStorage(TensorStorage):
             raise ValueError(f"storage_dir: {str(self._dir.path)!r} was closed; open a new storage on it to write")
 
     def _empty(self):
-        super()._empty()
-        if self._dir is not None and self.initialized:
-            self._check_open()
+        if self._dir is not None:
+            self._check_open()  # before anything changes
             self._dir.before_load(self._ring[2])
             self._ring = (0, 0, self._ring[2])
+        super()._empty()
 
     def load_state_dict(self, state_dict):
         """torchrl's ``load_state_dict``, the rows copied into this storage's tier (a ``storage_dir`` commits an
@@ -199,6 +235,10 @@ class ReplayStorage(TensorStorage):
             return
         if not self.initialized:
             self._init(rows[0])
+        mine, theirs = _leaves(self._storage[0]), _leaves(rows[0])
+        if mine != theirs or length > self.max_size or rows.shape[0] != self.max_size:
+            raise ValueError(f"state: expected {self.max_size} rows of {mine} (at most {self.max_size} held), got "
+                             f"{rows.shape[0]} rows of {theirs} ({length} held); nothing was loaded")
         if self._dir is not None:
             self._check_open()
             self._dir.before_load(self._ring[2])
@@ -216,6 +256,12 @@ class ReplayStorage(TensorStorage):
         path = Path(path)
         meta = json.loads((path / "storage_metadata.json").read_text())
         self._load_rows(TensorDict.load_memmap(path), meta["len"])
+
+    def __getstate__(self):
+        if self.storage_dir is not None:
+            raise TypeError(f"ReplayStorage(storage_dir={str(self.storage_dir)!r}) cannot be pickled or copied: "
+                            "close() it and open the directory by path in the other process")
+        return super().__getstate__()
 
     def flush(self) -> None:
         """Write a ``storage_dir``'s rows and journal back to disk (nothing to do for the other tiers)."""

@@ -157,10 +157,11 @@ WRITER = textwrap.dedent("""
 
 def test_sigkill_mid_extend_leaves_whole_rows_only(tmp_path):
     """Rows of 65536 equal values (the row's number) written by extends of 1-23 rows; killed at random instants, the
-    directory re-opens holding the rows before its head, each whole, consecutive, and nothing past them."""
+    directory re-opens serving (torchrl's view: ``storage[:]``) whole rows only, the newest ones written, and goes on
+    after the newest."""
     path = str(tmp_path / "d")
     rng = np.random.default_rng(0)
-    for _ in range(6):
+    for _ in range(8):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "RL_WARNINGS": "0"})
         assert proc.stdout.readline().strip() == "ready"
@@ -168,14 +169,41 @@ def test_sigkill_mid_extend_leaves_whole_rows_only(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         storage = ReplayStorage(64, storage_dir=path)
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=4)
         head, held, total = storage._ring  # noqa: SLF001
-        assert min(total, 64) - 23 <= held <= min(total, 64) and held == len(storage) and total > 0  # less the
-        # held rows that an extend cut short was overwriting
-        obs = storage._storage["obs"]  # noqa: SLF001
-        newest = [(head - 1 - i) % 64 for i in range(held)]
-        for i, row in enumerate(newest):
-            assert torch.equal(obs[row], torch.full((65536,), float(total - 1 - i), dtype=torch.float64)), (row, i)
+        assert held == min(total, 64) == len(rb) and total > 0
+        served = rb[:]["obs"]
+        assert torch.equal(served, served[:, :1].expand_as(served)), "a torn row"
+        assert sorted(served[:, 0].long().tolist()) == list(range(total - held, total))
+        assert rb.extend(rows_of(total, 2)).tolist() == [head, (head + 1) % 64]
         storage.close()
+
+
+def rows_of(k: int, n: int) -> TensorDict:
+    r = torch.arange(k, k + n)
+    return TensorDict({"obs": r.double().view(n, 1).expand(n, 65536).clone()}, batch_size=[n])
+
+
+def test_an_extend_that_raises_writes_no_row(tmp_path):
+    """Rows of another shape, into a full ring: refused while staged, before any row is touched."""
+    rb = ReplayBuffer(storage=ReplayStorage(8, storage_dir=tmp_path / "d"), batch_size=4)
+    rb.extend(TensorDict({"a": torch.arange(8.0), "b": torch.arange(8.0)}, [8]))
+    with pytest.raises(RuntimeError):
+        rb.extend(TensorDict({"a": torch.full((4,), 100.0), "b": torch.full((4, 3), 100.0)}, [4]))
+    assert rb[:]["a"].tolist() == list(range(8)) and rb[:]["b"].tolist() == list(range(8))
+    rb.storage.close()
+    again = ReplayStorage(8, storage_dir=tmp_path / "d")
+    assert len(again) == 8 and again[:]["a"].tolist() == list(range(8))
+
+
+def test_an_extend_longer_than_the_ring_keeps_its_last_rows_as_torchrl_does(tmp_path):
+    rbs = [ReplayBuffer(storage=s, batch_size=4) for s in (ReplayStorage(8, storage_dir=tmp_path / "d"),
+                                                           LazyTensorStorage(8))]
+    for n in (3, 19, 5, 8):
+        for rb in rbs:
+            rb.extend(TensorDict({"a": torch.arange(100.0, 100.0 + n)}, [n]))
+        assert rbs[0][:]["a"].tolist() == rbs[1][:]["a"].tolist()
+        assert rbs[0]._writer._cursor == rbs[1]._writer._cursor  # noqa: SLF001
 
 
 def test_refusals_name_what_they_refuse_and_write_nothing(tmp_path):
@@ -189,7 +217,7 @@ def test_refusals_name_what_they_refuse_and_write_nothing(tmp_path):
     rb = TensorDictReplayBuffer(storage=ReplayStorage(CAP, storage_dir=tmp_path / "d"), batch_size=4)
     rb.extend(rows(0, 10))
     before = rb.storage[:].clone()
-    with pytest.raises(ValueError, match=r"cursor: a storage_dir takes rows at its head \(1 rows from row 10"):
+    with pytest.raises(ValueError, match=r"takes rows at its head \(from row 10\), got rows \[3\] in place"):
         rb[3] = rows(500, 1)[0]  # an in-place rewrite of a held row
     assert torch.equal(rb.storage[:]["obs"], before["obs"]) and rb.storage._ring == (10, 10, 10)  # noqa: SLF001
     with pytest.raises(ValueError, match="is open for writing by"):
@@ -207,7 +235,24 @@ def test_refusals_name_what_they_refuse_and_write_nothing(tmp_path):
         os._exit(code)
     assert os.waitpid(pid, 0)[1] == 0
     assert len(rb) == 13 and rb.storage._ring == (13, 13, 13)  # noqa: SLF001
+    pid = os.fork()
+    if pid == 0:  # nor empty it, leaving the owner's length alone
+        try:
+            rb.storage._empty()  # noqa: SLF001
+        except RuntimeError:
+            os._exit(0)
+        os._exit(1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert len(rb) == 13
+    with pytest.raises(ValueError, match="state: expected 37 rows"):  # a refused load changes nothing
+        rb.storage.load_state_dict(ReplayBuffer(storage=LazyTensorStorage(5)).storage.state_dict() | {
+            "_storage": TensorDict({"obs": torch.zeros(5, 2)}, [5]).state_dict(), "initialized": True, "_len": 5})
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        import pickle
+
+        pickle.dumps(rb.storage)
     rb.storage.close()
+    assert len(ReplayStorage(CAP, storage_dir=tmp_path / "d")) == 13
 
     with pytest.raises(ValueError, match="cannot re-open as this storage: it holds 37 rows, not max_size=40"):
         ReplayStorage(40, storage_dir=tmp_path / "d")
