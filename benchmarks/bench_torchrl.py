@@ -10,7 +10,7 @@ rounds, medians:
   ``benchmarks/setup_peers.sh``, which rebuilds them for this torch) against ``gpubuf.torchrl.PrioritizedSampler``;
 - uniform: ``sample()`` with torchrl's ``RandomSampler`` (one ``randint``: the time is the storage's gather), over
   ``LazyTensorStorage`` against ``gpubuf.torchrl.ReplayStorage``, and over files: ``LazyMemmapStorage`` against
-  ``ReplayStorage(storage_dir=...)`` (both in a temporary directory);
+  ``ReplayStorage(storage_dir=...)`` (both in a temporary directory), and ``extend`` of 256 rows into those files;
 - sequences: ``sample()`` of 8 slices of 32 steps; torchrl's ``SliceSampler`` against
   ``gpubuf.torchrl.SliceSampler``, both told the episode key (``traj_key="episode"``);
 - prioritized sequences: the same with ``PrioritizedSliceSampler`` (alpha 0.6, beta 0.4).
@@ -73,6 +73,10 @@ def contenders(n: int, scratch: Path) -> dict:
                n, scratch_dir=scratch / f"torchrl{n}")).sample,
            ("uniform sample, files", "gpubuf"): replay(n, native.RandomSampler(), plugin.ReplayStorage(
                n, storage_dir=scratch / f"gpubuf{n}")).sample}
+    for name, storage in (("torchrl", native.LazyMemmapStorage(n, scratch_dir=scratch / f"torchrl-w{n}")),
+                          ("gpubuf", plugin.ReplayStorage(n, storage_dir=scratch / f"gpubuf-w{n}"))):
+        batch, rb = rows(0, B), replay(n, native.RandomSampler(), storage)
+        out[("extend 256, files", name)] = lambda rb=rb, batch=batch: rb.extend(batch)
     for name, mod in (("torchrl", native), ("gpubuf", plugin)):
         per = replay(n, mod.PrioritizedSampler(n, alpha=0.6, beta=0.4, eps=1e-6))
         out.update({(f"prioritized {call}", name): fn for call, fn in prioritized_calls(per).items()})
