@@ -19,9 +19,9 @@ write from that row's keys, shapes and dtypes, in one of three places:
 
 A ``storage_dir`` takes rows at the ring's head only (the rows torchrl's ``RoundRobinWriter`` writes; an extend of
 more than ``max_size`` rows keeps its last ``max_size``): rewriting rows in place (``rb[index] = ...``,
-``write_at``) raises ``ValueError`` with nothing written. torchrl's writer moves its cursor before the storage
-writes: after a write that raised (rows of another shape, say) it stands past rows that were never written, and a
-``storage_dir`` refuses its next writes until ``empty()`` (or a re-open) starts the ring again.
+``write_at``) raises ``ValueError`` with nothing written, and so do rows without every stored key (a staged
+block is written whole). A write that raises changes no row, and torchrl's round-robin writer, which moved its
+cursor before the storage wrote, is put back at the head.
 """
 
 import json
@@ -171,9 +171,19 @@ class ReplayStorage(TensorStorage):
             return super().set(cursor, data, set_cursor=set_cursor)
         if not self.initialized:
             self._init(data[0] if not isinstance(cursor, int) and isinstance(data, TensorDictBase) else data)
-        self._check_open()
+        self._check_open()  # in a forked child: refused before anything (the writer's cursor there is shared)
+        try:
+            self._write(_rows(cursor, self.max_size), cursor, data, set_cursor)
+        except BaseException:
+            self._rewind_writers()
+            raise
+        self._set_last_cursor(cursor)
+        self._bump_mutation_revision()
+
+    def _write(self, rows: torch.Tensor, cursor, data, set_cursor: bool) -> None:
+        """Rows ``rows`` (T,) = ``data``, in staged blocks (module docstring): a not-full ring fills from its first
+        free row on, so after each block the rows held are the rows torchrl serves."""
         M, (pos, count, total) = self.max_size, self._ring
-        rows = _rows(cursor, M)
         T = rows.numel()
         if not self._head_known and T:  # after a load: a full ring's head is where its writer goes on
             pos = int(rows[0]) if count == M else count
@@ -184,20 +194,36 @@ class ReplayStorage(TensorStorage):
         if not isinstance(data, TensorDictBase):
             raise TypeError(f"data: expected a TensorDict, got {type(data).__name__}")
         data = data.unsqueeze(0) if isinstance(cursor, int) else data
-        self._set_last_cursor(cursor)
-        skip = max(T - M, 0)  # an extend longer than the ring: its last M rows are what stays
-        for lo in range(skip, T, self._staged.shape[0]):
-            t = min(self._staged.shape[0], T - lo)
-            self._staged[:t] = data[lo:lo + t]  # staged first: a failure here changes no row
-            first = (pos + lo) % M
+        missing = set(_leaves(self._storage[0])) - set(_leaves(data[0]))
+        if missing:
+            raise ValueError(f"data: a storage_dir writes whole rows, got rows without {sorted(missing)}; nothing "
+                             "was written")
+        kept = min(T, M)  # an extend longer than the ring keeps its last M rows, row pos + j taking row j
+        first_kept = (-(T - kept)) % M if T > M else 0  # the kept row that lands on row pos
+        S = self._staged.shape[0]
+        for k in range(0, kept, S):
+            t = min(S, kept - k)
+            take = (T - kept) + (first_kept + torch.arange(k, k + t)) % kept
+            self._staged[:t] = data[take]  # staged first: a failure here changes no row
+            first = (pos + k) % M
             count, total = min(count + t, M), total + t
-            self._redo[1:] = (first, t, (first + t) % M, count, total)
+            head = (pos + T) % M if k + t == kept else (first + t) % M
+            self._redo[1:] = (first, t, head, count, total)
             self._redo[0] = 1  # armed: from here a re-open finishes the copy
-            self._copy_staged(first, t, (first + t) % M, count, total)
-        total += skip
-        self._ring, self._len, self._head_known = ((pos + T) % M, count, total), count, True
-        self._dir.commit(*self._ring)
-        self._bump_mutation_revision()
+            self._copy_staged(first, t, head, count, total)
+            self._ring, self._len, self._head_known = (head, count, total), count, True
+        if T > kept:
+            self._ring = (self._ring[0], count, total + T - kept)
+            self._dir.commit(*self._ring)
+
+    def _rewind_writers(self) -> None:
+        """torchrl's round-robin writers moved their cursor before a write that raised: put them back at the head."""
+        from torchrl.data.replay_buffers.writers import RoundRobinWriter
+
+        for buffer in self._attached_entities:
+            writer = getattr(buffer, "_writer", None)
+            if isinstance(writer, RoundRobinWriter) and getattr(writer, "_storage", None) is self:
+                writer._cursor, writer._write_count = self._ring[0], self._ring[2]  # noqa: SLF001
 
     def _copy_staged(self, first: int, t: int, head: int, count: int, total: int) -> None:
         """Rows ``first .. first + t - 1`` (around the ring) = the staged block; commit the journal; disarm."""
@@ -217,7 +243,7 @@ class ReplayStorage(TensorStorage):
 
     def _empty(self):
         if self._dir is not None:
-            self._check_open()  # before anything changes
+            self._check_open()  # before anything changes here (torchrl's buffer reset its writer before calling)
             self._dir.before_load(self._ring[2])
             self._ring = (0, 0, self._ring[2])
         super()._empty()

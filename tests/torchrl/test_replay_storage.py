@@ -184,16 +184,54 @@ def rows_of(k: int, n: int) -> TensorDict:
     return TensorDict({"obs": r.double().view(n, 1).expand(n, 65536).clone()}, batch_size=[n])
 
 
-def test_an_extend_that_raises_writes_no_row(tmp_path):
-    """Rows of another shape, into a full ring: refused while staged, before any row is touched."""
+def test_an_extend_that_raises_writes_no_row_and_the_next_goes_on_at_the_head(tmp_path):
+    """Rows of another shape, or without a stored key: refused before any row is touched, torchrl's writer put
+    back, so the buffer goes on as if the extend had not been made."""
     rb = ReplayBuffer(storage=ReplayStorage(8, storage_dir=tmp_path / "d"), batch_size=4)
-    rb.extend(TensorDict({"a": torch.arange(8.0), "b": torch.arange(8.0)}, [8]))
+    reference = ReplayBuffer(storage=LazyTensorStorage(8), batch_size=4)
+    for b in (rb, reference):
+        b.extend(TensorDict({"a": torch.arange(6.0), "b": torch.arange(6.0)}, [6]))
     with pytest.raises(RuntimeError):
         rb.extend(TensorDict({"a": torch.full((4,), 100.0), "b": torch.full((4, 3), 100.0)}, [4]))
-    assert rb[:]["a"].tolist() == list(range(8)) and rb[:]["b"].tolist() == list(range(8))
+    with pytest.raises(ValueError, match=r"data: a storage_dir writes whole rows, got rows without \[\('b',\)\]"):
+        rb.extend(TensorDict({"a": torch.full((4,), 100.0)}, [4]))
+    assert rb[:]["a"].tolist() == list(range(6)) and len(rb) == 6
+    for b in (rb, reference):
+        b.extend(TensorDict({"a": torch.arange(50.0, 55.0), "b": torch.arange(50.0, 55.0)}, [5]))
+    assert rb[:]["a"].tolist() == reference[:]["a"].tolist() and len(rb) == len(reference) == 8
     rb.storage.close()
     again = ReplayStorage(8, storage_dir=tmp_path / "d")
-    assert len(again) == 8 and again[:]["a"].tolist() == list(range(8))
+    assert len(again) == 8 and again[:]["a"].tolist() == reference[:]["a"].tolist()
+
+
+KILLED_AFTER_ONE_BLOCK = textwrap.dedent("""
+    import os, sys, torch
+    from tensordict import TensorDict
+    from torchrl.data import ReplayBuffer
+    from gpubuf.torchrl import ReplayStorage
+    copy = ReplayStorage._copy_staged
+
+    def copy_then_die(self, *args):  # the process dies once the first block is in place
+        copy(self, *args)
+        os._exit(9)
+
+    ReplayStorage._copy_staged = copy_then_die
+    rb = ReplayBuffer(storage=ReplayStorage(5000, storage_dir=sys.argv[1]), batch_size=4)
+    rb.extend(TensorDict({"a": torch.arange(6000.0)}, [6000]))
+""")
+
+
+def test_a_process_dying_inside_an_extend_longer_than_the_ring_leaves_the_rows_torchrl_serves_written(tmp_path):
+    """6000 rows into an empty ring of 5000 (two staged blocks): dead after the first, the ring re-opens holding
+    its first 4096 rows, each the kept data row that lands there (data row j on row j % 5000, j >= 1000)."""
+    run = subprocess.run([sys.executable, "-c", KILLED_AFTER_ONE_BLOCK, str(tmp_path / "d")], timeout=120,
+                         env={**os.environ, "RL_WARNINGS": "0"})
+    assert run.returncode == 9
+    rb = ReplayBuffer(storage=ReplayStorage(5000, storage_dir=tmp_path / "d"), batch_size=4)
+    assert len(rb) == 4096
+    want = [float(i + 5000 if i < 1000 else i) for i in range(4096)]  # row i holds the kept data row landing there
+    assert rb[:]["a"].tolist() == want
+    assert rb.extend(TensorDict({"a": torch.tensor([-1.0, -2.0])}, [2])).tolist() == [4096, 4097]
 
 
 def test_an_extend_longer_than_the_ring_keeps_its_last_rows_as_torchrl_does(tmp_path):
