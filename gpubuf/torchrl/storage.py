@@ -20,8 +20,10 @@ write from that row's keys, shapes and dtypes, in one of three places:
 A ``storage_dir`` takes rows at the ring's head only (the rows torchrl's ``RoundRobinWriter`` writes; an extend of
 more than ``max_size`` rows keeps its last ``max_size``): rewriting rows in place (``rb[index] = ...``,
 ``write_at``) raises ``ValueError`` with nothing written, and so do rows without every stored key (a staged
-block is written whole). A write that raises changes no row, and torchrl's round-robin writer, which moved its
-cursor before the storage wrote, is put back at the head.
+block is written whole). A write refused, or failing before its first block is in place, changes no row, and
+torchrl's round-robin writer, which moved its cursor before the storage wrote, is put back at the head. An
+interrupt (``KeyboardInterrupt``) between the blocks of an extend of more than 4096 rows keeps the blocks already
+in place (whole rows, held; the writer goes on after them) without the sampler's marks for them.
 """
 
 import json
