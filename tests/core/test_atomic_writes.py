@@ -208,7 +208,18 @@ def test_out_tensors_may_not_alias_the_storage_or_each_other(backend, device):
         rb.sample(out=out)
 
 
-def test_an_interrupt_inside_sampling_without_replacement_leaves_the_tree_whole():
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler for the test (a process started in the background by a shell inherits SIGINT
+    ignored), the inherited one put back after."""
+    import signal
+
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
+def test_an_interrupt_inside_sampling_without_replacement_leaves_the_tree_whole(python_sigint):
     """Ctrl-C (or a timer) arriving between the rounds of a draw without replacement is delivered after the
     drawn starts are restored: a full draw afterwards still returns every valid start once."""
     import signal
@@ -303,7 +314,7 @@ def test_zero_width_leaves_sample_as_empty_columns(dtype, backend, device):
     assert rb.sample().info["none"].shape == (2, 0)
 
 
-def test_every_held_signal_handler_runs_once_even_when_one_raises():
+def test_every_held_signal_handler_runs_once_even_when_one_raises(python_sigint):
     """Ctrl-C and a user signal both arriving during a write: after it, KeyboardInterrupt is raised and the
     other handler has run too (as Python would have done without the hold)."""
     import signal
