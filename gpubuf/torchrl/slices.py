@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 import torch
 from tensordict import TensorDictBase
+from torchrl._utils import _replace_last
 from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSampler
 from torchrl.data.replay_buffers.storages import TensorStorage
 
@@ -146,9 +147,8 @@ class SliceSampler(NumpyBoundaries, _TorchRLSliceSampler):
         truncated, stored ``terminated``, and ``is_init`` (stored, or each slice's first row) when stored."""
         info = {}
         if self.truncated_key is not None:
-            done_key = (*self.truncated_key[:-1], "done") if isinstance(self.truncated_key, tuple) else "done"
-            terminated_key = ((*self.truncated_key[:-1], "terminated") if isinstance(self.truncated_key, tuple)
-                              else "terminated")
+            done_key = _replace_last(self.truncated_key, "done")
+            terminated_key = _replace_last(self.truncated_key, "terminated")
             truncated = torch.zeros((index.shape[0], 1), dtype=torch.bool, device=index.device)
             truncated.view(num, -1)[:, -1] = True
             done = rows.get(done_key, default=None)

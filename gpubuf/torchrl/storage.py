@@ -107,6 +107,7 @@ class ReplayStorage(TensorStorage):
         for key, t in tensors.items():
             td.set(key, t)
         self._storage, self.initialized = td, True
+        self._spec = {key: (tuple(t.shape[1:]), t.dtype) for key, t in tensors.items()}  # a row's keys, shapes
 
     def _open_dir(self, leaves: dict) -> None:
         M, S = self.max_size, min(self.max_size, _STAGED)
@@ -163,6 +164,12 @@ class ReplayStorage(TensorStorage):
         if writer is None or not isinstance(writer, Writer):  # torchrl's default, or a factory: made now
             writer = RoundRobinWriter() if writer is None else writer()
             buffer._init_writer = writer  # noqa: SLF001 (the buffer registers this one)
+        self._place(writer)
+
+    def _place(self, writer) -> None:
+        """A torchrl round-robin writer at the ring's head, its write count the rows ever written."""
+        from torchrl.data.replay_buffers.writers import RoundRobinWriter
+
         if isinstance(writer, RoundRobinWriter):
             writer._cursor, writer._write_count = self._ring[0], self._ring[2]  # noqa: SLF001
 
@@ -196,7 +203,8 @@ class ReplayStorage(TensorStorage):
         if not isinstance(data, TensorDictBase):
             raise TypeError(f"data: expected a TensorDict, got {type(data).__name__}")
         data = data.unsqueeze(0) if isinstance(cursor, int) else data
-        missing = set(_leaves(self._storage[0])) - set(_leaves(data[0]))
+        given = {(k,) if isinstance(k, str) else tuple(k) for k in data.keys(include_nested=True, leaves_only=True)}
+        missing = set(self._spec) - given
         if missing:
             raise ValueError(f"data: a storage_dir writes whole rows, got rows without {sorted(missing)}; nothing "
                              "was written")
@@ -220,12 +228,10 @@ class ReplayStorage(TensorStorage):
 
     def _rewind_writers(self) -> None:
         """torchrl's round-robin writers moved their cursor before a write that raised: put them back at the head."""
-        from torchrl.data.replay_buffers.writers import RoundRobinWriter
-
         for buffer in self._attached_entities:
             writer = getattr(buffer, "_writer", None)
-            if isinstance(writer, RoundRobinWriter) and getattr(writer, "_storage", None) is self:
-                writer._cursor, writer._write_count = self._ring[0], self._ring[2]  # noqa: SLF001
+            if getattr(writer, "_storage", None) is self:
+                self._place(writer)
 
     def _copy_staged(self, first: int, t: int, head: int, count: int, total: int) -> None:
         """Rows ``first .. first + t - 1`` (around the ring) = the staged block; commit the journal; disarm."""
@@ -263,7 +269,7 @@ class ReplayStorage(TensorStorage):
             return
         if not self.initialized:
             self._init(rows[0])
-        mine, theirs = _leaves(self._storage[0]), _leaves(rows[0])
+        mine, theirs = self._spec, _leaves(rows[0])
         if mine != theirs or length > self.max_size or rows.shape[0] != self.max_size:
             raise ValueError(f"state: expected {self.max_size} rows of {mine} (at most {self.max_size} held), got "
                              f"{rows.shape[0]} rows of {theirs} ({length} held); nothing was loaded")
