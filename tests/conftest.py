@@ -37,6 +37,17 @@ def backend(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def host_loops(request, monkeypatch):
+    """Runs the test with the CPU's compiled host loops (numba) and again with the pure-torch twins; yields which."""
+    from gpubuf.ops import host_loops as loops
+
+    if request.param == "compiled" and not loops.ENABLED:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(loops, "ENABLED", request.param == "compiled")
+    return request.param
+
+
 @pytest.fixture(params=["torch", "triton"])
 def host_backend(request, monkeypatch):
     """As ``backend``, for tests whose buffers live on the host: ``triton`` needs the interpreter (skipped

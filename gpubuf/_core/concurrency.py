@@ -14,7 +14,9 @@ the host. A call on a stream other than the previous call's makes its stream wai
 queued so far on that one (``Stream.wait_stream``), so a sample never reads rows an insert has
 queued but not finished, and an insert never overwrites rows a queued sample still reads. Calls on
 one stream pay nothing for it. A captured CUDA graph replays outside any call: replay it holding
-``buffer.lock`` when other threads use the buffer.
+``buffer.lock`` when other threads use the buffer. Likewise, calls traced by ``torch.compile`` (a
+``GraphSampler``'s) run in the compiled code without the lock: hold ``buffer.lock`` around a compiled
+step that other threads race.
 
 Fork: a process forked while another thread is inside a call would inherit a half-made write and
 a lock nobody releases. Before a fork, the forking thread takes every guard's lock, all at once
@@ -92,6 +94,8 @@ def _called_by_library(up: int) -> bool:
 # they are (no ``*args``/``**kwargs`` packing: the wrapper runs on every steady-state call)
 _WRAPPER = """
 def {name}({params}):
+    if _compiling():  # traced by torch.compile: the compiled code runs unlocked, as a replayed graph does
+        return method({args})
     guard = self._guard
     with guard.lock:
         depth = guard.depth
@@ -136,7 +140,7 @@ def locked(method):
             text += f"=_default{i}"
         params.append(text)
         args.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
-    scope = {"method": method, **defaults}
+    scope = {"method": method, "_compiling": torch.compiler.is_compiling, **defaults}
     exec(_WRAPPER.format(name=method.__name__, params=", ".join(params), args=", ".join(args)),
          scope)
     return functools.wraps(method)(scope[method.__name__])

@@ -11,8 +11,10 @@ signature), its :class:`~gpubuf.ops.registry.Op` (schema, CPU, CUDA, fake) and t
 call.
 """
 
+import numpy as np
 import torch
 
+from gpubuf.ops import host_loops
 from gpubuf.ops.device import LRU
 from gpubuf.ops.registry import Op, kernel
 
@@ -22,6 +24,13 @@ _DENSE = 1024  # parent levels up to this size are recomputed whole by update_tw
 
 
 _ASCENDING = LRU(16)  # (fanout, device) -> arange(fanout): 16 entries at most
+_OFFSETS = LRU(16)  # tuple(offsets) -> int64 array, for the compiled loops
+
+
+def offsets_array(offsets: list[int]) -> np.ndarray:
+    """``offsets`` as an int64 numpy array (cached)."""
+    key = tuple(offsets)
+    return _OFFSETS.get(key, np.array, key, np.int64)
 
 
 def _ascending(n: int, device: torch.device) -> torch.Tensor:
@@ -107,8 +116,16 @@ def _positive_child(j: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.where(picked > 0, j, last)
 
 
+def sample_host(tree, offsets, fanout, u, out) -> None:
+    """The CPU implementation: :func:`gpubuf.ops.host_loops.tree_sample` when compiled, else the twin."""
+    if not host_loops.ENABLED:
+        sample_twin(tree, offsets, fanout, u, out)
+    elif u.shape[0]:
+        host_loops.tree_sample(tree.numpy(), offsets_array(offsets), fanout, u.numpy(), out.numpy())
+
+
 _SAMPLE = Op("tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()",
-             sample_twin, kernel("prefix_tree", "sample"))
+             sample_twin, kernel("prefix_tree", "sample"), sample_host)
 
 
 def tree_sample(backend: str, tree, offsets, fanout, u, out) -> None:
@@ -145,8 +162,16 @@ def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.
         tree[p0:p0 + n].index_copy_(0, node, children.index_select(0, node).sum(1))
 
 
+def update_host(tree, offsets, fanout, idx, values) -> None:
+    """The CPU implementation: :func:`gpubuf.ops.host_loops.tree_update` when compiled, else the twin."""
+    if not host_loops.ENABLED:
+        update_twin(tree, offsets, fanout, idx, values)
+    elif idx.shape[0]:
+        host_loops.tree_update(tree.numpy(), offsets_array(offsets), fanout, idx.numpy(), values.numpy())
+
+
 _UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()",
-             update_twin, kernel("prefix_tree", "update"))
+             update_twin, kernel("prefix_tree", "update"), update_host)
 
 
 def tree_update(backend: str, tree, offsets, fanout, idx, values) -> None:
@@ -174,8 +199,16 @@ def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: i
                   out=tree[p0 + a:p0 + b])
 
 
+def update_range_host(tree, offsets, fanout, lo, values) -> None:
+    """The CPU implementation: :func:`gpubuf.ops.host_loops.tree_update_range` when compiled, else the twin."""
+    if not host_loops.ENABLED:
+        update_range_twin(tree, offsets, fanout, lo, values)
+    elif values.shape[0]:
+        host_loops.tree_update_range(tree.numpy(), offsets_array(offsets), fanout, lo, values.numpy())
+
+
 _UPDATE_RANGE = Op("tree_update_range", "(Tensor(a!) tree, int[] offsets, int fanout, int lo, Tensor values) -> ()",
-                   update_range_twin, kernel("prefix_tree", "update_range"))
+                   update_range_twin, kernel("prefix_tree", "update_range"), update_range_host)
 
 
 def tree_update_range(backend: str, tree, offsets, fanout, lo, values) -> None:

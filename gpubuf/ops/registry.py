@@ -36,12 +36,13 @@ class Op:
     """``torch.ops.gpubuf.<name>`` registered with ``schema``: CPU runs ``cpu`` (default: ``twin``), CUDA
     runs ``launcher``, the fake writes nothing.
 
-    ``op(backend, device, *args)`` runs ``twin(*args)``, ``launcher(*args)`` or the dispatcher's op with
-    ``args`` in the schema's order (:func:`~gpubuf.ops.device.route` picks by ``backend`` and ``device``);
-    ``twin`` and ``launcher`` take the schema's arguments in its order.
+    ``op(backend, device, *args)`` runs ``cpu(*args)`` (host tensors) or ``twin(*args)`` (device tensors),
+    ``launcher(*args)`` or the dispatcher's op with ``args`` in the schema's order
+    (:func:`~gpubuf.ops.device.route` picks by ``backend`` and ``device``); ``twin``, ``cpu`` and ``launcher``
+    take the schema's arguments in its order.
     """
 
-    __slots__ = ("dispatch", "launcher", "twin")
+    __slots__ = ("dispatch", "host", "launcher", "twin")
 
     def __init__(self, name: str, schema: str, twin: Callable, launcher: Callable,
                  cpu: Callable | None = None):
@@ -51,15 +52,15 @@ class Op:
         torch.library.impl(qualname, "CUDA", launcher)
         torch.library.register_fake(qualname, writes_only)
         self.dispatch = getattr(torch.ops.gpubuf, name).default
-        self.twin, self.launcher = twin, launcher
+        self.twin, self.launcher, self.host = twin, launcher, cpu or twin
 
     def __call__(self, backend: str, device: torch.device, *args) -> None:
         if backend == "torch" and not _compiling():  # what route() answers here, without its call
-            self.twin(*args)
+            (self.host if device.type == "cpu" else self.twin)(*args)
             return
         how = route(backend, device)
         if how == "torch":
-            self.twin(*args)
+            (self.host if device.type == "cpu" else self.twin)(*args)
         elif how == "triton":
             self.launcher(*args)
         else:

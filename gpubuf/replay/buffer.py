@@ -351,17 +351,20 @@ class TransitionBuffer(Samples, BufferState):
     @locked
     def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
                       boundaries="allow", *, frame_stack: int | None = None,
-                      frame_stride: int = 1, n_step_return: tuple[int, float] | None = None):
+                      frame_stride: int = 1, n_step_return: tuple[int, float] | None = None,
+                      minibatches: int = 1):
         """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with
-        device-side random numbers and no host sync, for capture in a CUDA graph (``boundaries``:
-        ``"allow"`` or ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the
-        device default; ``frame_stack``, ``frame_stride``, ``n_step_return``: as in
-        :meth:`sample`)."""
+        device-side random numbers and no host sync, for capture in a CUDA graph or a
+        ``torch.compile(fullgraph=True)`` learner step (``boundaries``: ``"allow"`` or
+        ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the device default,
+        the only one a compiled step can hold; ``frame_stack``, ``frame_stride``,
+        ``n_step_return``: as in :meth:`sample`; ``minibatches=K``: one draw of ``K`` minibatches of
+        ``batch_size``, leaves ``(K, B, ...)``)."""
         from gpubuf.replay.graph_sampler import GraphSampler
 
         return GraphSampler(self, batch_size, with_next_obs, generator, boundaries,
                             frame_stack=frame_stack, frame_stride=frame_stride,
-                            n_step_return=n_step_return)
+                            n_step_return=n_step_return, minibatches=minibatches)
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable

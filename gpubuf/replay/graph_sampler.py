@@ -16,7 +16,7 @@ import torch
 from gpubuf import ops
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
-from gpubuf._core.transition import Transition, unflatten
+from gpubuf._core.transition import FIELDS, Transition, _map_leaves, items, unflatten
 from gpubuf.replay.stacked import StackedGather
 
 
@@ -58,7 +58,7 @@ class GraphSampler:
     def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
                  generator: torch.Generator | None = None, boundaries: str = "allow", *,
                  frame_stack: int | None = None, frame_stride: int = 1,
-                 n_step_return: tuple[int, float] | None = None):
+                 n_step_return: tuple[int, float] | None = None, minibatches: int = 1):
         if boundaries not in ("allow", "forbid"):
             raise ValueError("boundaries: expected 'allow' or 'forbid' for a GraphSampler, got "
                              f"{boundaries!r}")
@@ -70,9 +70,12 @@ class GraphSampler:
         if selector is not None and not selector.capturable:
             raise ValueError(f"buffer: its selector {selector!r} decides on the host; a GraphSampler draws with "
                              "Recency, Mixture or the buffer's own draw")
+        if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
+            raise ValueError(f"minibatches: expected an int >= 1, got {minibatches!r}")
         spec = reader.spec(frame_stack, frame_stride, n_step_return, None)
         returns = spec is not None and spec.n is not None
         B, kind = buffer.check_sample_args(batch_size, True, with_next_obs or returns, boundaries)
+        self.minibatches, B = minibatches, B * minibatches  # one draw of every minibatch
         if generator is not None and (not isinstance(generator, torch.Generator)
                                       or generator.device.type != buffer.device.type):
             got = (generator.device if isinstance(generator, torch.Generator)
@@ -82,7 +85,7 @@ class GraphSampler:
         # a batch that cannot fit is refused before anything is built
         what = reader.check_memory(B, with_next_obs, spec, True)
         self._guard = buffer.guard  # calls hold the buffer's lock
-        self.buffer, self.batch_size, self.generator = buffer, B, generator
+        self.buffer, self.batch_size, self.generator = buffer, B // minibatches, generator
         self._tree = sampler.tree(kind)  # kept current from now on
         self._selector, self._kind = selector, kind
         dev = buffer.device
@@ -107,11 +110,17 @@ class GraphSampler:
             self.prioritized = sampler.prioritized
             if self.prioritized:
                 self._mass = torch.empty(B, dtype=torch.float64, device=dev)
-                self._min = torch.empty((), dtype=torch.float64, device=dev)
+                self._min = torch.empty(minibatches, 1, dtype=torch.float64, device=dev)
                 # () float64: the buffer's beta, kept current by the buffer
                 self._beta = buffer.beta_tensor
                 self._neg_beta = torch.empty((), dtype=torch.float64, device=dev)
                 self.out.PER_weights = torch.empty(B, dtype=torch.float32, device=dev)
+                self._updates = sampler.device_updates()
+            self._flat = self.out  # (K * B, ...) leaves; what sample returns: (K, B, ...) views of them
+            if minibatches > 1:
+                self.out = _split(self.out, minibatches)
+            self._idx = self.indices  # (K * B,) flat starts
+            self.indices = self.indices.view(minibatches, -1) if minibatches > 1 else self.indices
         except Exception as err:
             if ops.allocation_failed(err):
                 raise ops.memory_error("batch_size", what, err) from None
@@ -132,31 +141,77 @@ class GraphSampler:
     def sample(self) -> tuple[Transition, torch.Tensor]:
         """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when
         prioritized) and ``indices`` (B,) int64 their flat starts; both are the same tensors at
-        every call."""
-        tree, config = self._tree, self._config
+        every call. With ``minibatches=K``: ``K`` minibatches of one draw, every leaf ``(K, B, ...)``
+        and ``indices`` ``(K, B)``, each minibatch's ``PER_weights`` normalised by its own largest."""
+        tree, config, idx, flat = self._tree, self._config, self._idx, self._flat
+        if self.generator is not None and torch.compiler.is_compiling():
+            raise ValueError("generator: torch.compile cannot trace a torch.Generator; build the GraphSampler with "
+                             "generator=None (the device's default generator, seeded by torch.manual_seed)")
         torch.rand(self.u.shape, dtype=torch.float64, generator=self.generator, out=self.u)
         if self._selector is None:
-            tree.sample(self.u, out=self.indices)
+            tree.sample(self.u, out=idx)
         else:  # the selector's probabilities, from device state only
-            idx, q = self._selector.draw_u(self._kind, self.u)
-            self.indices.copy_(idx)
+            drawn, q = self._selector.draw_u(self._kind, self.u)
+            idx.copy_(drawn)
         if self._stacked is not None:
-            self._stacked.run(self.indices)
+            self._stacked.run(idx)
         elif self._tables is not None:
-            ops.sequence_gather_fixed(self._tables, self.indices, config.n_steps, config.n_envs,
+            ops.sequence_gather_fixed(self._tables, idx, config.n_steps, config.n_envs,
                                       config.max_rows)
         else:
-            self._storage.gather_windows(self._work, self.indices)
-        config.refresh_flags(self.out)  # has_transition from the rows just gathered
-        if self.prioritized:  # (P_i / min_batch P)**-beta, all in place
+            self._storage.gather_windows(self._work, idx)
+        config.refresh_flags(flat)  # has_transition from the rows just gathered
+        if self.prioritized:  # (P_i / min_minibatch P)**-beta, all in place
             if self._selector is None:
-                tree.leaves(self.indices, out=self._mass)
+                tree.leaves(idx, out=self._mass)
             else:
                 self._mass.copy_(q)
-            torch.amin(self._mass, 0, out=self._min)
+            mass = self._mass.view(self.minibatches, -1)
+            torch.amin(mass, 1, keepdim=True, out=self._min)
             # the buffer's beta when this runs (or is replayed)
             torch.neg(self._beta, out=self._neg_beta)
-            self._mass.div_(self._min).pow_(self._neg_beta)
-            self.out.PER_weights.copy_(self._mass)
+            mass.div_(self._min).pow_(self._neg_beta)
+            flat.PER_weights.copy_(self._mass)
         return self.out, self.indices
 
+    @locked
+    def update_priorities(self, indices: torch.Tensor, td_errors: torch.Tensor) -> None:
+        """Priorities ``|td| + eps`` of flat starts ``indices`` without a host synchronisation, so that a captured
+        learner step (a CUDA graph, or ``torch.compile(fullgraph=True)``) holds it: the checks and ``max_priority``
+        stay on the device.
+
+        ``indices`` and ``td_errors``: tensors on the buffer's device of the same shape (``(B,)``, or ``(K, B)``
+        as :meth:`sample` returns them), integer and real. Duplicates keep their largest value. All or nothing: when
+        an index lies outside the buffer, a ``|td| + eps`` is NaN or infinite, or a priority's mass would overflow,
+        the update writes nothing, and the failure is raised later, at the first of :meth:`check_updates`,
+        ``buffer.max_priority``, ``buffer.state_dict()`` or a ``storage_dir`` flush (so it is never silent). Shapes,
+        dtypes and devices are checked on the host at once (``ValueError``)."""
+        if not self.prioritized:
+            raise ValueError("update_priorities: the buffer is not prioritized")
+        dev = self.buffer.device
+        for name, t, integer in (("indices", indices, True), ("td_errors", td_errors, False)):
+            if not isinstance(t, torch.Tensor) or t.device.type != dev.type or t.numel() == 0 \
+                    or t.is_floating_point() == integer or t.is_complex() or t.dtype == torch.bool:
+                what = "integer" if integer else "real"
+                got = f"{t.dtype} of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
+                    else type(t).__name__
+                raise ValueError(f"{name}: expected a non-empty {what} tensor on {dev}, got {got}")
+        if indices.shape != td_errors.shape:
+            raise ValueError(f"td_errors: expected the shape of indices {tuple(indices.shape)}, got "
+                             f"{tuple(td_errors.shape)}")
+        self.buffer.storage.check_open()
+        self._updates.apply(indices.reshape(-1).to(torch.int64), td_errors.reshape(-1))
+
+    @locked
+    def check_updates(self) -> None:
+        """Raise what :meth:`update_priorities` (or its replays in a captured graph) dropped since the last check
+        (``IndexError`` for indices outside the buffer, else ``ValueError``), once; one read of the device."""
+        if self.prioritized:
+            self._updates.raise_pending()
+
+
+def _split(batch: Transition, k: int) -> Transition:
+    """``batch`` with every ``(k * B, ...)`` leaf viewed as ``(k, B, ...)``."""
+    fields = {name: _map_leaves(value, lambda t, _: t.view(k, -1, *t.shape[1:]), name, keep_none=True)
+              for name, value in items(batch)}
+    return Transition(**{**dict.fromkeys(FIELDS[:5]), **fields})

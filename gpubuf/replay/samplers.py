@@ -21,6 +21,8 @@ from gpubuf._core.inputs import finite_float, priority_updates
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import Staging
 from gpubuf._core.state import check_tensor, chunks, copy_into, unaliased
+from gpubuf.ops import host_loops
+from gpubuf.replay.device_priorities import DevicePriorityUpdates
 from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, StartRing
 from gpubuf.replay.tree import PrefixSumTree
 
@@ -288,7 +290,9 @@ class PrioritizedSampler(TreeSampler):
         self._beta, self._beta_tensor = beta, None
         self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32},
                                      device)["priority"]
-        self.max_priority = 1.0
+        self._max_host, self._device_updates = 1.0, None
+        # the largest priority whose mass ``top**alpha`` over every start stays finite (check_mass's bound)
+        self.mass_limit = math.inf if alpha == 0 else math.exp(min((_LOG_MAX - math.log(self.size)) / alpha, 700.0))
         self._rows = self.priority.view(ring.max_rows, ring.n_envs)
         self.check_mass("alpha", 1.0)
 
@@ -321,19 +325,53 @@ class PrioritizedSampler(TreeSampler):
         """``batch.PER_weights``: :meth:`weights` of ``mass``."""
         batch.PER_weights = self.weights(mass)
 
+    @property
+    def max_priority(self) -> float:
+        """The running maximum priority (new starts get it). Once updates ran on the device
+        (:meth:`device_updates`) it lives there: reading it reads the device, and first raises what
+        those updates dropped (:meth:`~gpubuf.replay.device_priorities.DevicePriorityUpdates.raise_pending`)."""
+        dev = self._device_updates
+        if dev is None:
+            return self._max_host
+        dev.raise_pending()
+        return float(dev.max)
+
+    @max_priority.setter
+    def max_priority(self, value: float) -> None:
+        self._max_host = value
+        if self._device_updates is not None:
+            self._device_updates.max.fill_(value)
+
     def raise_max_priority(self, value: float) -> None:
-        """``max_priority`` becomes ``max(max_priority, value)`` (new starts get it)."""
-        self.max_priority = max(self.max_priority, value)
+        """``max_priority`` becomes ``max(max_priority, value)`` (new starts get it); no device read."""
+        self._max_host = max(self._max_host, value)
+        if self._device_updates is not None:
+            self._device_updates.max.clamp_(min=value)
+
+    def device_updates(self) -> DevicePriorityUpdates:
+        """The sync-free priority updates of this sampler (made on first use; from then on ``max_priority`` lives
+        on the device and inserts read it there)."""
+        if self._device_updates is None:
+            self._device_updates = DevicePriorityUpdates(self, self._max_host)
+        return self._device_updates
 
     def tensors(self) -> list[torch.Tensor]:
         return super().tensors() + [self.priority]
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
-        self._rows[pos:pos + before_wrap] = self.max_priority
+        # the device's copy once device updates exist: no read-back
+        top = self._max_host if self._device_updates is None else self._device_updates.max
+        self._rows[pos:pos + before_wrap].fill_(top)
         if before_wrap < T:  # wrapped
-            self._rows[:T - before_wrap] = self.max_priority
+            self._rows[:T - before_wrap].fill_(top)
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
+        if isinstance(starts, slice) and self.device.type == "cpu" and host_loops.ENABLED \
+                and not torch.compiler.is_compiling():  # one compiled loop
+            prio = self.priority[starts].numpy()
+            out = np.empty(prio.shape[0])
+            host_loops.masses(prio, valid.numpy(), self.alpha, out)
+            return torch.from_numpy(out)
         mass = self.priority[starts].to(torch.float64).pow_(self.alpha)
         return mass if all_valid else mass.mul_(valid)  # invalid starts: zero mass
 
@@ -434,6 +472,9 @@ class PrioritizedSampler(TreeSampler):
         if idx.numel() == 0:
             return
         on_host = idx.device.type == "cpu" and td.device.type == "cpu"
+        if on_host and self.device.type == "cpu" and host_loops.ENABLED:
+            self._update_compiled(idx, td)
+            return
         # unsigned and narrow ints: checked and widened on the host
         if on_host and idx.dtype != torch.int64:
             idx = torch.from_numpy(self.host_indices(idx.numpy()))
@@ -447,6 +488,43 @@ class PrioritizedSampler(TreeSampler):
             top = self.check_update(idx, td, new)
         with signals_held():  # all checks passed: write
             self.update(idx, new, top)
+
+    def _update_compiled(self, idx: torch.Tensor, td: torch.Tensor) -> None:
+        """:meth:`update_priorities` of host inputs into a CPU buffer: checks and priorities in one compiled loop
+        (:func:`gpubuf.ops.host_loops.priority_write`, which writes nothing unless every check passes), then the
+        trees."""
+        if idx.dtype != torch.int64:
+            idx = torch.from_numpy(self.host_indices(idx.numpy()))
+        with signals_held():  # priorities and trees: both written or neither
+            code, top = self.write_compiled(idx, td)
+            if not code:
+                self.raise_max_priority(top)
+                return
+        self.check_update(idx, td, td.to(torch.float32).abs().add_(self.eps))  # raises, naming what failed
+        raise ValueError(f"td_errors, alpha: priority {top:g} ** alpha {self.alpha:g} over {self.size} starts "
+                         "overflows float64 sampling mass; lower alpha or scale the TD errors")
+
+    def write_compiled(self, idx: torch.Tensor, td: torch.Tensor) -> tuple[int, float]:
+        """Priorities ``|td| + eps`` of host starts ``idx`` (K,) int64 and their masses in every kept tree, by the
+        compiled loops, unless a check fails: returns ``(failed checks' bits, 0 when all passed; largest new
+        priority)``, having written nothing unless every check passed. ``max_priority`` is the caller's."""
+        idx, td = idx.contiguous(), td.detach()  # the tree kernels assume unit stride
+        if td.dtype not in (torch.float32, torch.float64):
+            td = td.to(torch.float32)
+        prio, i = self.priority.numpy(), idx.numpy()
+        code, top = host_loops.priority_write(prio, i, td.numpy(), np.float32(self.eps), self.mass_limit)
+        if not code:
+            mass = np.empty(i.shape[0])
+            for kind in self._active:
+                host_loops.priority_masses(prio, i, self._valid[kind].numpy(), self.alpha, mass)
+                self._trees[kind].update(idx, torch.from_numpy(mass))
+        return code, float(top)
+
+    def refresh_masses(self, idx: torch.Tensor) -> None:
+        """The masses of starts ``idx`` (K,) int64 in every kept tree, from their priorities: device ops only (a
+        captured or traced update holds them)."""
+        for kind in sorted(self._active):
+            self._trees[kind].update(idx, self.mass(idx, self._valid[kind].index_select(0, idx), False))
 
     def update(self, idx: torch.Tensor, new: torch.Tensor, top: float) -> None:
         """Priorities of flat starts ``idx`` (K,) int64 = ``new`` (K,) float32 (duplicates keep

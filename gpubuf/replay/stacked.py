@@ -141,7 +141,7 @@ class StackedGather:
             self.return_types = (rtype, rtype, torch.int64, torch.bool, torch.bool)
             self.gamma = gamma_tensor(spec.gamma, here)  # held: a captured graph reads it
         self.plain = storage.check_out(None, plain, self.device, ())
-        self.out, self.tables = None, None
+        self.out, self.tables, self._plain_work = None, None, None
 
     def prepare(self) -> "StackedGather":
         """Allocate the outputs (and, ``fixed`` with Triton, upload the copy tables); returns
@@ -149,6 +149,9 @@ class StackedGather:
         self.out = self._outputs()
         if self.fixed and self.backend == "triton" and not self.env_major:
             self.tables = self._tables()
+        elif self.fixed and self.storage.device == self.device:  # the plain windows' word views, made once
+            _, self._plain_work = self.storage.outputs(self.B, {d: (self.out["plain"][d], *rest)
+                                                                for d, (_, *rest) in self.plain.items()}, self.device)
         return self
 
     def _outputs(self) -> dict:
@@ -191,9 +194,13 @@ class StackedGather:
             result = dict(out["plain"])
             ops.frame_stack_fixed(self.tables["stacks"], local, marks.marks, marks.held, n, k, spec.stride, E, M)
         else:
-            plain = self.plain if not self.fixed else {d: (out["plain"][d], *rest)
-                                                       for d, (_, *rest) in self.plain.items()}
-            result = storage.gather(starts, plain, self.device)
+            if self._plain_work is not None:
+                storage.gather_windows(self._plain_work, starts)
+                result = dict(out["plain"])
+            else:
+                plain = self.plain if not self.fixed else {d: (out["plain"][d], *rest)
+                                                           for d, (_, *rest) in self.plain.items()}
+                result = storage.gather(starts, plain, self.device)
             ops.frame_stack(storage.backend, self._jobs(self.stacks, out), local, marks.marks,
                             marks.held, n, k, spec.stride, E, M, self.env_major)
         if spec.n is not None:

@@ -8,6 +8,8 @@ from scipy import stats
 
 from gpubuf import PrioritizedTransitionBuffer
 
+pytestmark = pytest.mark.usefixtures("host_loops")  # with the compiled host loops and with the torch twins
+
 
 def build(E=3, M=10, n=2, B=4, device="cpu", **kw):
     return PrioritizedTransitionBuffer(M * E, B, make_transition(0, 1, E), n_steps=n, device=device, seed=0, **kw)

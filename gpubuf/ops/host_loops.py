@@ -1,0 +1,142 @@
+"""Compiled host loops (numba) for the CPU calls where a chain of small torch ops is the floor.
+
+On the CPU every torch op costs a few microseconds of dispatch whatever its size, and a prefix-sum tree walk or
+update is a chain of two dozen of them; a loop compiled once does the same work in one call. These loops run the
+CPU side of the prefix-sum tree ops (:mod:`gpubuf.ops.prefix_tree`: descent, leaf and range updates) and of the
+checked priority update, when numba is installed (``pip install gpubuf[fast]``) and ``GPUBUF_NUMBA`` is not
+``0``; otherwise the pure-torch twins run, and the tests run both. Each loop does what its twin does, in exact
+arithmetic: a parent is the sum of its ``fanout`` children added in order (every CPU write of a tree goes through
+the same loops, so a tree stays one function of its leaves), and a descent takes the first child whose running sum
+exceeds the remaining mass, never a child of zero mass. Compiled on first use and cached on disk.
+"""
+
+import os
+
+import numpy as np
+
+try:
+    if os.environ.get("GPUBUF_NUMBA", "1").strip() == "0":
+        raise ImportError("GPUBUF_NUMBA=0")
+    import numba
+except ImportError:
+    numba = None
+
+ENABLED = numba is not None
+BAD_INDEX, NOT_FINITE, OVERFLOW = 1, 2, 4  # the checks of a priority update, as bits
+
+
+def _compiled(fn):
+    return numba.njit(cache=True, nogil=True)(fn) if ENABLED else fn
+
+
+@_compiled
+def tree_update(tree, offsets, fanout, idx, values):  # pragma: no cover (compiled)
+    """Leaves ``tree[idx] = values`` (K,), then each touched parent, level by level, the ordered sum of its
+    children."""
+    K = idx.shape[0]
+    for i in range(K):
+        tree[idx[i]] = values[i]
+    nodes = np.sort(idx)
+    for k in range(1, offsets.shape[0] - 1):
+        c0, p0, prev = offsets[k - 1], offsets[k], -1
+        for i in range(K):
+            p = nodes[i] // fanout
+            nodes[i] = p
+            if p != prev:
+                s = 0.0
+                for j in range(c0 + p * fanout, c0 + (p + 1) * fanout):
+                    s += tree[j]
+                tree[p0 + p] = s
+                prev = p
+
+
+@_compiled
+def tree_update_range(tree, offsets, fanout, lo, values):  # pragma: no cover (compiled)
+    """Leaves ``tree[lo:lo + n] = values`` (n,), then their parents, the ordered sums of their children."""
+    n = values.shape[0]
+    for i in range(n):
+        tree[lo + i] = values[i]
+    a, b = lo, lo + n
+    for k in range(1, offsets.shape[0] - 1):
+        c0, p0 = offsets[k - 1], offsets[k]
+        a, b = a // fanout, (b - 1) // fanout + 1
+        for p in range(a, b):
+            s = 0.0
+            for j in range(c0 + p * fanout, c0 + (p + 1) * fanout):
+                s += tree[j]
+            tree[p0 + p] = s
+
+
+@_compiled
+def tree_sample(tree, offsets, fanout, u, out):  # pragma: no cover (compiled)
+    """``out[b]`` = the leaf uniform ``u[b]`` picks, in proportion to the leaves' masses: from the top node down,
+    the first child whose running sum exceeds the remaining mass (the last child of positive mass when rounding
+    puts the mass at or past the node's)."""
+    top = offsets.shape[0] - 2
+    total = 0.0
+    for j in range(offsets[top], offsets[top] + fanout):
+        total += tree[j]
+    for b in range(u.shape[0]):
+        target = min(u[b] * total, total * (1.0 - 2.0**-52))
+        node = 0
+        for k in range(top, -1, -1):
+            base = offsets[k] + node * fanout
+            run, chosen, last, before = 0.0, -1, -1, 0.0
+            for j in range(fanout):
+                c = tree[base + j]
+                if c > 0:
+                    last = j
+                    if chosen < 0:
+                        if run + c > target:
+                            chosen, before = j, run
+                        run += c
+            if chosen < 0:  # rounding: the last child of positive mass, the mass before it
+                chosen = max(last, 0)
+                before = 0.0
+                for j in range(chosen):
+                    before += tree[base + j]
+            target = max(target - before, 0.0)
+            node = node * fanout + chosen
+        out[b] = node
+
+
+@_compiled
+def priority_write(priority, idx, td, eps, limit):  # pragma: no cover (compiled)
+    """Priorities ``float32(|td| + eps)`` (K,) of starts ``idx`` (K,) int64, duplicates keeping their largest,
+    checked first: returns ``(code, top)``, the failed checks' bits (nothing written unless 0) and the largest new
+    priority."""
+    size, code, top = priority.shape[0], 0, np.float32(0.0)
+    for i in range(idx.shape[0]):
+        if idx[i] < 0 or idx[i] >= size:
+            code |= BAD_INDEX
+        v = np.float32(abs(np.float32(td[i]))) + eps
+        if not np.isfinite(v):
+            code |= NOT_FINITE
+        elif v > top:
+            top = v
+    if code == 0 and top >= limit:
+        code |= OVERFLOW
+    if code == 0:
+        for i in range(idx.shape[0]):
+            priority[idx[i]] = np.float32(abs(np.float32(td[i]))) + eps
+        for i in range(idx.shape[0]):
+            v = np.float32(abs(np.float32(td[i]))) + eps
+            if v > priority[idx[i]]:
+                priority[idx[i]] = v
+    return code, top
+
+
+@_compiled
+def priority_masses(priority, idx, valid, alpha, out):  # pragma: no cover (compiled)
+    """``out`` (K,) float64 = ``priority[idx] ** alpha`` where ``valid[idx]``, else 0: the sampling masses of
+    starts ``idx`` (K,)."""
+    for i in range(idx.shape[0]):
+        j = idx[i]
+        out[i] = np.float64(priority[j]) ** alpha if valid[j] else 0.0
+
+
+@_compiled
+def masses(priority, valid, alpha, out):  # pragma: no cover (compiled)
+    """``out`` (n,) float64 = ``priority ** alpha`` where ``valid``, else 0 (``priority``, ``valid``: (n,))."""
+    for i in range(out.shape[0]):
+        out[i] = np.float64(priority[i]) ** alpha if valid[i] else 0.0

@@ -1,0 +1,70 @@
+"""Priority updates that never read the device: the checks, the write and ``max_priority`` stay on it, so an update
+runs without a host synchronisation and can be captured in a CUDA graph or traced whole by ``torch.compile``.
+
+An update is all or nothing, as the checked host path is: when any index lies outside ``[0, size)``, any ``|td| +
+eps`` is NaN or infinite, or the largest new priority's ``**alpha`` mass summed over every start would overflow
+float64, the update writes nothing (each start keeps its priority, the trees are recomputed from unchanged leaves)
+and a flag records why. The flags reach the host at :meth:`DevicePriorityUpdates.raise_pending`: the buffer calls it
+wherever it reads the device anyway (``max_priority``, ``state_dict``, a ``storage_dir`` flush) and
+``GraphSampler.check_updates`` calls it on demand; it raises once per batch of failures and clears them.
+"""
+
+import torch
+
+from gpubuf._core.signals import signals_held
+from gpubuf.ops import host_loops
+
+BAD_INDEX, NOT_FINITE, OVERFLOW = 1, 2, 4
+_WHY = {BAD_INDEX: "indices outside [0, {size})", NOT_FINITE: "td_errors with |td| + eps NaN or infinite",
+        OVERFLOW: "td_errors whose priority ** alpha over every start overflows float64"}
+
+
+class DevicePriorityUpdates:
+    """The device state of one prioritized sampler's sync-free updates: ``max`` (() float32, the running maximum
+    priority on the device), ``flags`` (() int32, why updates were dropped since the last check) and ``dropped``
+    (() int64, how many)."""
+
+    def __init__(self, sampler, max_priority: float):
+        dev, self.sampler = sampler.device, sampler
+        self.max = torch.full((), max_priority, dtype=torch.float32, device=dev)
+        self.flags = torch.zeros((), dtype=torch.int32, device=dev)
+        self.dropped = torch.zeros((), dtype=torch.int64, device=dev)
+        self.limit = sampler.mass_limit  # the largest priority whose mass over every start stays finite
+
+    def apply(self, idx: torch.Tensor, td: torch.Tensor) -> None:
+        """Priorities ``|td| + eps`` of flat starts ``idx`` (K,) int64, ``td`` (K,) real, both on the device, K >= 1
+        (duplicates keep their largest), or nothing when any value fails a check; device ops only."""
+        s = self.sampler
+        if s.device.type == "cpu" and host_loops.ENABLED and not torch.compiler.is_compiling():
+            with signals_held():  # the compiled loops: checks first, then priorities and trees, or nothing
+                code, top = s.write_compiled(idx, td)
+                if code:
+                    self.flags.bitwise_or_(code)
+                    self.dropped.add_(1)
+                else:
+                    self.max.clamp_(min=top)
+            return
+        new = td.to(torch.float32).abs().add_(s.eps)
+        top = new.amax()
+        code = ((idx < 0) | (idx >= s.size)).any().to(torch.int32) * BAD_INDEX \
+            + (~torch.isfinite(top)).to(torch.int32) * NOT_FINITE + (top >= self.limit).to(torch.int32) * OVERFLOW
+        ok = code == 0
+        safe = idx.clamp(0, s.size - 1)
+        s.priority.scatter_reduce_(0, safe, torch.where(ok, new, s.priority.index_select(0, safe)), "amax",
+                                   include_self=False)
+        torch.maximum(self.max, torch.where(ok, top, self.max), out=self.max)
+        self.flags.bitwise_or_(code)
+        self.dropped.add_((~ok).to(torch.int64))
+        s.refresh_masses(safe)
+
+    def raise_pending(self) -> None:
+        """Raise ``ValueError`` (``IndexError`` when only indices failed) naming what the dropped updates held, once
+        (one read of the device); nothing when every update since the last check was written."""
+        flags, dropped = torch.stack([self.flags.to(torch.int64), self.dropped]).tolist()
+        if not flags:
+            return
+        self.flags.zero_()
+        self.dropped.zero_()
+        why = "; ".join(w.format(size=self.sampler.size) for bit, w in _WHY.items() if flags & bit)
+        error = IndexError if flags == BAD_INDEX else ValueError
+        raise error(f"update_priorities: {dropped} device-side update(s) since the last check wrote nothing: {why}")

@@ -1,0 +1,245 @@
+"""A learner step without the host: ``GraphSampler.sample`` -> the user's loss -> ``GraphSampler.update_priorities``.
+
+On the CPU the whole step traces under ``torch.compile(fullgraph=True)`` with no graph break and no recompile while
+the buffer fills and wraps, and computes what the eager step computes; on CUDA it is captured in one graph. The
+priority update is checked on the device: invalid values are never written, and the failure is raised at the
+documented host-visible points. ``minibatches=K`` serves K updates from one draw, with per-minibatch PER weights.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from fixtures import make_transition
+from scipy import stats
+
+from gpubuf import PrioritizedTransitionBuffer, TransitionBuffer
+
+pytestmark = pytest.mark.usefixtures("host_loops")  # with the compiled host loops and with the torch twins
+
+E, M = 3, 64
+# name -> (prioritized, buffer kwargs, graph_sampler kwargs)
+STEPS = {
+    "uniform": (False, {}, {}),
+    "per": (True, {}, {}),
+    "per windows": (True, {"n_steps": 3}, {"with_next_obs": True}),
+    "per stacks": (True, {}, {"frame_stack": 3}),
+    "per returns": (True, {}, {"n_step_return": (3, 0.9)}),
+    "per stacks returns minibatches": (True, {}, {"frame_stack": 2, "n_step_return": (2, 0.5), "minibatches": 3}),
+    "uniform minibatches": (False, {"n_steps": 2}, {"minibatches": 2}),
+}
+
+
+def build(prioritized, buf_kw, gs_kw):
+    cls = PrioritizedTransitionBuffer if prioritized else TransitionBuffer
+    buf = cls(E * M, 8, make_transition(0, 1, E), seed=0, **buf_kw)
+    buf.insert(make_transition(0, 20, E, trunc_steps=(7,)))
+    gs = buf.graph_sampler(batch_size=8, **gs_kw)  # the default generator: a compiled step cannot hold another
+    return buf, gs
+
+
+def learner_step(gs, w: torch.Tensor):
+    """The user's step: a loss from the batch, then the priorities from its TD errors."""
+
+    def step():
+        out, idx = gs.sample()
+        feat = torch.cat([out.observation.float().reshape(*idx.shape, -1),
+                          out.reward.float().reshape(*idx.shape, -1)], -1)
+        td = feat.mean(-1) * w - 1.0
+        weights = out.PER_weights if gs.prioritized else torch.ones_like(td)
+        if gs.prioritized:
+            gs.update_priorities(idx, td.detach())
+        return (td**2 * weights).mean(), idx.clone()
+
+    return step
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_the_step_compiles_whole_and_matches_the_eager_step_as_the_buffer_wraps(name):
+    torch._dynamo.reset()
+    eager_buf, eager_gs = build(*STEPS[name])
+    buf, gs = build(*STEPS[name])
+    w = torch.tensor(0.01)
+    eager, step = learner_step(eager_gs, w), learner_step(gs, w)
+    explanation = torch._dynamo.explain(learner_step(build(*STEPS[name])[1], w))()
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(60):  # 20 + 60 * 2 rows: the ring of 64 rows wraps twice
+            rows = make_transition(20 + 2 * t, 2, E)
+            eager_buf.insert(rows)
+            buf.insert(rows)
+            torch.manual_seed(t)
+            want, want_idx = eager()
+            torch.manual_seed(t)
+            got, got_idx = compiled()
+            torch.testing.assert_close(got, want)
+            assert torch.equal(got_idx, want_idx)
+    if gs.prioritized:
+        assert torch.equal(buf.sampler.priority, eager_buf.sampler.priority)
+        # the eager CPU step's compiled loops and the traced torch ops round powers apart (within 1e-15)
+        torch.testing.assert_close(buf.sampling_mass(), eager_buf.sampling_mass(), rtol=1e-14, atol=0)
+        assert buf.max_priority == eager_buf.max_priority > 1
+
+
+def test_device_updates_write_what_the_checked_update_writes():
+    """Same starts (with duplicates) and TD errors: the same priorities, tree and max_priority."""
+    a, gs = build(True, {"alpha": 0.7}, {})
+    b, _ = build(True, {"alpha": 0.7}, {})
+    g = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        idx = torch.randint(0, E * M, (40,), generator=g)
+        td = torch.randn(40, generator=g) * 3
+        gs.update_priorities(idx, td)
+        b.update_priorities(idx, td)
+        a.insert(make_transition(100, 3, E))  # new starts get max_priority from the device
+        b.insert(make_transition(100, 3, E))
+    gs.check_updates()
+    assert torch.equal(a.sampler.priority, b.sampler.priority)
+    assert torch.equal(a.sampling_mass(), b.sampling_mass())
+    assert a.max_priority == b.max_priority
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    ("nan", ValueError, "NaN or infinite"),
+    ("inf", ValueError, "NaN or infinite"),
+    ("index", IndexError, "outside"),
+    ("negative index", IndexError, "outside"),
+    ("overflow", ValueError, "overflows float64"),
+])
+def test_an_invalid_device_update_writes_nothing_and_is_raised_at_the_next_check(bad, error, words):
+    buf, gs = build(True, {"alpha": 9.0}, {})
+    gs.update_priorities(torch.arange(8), torch.full((8,), 2.0))
+    before = (buf.sampler.priority.clone(), buf.sampling_mass(), buf.max_priority)
+    idx, td = torch.arange(8), torch.ones(8)
+    if bad == "nan":
+        td[3] = float("nan")
+    elif bad == "inf":
+        td[0] = float("inf")
+    elif bad == "index":
+        idx[5] = E * M
+    elif bad == "negative index":
+        idx[2] = -1
+    else:
+        td[1] = 1e36  # (1e36) ** 9 over every start
+    gs.update_priorities(idx, td)  # no exception here: nothing is read back
+    gs.update_priorities(idx, td)
+    assert torch.equal(buf.sampler.priority, before[0])  # nothing of either update written
+    assert torch.equal(buf.sampling_mass(), before[1])
+    with pytest.raises(error, match=f"2 device-side update.*{words}"):
+        gs.check_updates()
+    gs.check_updates()  # raised once: cleared
+    assert buf.max_priority == before[2]
+    gs.update_priorities(torch.arange(8), torch.full((8,), 3.0))  # later valid updates are written
+    assert buf.max_priority == pytest.approx(3.0 + 1e-6)
+
+
+@pytest.mark.parametrize("where", ["max_priority", "state_dict", "deepcopy", "flush"])
+def test_a_dropped_device_update_surfaces_where_the_buffer_reads_the_device(where, tmp_path):
+    kw = {"storage_dir": tmp_path / "d"} if where == "flush" else {}
+    buf, gs = build(True, kw, {})
+    gs.update_priorities(torch.arange(4), torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+    calls = {"max_priority": lambda: buf.max_priority, "state_dict": buf.state_dict,
+             "deepcopy": lambda: copy.deepcopy(buf), "flush": buf.flush}
+    with pytest.raises(ValueError, match="NaN"):
+        calls[where]()
+    calls[where]()  # then it goes through
+    if where == "flush":
+        buf.close()
+
+
+def test_new_starts_get_the_device_max_priority_without_a_read():
+    buf, gs = build(True, {}, {})
+    gs.update_priorities(torch.tensor([0, 1]), torch.tensor([50.0, -70.0]))
+    buf.insert(make_transition(20, 1, E))
+    newest = buf.sampler.priority.view(M, E)[20]
+    assert torch.equal(newest, torch.full((E,), 70.0 + 1e-6, dtype=torch.float32))
+    buf.update_priorities([2], [100.0])  # the checked host path raises the device copy too
+    buf.insert(make_transition(21, 1, E))
+    assert float(buf.sampler.priority.view(M, E)[21, 0]) == pytest.approx(100.0)
+    assert buf.max_priority == pytest.approx(100.0)
+
+
+def test_minibatches_draw_with_the_exact_probabilities_and_weigh_per_minibatch():
+    K, B = 4, 25
+    buf = PrioritizedTransitionBuffer(2 * 20, 8, make_transition(0, 1, 2), alpha=0.7, beta=0.6, seed=0)
+    buf.insert(make_transition(0, 20, 2))
+    g = torch.Generator().manual_seed(3)
+    buf.update_priorities(torch.arange(40), torch.rand(40, generator=g) * 4)
+    p = buf.sampling_mass()
+    gs = buf.graph_sampler(batch_size=B, minibatches=K, generator=torch.Generator().manual_seed(7))
+    counts = np.zeros(40)
+    for _ in range(300):
+        out, idx = gs.sample()
+        assert idx.shape == (K, B) and out.observation.shape == (K, B, 2) and out.PER_weights.shape == (K, B)
+        np.add.at(counts, idx.numpy().ravel(), 1)
+    assert stats.chisquare(counts, (p / p.sum()).numpy() * counts.sum()).pvalue > 1e-4
+    m = p[idx]
+    torch.testing.assert_close(out.PER_weights, (m / m.min(1, keepdim=True).values).pow(-0.6).float())
+    assert torch.equal(out.observation[..., 0], (idx // 2 * 2 + idx % 2).float())  # value = step * E + env
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "2"])
+def test_a_bad_minibatches_is_named(bad):
+    buf, _ = build(True, {}, {})
+    with pytest.raises(ValueError, match="minibatches: expected an int >= 1"):
+        buf.graph_sampler(batch_size=8, minibatches=bad)
+
+
+@pytest.mark.parametrize("indices, td, words", [
+    ([0, 1], torch.ones(2), "indices: expected a non-empty integer tensor"),
+    (torch.tensor([0.0, 1.0]), torch.ones(2), "indices: expected a non-empty integer tensor"),
+    (torch.tensor([0, 1]), torch.tensor([1, 2]), "td_errors: expected a non-empty real tensor"),
+    (torch.tensor([0, 1]), torch.ones(3), "td_errors: expected the shape of indices"),
+    (torch.zeros(0, dtype=torch.int64), torch.ones(0), "indices: expected a non-empty"),
+    (torch.tensor([0, 1]), np.ones(2), "td_errors: expected a non-empty real tensor"),
+])
+def test_bad_update_arguments_are_named_and_write_nothing(indices, td, words):
+    buf, gs = build(True, {}, {})
+    before = buf.sampler.priority.clone()
+    with pytest.raises(ValueError, match=words):
+        gs.update_priorities(indices, td)
+    assert torch.equal(buf.sampler.priority, before)
+    gs.check_updates()
+
+
+def test_a_uniform_sampler_has_no_priorities_to_update():
+    _, gs = build(False, {}, {})
+    with pytest.raises(ValueError, match="not prioritized"):
+        gs.update_priorities(torch.tensor([0]), torch.ones(1))
+
+
+@pytest.mark.cuda
+def test_one_cuda_graph_holds_the_whole_prioritized_step():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from gpubuf.ops import capture_graph  # noqa: F401  (the library's capture helper is importable)
+
+    buf = PrioritizedTransitionBuffer(4 * 256, 64, make_transition(0, 1, 4), n_steps=2, device="cuda", seed=0)
+    buf.insert(make_transition(0, 100, 4))
+    gs = buf.graph_sampler(minibatches=2)
+    w = torch.tensor(0.01, device="cuda")
+    step = learner_step(gs, w)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss, idx = step()
+    for t in range(5):
+        buf.insert(make_transition(100 + 10 * t, 10, 4))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss) and buf.max_priority > 1
+    gs.check_updates()
+    w.fill_(float("nan"))  # the next replay's TD errors are NaN: dropped on the device, raised at the check
+    before = buf.sampler.priority.clone()
+    graph.replay()
+    assert torch.equal(buf.sampler.priority, before)
+    with pytest.raises(ValueError, match="NaN"):
+        gs.check_updates()
