@@ -140,3 +140,18 @@ def masses(priority, valid, alpha, out):  # pragma: no cover (compiled)
     """``out`` (n,) float64 = ``priority ** alpha`` where ``valid``, else 0 (``priority``, ``valid``: (n,))."""
     for i in range(out.shape[0]):
         out[i] = np.float64(priority[i]) ** alpha if valid[i] else 0.0
+
+
+@_compiled
+def priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets, fanout, top_box):  # pragma: no cover
+    """:func:`priority_write`, then the masses of ``idx`` in one tree (``valid``, ``tree``, ``offsets``, ``fanout``)
+    and ``top_box[0] = max(top_box[0], largest new priority)``, all in one call (no Python signal handler runs
+    between them); nothing written when a check fails. Returns ``(code, top)`` as :func:`priority_write`."""
+    code, top = priority_write(priority, idx, td, eps, limit)
+    if code == 0:
+        mass = np.empty(idx.shape[0])
+        priority_masses(priority, idx, valid, alpha, mass)
+        tree_update(tree, offsets, fanout, idx, mass)
+        if top > top_box[0]:
+            top_box[0] = top
+    return code, top

@@ -36,13 +36,16 @@ class DevicePriorityUpdates:
         (duplicates keep their largest), or nothing when any value fails a check; device ops only."""
         s = self.sampler
         if s.device.type == "cpu" and host_loops.ENABLED and not torch.compiler.is_compiling():
-            with signals_held():  # the compiled loops: checks first, then priorities and trees, or nothing
-                code, top = s.write_compiled(idx, td)
-                if code:
-                    self.flags.bitwise_or_(code)
-                    self.dropped.add_(1)
-                else:
-                    self.max.clamp_(min=top)
+            idx, td = s.compiled_inputs(idx, td)
+            code, _ = s.update_fused(idx, td, self.max.view(1).numpy())  # one call, max_priority included
+            if code is None:
+                with signals_held():  # the compiled loops: checks first, then priorities and trees, or nothing
+                    code, top = s.write_compiled(idx, td)
+                    if not code:
+                        self.max.clamp_(min=top)
+            if code:
+                self.flags.bitwise_or_(code)
+                self.dropped.add_(1)
             return
         new = td.to(torch.float32).abs().add_(s.eps)
         top = new.amax()

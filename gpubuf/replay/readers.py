@@ -21,7 +21,7 @@ import math
 import torch
 
 from gpubuf import ops
-from gpubuf._core.transition import Transition, unflatten
+from gpubuf._core.transition import Transition, flatten, unflatten
 from gpubuf.replay.episode_marks import EpisodeMarks
 from gpubuf.replay.stacked import StackedGather, StackSpec
 from gpubuf.replay.tree import FANOUT
@@ -39,6 +39,7 @@ class BatchReader:
         # sample sizes checked to fit (a call that fits is not estimated again)
         self._fits = ops.LRU(8)
         self._last_fit = (None, None)  # (key, what) of the last check
+        self._last_out = (None, None)  # (key, (jobs, work)) of the last ``out`` (a loop passes the same each step)
 
     # ------------------------------------------------------------------ episode marks
 
@@ -89,8 +90,29 @@ class BatchReader:
         jobs = None if out is not None else self.storage.host_jobs(B, with_next_obs, self.device)
         if jobs is not None:  # the steady host path: fresh outputs in their own dtypes
             return functools.partial(self._read_host, jobs, B, with_next_obs, boundaries)
+        key = None if out is None else self._out_key(out, B, with_next_obs, owned)
+        if key is not None and self._last_out[0] == key:  # checked last time: its word views too
+            return functools.partial(self._windows_into, self._last_out[1], out, boundaries)
         jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device, owned)
+        if key is not None and self.storage.device == self.device:
+            self._last_out = (key, self.storage.outputs(B, jobs, self.device)[1])
         return functools.partial(self.windows, jobs=jobs, out=out, boundaries=boundaries)
+
+    @staticmethod
+    def _out_key(out, B: int, with_next_obs: bool, owned: tuple):
+        """What a check of ``out`` depends on: every leaf's identity, address, shape, strides and dtype (its word
+        views keep its memory alive, so an address seen again is the same memory); ``None`` for a non-tensor leaf
+        (checked every time)."""
+        leaves = flatten(out, "out")
+        if not all(isinstance(t, torch.Tensor) for t in leaves.values()):
+            return None
+        return (B, with_next_obs, owned, type(out), tuple((p, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype,
+                                                           t.device) for p, t in leaves.items()))
+
+    def _windows_into(self, work: list, out: Transition, boundaries: str, starts: torch.Tensor) -> Transition:
+        """:meth:`windows` into an ``out`` checked before, through the word views kept then."""
+        self.storage.gather_windows(work, starts)
+        return self.config.with_flags(out, boundaries, self.device)
 
     def _flagged(self, run, boundaries: str, starts: torch.Tensor) -> Transition:
         return self.config.with_flags(run(starts), boundaries, self.device)

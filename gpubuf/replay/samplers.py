@@ -290,7 +290,7 @@ class PrioritizedSampler(TreeSampler):
         self._beta, self._beta_tensor = beta, None
         self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32},
                                      device)["priority"]
-        self._max_host, self._device_updates = 1.0, None
+        self._max_box, self._device_updates = np.ones(1), None  # (1,): compiled loops raise it
         # the largest priority whose mass ``top**alpha`` over every start stays finite (check_mass's bound)
         self.mass_limit = math.inf if alpha == 0 else math.exp(min((_LOG_MAX - math.log(self.size)) / alpha, 700.0))
         self._rows = self.priority.view(ring.max_rows, ring.n_envs)
@@ -332,19 +332,19 @@ class PrioritizedSampler(TreeSampler):
         those updates dropped (:meth:`~gpubuf.replay.device_priorities.DevicePriorityUpdates.raise_pending`)."""
         dev = self._device_updates
         if dev is None:
-            return self._max_host
+            return float(self._max_box[0])
         dev.raise_pending()
         return float(dev.max)
 
     @max_priority.setter
     def max_priority(self, value: float) -> None:
-        self._max_host = value
+        self._max_box[0] = value
         if self._device_updates is not None:
             self._device_updates.max.fill_(value)
 
     def raise_max_priority(self, value: float) -> None:
         """``max_priority`` becomes ``max(max_priority, value)`` (new starts get it); no device read."""
-        self._max_host = max(self._max_host, value)
+        self._max_box[0] = max(self._max_box[0], value)
         if self._device_updates is not None:
             self._device_updates.max.clamp_(min=value)
 
@@ -352,7 +352,7 @@ class PrioritizedSampler(TreeSampler):
         """The sync-free priority updates of this sampler (made on first use; from then on ``max_priority`` lives
         on the device and inserts read it there)."""
         if self._device_updates is None:
-            self._device_updates = DevicePriorityUpdates(self, self._max_host)
+            self._device_updates = DevicePriorityUpdates(self, float(self._max_box[0]))
         return self._device_updates
 
     def tensors(self) -> list[torch.Tensor]:
@@ -360,7 +360,7 @@ class PrioritizedSampler(TreeSampler):
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
         # the device's copy once device updates exist: no read-back
-        top = self._max_host if self._device_updates is None else self._device_updates.max
+        top = float(self._max_box[0]) if self._device_updates is None else self._device_updates.max
         self._rows[pos:pos + before_wrap].fill_(top)
         if before_wrap < T:  # wrapped
             self._rows[:T - before_wrap].fill_(top)
@@ -490,27 +490,48 @@ class PrioritizedSampler(TreeSampler):
             self.update(idx, new, top)
 
     def _update_compiled(self, idx: torch.Tensor, td: torch.Tensor) -> None:
-        """:meth:`update_priorities` of host inputs into a CPU buffer: checks and priorities in one compiled loop
-        (:func:`gpubuf.ops.host_loops.priority_write`, which writes nothing unless every check passes), then the
-        trees."""
+        """:meth:`update_priorities` of host inputs into a CPU buffer by the compiled loops: checks, priorities,
+        masses and ``max_priority`` in one call while one tree is kept (nothing can interrupt it), else with
+        signals held; nothing is written unless every check passes."""
         if idx.dtype != torch.int64:
             idx = torch.from_numpy(self.host_indices(idx.numpy()))
-        with signals_held():  # priorities and trees: both written or neither
-            code, top = self.write_compiled(idx, td)
-            if not code:
-                self.raise_max_priority(top)
-                return
-        self.check_update(idx, td, td.to(torch.float32).abs().add_(self.eps))  # raises, naming what failed
-        raise ValueError(f"td_errors, alpha: priority {top:g} ** alpha {self.alpha:g} over {self.size} starts "
-                         "overflows float64 sampling mass; lower alpha or scale the TD errors")
+        idx, td = self.compiled_inputs(idx, td)
+        code, top = self.update_fused(idx, td, self._max_box)
+        if code is None:  # no tree or several, or max_priority on the device
+            with signals_held():  # priorities and trees: both written or neither
+                code, top = self.write_compiled(idx, td)
+                if not code:
+                    self.raise_max_priority(top)
+        if code:
+            self.check_update(idx, td, td.to(torch.float32).abs().add_(self.eps))  # raises, naming what failed
+            raise ValueError(f"td_errors, alpha: priority {top:g} ** alpha {self.alpha:g} over {self.size} starts "
+                             "overflows float64 sampling mass; lower alpha or scale the TD errors")
+
+    @staticmethod
+    def compiled_inputs(idx: torch.Tensor, td: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``idx`` contiguous (the tree kernels assume unit stride), ``td`` detached, in float32 or float64."""
+        td = td.detach()
+        return idx.contiguous(), td if td.dtype in (torch.float32, torch.float64) else td.to(torch.float32)
+
+    def update_fused(self, idx: torch.Tensor, td: torch.Tensor, top_box: np.ndarray) -> tuple:
+        """:func:`gpubuf.ops.host_loops.priority_update` of :meth:`compiled_inputs` into the one kept tree, raising
+        ``top_box`` (1,); ``(None, None)`` (nothing done) unless exactly one tree is kept and ``max_priority`` is
+        ``top_box``'s alone."""
+        if len(self._active) != 1 or (self._device_updates is not None and top_box is self._max_box):
+            return None, None
+        (kind,) = self._active
+        tree = self._trees[kind]
+        code, top = host_loops.priority_update(self.priority.numpy(), idx.numpy(), td.numpy(), np.float32(self.eps),
+                                               self.mass_limit, self.alpha, self._valid[kind].numpy(),
+                                               tree.tree.numpy(), ops.prefix_tree.offsets_array(tree.offsets),
+                                               tree.fanout, top_box)
+        return code, float(top)
 
     def write_compiled(self, idx: torch.Tensor, td: torch.Tensor) -> tuple[int, float]:
         """Priorities ``|td| + eps`` of host starts ``idx`` (K,) int64 and their masses in every kept tree, by the
-        compiled loops, unless a check fails: returns ``(failed checks' bits, 0 when all passed; largest new
-        priority)``, having written nothing unless every check passed. ``max_priority`` is the caller's."""
-        idx, td = idx.contiguous(), td.detach()  # the tree kernels assume unit stride
-        if td.dtype not in (torch.float32, torch.float64):
-            td = td.to(torch.float32)
+        compiled loops (:meth:`compiled_inputs`), unless a check fails: returns ``(failed checks' bits, 0 when all
+        passed; largest new priority)``, having written nothing unless every check passed. ``max_priority`` is the
+        caller's."""
         prio, i = self.priority.numpy(), idx.numpy()
         code, top = host_loops.priority_write(prio, i, td.numpy(), np.float32(self.eps), self.mass_limit)
         if not code:
