@@ -81,23 +81,44 @@ def tree_sample(tree, offsets, fanout, u, out):  # pragma: no cover (compiled)
         node = 0
         for k in range(top, -1, -1):
             base = offsets[k] + node * fanout
-            run, chosen, last, before = 0.0, -1, -1, 0.0
+            run, chosen = 0.0, -1
             for j in range(fanout):
                 c = tree[base + j]
                 if c > 0:
-                    last = j
-                    if chosen < 0:
-                        if run + c > target:
-                            chosen, before = j, run
-                        run += c
-            if chosen < 0:  # rounding: the last child of positive mass, the mass before it
-                chosen = max(last, 0)
-                before = 0.0
+                    if run + c > target:
+                        chosen = j
+                        break
+                    run += c
+            if chosen < 0:  # rounding: the last child of positive mass, and the mass before it
+                chosen, run = 0, 0.0
+                for j in range(fanout):
+                    if tree[base + j] > 0:
+                        chosen = j
+                run = 0.0
                 for j in range(chosen):
-                    before += tree[base + j]
-            target = max(target - before, 0.0)
+                    run += tree[base + j]
+            target = max(target - run, 0.0)
             node = node * fanout + chosen
         out[b] = node
+
+
+@_compiled
+def tree_sample_masses(tree, offsets, fanout, u, out, mass):  # pragma: no cover (compiled)
+    """:func:`tree_sample`, and ``mass[b]`` = the picked leaf's mass."""
+    tree_sample(tree, offsets, fanout, u, out)
+    for b in range(out.shape[0]):
+        mass[b] = tree[out[b]]
+
+
+@_compiled
+def importance_weights(mass, beta, out):  # pragma: no cover (compiled)
+    """``out`` (B,) float32 = ``(mass / min(mass)) ** -beta`` of drawn masses ``mass`` (B,) float64."""
+    low = mass[0]
+    for b in range(1, mass.shape[0]):
+        if mass[b] < low:
+            low = mass[b]
+    for b in range(mass.shape[0]):
+        out[b] = (mass[b] / low) ** -beta
 
 
 @_compiled

@@ -149,9 +149,7 @@ class TreeSampler:
     def descend(self, kind: int, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(flat starts (K,) int64, their masses (K,) float64)`` picked by uniforms ``u`` (K,)
         float64 in [0, 1) in proportion to the masses of ``kind``."""
-        tree = self.tree(kind)
-        idx = tree.sample(u)
-        return idx, tree.leaves(idx)
+        return self.tree(kind).sample_masses(u)
 
     def descend_excluding(self, kind: int, old: torch.Tensor,
                           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,8 +184,7 @@ class TreeSampler:
         (with replacement), else :meth:`_draw_without_replacement`."""
         tree = self.tree(kind)
         if with_replacement:
-            idx = tree.sample(self.uniforms(g, B))
-            return idx, tree.leaves(idx)
+            return tree.sample_masses(self.uniforms(g, B))
         return self._draw_without_replacement(tree, B, g)
 
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
@@ -319,6 +316,10 @@ class PrioritizedSampler(TreeSampler):
     def weights(self, mass: torch.Tensor) -> torch.Tensor:
         """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch
         P)**-beta``."""
+        if mass.device.type == "cpu" and host_loops.ENABLED and mass.numel() and not torch.compiler.is_compiling():
+            out = torch.empty(mass.shape, dtype=torch.float32)
+            host_loops.importance_weights(mass.contiguous().numpy(), self._beta, out.numpy())
+            return out
         return (mass / mass.min()).pow_(-self._beta).to(torch.float32)
 
     def weigh(self, batch, mass: torch.Tensor) -> None:

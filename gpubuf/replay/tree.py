@@ -10,8 +10,9 @@ its leaves: float rounding cannot accumulate across updates, and a zero leaf is 
 
 import torch
 
+from gpubuf.ops import host_loops
 from gpubuf.ops.device import allocate
-from gpubuf.ops.prefix_tree import tree_sample, tree_update, tree_update_range
+from gpubuf.ops.prefix_tree import offsets_array, tree_sample, tree_update, tree_update_range
 
 FANOUT = 32
 
@@ -60,3 +61,15 @@ class PrefixSumTree:
             out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
         tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
         return out
+
+    def sample_masses(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(leaves (B,) int64, their masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 (on the CPU, one
+        compiled loop when it can)."""
+        if self.backend == "torch" and self.device.type == "cpu" and host_loops.ENABLED \
+                and not torch.compiler.is_compiling():
+            idx, mass = torch.empty(u.shape, dtype=torch.int64), torch.empty(u.shape, dtype=torch.float64)
+            host_loops.tree_sample_masses(self.tree.numpy(), offsets_array(self.offsets), self.fanout,
+                                          u.contiguous().numpy(), idx.numpy(), mass.numpy())
+            return idx, mass
+        idx = self.sample(u)
+        return idx, self.leaves(idx)
