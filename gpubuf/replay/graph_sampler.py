@@ -94,13 +94,14 @@ class GraphSampler:
             self.indices = torch.empty(B, dtype=torch.int64, device=dev)  # (B,) flat starts
             self._storage = storage = buffer.storage
             self._config = buffer.config
-            self._tables, self._stacked = None, None
+            self._tables, self._stacked, self._views = None, None, None
             if spec is not None:
                 self._stacked = StackedGather(reader, spec, B, with_next_obs, fixed=True).prepare()
                 result = self._stacked.assemble(self._stacked.out, self._stacked.out["plain"])
             else:
                 jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
                 result, self._work = storage.outputs(B, jobs, dev)
+                self._views = _views(result, self._work)
                 result = unflatten(result)
             # forbid: constant
             self.out: Transition = buffer.config.with_flags(result, boundaries, dev)
@@ -160,6 +161,10 @@ class GraphSampler:
                                       config.max_rows)
         else:
             self._storage.gather_windows(self._work, idx)
+        out, indices = self.out, self.indices
+        if self._views is not None and torch.compiler.is_compiling():
+            # traced: the outputs as views of the gathered words, so that no two inputs of the graph alias
+            flat, out, indices = self._traced(flat)
         config.refresh_flags(flat)  # has_transition from the rows just gathered
         if self.prioritized:  # (P_i / min_minibatch P)**-beta, all in place
             if self._selector is None:
@@ -172,7 +177,20 @@ class GraphSampler:
             torch.neg(self._beta, out=self._neg_beta)
             mass.div_(self._min).pow_(self._neg_beta)
             flat.PER_weights.copy_(self._mass)
-        return self.out, self.indices
+        return out, indices
+
+    def _traced(self, flat: Transition) -> tuple[Transition, Transition, torch.Tensor]:
+        """``(flat batch, batch, indices)`` as :meth:`sample` returns them, the windows' leaves made from the gathered
+        words and ``indices`` from the flat starts (views of the same memory, made where the trace sees them)."""
+        leaves = {path: self._work[i][1].view(torch.uint8).view(dtype).view(shape)
+                  for path, (i, dtype, shape) in self._views.items()}
+        traced = unflatten(leaves)
+        for name in ("PER_weights", "is_first", "mask", "has_transition"):
+            setattr(traced, name, getattr(flat, name))
+        K = self.minibatches
+        if K == 1:
+            return traced, traced, self._idx
+        return traced, _split(traced, K), self._idx.view(K, -1)
 
     @locked
     def update_priorities(self, indices: torch.Tensor, td_errors: torch.Tensor) -> None:
@@ -215,3 +233,16 @@ def _split(batch: Transition, k: int) -> Transition:
     fields = {name: _map_leaves(value, lambda t, _: t.view(k, -1, *t.shape[1:]), name, keep_none=True)
               for name, value in items(batch)}
     return Transition(**{**dict.fromkeys(FIELDS[:5]), **fields})
+
+
+def _views(result: dict, work: list) -> dict | None:
+    """``{path: (index into work, dtype, shape)}``: which gathered words each output leaf views; ``None`` when a leaf
+    views none (a zero-width leaf)."""
+    views = {}
+    for path, t in result.items():
+        i = next((i for i, (_, words, _) in enumerate(work) if words.data_ptr() == t.data_ptr()
+                  and words.numel() * words.element_size() == t.numel() * t.element_size()), None)
+        if i is None:
+            return None
+        views[path] = (i, t.dtype, tuple(t.shape))
+    return views

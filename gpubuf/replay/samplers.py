@@ -49,6 +49,8 @@ class TreeSampler:
         # (M*E,) bool device validity mask per kind, likewise
         self._valid: dict[int, torch.Tensor] = {}
         self._active: set[int] = set()  # kinds whose tree and mask are kept up to date
+        # set once a CUDA graph captured device-side priority updates: the kinds whose trees that graph updates
+        self.frozen_kinds: frozenset | None = None
         self.allocations = 0  # bumped whenever tensors() grows
         self._staging = Staging(device)
 
@@ -62,6 +64,12 @@ class TreeSampler:
         row) unless they are kept already; signals are held meanwhile, and the kind counts as kept
         only once built."""
         if kind not in self._active:
+            if self.frozen_kinds is not None:
+                raise RuntimeError(
+                    "sample: a CUDA graph captured GraphSampler.update_priorities of this buffer; it updates the "
+                    "sampling trees the buffer kept at capture, and this draw needs another one (other "
+                    "with_next_obs / boundaries / n_steps windows): make such a draw once before capturing (its own "
+                    "GraphSampler, or one eager sample with the same arguments)")
             if kind not in self._trees:
                 L = self.ring.max_rows * self.ring.n_envs
                 tree = PrefixSumTree(L, self.device, self.backend)
@@ -544,7 +552,11 @@ class PrioritizedSampler(TreeSampler):
 
     def refresh_masses(self, idx: torch.Tensor) -> None:
         """The masses of starts ``idx`` (K,) int64 in every kept tree, from their priorities: device ops only (a
-        captured or traced update holds them)."""
+        captured or traced update holds them). Captured in a CUDA graph, it updates the trees kept now only, so no
+        other tree may be built from then on (:attr:`frozen_kinds`)."""
+        if self.device.type == "cuda" and not torch.compiler.is_compiling() \
+                and torch.cuda.is_current_stream_capturing():
+            self.frozen_kinds = frozenset(self._active)
         for kind in sorted(self._active):
             self._trees[kind].update(idx, self.mass(idx, self._valid[kind].index_select(0, idx), False))
 
