@@ -50,9 +50,16 @@ class GraphSampler:
     saved one). A draw needs at least one valid start; the buffer must not be emptied
     (``load_state_dict`` of an empty state) while a captured graph is replayed.
 
-    :meth:`sample` and :meth:`set_beta` hold the buffer's lock, as the buffer's own calls do; a
-    captured graph replays outside any call: replay it under ``buffer.lock`` when other threads
-    write the buffer.
+    ``minibatches=K`` draws ``K * batch_size`` starts at once and returns them as ``K`` minibatches
+    (leaves ``(K, B, ...)``, ``indices`` ``(K, B)``), each with its own ``PER_weights`` normalisation.
+    :meth:`update_priorities` is the prioritized update a captured or compiled learner step holds: checked
+    on the device, all or nothing, its failures raised at :meth:`check_updates` (or the buffer's next
+    ``max_priority``, ``state_dict`` or flush). Traced by ``torch.compile`` the whole step is one graph
+    (draw from the default generator then: ``generator=None``).
+
+    :meth:`sample`, :meth:`update_priorities` and :meth:`set_beta` hold the buffer's lock, as the
+    buffer's own calls do; a captured graph replays outside any call, and a compiled step runs without
+    it: replay or run it under ``buffer.lock`` when other threads write the buffer.
     """
 
     def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
