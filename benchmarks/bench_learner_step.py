@@ -22,6 +22,7 @@ import torch
 
 from gpubuf import PrioritizedTransitionBuffer, Transition
 from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
+from gpubuf.ops import capture_graph
 
 E, ROWS, OBS, N = 64, 2**14, 17, 2
 
@@ -91,15 +92,7 @@ def main():
     fns = {"eager": with_insert(eager), "graph sampler": with_insert(graph_step),
            "compiled": with_insert(backward(torch.compile(graph_forward, fullgraph=True)))}
     if dev.type == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                graph_step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_step()
+        graph, _ = capture_graph(graph_step)  # the whole step, backward and optimizer step included
         fns["cuda graph"] = with_insert(graph.replay)
     for fn in fns.values():  # compiles, warms up
         for _ in range(3):

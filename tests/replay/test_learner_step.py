@@ -15,6 +15,7 @@ from fixtures import make_transition
 from scipy import stats
 
 from gpubuf import PrioritizedTransitionBuffer, TransitionBuffer
+from gpubuf.ops import capture_graph
 
 pytestmark = pytest.mark.usefixtures("host_loops")  # with the compiled host loops and with the torch twins
 
@@ -232,22 +233,11 @@ def test_a_uniform_sampler_has_no_priorities_to_update():
 def test_one_cuda_graph_holds_the_whole_prioritized_step():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from gpubuf.ops import capture_graph  # noqa: F401  (the library's capture helper is importable)
-
     buf = PrioritizedTransitionBuffer(4 * 256, 64, make_transition(0, 1, 4), n_steps=2, device="cuda", seed=0)
     buf.insert(make_transition(0, 100, 4))
     gs = buf.graph_sampler(minibatches=2)
     w = torch.tensor(0.01, device="cuda")
-    step = learner_step(gs, w)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss, idx = step()
+    graph, (loss, idx) = capture_graph(learner_step(gs, w))  # warm-up on a side stream, then one capture
     for t in range(5):
         buf.insert(make_transition(100 + 10 * t, 10, 4))
         graph.replay()
