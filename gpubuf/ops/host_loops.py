@@ -2,35 +2,51 @@
 
 On the CPU every torch op costs a few microseconds of dispatch whatever its size, and a prefix-sum tree walk or
 update is a chain of two dozen of them; a loop compiled once does the same work in one call. These loops run the
-CPU side of the prefix-sum tree ops (:mod:`gpubuf.ops.prefix_tree`: descent, leaf and range updates) and of the
-checked priority update, when numba is installed (``pip install gpubuf[fast]``) and ``GPUBUF_NUMBA`` is not
-``0``; otherwise the pure-torch twins run, and the tests run both. Each loop does what its twin does, in exact
-arithmetic: a parent is the sum of its ``fanout`` children added in order (every CPU write of a tree goes through
-the same loops, so a tree stays one function of its leaves), and a descent takes the first child whose running sum
-exceeds the remaining mass, never a child of zero mass. Compiled on first use and cached on disk.
+CPU side of the prefix-sum tree ops (:mod:`gpubuf.ops.prefix_tree`: descent, leaf and range updates), of the
+checked priority update and of the importance weights, when numba is installed (``pip install gpubuf[fast]``) and
+``GPUBUF_NUMBA`` is not ``0``; otherwise the pure-torch twins run, and the tests run both. Each loop does what its
+twin does, in exact arithmetic: a parent is the sum of its ``fanout`` children added in order (every CPU write of
+a tree goes through the same loops, so a tree stays one function of its leaves), and a descent takes the first
+child whose running sum exceeds the remaining mass, never a child of zero mass.
+
+numba is imported, and the loops compiled (cached on disk), at the first call of any of them, not at ``import
+gpubuf``. The loops are written below as plain Python (``_name``); the public ``name`` first compiles them all,
+then is the compiled loop itself.
 """
 
+import importlib.util
 import os
 
 import numpy as np
 
-try:
-    if os.environ.get("GPUBUF_NUMBA", "1").strip() == "0":
-        raise ImportError("GPUBUF_NUMBA=0")
-    import numba
-except ImportError:
-    numba = None
-
-ENABLED = numba is not None
+ENABLED = os.environ.get("GPUBUF_NUMBA", "1").strip() != "0" and importlib.util.find_spec("numba") is not None
 BAD_INDEX, NOT_FINITE, OVERFLOW = 1, 2, 4  # the checks of a priority update, as bits
+_LOOPS = ("tree_update", "tree_update_range", "tree_sample", "tree_sample_masses", "importance_weights",
+          "priority_write", "priority_masses", "masses", "priority_update")  # callees before their callers
 
 
-def _compiled(fn):
-    return numba.njit(cache=True, nogil=True)(fn) if ENABLED else fn
+def _compile_all() -> None:
+    """Compile every loop and bind ``name`` and ``_name`` to it (the loops call each other by ``_name``)."""
+    try:
+        import numba
+    except ImportError as err:
+        raise RuntimeError(f"gpubuf's compiled host loops need numba, which failed to import ({err}); set "
+                           "GPUBUF_NUMBA=0 to run the torch paths") from err
+    scope = globals()
+    for name in _LOOPS:
+        scope[name] = scope["_" + name] = numba.njit(cache=True, nogil=True)(scope["_" + name])
 
 
-@_compiled
-def tree_update(tree, offsets, fanout, idx, values):  # pragma: no cover (compiled)
+def _first_call(name: str):
+    def call(*args):
+        _compile_all()
+        return globals()[name](*args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _tree_update(tree, offsets, fanout, idx, values):  # pragma: no cover (compiled)
     """Leaves ``tree[idx] = values`` (K,), then each touched parent, level by level, the ordered sum of its
     children."""
     K = idx.shape[0]
@@ -50,8 +66,7 @@ def tree_update(tree, offsets, fanout, idx, values):  # pragma: no cover (compil
                 prev = p
 
 
-@_compiled
-def tree_update_range(tree, offsets, fanout, lo, values):  # pragma: no cover (compiled)
+def _tree_update_range(tree, offsets, fanout, lo, values):  # pragma: no cover (compiled)
     """Leaves ``tree[lo:lo + n] = values`` (n,), then their parents, the ordered sums of their children."""
     n = values.shape[0]
     for i in range(n):
@@ -67,8 +82,7 @@ def tree_update_range(tree, offsets, fanout, lo, values):  # pragma: no cover (c
             tree[p0 + p] = s
 
 
-@_compiled
-def tree_sample(tree, offsets, fanout, u, out):  # pragma: no cover (compiled)
+def _tree_sample(tree, offsets, fanout, u, out):  # pragma: no cover (compiled)
     """``out[b]`` = the leaf uniform ``u[b]`` picks, in proportion to the leaves' masses: from the top node down,
     the first child whose running sum exceeds the remaining mass (the last child of positive mass when rounding
     puts the mass at or past the node's)."""
@@ -102,16 +116,14 @@ def tree_sample(tree, offsets, fanout, u, out):  # pragma: no cover (compiled)
         out[b] = node
 
 
-@_compiled
-def tree_sample_masses(tree, offsets, fanout, u, out, mass):  # pragma: no cover (compiled)
+def _tree_sample_masses(tree, offsets, fanout, u, out, mass):  # pragma: no cover (compiled)
     """:func:`tree_sample`, and ``mass[b]`` = the picked leaf's mass."""
-    tree_sample(tree, offsets, fanout, u, out)
+    _tree_sample(tree, offsets, fanout, u, out)
     for b in range(out.shape[0]):
         mass[b] = tree[out[b]]
 
 
-@_compiled
-def importance_weights(mass, beta, out):  # pragma: no cover (compiled)
+def _importance_weights(mass, beta, out):  # pragma: no cover (compiled)
     """``out`` (B,) float32 = ``(mass / min(mass)) ** -beta`` of drawn masses ``mass`` (B,) float64."""
     low = mass[0]
     for b in range(1, mass.shape[0]):
@@ -121,8 +133,7 @@ def importance_weights(mass, beta, out):  # pragma: no cover (compiled)
         out[b] = (mass[b] / low) ** -beta
 
 
-@_compiled
-def priority_write(priority, idx, td, eps, limit):  # pragma: no cover (compiled)
+def _priority_write(priority, idx, td, eps, limit):  # pragma: no cover (compiled)
     """Priorities ``float32(|td| + eps)`` (K,) of starts ``idx`` (K,) int64, duplicates keeping their largest,
     checked first: returns ``(code, top)``, the failed checks' bits (nothing written unless 0) and the largest new
     priority."""
@@ -147,8 +158,7 @@ def priority_write(priority, idx, td, eps, limit):  # pragma: no cover (compiled
     return code, top
 
 
-@_compiled
-def priority_masses(priority, idx, valid, alpha, out):  # pragma: no cover (compiled)
+def _priority_masses(priority, idx, valid, alpha, out):  # pragma: no cover (compiled)
     """``out`` (K,) float64 = ``priority[idx] ** alpha`` where ``valid[idx]``, else 0: the sampling masses of
     starts ``idx`` (K,)."""
     for i in range(idx.shape[0]):
@@ -156,23 +166,32 @@ def priority_masses(priority, idx, valid, alpha, out):  # pragma: no cover (comp
         out[i] = np.float64(priority[j]) ** alpha if valid[j] else 0.0
 
 
-@_compiled
-def masses(priority, valid, alpha, out):  # pragma: no cover (compiled)
+def _masses(priority, valid, alpha, out):  # pragma: no cover (compiled)
     """``out`` (n,) float64 = ``priority ** alpha`` where ``valid``, else 0 (``priority``, ``valid``: (n,))."""
     for i in range(out.shape[0]):
         out[i] = np.float64(priority[i]) ** alpha if valid[i] else 0.0
 
 
-@_compiled
-def priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets, fanout, top_box):  # pragma: no cover
+def _priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets, fanout, top_box):  # pragma: no cover
     """:func:`priority_write`, then the masses of ``idx`` in one tree (``valid``, ``tree``, ``offsets``, ``fanout``)
     and ``top_box[0] = max(top_box[0], largest new priority)``, all in one call (no Python signal handler runs
     between them); nothing written when a check fails. Returns ``(code, top)`` as :func:`priority_write`."""
-    code, top = priority_write(priority, idx, td, eps, limit)
+    code, top = _priority_write(priority, idx, td, eps, limit)
     if code == 0:
         mass = np.empty(idx.shape[0])
-        priority_masses(priority, idx, valid, alpha, mass)
-        tree_update(tree, offsets, fanout, idx, mass)
+        _priority_masses(priority, idx, valid, alpha, mass)
+        _tree_update(tree, offsets, fanout, idx, mass)
         if top > top_box[0]:
             top_box[0] = top
     return code, top
+
+
+tree_update = _first_call("tree_update")
+tree_update_range = _first_call("tree_update_range")
+tree_sample = _first_call("tree_sample")
+tree_sample_masses = _first_call("tree_sample_masses")
+importance_weights = _first_call("importance_weights")
+priority_write = _first_call("priority_write")
+priority_masses = _first_call("priority_masses")
+masses = _first_call("masses")
+priority_update = _first_call("priority_update")

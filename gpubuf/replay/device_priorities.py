@@ -34,8 +34,9 @@ class DevicePriorityUpdates:
     def apply(self, idx: torch.Tensor, td: torch.Tensor) -> None:
         """Priorities ``|td| + eps`` of flat starts ``idx`` (K,) int64, ``td`` (K,) real, both on the device, K >= 1
         (duplicates keep their largest), or nothing when any value fails a check; device ops only."""
-        s = self.sampler
-        if s.device.type == "cpu" and host_loops.ENABLED and not torch.compiler.is_compiling():
+        s, td = self.sampler, td.detach()  # TD errors may come straight from a loss
+        if s.device.type == "cpu" and s.backend == "torch" and host_loops.ENABLED \
+                and not torch.compiler.is_compiling():
             idx, td = s.compiled_inputs(idx, td)
             code, _ = s.update_fused(idx, td, self.max.view(1).numpy())  # one call, max_priority included
             if code is None:
@@ -49,13 +50,15 @@ class DevicePriorityUpdates:
             return
         new = td.to(torch.float32).abs().add_(s.eps)
         top = new.amax()
+        finite = torch.isfinite(top)
         code = ((idx < 0) | (idx >= s.size)).any().to(torch.int32) * BAD_INDEX \
-            + (~torch.isfinite(top)).to(torch.int32) * NOT_FINITE + (top >= self.limit).to(torch.int32) * OVERFLOW
+            + (~finite).to(torch.int32) * NOT_FINITE \
+            + (finite & (top.double() >= self.limit)).to(torch.int32) * OVERFLOW  # as the host check: in float64
         ok = code == 0
         safe = idx.clamp(0, s.size - 1)
         s.priority.scatter_reduce_(0, safe, torch.where(ok, new, s.priority.index_select(0, safe)), "amax",
                                    include_self=False)
-        torch.maximum(self.max, torch.where(ok, top, self.max), out=self.max)
+        self.max.copy_(torch.maximum(self.max, torch.where(ok, top, self.max)))
         self.flags.bitwise_or_(code)
         self.dropped.add_((~ok).to(torch.int64))
         s.refresh_masses(safe)

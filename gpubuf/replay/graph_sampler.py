@@ -11,6 +11,8 @@ the buffer's fill: the tree the descent walks is the buffer's own, kept current 
 priority update, so a graph replayed after more inserts samples the buffer as it is then.
 """
 
+import operator
+
 import torch
 
 from gpubuf import ops
@@ -18,6 +20,7 @@ from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.transition import FIELDS, Transition, _map_leaves, items, unflatten
 from gpubuf.replay.stacked import StackedGather
+from gpubuf.replay.storage import leaves_of_words, word_views
 
 
 @refuse_copies("its tensors may be captured in a CUDA graph of its buffer; build a new one with "
@@ -77,8 +80,13 @@ class GraphSampler:
         if selector is not None and not selector.capturable:
             raise ValueError(f"buffer: its selector {selector!r} decides on the host; a GraphSampler draws with "
                              "Recency, Mixture or the buffer's own draw")
-        if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
+        try:  # any integer (numpy's too), not a bool
+            k = None if isinstance(minibatches, bool) else operator.index(minibatches)
+        except TypeError:
+            k = None
+        if k is None or k < 1:
             raise ValueError(f"minibatches: expected an int >= 1, got {minibatches!r}")
+        minibatches = k
         spec = reader.spec(frame_stack, frame_stride, n_step_return, None)
         returns = spec is not None and spec.n is not None
         B, kind = buffer.check_sample_args(batch_size, True, with_next_obs or returns, boundaries)
@@ -90,7 +98,13 @@ class GraphSampler:
             raise ValueError(f"generator: expected a torch.Generator on {buffer.device} or None, "
                              f"got {got}")
         # a batch that cannot fit is refused before anything is built
-        what = reader.check_memory(B, with_next_obs, spec, True)
+        try:
+            what = reader.check_memory(B, with_next_obs, spec, True)
+        except MemoryError as err:
+            if minibatches == 1:
+                raise
+            raise MemoryError(f"batch_size, minibatches: {minibatches} minibatches of {B // minibatches} windows "
+                              f"are one draw of {B}; {err}") from None
         self._guard = buffer.guard  # calls hold the buffer's lock
         self.buffer, self.batch_size, self.generator = buffer, B // minibatches, generator
         self._tree = sampler.tree(kind)  # kept current from now on
@@ -108,7 +122,7 @@ class GraphSampler:
             else:
                 jobs = storage.check_out(None, buffer.config.jobs(B, with_next_obs), dev, ())
                 result, self._work = storage.outputs(B, jobs, dev)
-                self._views = _views(result, self._work)
+                self._views = word_views(result, self._work)
                 result = unflatten(result)
             # forbid: constant
             self.out: Transition = buffer.config.with_flags(result, boundaries, dev)
@@ -131,7 +145,8 @@ class GraphSampler:
             self.indices = self.indices.view(minibatches, -1) if minibatches > 1 else self.indices
         except Exception as err:
             if ops.allocation_failed(err):
-                raise ops.memory_error("batch_size", what, err) from None
+                raise ops.memory_error("batch_size" if minibatches == 1 else "batch_size, minibatches", what,
+                                       err) from None
             raise
 
     @locked
@@ -161,17 +176,18 @@ class GraphSampler:
         else:  # the selector's probabilities, from device state only
             drawn, q = self._selector.draw_u(self._kind, self.u)
             idx.copy_(drawn)
+        batch = None
         if self._stacked is not None:
-            self._stacked.run(idx)
+            batch = self._stacked.run(idx)
         elif self._tables is not None:
             ops.sequence_gather_fixed(self._tables, idx, config.n_steps, config.n_envs,
                                       config.max_rows)
         else:
             self._storage.gather_windows(self._work, idx)
         out, indices = self.out, self.indices
-        if self._views is not None and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and (self._views is not None or batch is not None):
             # traced: the outputs as views of the gathered words, so that no two inputs of the graph alias
-            flat, out, indices = self._traced(flat)
+            flat, out, indices = self._traced(flat, batch)
         config.refresh_flags(flat)  # has_transition from the rows just gathered
         if self.prioritized:  # (P_i / min_minibatch P)**-beta, all in place
             if self._selector is None:
@@ -179,19 +195,20 @@ class GraphSampler:
             else:
                 self._mass.copy_(q)
             mass = self._mass.view(self.minibatches, -1)
-            torch.amin(mass, 1, keepdim=True, out=self._min)
-            # the buffer's beta when this runs (or is replayed)
-            torch.neg(self._beta, out=self._neg_beta)
-            mass.div_(self._min).pow_(self._neg_beta)
+            if torch.compiler.is_compiling():  # traced: functional (AOTAutograd may read a 0-d out= buffer's old value)
+                mass.div_(mass.amin(1, keepdim=True)).pow_(torch.neg(self._beta))
+            else:  # the buffer's beta when this runs (or is replayed); no allocation
+                torch.amin(mass, 1, keepdim=True, out=self._min)
+                torch.neg(self._beta, out=self._neg_beta)
+                mass.div_(self._min).pow_(self._neg_beta)
             flat.PER_weights.copy_(self._mass)
         return out, indices
 
-    def _traced(self, flat: Transition) -> tuple[Transition, Transition, torch.Tensor]:
+    def _traced(self, flat: Transition, batch: Transition | None) -> tuple[Transition, Transition, torch.Tensor]:
         """``(flat batch, batch, indices)`` as :meth:`sample` returns them, the windows' leaves made from the gathered
-        words and ``indices`` from the flat starts (views of the same memory, made where the trace sees them)."""
-        leaves = {path: self._work[i][1].view(torch.uint8).view(dtype).view(shape)
-                  for path, (i, dtype, shape) in self._views.items()}
-        traced = unflatten(leaves)
+        words (or the stacked gather's ``batch``, made so) and ``indices`` from the flat starts (views of the same
+        memory, made where the trace sees them)."""
+        traced = batch if batch is not None else unflatten(leaves_of_words(self._views, self._work))
         for name in ("PER_weights", "is_first", "mask", "has_transition"):
             setattr(traced, name, getattr(flat, name))
         K = self.minibatches
@@ -225,7 +242,7 @@ class GraphSampler:
             raise ValueError(f"td_errors: expected the shape of indices {tuple(indices.shape)}, got "
                              f"{tuple(td_errors.shape)}")
         self.buffer.storage.check_open()
-        self._updates.apply(indices.reshape(-1).to(torch.int64), td_errors.reshape(-1))
+        self._updates.apply(indices.reshape(-1).to(torch.int64), td_errors.detach().reshape(-1))
 
     @locked
     def check_updates(self) -> None:
@@ -241,15 +258,3 @@ def _split(batch: Transition, k: int) -> Transition:
               for name, value in items(batch)}
     return Transition(**{**dict.fromkeys(FIELDS[:5]), **fields})
 
-
-def _views(result: dict, work: list) -> dict | None:
-    """``{path: (index into work, dtype, shape)}``: which gathered words each output leaf views; ``None`` when a leaf
-    views none (a zero-width leaf)."""
-    views = {}
-    for path, t in result.items():
-        i = next((i for i, (_, words, _) in enumerate(work) if words.data_ptr() == t.data_ptr()
-                  and words.numel() * words.element_size() == t.numel() * t.element_size()), None)
-        if i is None:
-            return None
-        views[path] = (i, t.dtype, tuple(t.shape))
-    return views

@@ -481,7 +481,7 @@ class PrioritizedSampler(TreeSampler):
         if idx.numel() == 0:
             return
         on_host = idx.device.type == "cpu" and td.device.type == "cpu"
-        if on_host and self.device.type == "cpu" and host_loops.ENABLED:
+        if on_host and self.device.type == "cpu" and self.backend == "torch" and host_loops.ENABLED:
             self._update_compiled(idx, td)
             return
         # unsigned and narrow ints: checked and widened on the host

@@ -15,6 +15,7 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.transition import Transition, unflatten
+from gpubuf.replay.storage import leaves_of_words, word_views
 
 RETURN_FIELDS = ("reward", "terminated", "truncated")  # replaced by the n-step transition's
 # (1,) float64 tensors of the discounts asked for, per (gamma, device): 8 at most, so an annealed
@@ -141,7 +142,7 @@ class StackedGather:
             self.return_types = (rtype, rtype, torch.int64, torch.bool, torch.bool)
             self.gamma = gamma_tensor(spec.gamma, here)  # held: a captured graph reads it
         self.plain = storage.check_out(None, plain, self.device, ())
-        self.out, self.tables, self._plain_work = None, None, None
+        self.out, self.tables, self._plain_work, self._plain_views = None, None, None, None
 
     def prepare(self) -> "StackedGather":
         """Allocate the outputs (and, ``fixed`` with Triton, upload the copy tables); returns
@@ -152,6 +153,7 @@ class StackedGather:
         elif self.fixed and self.storage.device == self.device:  # the plain windows' word views, made once
             _, self._plain_work = self.storage.outputs(self.B, {d: (self.out["plain"][d], *rest)
                                                                 for d, (_, *rest) in self.plain.items()}, self.device)
+            self._plain_views = word_views(self.out["plain"], self._plain_work)
         return self
 
     def _outputs(self) -> dict:
@@ -197,6 +199,8 @@ class StackedGather:
             if self._plain_work is not None:
                 storage.gather_windows(self._plain_work, starts)
                 result = dict(out["plain"])
+                if self._plain_views is not None and torch.compiler.is_compiling():  # views made in the trace
+                    result = leaves_of_words(self._plain_views, self._plain_work)
             else:
                 plain = self.plain if not self.fixed else {d: (out["plain"][d], *rest)
                                                            for d, (_, *rest) in self.plain.items()}

@@ -298,3 +298,22 @@ class MappedStorage(MemoryStorage):
 
     def close(self) -> None:
         self.dir.close()
+
+
+def word_views(result: dict, work: list) -> dict | None:
+    """``{output path: (index into work, dtype, shape)}``: which gathered words of :meth:`MemoryStorage.outputs`'
+    ``work`` each output leaf of ``result`` views (so a traced caller can rebuild the leaves as views of the words
+    it writes); ``None`` when a leaf views none (a zero-width leaf)."""
+    views = {}
+    for path, t in result.items():
+        i = next((i for i, (_, words, _) in enumerate(work) if words.data_ptr() == t.data_ptr()
+                  and words.numel() * words.element_size() == t.numel() * t.element_size()), None)
+        if i is None:
+            return None
+        views[path] = (i, t.dtype, tuple(t.shape))
+    return views
+
+
+def leaves_of_words(views: dict, work: list) -> dict:
+    """The output leaves :func:`word_views` describes, made again as views of ``work``'s words."""
+    return {path: work[i][1].view(torch.uint8).view(dtype).view(shape) for path, (i, dtype, shape) in views.items()}

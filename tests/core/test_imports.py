@@ -29,7 +29,7 @@ LAYERS = (("gpubuf.kernels",), ("gpubuf._core",), ("gpubuf.ops",), ("gpubuf.repl
           ("gpubuf.sources", "gpubuf.planning", "gpubuf.torchrl"), ("gpubuf.apps",))
 # Third-party packages of the apps and the extras, which neither ``import gpubuf`` nor a core module may
 # load.
-OPTIONAL = ("envpool", "gymnasium", "matplotlib", "tqdm", "tensordict", "scipy", "torchrl")
+OPTIONAL = ("envpool", "gymnasium", "matplotlib", "tqdm", "tensordict", "scipy", "torchrl", "numba")
 # The issue's done-when check, verbatim.
 DONE_WHEN = ("import gpubuf, sys; print([m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tqdm', "
              "'envpool') or m == 'gpubuf.replay.sharded'])")

@@ -86,7 +86,7 @@ def test_the_step_compiles_whole_and_matches_the_eager_step_as_the_buffer_wraps(
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", ["per windows", "per stacks returns minibatches"])
+@pytest.mark.parametrize("name", list(STEPS))
 def test_the_step_compiles_with_the_backends_that_functionalize_it(name, backend):
     """AOTAutograd (under inductor too) refuses graph inputs that alias and are written; the traced step sees the
     windows as views of the gathered memory, so none do."""
@@ -98,8 +98,9 @@ def test_the_step_compiles_with_the_backends_that_functionalize_it(name, backend
             buf.insert(make_transition(20 + 2 * t, 2, E))
             loss, idx = compiled()
             assert torch.isfinite(loss)
-            assert bool((buf.sampling_mass(with_next_obs=True)[idx] > 0).all())  # the kind the sampler draws
-    assert buf.max_priority > 1
+            nxt = "windows" in name or "returns" in name  # the kind the sampler draws
+            assert bool((buf.sampling_mass(with_next_obs=nxt)[idx] > 0).all())
+    assert not gs.prioritized or buf.max_priority > 1
 
 
 def test_device_updates_write_what_the_checked_update_writes():
@@ -204,6 +205,43 @@ def test_a_bad_minibatches_is_named(bad):
     buf, _ = build(True, {}, {})
     with pytest.raises(ValueError, match="minibatches: expected an int >= 1"):
         buf.graph_sampler(batch_size=8, minibatches=bad)
+
+
+def test_minibatches_takes_any_integer_and_a_batch_too_large_names_both():
+    buf, _ = build(True, {}, {})
+    assert buf.graph_sampler(batch_size=8, minibatches=np.int64(2)).indices.shape == (2, 8)
+    with pytest.raises(MemoryError, match="batch_size, minibatches"):
+        buf.graph_sampler(batch_size=8, minibatches=10**12)
+
+
+def test_td_errors_straight_from_a_loss_are_detached():
+    buf, gs = build(True, {}, {})
+    td = torch.full((4,), 2.0, requires_grad=True) * 1.5
+    gs.update_priorities(torch.arange(4), td)
+    gs.check_updates()
+    assert not buf.sampler.priority.requires_grad
+    assert buf.sampler.priority[:4].tolist() == [pytest.approx(3.0 + 1e-6)] * 4
+    buf.insert(make_transition(20, 2, E))  # still usable
+    gs.update_priorities(*gs.sample()[1:], torch.ones(8))
+
+
+def test_the_device_and_host_checks_share_the_mass_bound():
+    """A priority just below the largest whose mass stays finite is written by both paths; just above, by neither."""
+    buf, gs = build(True, {"alpha": 50.0}, {})
+    limit = buf.sampler.mass_limit
+    below = np.float32(limit)
+    while float(below) + 1e-6 >= limit or float(np.float32(below + np.float32(1e-6))) >= limit:
+        below = np.nextafter(below, np.float32(0))
+    above = np.nextafter(np.float32(limit), np.float32(np.inf))
+    gs.update_priorities(torch.tensor([0]), torch.tensor([float(below)]))
+    gs.check_updates()
+    buf.update_priorities([1], [float(below)])
+    assert buf.sampler.priority[0] == buf.sampler.priority[1] > 1
+    gs.update_priorities(torch.tensor([2]), torch.tensor([float(above)]))
+    with pytest.raises(ValueError, match="overflows"):
+        gs.check_updates()
+    with pytest.raises(ValueError, match="overflows"):
+        buf.update_priorities([3], [float(above)])
 
 
 @pytest.mark.parametrize("indices, td, words", [
