@@ -83,7 +83,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
-    def update_priorities(self, indices, td_errors, *, generations=None):
+    def update_priorities(self, indices, td_errors, *, generations=None, deferred: bool = False):
         """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
 
         Duplicate indices keep their largest value. ``max_priority`` becomes ``max(max_priority,
@@ -94,8 +94,26 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         misshapen ``generations``, NaN/inf results, a priority whose ``**alpha`` mass would
         overflow, or a closed ``storage_dir`` buffer (its next flush could not keep the change);
         ``RuntimeError`` in a process that did not open its ``storage_dir`` (a fork).
+
+        ``deferred=True``: checked on the device instead, with no host synchronisation (device tensors of the
+        buffer's device, as :meth:`GraphSampler.update_priorities <gpubuf.GraphSampler.update_priorities>`): an
+        update failing a check writes nothing, and the failure is raised at :meth:`check_updates`, or at the next
+        ``max_priority``, ``state_dict`` or flush. Not with ``generations`` (their check reads the host's counters).
         """
         self.storage.check_open()
+        if deferred:
+            if generations is not None:
+                raise ValueError("generations: not offered with deferred=True (a sync-free update cannot check "
+                                 "them); pass deferred=False")
+            self.stale_updates = 0
+            idx, td = priority_updates(indices, td_errors)
+            dev = self.device
+            if idx.device.type != dev.type or td.device.type != dev.type:
+                raise ValueError(f"indices, td_errors: deferred=True takes tensors on {dev}, got {idx.device} and "
+                                 f"{td.device}")
+            if idx.numel():
+                self.sampler.device_updates().apply(idx.to(torch.int64), td.reshape(-1))
+            return self
         if generations is None:
             self.stale_updates = 0
         else:
@@ -105,6 +123,13 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
             indices, td_errors = idx[keep], td[keep.to(td.device)]
         self.sampler.update_priorities(indices, td_errors)
         return self
+
+    @locked
+    def check_updates(self) -> None:
+        """Raise what deferred priority updates (``update_priorities(..., deferred=True)`` and every
+        :class:`~gpubuf.GraphSampler`'s) dropped since the last check, once (``IndexError`` for indices outside the
+        buffer, else ``ValueError``); one read of the device. Nothing when none ran or none failed."""
+        self.sampler.check_updates()
 
     @locked
     def update_beta(self, beta: float):

@@ -357,6 +357,11 @@ class PrioritizedSampler(TreeSampler):
         if self._device_updates is not None:
             self._device_updates.max.clamp_(min=value)
 
+    def check_updates(self) -> None:
+        """Raise what device-side updates dropped since the last check (nothing when none ran)."""
+        if self._device_updates is not None:
+            self._device_updates.raise_pending()
+
     def device_updates(self) -> DevicePriorityUpdates:
         """The sync-free priority updates of this sampler (made on first use; from then on ``max_priority`` lives
         on the device and inserts read it there)."""

@@ -291,3 +291,25 @@ def test_one_cuda_graph_holds_the_whole_prioritized_step():
     # the graph updates the trees kept at capture: a draw that needs another one is refused, not left stale
     with pytest.raises(RuntimeError, match="captured GraphSampler.update_priorities"):
         buf.sample(with_next_obs=True, boundaries="forbid")
+
+
+def test_the_buffers_own_update_can_be_deferred_too():
+    """``update_priorities(..., deferred=True)``: the device-checked update without a GraphSampler."""
+    buf, _ = build(True, {}, {})
+    a, _ = build(True, {}, {})
+    idx, td = torch.tensor([3, 3, 9]), torch.tensor([2.0, -5.0, 0.5])
+    assert buf.update_priorities(idx, td, deferred=True) is buf
+    a.update_priorities(idx, td)
+    buf.check_updates()
+    assert torch.equal(buf.sampler.priority, a.sampler.priority) and buf.max_priority == a.max_priority
+    before = buf.sampler.priority.clone()
+    buf.update_priorities(torch.tensor([1, E * M]), torch.ones(2), deferred=True)  # no exception here
+    assert torch.equal(buf.sampler.priority, before)
+    with pytest.raises(IndexError, match="outside"):
+        buf.check_updates()
+    buf.check_updates()
+    with pytest.raises(ValueError, match="generations: not offered with deferred=True"):
+        buf.update_priorities(idx, td, deferred=True, generations=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="td_errors"):
+        buf.update_priorities(idx, torch.ones(2), deferred=True)
+    assert torch.equal(buf.sampler.priority, before)
