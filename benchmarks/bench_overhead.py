@@ -36,6 +36,7 @@ import gpubuf.ops.prefix_tree as tree_ops
 import gpubuf.ops.sequence as sequence_ops
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
+from gpubuf.ops import host_loops
 from gpubuf.replay.storage import MemoryStorage
 
 E, OBS, B, ROWS, N = 16, 4, 32, 1024, 4
@@ -57,6 +58,17 @@ def _distinct_leaves(*args):
     torch.arange(args[-1].shape[0], out=args[-1])
 
 
+def _sampled_masses(tree, offsets, fanout, u, out, mass):
+    """The compiled descent's fake: leaves 0 .. B-1 of mass 1."""
+    out[:] = np.arange(out.shape[0])
+    mass[:] = 1.0
+
+
+def _written(*args):
+    """The compiled priority writes' fake: every check passed, largest priority 1."""
+    return 0, np.float32(1.0)
+
+
 def _selected(src, dim, index, out=None):
     """The host-only ``torch.index_select``: ``out``, or an empty tensor of the selection's shape
     (one allocation, no copy)."""
@@ -65,7 +77,8 @@ def _selected(src, dim, index, out=None):
 
 class HostOnly:
     """Benchmark-only switch: while on, the gpubuf ops (history append and gathers, window gathers,
-    tree samples and updates, entry points and torch twins, wherever a gpubuf module holds them),
+    tree samples and updates, entry points and torch twins, wherever a gpubuf module holds them; the CPU's
+    compiled loops),
     storage writes and the data moves the history fast paths make inline (``torch.index_select``,
     ``torch.nan_to_num``, ``Tensor.copy_``) do nothing (an ``index_select`` without ``out`` returns an
     empty tensor of its shape); a tree sample writes leaves 0 .. B-1 (one op).
@@ -78,6 +91,10 @@ class HostOnly:
                   tree_ops.update_twin, tree_ops.tree_update_range, tree_ops.update_range_twin)
         fakes = {id(f): _nothing for f in writes}
         fakes.update({id(f): _distinct_leaves for f in (tree_ops.tree_sample, tree_ops.sample_twin)})
+        # the CPU's compiled loops (compiled by the calls cases() made before this switch is built)
+        fakes.update({id(host_loops.tree_sample_masses): _sampled_masses, id(host_loops.priority_update): _written,
+                      id(host_loops.priority_write): _written, id(host_loops.priority_masses): _nothing,
+                      id(host_loops.masses): _nothing, id(host_loops.importance_weights): _nothing})
         modules = [m for key, m in list(sys.modules.items()) if key.split(".")[0] == "gpubuf"]
         self.swaps = [(m, name, fakes[id(value)], value)
                       for m in modules for name, value in list(vars(m).items()) if id(value) in fakes]

@@ -26,7 +26,8 @@ _LOOPS = ("tree_update", "tree_update_range", "tree_sample", "tree_sample_masses
 
 
 def _compile_all() -> None:
-    """Compile every loop and bind ``name`` and ``_name`` to it (the loops call each other by ``_name``)."""
+    """Compile every loop and bind ``name`` and ``_name`` to it (the loops call each other by ``_name``); division
+    as in numpy (a zero divisor gives inf or NaN, as the torch twins do, not an exception)."""
     try:
         import numba
     except ImportError as err:
@@ -34,7 +35,7 @@ def _compile_all() -> None:
                            "GPUBUF_NUMBA=0 to run the torch paths") from err
     scope = globals()
     for name in _LOOPS:
-        scope[name] = scope["_" + name] = numba.njit(cache=True, nogil=True)(scope["_" + name])
+        scope[name] = scope["_" + name] = numba.njit(cache=True, nogil=True, error_model="numpy")(scope["_" + name])
 
 
 def _first_call(name: str):

@@ -7,6 +7,9 @@ documented host-visible points. ``minibatches=K`` serves K updates from one draw
 """
 
 import copy
+import os
+import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -313,3 +316,79 @@ def test_the_buffers_own_update_can_be_deferred_too():
     with pytest.raises(ValueError, match="td_errors"):
         buf.update_priorities(idx, torch.ones(2), deferred=True)
     assert torch.equal(buf.sampler.priority, before)
+
+
+def consistent(buf) -> None:
+    """Every kept tree holds ``priority ** alpha`` on the valid starts (within rounding) and its parents sum them."""
+    mass = buf.sampling_mass()
+    want = buf.sampler.priority.double().pow(buf.alpha) * (mass > 0)
+    torch.testing.assert_close(mass, want, rtol=1e-12, atol=0)
+
+
+def test_two_threads_update_insert_and_sample_at_once():
+    buf, gs = build(True, {}, {})
+    errors = []
+
+    def learner():
+        try:
+            for _ in range(150):
+                _, idx = gs.sample()
+                gs.update_priorities(idx, torch.rand(8) * 3)
+                buf.update_priorities(idx[:4], torch.rand(4), deferred=True)
+                buf.update_priorities(idx[4:], torch.rand(4))
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    def actor():
+        try:
+            for t in range(150):
+                buf.insert(make_transition(20 + t, 1, E))
+                buf.sample(with_replacement=True)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=learner), threading.Thread(target=actor)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    buf.check_updates()
+    consistent(buf)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_after_device_updates_keeps_them_and_writes_apart(how):
+    buf, gs = build(True, {}, {})
+    gs.update_priorities(torch.arange(10), torch.arange(10.0) * 4)
+    dup = copy.deepcopy(buf) if how == "deepcopy" else pickle.loads(pickle.dumps(buf))
+    assert torch.equal(dup.sampler.priority, buf.sampler.priority) and dup.max_priority == buf.max_priority
+    dup_gs = dup.graph_sampler(batch_size=8)
+    dup_gs.update_priorities(torch.tensor([0]), torch.tensor([100.0]))
+    assert dup.max_priority == pytest.approx(100.0) and buf.max_priority == pytest.approx(36.0)
+    consistent(dup)
+    consistent(buf)
+
+
+def test_a_forked_child_samples_and_updates_on_its_own_copy():
+    buf, gs = build(True, {}, {})
+    gs.update_priorities(torch.arange(6), torch.full((6,), 9.0))
+    before = buf.sampler.priority.clone()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: draw, update, check, report
+        ok = True
+        try:
+            _, idx = gs.sample()
+            gs.update_priorities(idx, torch.full((8,), 50.0))
+            gs.check_updates()
+            ok = buf.max_priority == pytest.approx(50.0)
+        except Exception:  # noqa: BLE001
+            ok = False
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        got = f.read()
+    assert os.waitpid(pid, 0)[1] == 0 and got == b"1"
+    assert torch.equal(buf.sampler.priority, before) and buf.max_priority == pytest.approx(9.0)
