@@ -11,7 +11,6 @@ wherever it reads the device anyway (``max_priority``, ``state_dict``, a ``stora
 
 import torch
 
-from gpubuf._core.signals import signals_held
 from gpubuf.ops import host_loops
 
 BAD_INDEX, NOT_FINITE, OVERFLOW = 1, 2, 4
@@ -37,13 +36,7 @@ class DevicePriorityUpdates:
         s, td = self.sampler, td.detach()  # TD errors may come straight from a loss
         if s.device.type == "cpu" and s.backend == "torch" and host_loops.ENABLED \
                 and not torch.compiler.is_compiling():
-            idx, td = s.compiled_inputs(idx, td)
-            code, _ = s.update_fused(idx, td, self.max.view(1).numpy())  # one call, max_priority included
-            if code is None:
-                with signals_held():  # the compiled loops: checks first, then priorities and trees, or nothing
-                    code, top = s.write_compiled(idx, td)
-                    if not code:
-                        self.max.clamp_(min=top)
+            code, _ = s.write_compiled(idx, td)  # checks first, then priorities, trees and max, or nothing
             if code:
                 self.flags.bitwise_or_(code)
                 self.dropped.add_(1)

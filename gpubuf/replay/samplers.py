@@ -295,7 +295,9 @@ class PrioritizedSampler(TreeSampler):
         self._beta, self._beta_tensor = beta, None
         self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32},
                                      device)["priority"]
-        self._max_box, self._device_updates = np.ones(1), None  # (1,): compiled loops raise it
+        # (1,) max_priority on the host (the device's own memory on a CPU buffer once device updates ran): the
+        # compiled loops raise it
+        self._max_box, self._device_updates = np.ones(1), None
         # the largest priority whose mass ``top**alpha`` over every start stays finite (check_mass's bound)
         self.mass_limit = math.inf if alpha == 0 else math.exp(min((_LOG_MAX - math.log(self.size)) / alpha, 700.0))
         self._rows = self.priority.view(ring.max_rows, ring.n_envs)
@@ -367,6 +369,8 @@ class PrioritizedSampler(TreeSampler):
         on the device and inserts read it there)."""
         if self._device_updates is None:
             self._device_updates = DevicePriorityUpdates(self, float(self._max_box[0]))
+            if self.device.type == "cpu":  # one home for max_priority: the compiled loops raise the device's
+                self._max_box = self._device_updates.max.view(1).numpy()
         return self._device_updates
 
     def tensors(self) -> list[torch.Tensor]:
@@ -504,55 +508,41 @@ class PrioritizedSampler(TreeSampler):
             self.update(idx, new, top)
 
     def _update_compiled(self, idx: torch.Tensor, td: torch.Tensor) -> None:
-        """:meth:`update_priorities` of host inputs into a CPU buffer by the compiled loops: checks, priorities,
-        masses and ``max_priority`` in one call while one tree is kept (nothing can interrupt it), else with
-        signals held; nothing is written unless every check passes."""
+        """:meth:`update_priorities` of host inputs into a CPU buffer by the compiled loops
+        (:meth:`write_compiled`); a failed check raises, naming what failed, with nothing written."""
         if idx.dtype != torch.int64:
             idx = torch.from_numpy(self.host_indices(idx.numpy()))
-        idx, td = self.compiled_inputs(idx, td)
-        code, top = self.update_fused(idx, td, self._max_box)
-        if code is None:  # no tree or several, or max_priority on the device
-            with signals_held():  # priorities and trees: both written or neither
-                code, top = self.write_compiled(idx, td)
-                if not code:
-                    self.raise_max_priority(top)
+        code, top = self.write_compiled(idx, td)
         if code:
             self.check_update(idx, td, td.to(torch.float32).abs().add_(self.eps))  # raises, naming what failed
             raise ValueError(f"td_errors, alpha: priority {top:g} ** alpha {self.alpha:g} over {self.size} starts "
                              "overflows float64 sampling mass; lower alpha or scale the TD errors")
 
-    @staticmethod
-    def compiled_inputs(idx: torch.Tensor, td: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``idx`` contiguous (the tree kernels assume unit stride), ``td`` detached, in float32 or float64."""
-        td = td.detach()
-        return idx.contiguous(), td if td.dtype in (torch.float32, torch.float64) else td.to(torch.float32)
-
-    def update_fused(self, idx: torch.Tensor, td: torch.Tensor, top_box: np.ndarray) -> tuple:
-        """:func:`gpubuf.ops.host_loops.priority_update` of :meth:`compiled_inputs` into the one kept tree, raising
-        ``top_box`` (1,); ``(None, None)`` (nothing done) unless exactly one tree is kept and ``max_priority`` is
-        ``top_box``'s alone."""
-        if len(self._active) != 1 or (self._device_updates is not None and top_box is self._max_box):
-            return None, None
-        (kind,) = self._active
-        tree = self._trees[kind]
-        code, top = host_loops.priority_update(self.priority.numpy(), idx.numpy(), td.numpy(), np.float32(self.eps),
-                                               self.mass_limit, self.alpha, self._valid[kind].numpy(),
-                                               tree.tree.numpy(), ops.prefix_tree.offsets_array(tree.offsets),
-                                               tree.fanout, top_box)
-        return code, float(top)
-
     def write_compiled(self, idx: torch.Tensor, td: torch.Tensor) -> tuple[int, float]:
-        """Priorities ``|td| + eps`` of host starts ``idx`` (K,) int64 and their masses in every kept tree, by the
-        compiled loops (:meth:`compiled_inputs`), unless a check fails: returns ``(failed checks' bits, 0 when all
-        passed; largest new priority)``, having written nothing unless every check passed. ``max_priority`` is the
-        caller's."""
-        prio, i = self.priority.numpy(), idx.numpy()
-        code, top = host_loops.priority_write(prio, i, td.numpy(), np.float32(self.eps), self.mass_limit)
-        if not code:
-            mass = np.empty(i.shape[0])
-            for kind in self._active:
-                host_loops.priority_masses(prio, i, self._valid[kind].numpy(), self.alpha, mass)
-                self._trees[kind].update(idx, torch.from_numpy(mass))
+        """Priorities ``|td| + eps`` of host starts ``idx`` (K,) int64, their masses in every kept tree and
+        ``max_priority``, by the compiled loops, unless a check fails: returns ``(failed checks' bits, 0 when all
+        passed; largest new priority)``, having written nothing unless every check passed. With one tree kept (the
+        usual case) it is one compiled call, which no signal handler can interrupt; else signals are held."""
+        td = td.detach()
+        td = td if td.dtype in (torch.float32, torch.float64) else td.to(torch.float32)
+        idx = idx.contiguous()  # the tree kernels assume unit stride
+        prio, i, eps = self.priority.numpy(), idx.numpy(), np.float32(self.eps)
+        if len(self._active) == 1:
+            (kind,) = self._active
+            tree = self._trees[kind]
+            code, top = host_loops.priority_update(prio, i, td.numpy(), eps, self.mass_limit, self.alpha,
+                                                   self._valid[kind].numpy(), tree.tree.numpy(),
+                                                   ops.prefix_tree.offsets_array(tree.offsets), tree.fanout,
+                                                   self._max_box)
+            return code, float(top)
+        with signals_held():  # priorities, trees and max_priority: all written or none
+            code, top = host_loops.priority_write(prio, i, td.numpy(), eps, self.mass_limit)
+            if not code:
+                mass = np.empty(i.shape[0])
+                for kind in self._active:
+                    host_loops.priority_masses(prio, i, self._valid[kind].numpy(), self.alpha, mass)
+                    self._trees[kind].update(idx, torch.from_numpy(mass))
+                self.raise_max_priority(float(top))
         return code, float(top)
 
     def refresh_masses(self, idx: torch.Tensor) -> None:
