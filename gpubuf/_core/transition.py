@@ -182,10 +182,14 @@ def to(transition: Transition, device, non_blocking: bool = False) -> Transition
     """
     _check(transition)
     device = parse_device(device)
-    moved = {name: _map_leaves(value, lambda v, p: as_tensor(v, p).to(device,
-                                                                     non_blocking=non_blocking),
-                               name, keep_none=True) for name, value in items(transition)}
-    return Transition(**{**dict.fromkeys(FIELDS[:5]), **moved})
+    return map_leaves(transition, lambda v, p: as_tensor(v, p).to(device, non_blocking=non_blocking))
+
+
+def map_leaves(transition: Transition, fn) -> Transition:
+    """A new :class:`Transition` of ``fn(leaf, path)`` over every set leaf (nested dicts included); ``None``
+    fields and ``None`` values inside dicts stay ``None``."""
+    mapped = {name: _map_leaves(value, fn, name, keep_none=True) for name, value in items(transition)}
+    return Transition(**{**dict.fromkeys(FIELDS[:5]), **mapped})
 
 
 def _tensordict():

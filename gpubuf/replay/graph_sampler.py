@@ -18,7 +18,7 @@ import torch
 from gpubuf import ops
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
-from gpubuf._core.transition import FIELDS, Transition, _map_leaves, items, unflatten
+from gpubuf._core.transition import Transition, map_leaves, unflatten
 from gpubuf.replay.stacked import StackedGather
 from gpubuf.replay.storage import leaves_of_words, word_views
 
@@ -254,7 +254,5 @@ class GraphSampler:
 
 def _split(batch: Transition, k: int) -> Transition:
     """``batch`` with every ``(k * B, ...)`` leaf viewed as ``(k, B, ...)``."""
-    fields = {name: _map_leaves(value, lambda t, _: t.view(k, -1, *t.shape[1:]), name, keep_none=True)
-              for name, value in items(batch)}
-    return Transition(**{**dict.fromkeys(FIELDS[:5]), **fields})
+    return map_leaves(batch, lambda t, _: t.view(k, -1, *t.shape[1:]))
 

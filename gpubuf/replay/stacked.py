@@ -151,8 +151,7 @@ class StackedGather:
         if self.fixed and self.backend == "triton" and not self.env_major:
             self.tables = self._tables()
         elif self.fixed and self.storage.device == self.device:  # the plain windows' word views, made once
-            _, self._plain_work = self.storage.outputs(self.B, {d: (self.out["plain"][d], *rest)
-                                                                for d, (_, *rest) in self.plain.items()}, self.device)
+            _, self._plain_work = self.storage.outputs(self.B, self._plain_jobs(self.out), self.device)
             self._plain_views = word_views(self.out["plain"], self._plain_work)
         return self
 
@@ -172,11 +171,14 @@ class StackedGather:
     def _tables(self) -> dict:
         """Copy tables uploaded once, per output group, for the Triton launchers."""
         storage, n, k = self.storage, self.config.n_steps, self.spec.k or 1
-        _, work = storage.outputs(self.B, {d: (self.out["plain"][d], *rest)
-                                           for d, (_, *rest) in self.plain.items()}, self.device)
+        _, work = storage.outputs(self.B, self._plain_jobs(self.out), self.device)
         return {"plain": ops.sequence_tables(work, self.B, n, self.device),
                 "stacks": ops.stack_tables(self._jobs(self.stacks), self.B, n, k, self.device),
                 "boots": ops.stack_tables(self._jobs(self.boots), self.B, 1, k, self.device)}
+
+    def _plain_jobs(self, out: dict) -> dict:
+        """The plain windows' jobs writing into ``out["plain"]``."""
+        return {d: (out["plain"][d], *rest) for d, (_, *rest) in self.plain.items()}
 
     def _jobs(self, jobs: list, out: dict | None = None) -> list:
         out = self.out if out is None else out
@@ -202,9 +204,7 @@ class StackedGather:
                 if self._plain_views is not None and torch.compiler.is_compiling():  # views made in the trace
                     result = leaves_of_words(self._plain_views, self._plain_work)
             else:
-                plain = self.plain if not self.fixed else {d: (out["plain"][d], *rest)
-                                                           for d, (_, *rest) in self.plain.items()}
-                result = storage.gather(starts, plain, self.device)
+                result = storage.gather(starts, self._plain_jobs(out) if self.fixed else self.plain, self.device)
             ops.frame_stack(storage.backend, self._jobs(self.stacks, out), local, marks.marks,
                             marks.held, n, k, spec.stride, E, M, self.env_major)
         if spec.n is not None:
