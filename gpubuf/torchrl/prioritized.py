@@ -47,6 +47,23 @@ def _index(index, device: torch.device, capacity: int) -> tuple[torch.Tensor, in
     return idx, hi + 1
 
 
+def _check_priorities(priority, eps: float, alpha: float, dtype: torch.dtype) -> None:
+    """``ValueError`` naming ``priority`` unless every priority is a finite number ``>= 0`` whose leaf
+    ``(priority + eps) ** alpha`` is finite in ``dtype``. What torch cannot read is left to torchrl's own error."""
+    try:
+        p = torch.as_tensor(priority).detach()
+    except (TypeError, ValueError, RuntimeError):
+        return
+    if p.dtype == torch.bool or p.is_complex() or not p.numel():
+        return
+    p = p.to(torch.float64)
+    leaf = torch.pow(p + eps, alpha).to(dtype)
+    bad = ~(torch.isfinite(p) & (p >= 0) & torch.isfinite(leaf))
+    if bool(bad.any()):
+        raise ValueError(f"priority: expected finite priorities >= 0 whose (priority + eps) ** alpha is finite in "
+                         f"{dtype}, got {p[bad][:5].tolist()}; nothing was written")
+
+
 class _Writes:
     """One write to both trees, prepared once: torchrl writes the same ``(index, value)`` to its sum tree and then
     to its min tree, so the second tree reuses the first one's checked leaves and values (keyed by the two
@@ -178,7 +195,8 @@ class MinTree(_Leaves):
             self.leaves[idx] = v
             return
         old_min, new_min = self._min, float(v.min())
-        lost = old_min is None or new_min != new_min or (  # unknown, NaN written, or its leaf overwritten higher
+        # the minimum is lost when unknown, NaN (held or written: recounted until no leaf is NaN), or its leaf raised
+        lost = old_min is None or old_min != old_min or new_min != new_min or (
             new_min > old_min and bool((self.leaves.index_select(0, idx) == old_min).any()))
         self.leaves[idx] = v
         self._stale[idx // _BLOCK] = True
@@ -217,7 +235,10 @@ class GpubufTrees:
 
     def update_priority(self, index, priority, *, storage=None) -> None:
         """torchrl's update; a refused index or priority (``IndexError``, ``ValueError``) changes nothing: torchrl
-        records a new maximum priority before its trees are written, and that record is undone here."""
+        records a new maximum priority before its trees are written, and that record is undone here. A priority that
+        is negative, NaN or infinite, or whose leaf ``(priority + eps) ** alpha`` the trees' ``dtype`` cannot hold
+        finite, is refused (torchrl stores it, and its next draw raises)."""
+        _check_priorities(priority, self._eps, self._alpha, self._sum_tree.dtype)
         before = self._max_priority
         try:
             super().update_priority(index, priority, storage=storage)

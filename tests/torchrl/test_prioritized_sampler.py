@@ -267,3 +267,59 @@ def test_torchrls_sequence_stage_on_the_plug_in_matches_torchrls_sampler(boundar
             rb.update_tensordict_priority(s)
     for seed in range(5):
         assert_same(*sample_both(rbs, 50 + seed))
+
+
+@pytest.mark.parametrize(("alpha", "bad", "torchrl_draw_raises"), [
+    (0.6, -1.0, True), (1.0, -1.0, True), (2.0, -1.0, False), (0.6, -1e-9, False), (0.6, float("nan"), True),
+    (0.6, float("inf"), True), (2.0, 1e30, True)])
+def test_an_invalid_priority_is_refused_with_nothing_written_and_draws_go_on_as_torchrls(alpha, bad,
+                                                                                         torchrl_draw_raises):
+    """A negative, NaN or infinite priority, or one whose ``(p + eps) ** alpha`` leaf overflows float32, is refused
+    before anything is written (torchrl's sampler stores it, and its next draw raises unless alpha makes the leaf
+    positive and finite); the plug-in then draws and weighs as torchrl's sampler that never got the refused
+    update."""
+    rbs = buffers(32, alpha=alpha, beta=0.4)
+    g = torch.Generator().manual_seed(7)
+    prio = torch.rand(32, generator=g) + 0.1
+    for rb in rbs:
+        rb.extend(data(0, 32))
+        rb.update_priority(torch.arange(32), prio)
+    plug = rbs[0].sampler
+    before, default = plug._sum_tree.leaves.clone(), float(plug.default_priority)  # noqa: SLF001
+    with pytest.raises(ValueError, match=r"priority: expected finite priorities >= 0 .*; nothing was written"):
+        rbs[0].update_priority(torch.tensor([3, 5]), torch.tensor([50.0, bad]))
+    assert torch.equal(plug._sum_tree.leaves, before)  # noqa: SLF001
+    assert float(plug.default_priority) == default  # the refused update's 50 is not the new maximum
+    for seed in range(5):
+        assert_same(*sample_both(rbs, seed))
+    reference = buffers(32, alpha=alpha, beta=0.4)[1]
+    reference.extend(data(0, 32))
+    reference.update_priority(torch.tensor([3, 5]), torch.tensor([50.0, bad]))  # torchrl accepts it
+    np.random.seed(0)
+    if torchrl_draw_raises:
+        with pytest.raises((OverflowError, RuntimeError)):
+            reference.sample()
+    else:
+        reference.sample()
+
+
+def test_nan_leaves_loaded_from_torchrls_files_are_forgotten_once_rewritten(tmp_path):
+    """Leaves torchrl's sampler stored from a NaN priority, loaded from its files: both samplers raise on a draw
+    until those leaves are rewritten, then draw the same rows with the same finite weights (the kept minimum is
+    recounted rather than kept NaN)."""
+    rbs = buffers(16, alpha=0.6, beta=0.4)
+    for rb in rbs:
+        rb.extend(data(0, 16))
+    rbs[1].update_priority(torch.tensor([2, 9]), torch.tensor([float("nan"), 3.0]))  # torchrl accepts it
+    rbs[1].dumps(tmp_path / "ref")  # torchrl's own dumps
+    rbs[0].loads(tmp_path / "ref")
+    for rb in rbs:
+        with pytest.raises(OverflowError):
+            np.random.seed(0)
+            rb.sample()
+    for rb in rbs:
+        rb.update_priority(torch.arange(16), torch.linspace(0.5, 2.0, 16))
+    for seed in range(5):
+        a, b = sample_both(rbs, seed)
+        assert_same(a, b)
+        assert torch.isfinite(a["priority_weight"]).all()
