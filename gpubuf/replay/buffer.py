@@ -44,7 +44,7 @@ from gpubuf._core.transition import Transition
 from gpubuf.replay import tiers, write_backs
 from gpubuf.replay.buffer_state import BufferState
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
-from gpubuf.replay.process_writers import ReplayWriter, WriterHub
+from gpubuf.replay.process_writers import ReplayWriter
 from gpubuf.replay.rate_limiter import check_limiter
 from gpubuf.replay.readers import BatchReader
 from gpubuf.replay.ring import StartRing
@@ -53,6 +53,7 @@ from gpubuf.replay.samplers import TreeSampler, UniformSampler
 from gpubuf.replay.selectors import check_selector
 from gpubuf.replay.steady_insert import SteadyInsert
 from gpubuf.replay.storage import MappedStorage, MemoryStorage
+from gpubuf.replay.writer_hub import WriterHub
 
 __all__ = ["BOUNDARIES", "Transition", "TransitionBuffer"]
 
@@ -123,7 +124,8 @@ class TransitionBuffer(Samples, BufferState):
         self.backend = ops.backend_for(self.device)
         self._guard = CallGuard(self.device)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
-        self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs)
+        self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs, self._row_items,
+                                          config.sample_batch_size)
         self.selector = check_selector(selector)
         self.storage = MemoryStorage(config, self.storage_device) if storage_dir is None else \
             MappedStorage(config, storage_dir)
@@ -150,7 +152,7 @@ class TransitionBuffer(Samples, BufferState):
                 self.storage.dir.close()
             raise
         if self.rate_limiter is not None:
-            self.rate_limiter.attach(self._guard)
+            self.rate_limiter.attach(self._guard, self._row_items)
         self._hub = None  # the writers in other processes (WriterHub), once one was handed out
 
     def _reopen(self, state: dict | None, since: int) -> None:
@@ -161,9 +163,14 @@ class TransitionBuffer(Samples, BufferState):
             self.selector.rows_loaded()
         if self.rate_limiter is not None:
             saved = None if state is None else state.get("rate_limiter")
-            if saved is not None:
-                saved = {**saved, "inserts": saved["inserts"] + since * self.config.n_envs}
+            if saved is not None:  # every row written after the flush, held still or overwritten since
+                after = max(0, self.ring.total - int(state["total"])) if since else 0
+                saved = {**saved, "inserts": saved["inserts"] + after * self.config.n_envs}
             self.rate_limiter.load(saved, len(self))
+
+    @property
+    def _row_items(self) -> int:  # transitions of the smallest insert: one row of every env
+        return self.config.n_envs if self.config.vectorized_env else 1
 
     def _config_extra(self) -> tuple:  # hook: the subclass's own configuration fields
         return ()
@@ -234,7 +241,14 @@ class TransitionBuffer(Samples, BufferState):
         n = None if limiter is None else self.config.items_in(transition)
         if n is None:  # no limiter, or a malformed insert: its own error
             return self._insert(transition)
-        limiter.take("insert", n)
+        return self.insert_in_turn(transition, n)
+
+    def insert_in_turn(self, transition: Transition, n: int, sized: bool = False):
+        """:meth:`insert` of ``n`` transitions with a rate limiter (under the lock; for companions: the commits of
+        writers): wait for the turn, write, or give the count back (``sized``: the caller checked ``n`` against the
+        band already)."""
+        limiter = self.rate_limiter
+        limiter.take("insert", n, sized)
         try:
             return self._insert(transition)
         except BaseException:
@@ -447,10 +461,10 @@ class TransitionBuffer(Samples, BufferState):
     def can_sample(self, n: int | None = None) -> bool:
         """Whether the :attr:`rate_limiter` lets a sample of ``n`` windows (``None``: the default batch) run now
         (always without one, the buffer's own checks aside), once what writers in other processes published is
-        committed."""
+        committed; ``WriterDied`` for a dead writer, as :meth:`collect`."""
         if self._hub is not None:
             with self.lock:
-                self._hub.collect(report=False)
+                self._hub.collect()
         return self.rate_limiter is None or self.rate_limiter.can_sample(self.config.batch_size(n))
 
     def can_insert(self, n: int) -> bool:

@@ -15,14 +15,18 @@ had not published, nothing else.
 Vectorized buffers: a writer owns a contiguous range of env lanes (``envs=range(a, b)``; ``None``: all
 of them) and inserts ``(T, b - a, ...)`` rows; row ``t`` of the buffer is committed once every lane's
 writer has published its row ``t`` (lockstep, as one vector env of all the actors' envs), so each
-lane holds one env's stream, in order. Not vectorized: each writer's inserts are committed whole, one
-writer's after another's, in the order collected.
+lane holds one env's stream, in order; rows a writer published beyond the rows of lanes whose writers all
+ended wait for a new writer of those lanes, and a :class:`RowsWaiting` warning says so. Not vectorized: each
+writer's inserts are committed whole, one writer's after another's (with a rate limiter, an insert it holds back
+waits whole, and its writer goes first next time; an insert holds at most ``writer.max_insert`` rows).
 
-A dead actor (its process exited or was killed without ``writer.close()``) is reported once by the
-owner's next ``sample``/``collect`` as :class:`WriterDied`, after every row it published was
-committed; its lanes then stop the commits until a new writer is handed out for the same lanes
-(``buffer.writer(envs=the same range)``), whose first row starts new episodes there: the dead
-writer's last row is marked ``truncated`` (where the buffer stores that leaf). An actor waits while
+A dead actor (its process exited or was killed without ``writer.close()``) is reported once, as
+:class:`WriterDied`, by the first of the owner's calls that commit (``sample``, ``can_sample``, a rate limiter's
+wait, ``collect``) after every row it published was committed (or, when some can never be committed until new
+writers come, at once, saying how many wait); its lanes then stop the commits until a new writer is handed out
+for the same lanes (``buffer.writer(envs=the same range)``), whose first row starts new episodes there: the dead
+writer's last row is marked ``truncated`` (where the buffer stores that leaf). The owner's side, the commits and
+the reports, is :mod:`gpubuf.replay.writer_hub`. An actor waits while
 its queue is full (the owner commits what the rate limiter allows, so a limiter holds actors back
 too); ``insert(..., timeout=)`` ends the wait with ``TimeoutError``, and a dead owner with
 ``RuntimeError``. Liveness is read from ``/proc`` (Linux).
@@ -37,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from gpubuf._core.transition import Transition, unflatten
+from gpubuf._core.transition import Transition
 from gpubuf.replay.config import ReplayConfig
 
 # the int64 control words of one writer, in shared host memory
@@ -48,6 +52,11 @@ _POLL_S = (0.0002, 0.005)  # first and longest sleep of a waiting actor
 
 class WriterDied(RuntimeError):
     """An actor process holding a :class:`ReplayWriter` exited or was killed without closing it."""
+
+
+class RowsWaiting(RuntimeWarning):
+    """Rows writers published that cannot be committed now: they wait for rows of lanes whose writers ended (a
+    new writer of those lanes commits them), or the buffer's ``storage_dir`` was closed."""
 
 
 def process_alive(pid: int) -> bool:
@@ -73,7 +82,7 @@ class ReplayWriter:
 
     Args of ``buffer.writer``: ``envs`` (a vectorized buffer: ``range(a, b)`` of its env lanes, or
     ``None`` for all; not vectorized: ``None``), ``rows`` (the queue's length in rows per env; an insert
-    may hold at most that many).
+    may hold at most that many, and at most :attr:`max_insert`).
 
     Pass it to the actor as an argument of a ``torch.multiprocessing`` process (or use it in a forked
     child or a thread): one process writes through it. A plain ``pickle``/``copy`` of it holds no
@@ -81,9 +90,12 @@ class ReplayWriter:
     """
 
     def __init__(self, config: ReplayConfig, envs: range | None, rows: int, device: torch.device,
-                 name: str, owner_pid: int):
+                 name: str, owner_pid: int, max_insert: int | None = None):
         width = len(envs) if envs is not None else 1
         self.envs, self.rows, self.device, self.name, self.owner_pid = envs, rows, device, name, owner_pid
+        # rows one insert may hold: not vectorized, inserts commit whole, so at most what the rate limiter's band
+        # holds beside a sample of the buffer's batch
+        self.max_insert = rows if max_insert is None else min(rows, max_insert)
         self.config = dataclasses.replace(config, n_envs=width, max_rows=rows, max_size=rows * width)
         lane = (width,) if config.vectorized_env else ()
         self.queue = {}
@@ -91,6 +103,8 @@ class ReplayWriter:
             t = torch.zeros((rows, *lane, *leaf.shape), dtype=leaf.dtype, device=device)
             self.queue[leaf.path] = t if device.type == "cuda" else t.share_memory_()
         self.control = torch.zeros(4, dtype=torch.int64).share_memory_()
+        # not vectorized: which queue rows end an insert (commits take whole inserts)
+        self.ends = None if config.vectorized_env else torch.zeros(rows, dtype=torch.bool).share_memory_()
         self.copied = False
         self._started = None  # (owner side) the process it was handed to at a spawn: its pid before the actor claims
 
@@ -98,14 +112,18 @@ class ReplayWriter:
 
     def insert(self, transition: Transition, timeout: float | None = None) -> "ReplayWriter":
         """Publish ``T`` rows (leaves ``(T, len(envs), ...)``, ``(T, ...)`` not vectorized; the buffer's leaves,
-        shapes and value-preserving dtypes; ``1 <= T <= rows``) to the owner; returns ``self``. Waits while the
-        queue has no room for them (``timeout`` seconds, ``None``: no limit, then ``TimeoutError``); nothing is
-        published on any error."""
+        shapes and value-preserving dtypes; ``1 <= T <= rows``, and ``T <=`` :attr:`max_insert`) to the owner;
+        returns ``self``. Waits while the queue has no room for them (``timeout`` seconds, ``None``: no limit,
+        then ``TimeoutError``); nothing is published on any error."""
         self._check_writer()
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
                                     or not timeout >= 0 or math.isnan(timeout)):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         values, _, T = self.config.rows(transition)
+        if T > self.max_insert:
+            raise ValueError(f"transition: expected at most max_insert={self.max_insert} rows per insert into this "
+                             f"buffer (its inserts are committed whole, and its rate limiter's band holds no more "
+                             f"beside a sample of its batch), got {T}; insert fewer rows at a time")
         control = self.control
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         pause = _POLL_S[0]
@@ -125,14 +143,20 @@ class ReplayWriter:
             q[start:start + first].copy_(t[:first])
             if first < T:
                 q[:T - first].copy_(t[first:])
+        if self.ends is not None:
+            ends = self.ends
+            ends[(published + np.arange(T)) % self.rows] = False
+            ends[(published + T - 1) % self.rows] = True
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the rows are whole before they are published
         control[PUBLISHED] = published + T
         return self
 
     def close(self) -> None:
-        """This writer inserts no more: its published rows are still committed, then its lanes may be handed
-        to a new writer (not reported as dead)."""
+        """This writer inserts no more (it is not reported as dead): its published rows are still committed, then
+        its lanes may be handed to a new writer. A vectorized buffer's in lockstep with the other lanes: rows it
+        published beyond the rows of lanes whose writers all ended wait for a new writer of those lanes
+        (:class:`RowsWaiting` says so; :attr:`pending` counts them)."""
         if not self.control[CLOSED]:
             self.control[CLOSED] = CLOSED_BY_ACTOR
 
@@ -210,6 +234,12 @@ class ReplayWriter:
             return {p: q[start:start + n] for p, q in self.queue.items()}
         return {p: torch.cat([q[start:], q[:start + n - self.rows]]) for p, q in self.queue.items()}
 
+    def insert_ends(self, n: int) -> list:
+        """The row counts, within the next ``n`` published rows, after which a whole insert ends (ascending)."""
+        start = int(self.control[CONSUMED])
+        rows = (start + np.arange(n)) % self.rows
+        return (np.flatnonzero(self.ends.numpy()[rows]) + 1).tolist()
+
     def consumed(self, n: int) -> None:
         self.control[CONSUMED] += n
 
@@ -237,178 +267,3 @@ class ReplayWriter:
         for p in paths:
             self.queue[p][row] = True
         return True
-
-
-class WriterHub:
-    """The owner's side: the writers of one buffer, their lanes, and the commits of their rows."""
-
-    def __init__(self, buffer):
-        self.buffer = buffer
-        self.owner_pid = os.getpid()
-        self.groups: dict[range | None, list[ReplayWriter]] = {}  # lanes -> writers in order (the last current)
-        self.reported: set[int] = set()  # ids of writers reported dead
-
-    def add(self, envs, rows: int) -> ReplayWriter:
-        buffer, config = self.buffer, self.buffer.config
-        envs = self._lanes(envs)
-        rows = min(64, config.max_rows) if rows is None else _positive_int("rows", rows)
-        if rows > config.max_rows:
-            raise ValueError(f"rows: expected at most the buffer's {config.max_rows} rows per env, got {rows}")
-        for lanes, writers in self.groups.items():
-            if lanes is None:  # not vectorized: writers share no lanes
-                break
-            if lanes == envs:
-                old = writers[-1]
-                if not old.finished():
-                    raise ValueError(f"envs: {old} still writes these lanes (close it, or let it end, first)")
-            elif lanes is not None and envs is not None and lanes.start < envs.stop and envs.start < lanes.stop:
-                raise ValueError(f"envs: {_show(envs)} overlaps the lanes {_show(lanes)} of another writer; "
-                                 "give each writer its own range, or exactly the range of a writer that ended")
-        writer = ReplayWriter(config, envs, rows, buffer.storage_device, type(buffer).__name__, self.owner_pid)
-        self._check_band(envs)
-        group = self.groups.setdefault(envs, [])
-        if group and config.vectorized_env:
-            group[-1].control[CLOSED] = max(int(group[-1].control[CLOSED]), RETIRED)  # its handle writes no more
-            self._cut(group[-1], envs)
-        group.append(writer)
-        return writer
-
-    def _check_band(self, envs) -> None:
-        """``ValueError`` when the rate limiter's band is narrower than one committed row (all lanes)."""
-        limiter, config = self.buffer.rate_limiter, self.buffer.config
-        if limiter is None or not config.vectorized_env:
-            return
-        step, span = config.n_envs * limiter.samples_per_insert, limiter.max_diff - limiter.min_diff
-        if step > span:
-            raise ValueError(f"envs: a row of all {config.n_envs} lanes (committed whole) moves the rate limiter's "
-                             f"inserts * samples_per_insert - samples by {step:g}, more than max_diff - min_diff = "
-                             f"{span:g}, so it could never be committed (widen error_buffer)")
-
-    def _lanes(self, envs) -> range | None:
-        config = self.buffer.config
-        if not config.vectorized_env:
-            if envs is not None:
-                raise ValueError(f"envs: a buffer with vectorized_env=False has no env lanes; expected None, "
-                                 f"got {envs!r}")
-            return None
-        E = config.n_envs
-        if envs is None:
-            return range(E)
-        if isinstance(envs, slice):
-            envs = range(E)[envs]
-        if not isinstance(envs, range) or envs.step != 1 or len(envs) == 0 or envs.start < 0 or envs.stop > E:
-            raise ValueError(f"envs: expected a non-empty range(a, b) of consecutive env lanes within range(0, {E}), "
-                             f"got {envs!r}")
-        return envs
-
-    def _cut(self, old: ReplayWriter, envs: range) -> None:
-        """A new writer takes over ``envs`` after ``old``: end their episodes at ``old``'s last row."""
-        paths = self.buffer.config.paths("truncated")
-        if not paths or old.mark_last_truncated(paths):
-            return
-        lanes = np.zeros(self.buffer.config.n_envs, bool)
-        lanes[envs.start:envs.stop] = True
-        self.buffer.cut_episodes(lanes)
-
-    # ------------------------------------------------------------------ commits
-
-    def collect(self, report: bool = True) -> int:
-        """Commit what the writers published (as far as the rate limiter lets inserts run now); returns the
-        transitions committed. ``WriterDied`` (``report``) for a writer that died since the last report."""
-        if os.getpid() != self.owner_pid:
-            return 0  # a forked child's copy of the buffer takes nobody's rows
-        done = self._commit_lanes() if self.buffer.config.vectorized_env else self._commit_streams()
-        self._drop_finished()
-        if report:
-            self._report()
-        return done
-
-    def _commit_lanes(self) -> int:
-        config, limiter = self.buffer.config, self.buffer.rate_limiter
-        groups = sorted((g for g in self.groups.items() if g[1]), key=lambda g: g[0].start)
-        if sum(len(lanes) for lanes, _ in groups) != config.n_envs:
-            return 0  # rows commit once every lane has a writer
-        n = min(sum(w.pending for w in writers) for _, writers in groups)
-        n = min(n, config.max_rows)
-        if limiter is not None:
-            n = _most(n, lambda k: limiter.can_insert(k * config.n_envs))
-        if n == 0:
-            return 0
-        per_group, taken = [], []
-        for _, writers in groups:  # a group's rows may come from two writers: the ended one's first
-            left, pieces = n, []
-            for w in writers:
-                k = min(left, w.pending)
-                if k:
-                    pieces.append(w.take(k))
-                    taken.append((w, k))
-                    left -= k
-            per_group.append({p: _cat([x[p] for x in pieces], 0) for p in pieces[0]})
-        leaves = {p: _cat([g[p] for g in per_group], 1) for p in per_group[0]}  # lanes side by side
-        self._insert(leaves, taken)
-        return n * config.n_envs
-
-    def _commit_streams(self) -> int:
-        limiter, done = self.buffer.rate_limiter, 0
-        for writers in list(self.groups.values()):
-            for w in writers:
-                n = min(w.pending, self.buffer.config.max_rows)
-                if limiter is not None:
-                    n = _most(n, limiter.can_insert)
-                if n:
-                    self._insert(w.take(n), [(w, n)])
-                    done += n
-        return done
-
-    def _insert(self, leaves: dict, taken: list) -> None:
-        self.buffer.insert(unflatten(leaves))
-        if self.buffer.storage_device.type == "cuda":  # the queue rows are read before actors reuse them
-            torch.cuda.current_stream(self.buffer.storage_device).synchronize()
-        for w, k in taken:
-            w.consumed(k)
-
-    def _drop_finished(self) -> None:
-        """Forget drained writers that ended, keeping each lane group's last (its lanes' owner of record)."""
-        for lanes, writers in self.groups.items():
-            last = writers[-1:] if lanes is not None else []
-            keep = [w for w in writers[:len(writers) - len(last)] if w.pending or not w.finished()]
-            self.groups[lanes] = keep + last
-
-    def _report(self) -> None:
-        for writers in self.groups.values():
-            for w in writers:
-                if id(w) not in self.reported and w.dead():
-                    self.reported.add(id(w))
-                    pid, pending = w.pid(), w.pending
-                    w.control[CLOSED] = RETIRED  # another process taking the handle up cannot write through it
-                    left = ("every row it published is committed" if pending == 0 else
-                            f"the {pending} rows it published are committed with the other lanes' rows")
-                    again = (f"; hand its lanes to a new writer: buffer.writer(envs={_show(w.envs)})"
-                             if w.envs is not None else "")
-                    raise WriterDied(f"{w}: its process {pid} exited or was killed; {left}, rows in flight are "
-                                     f"lost{again}")
-
-
-def _most(n: int, fits) -> int:
-    """The largest ``k <= n`` with ``fits(k)`` (monotone: fits for small k), 0 if none."""
-    if n == 0 or fits(n):
-        return n
-    lo, hi = 0, n  # fits(lo) or lo == 0; not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def _cat(tensors: list, dim: int) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
-
-
-def _show(envs: range) -> str:
-    return f"range({envs.start}, {envs.stop})"

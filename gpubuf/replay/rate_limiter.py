@@ -5,8 +5,18 @@ A limiter keeps two exact counts, ``inserts`` (transitions inserted: ``T * n_env
 (transitions held). With ``diff = inserts * samples_per_insert - samples``:
 
 - a sample of ``n`` may run once ``size >= min_size_to_sample`` and ``diff - n >= min_diff``;
-- an insert of ``n`` may run while ``size + n <= min_size_to_sample`` (filling up is never blocked), or when
+- an insert of ``n`` may run while ``size < min_size_to_sample`` (filling up is never blocked: no sample can run
+  yet, so an insert waiting there could only wait forever; the insert that crosses ``min_size_to_sample`` may take
+  ``diff`` past ``max_diff``, and samples then run until it is back in the band), or when
   ``diff + n * samples_per_insert <= max_diff``.
+
+No deadlock (the band rule): let ``I`` be the most one insert moves ``diff`` (``n * samples_per_insert``) and ``S``
+the most one sample moves it (``n``). If ``max_diff - min_diff >= I + S``, a waiting insert or a waiting sample can
+always run: while ``size < min_size_to_sample`` inserts run; after, a sample of ``s <= S`` runs unless
+``diff < min_diff + s``, and then ``diff < min_diff + S <= max_diff - I``, so an insert of ``i <= I`` runs. The
+limiter enforces it: the buffer refuses at construction a band narrower than one insert of a row (``n_envs``
+transitions vectorized, else 1) plus a sample of ``sample_batch_size``, and every call refuses (``ValueError``,
+counting nothing) a size that, with the largest call of the other kind seen so far, the band cannot hold.
 
 :meth:`RateLimiter.min_size` only waits for ``min_size_to_sample`` transitions;
 :meth:`RateLimiter.sample_to_insert_ratio` holds ``samples / inserts`` near ``samples_per_insert``: ``diff``
@@ -28,7 +38,8 @@ class RateLimiter:
         samples_per_insert: samples served per inserted transition (``> 0``).
         min_size_to_sample: transitions held before the first sample (``>= 1``).
         min_diff, max_diff: the band ``inserts * samples_per_insert - samples`` stays in; their gap must be at
-            least ``2 * max(1, samples_per_insert)`` (else a sample and an insert could both be blocked).
+            least ``2 * max(1, samples_per_insert)`` (one sample and one insert of one transition), and at least an
+            insert's and a sample's moves together (module docstring: else both could be blocked).
         timeout: seconds a blocked ``sample``/``insert`` waits before ``TimeoutError`` (``None``: no limit).
     """
 
@@ -56,6 +67,7 @@ class RateLimiter:
         self.attached = False  # limits a buffer (one at most)
         self._guard = None  # that buffer's CallGuard
         self._cond = threading.Condition()
+        self.largest = {"insert": 0.0, "sample": 0.0}  # the most one call of each kind moved diff (band rule)
         self.poll = None  # called every few ms while a call waits: commits rows of writers in other processes
 
     @classmethod
@@ -68,12 +80,17 @@ class RateLimiter:
                                timeout: float | None = None) -> "RateLimiter":
         """Hold ``samples / inserts`` at ``samples_per_insert``: ``diff`` within ``error_buffer`` (a number, or
         ``(below, above)``) of ``samples_per_insert * min_size_to_sample``."""
-        below, above = error_buffer if isinstance(error_buffer, (tuple, list)) else (error_buffer, error_buffer)
-        for v in (below, above):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"error_buffer: expected a number >= 0 or two, got {error_buffer!r}")
-        offset = _positive("samples_per_insert", samples_per_insert) * min_size_to_sample \
-            if isinstance(min_size_to_sample, int) else 0.0
+        pair = error_buffer if isinstance(error_buffer, (tuple, list)) else (error_buffer, error_buffer)
+        if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in pair):
+            raise ValueError(f"error_buffer: expected a number >= 0 or two of them (below, above), got "
+                             f"{error_buffer!r}")
+        below, above = pair
+        spi = _positive("samples_per_insert", samples_per_insert)
+        gap = 2 * max(1.0, spi)
+        if not below + above >= gap:
+            raise ValueError(f"error_buffer: expected below + above >= {gap:g} (2 * max(1, samples_per_insert): one "
+                             f"sample and one insert must fit in the band), got {error_buffer!r}")
+        offset = spi * min_size_to_sample if isinstance(min_size_to_sample, int) else 0.0
         return cls(samples_per_insert, min_size_to_sample, offset - below, offset + above, timeout)
 
     # ------------------------------------------------------------------ checks
@@ -88,28 +105,54 @@ class RateLimiter:
 
     def can_insert(self, n: int) -> bool:
         """Whether an insert of ``n`` transitions may run now."""
-        return self.size + n <= self.min_size_to_sample or self.diff + n * self.samples_per_insert <= self.max_diff
+        return self.size < self.min_size_to_sample or self.diff + n * self.samples_per_insert <= self.max_diff
 
-    def attach(self, guard) -> None:
+    def attach(self, guard, row: int = 1) -> None:
         """This limiter now limits the buffer of ``guard`` (its :class:`~gpubuf._core.concurrency.CallGuard`):
-        waits let go of that buffer's lock."""
+        waits let go of that buffer's lock. ``row``: the transitions of the smallest insert (a row of all envs)."""
         self.attached, self._guard = True, guard
         self._cond = threading.Condition(guard.lock)
+        self.largest["insert"] = max(self.largest["insert"], row * self.samples_per_insert)
+
+    def insert_cap(self, batch: int) -> int:
+        """The most transitions one insert may hold (at least 1) so that it and a sample of ``batch`` (or the largest
+        seen, if more) fit in the band; reserved: a later sample is checked against it."""
+        span = self.max_diff - self.min_diff
+        with self._cond:
+            most = max(batch, self.largest["sample"])
+            cap = 2**62 if math.isinf(span) else max(1, int((span - most) // self.samples_per_insert))
+            self.largest["insert"] = max(self.largest["insert"], cap * self.samples_per_insert)
+        return cap
+
+    def _check_sizes(self, what: str, n: int) -> None:
+        """``ValueError`` when a ``what`` of ``n`` and the largest call of the other kind seen so far could both
+        wait forever (the band rule, module docstring); else remember its size."""
+        if what == "insert" and self.size < self.min_size_to_sample:
+            return  # filling up: never waits
+        step = n * self.samples_per_insert if what == "insert" else float(n)
+        other = "sample" if what == "insert" else "insert"
+        most, span = self.largest[other], self.max_diff - self.min_diff
+        if step + most > span:
+            seen = (f" and {_a(other)} ({_moves(other, most, self.samples_per_insert)}) seen before by {most:g}: "
+                    "together" if most else ",")
+            raise ValueError(f"rate_limiter: {_a(what)} of {n} moves inserts * samples_per_insert - samples by "
+                             f"{step:g}{seen} more than max_diff - min_diff = {span:g}, so "
+                             f"{'both could wait for each other forever' if most else 'it could never run'} "
+                             "(widen error_buffer, or insert and sample fewer at a time)")
+        self.largest[what] = max(self.largest[what], step)
 
     # ------------------------------------------------------------------ turns
 
-    def take(self, what: str, n: int) -> None:
+    def take(self, what: str, n: int, sized: bool = False) -> None:
         """Wait (without the buffer's lock) until a ``what`` (``"sample"``/``"insert"``) of ``n`` may run, then
-        count it; ``TimeoutError`` after :attr:`timeout` seconds."""
+        count it; ``TimeoutError`` after :attr:`timeout` seconds; ``ValueError`` for a size the band cannot hold
+        (``sized``: the caller checked its size against the band already, as the commits of writers do)."""
         can = self.can_sample if what == "sample" else self.can_insert
-        step, span = (n if what == "sample" else n * self.samples_per_insert), self.max_diff - self.min_diff
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
+            if not sized:
+                self._check_sizes(what, n)
             while not can(n):
-                if step > span:
-                    raise ValueError(f"rate_limiter: {_a(what)} of {n} moves inserts * samples_per_insert - samples "
-                                     f"by {step:g}, more than max_diff - min_diff = {span:g}, so it could never run "
-                                     "(widen error_buffer, or insert and sample fewer at a time)")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"rate_limiter: {_a(what)} of {n} waited {self.timeout} s ({self})")
@@ -188,6 +231,7 @@ class RateLimiter:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("largest", {"insert": 0.0, "sample": 0.0})  # a pickle of an earlier release
         self._guard, self._cond = None, threading.Condition()
 
     def __repr__(self) -> str:
@@ -199,9 +243,9 @@ class RateLimiter:
 _POLL_S = 0.002  # how often a waiting call commits rows of writers in other processes
 
 
-def check_limiter(limiter, capacity: int) -> "RateLimiter | None":
-    """``limiter`` checked for a buffer holding ``capacity`` transitions (``None``: none); ``TypeError`` /
-    ``ValueError`` naming ``rate_limiter``."""
+def check_limiter(limiter, capacity: int, row: int = 1, batch: int = 1) -> "RateLimiter | None":
+    """``limiter`` checked for a buffer holding ``capacity`` transitions, whose smallest insert holds ``row`` and
+    default sample ``batch`` (``None``: none); ``TypeError`` / ``ValueError`` naming ``rate_limiter``."""
     if limiter is None:
         return None
     if not isinstance(limiter, RateLimiter):
@@ -212,7 +256,17 @@ def check_limiter(limiter, capacity: int) -> "RateLimiter | None":
     if limiter.min_size_to_sample > capacity:
         raise ValueError(f"rate_limiter: min_size_to_sample={limiter.min_size_to_sample} exceeds the "
                          f"{capacity} transitions the buffer holds, so it could never sample")
+    span, step = limiter.max_diff - limiter.min_diff, row * limiter.samples_per_insert
+    if step + batch > span:
+        raise ValueError(f"rate_limiter: an insert of one row ({row} transitions) moves inserts * samples_per_insert "
+                         f"- samples by {step:g} and a sample of sample_batch_size={batch} windows by {batch}, "
+                         f"together more than its band max_diff - min_diff = {span:g}, so an inserting and a "
+                         "sampling thread could both wait forever (widen error_buffer, or sample fewer at a time)")
     return limiter
+
+
+def _moves(what: str, step: float, spi: float) -> str:
+    return f"{step:g} windows" if what == "sample" else f"{step / spi:g} transitions"
 
 
 def _a(what: str) -> str:

@@ -279,9 +279,10 @@ def test_a_dead_or_replaced_writer_refuses_to_write_again():
     assert buf.collect() == E and buf.storage.data[("truncated",)][1].all()  # the seam ends the episodes
 
 
-def test_a_writer_whose_rows_could_never_pass_the_rate_limiter_is_refused():
+def test_a_buffer_whose_rows_could_never_pass_the_rate_limiter_is_refused():
     E = 16
     limiter = RateLimiter.sample_to_insert_ratio(1.0, min_size_to_sample=4, error_buffer=4)
-    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0, rate_limiter=limiter)
-    with pytest.raises(ValueError, match="envs: a row of all 16 lanes .* could never be committed"):
-        buf.writer()
+    with pytest.raises(ValueError, match=r"rate_limiter: an insert of one row \(16 transitions\) moves .* by 16 and "
+                                         "a sample of sample_batch_size=4 windows by 4, together more than its band "
+                                         "max_diff - min_diff = 8"):
+        TransitionBuffer(E * 50, 4, rows(1, E), seed=0, rate_limiter=limiter)

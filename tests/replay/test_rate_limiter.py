@@ -110,10 +110,10 @@ def test_actor_and_learner_threads_block_on_each_other_and_never_deadlock():
 
 
 def test_a_blocked_call_times_out_holding_no_lock():
-    lim = RateLimiter.sample_to_insert_ratio(1.0, 4, 2.0, timeout=0.3)
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 4, 3.0, timeout=0.3)  # band [1, 7]
     buf = buffer(lim)
     buf.insert(rollout(2))
-    buf.insert(rollout(1))  # inserts 6: diff 6 = max_diff
+    buf.insert(rollout(1))  # inserts 6: diff 6, one more row would take it past max_diff
     done = threading.Event()
 
     def blocked():
@@ -192,7 +192,7 @@ def test_bad_limiters_are_refused(make, exc, match):
 
 
 def test_one_limiter_per_buffer_and_requests_that_could_never_run_are_refused():
-    lim = RateLimiter.sample_to_insert_ratio(1.0, 2, 2.0, timeout=0)
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 2, 3.0, timeout=0)
     buf = buffer(lim)
     with pytest.raises(ValueError, match="rate_limiter: this RateLimiter already limits another buffer"):
         buffer(lim)
