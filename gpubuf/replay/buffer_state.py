@@ -121,10 +121,17 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
         still be sampled, no longer written); closing twice is harmless. ``with
         TransitionBuffer(...) as buf:`` closes on exit. Without one, or in a forked child of the
-        process that opened the directory (which keeps its lock): nothing to do."""
+        process that opened the directory (which keeps its lock): nothing to do. Rows that writers in other
+        processes published are committed first (as far as the rate limiter lets them in); a ``RowsWaiting``
+        warning names any left in their queues."""
         if not self.storage.closed:
+            hub = getattr(self, "_hub", None)
+            if hub is not None:
+                hub.collect(report=False)
             self.flush()
             self.storage.close()
+            if hub is not None:
+                hub.warn_closed()
 
     def __enter__(self):
         return self

@@ -107,6 +107,12 @@ class RateLimiter:
         """Whether an insert of ``n`` transitions may run now."""
         return self.size < self.min_size_to_sample or self.diff + n * self.samples_per_insert <= self.max_diff
 
+    def fits(self, n: int) -> bool:
+        """Whether an insert of ``n`` transitions keeps ``diff`` within the band, or the buffer at most filled up:
+        what a commit that may take fewer rows takes, so that it crosses ``min_size_to_sample`` by no more than its
+        smallest part (:meth:`can_insert` lets any insert run while filling up)."""
+        return self.size + n <= self.min_size_to_sample or self.diff + n * self.samples_per_insert <= self.max_diff
+
     def attach(self, guard, row: int = 1) -> None:
         """This limiter now limits the buffer of ``guard`` (its :class:`~gpubuf._core.concurrency.CallGuard`):
         waits let go of that buffer's lock. ``row``: the transitions of the smallest insert (a row of all envs)."""

@@ -101,7 +101,7 @@ class WriterHub:
         if os.getpid() != self.owner_pid:
             return 0  # a forked child's copy of the buffer takes nobody's rows
         if self.buffer.storage.closed:
-            self._warn_closed()
+            self.warn_closed()
             return 0
         vectorized = self.buffer.config.vectorized_env
         done = self._commit_lanes() if vectorized else self._commit_streams()
@@ -122,8 +122,9 @@ class WriterHub:
             return 0  # rows commit once every lane has a writer
         n = min(sum(w.pending for w in writers) for _, writers in groups)
         n = min(n, config.max_rows)
-        if limiter is not None:
-            n = _most(n, lambda k: limiter.can_insert(k * config.n_envs))
+        if limiter is not None:  # within the band; one row of all lanes may cross min_size_to_sample
+            E = config.n_envs
+            n = _most(n, lambda k: limiter.fits(k * E)) or int(n > 0 and limiter.can_insert(E))
         if n == 0:
             return 0
         per_group, taken = [], []
@@ -149,7 +150,8 @@ class WriterHub:
         limiter, done = self.buffer.rate_limiter, 0
         for w in writers:
             ends = w.insert_ends(min(w.pending, self.buffer.config.max_rows))  # rows after each whole insert
-            fits = ends if limiter is None else [k for k in ends if limiter.can_insert(k)]
+            fits = ends if limiter is None else [k for k in ends if limiter.fits(k)] or \
+                [k for k in ends[:1] if limiter.can_insert(k)]  # its first insert may cross min_size_to_sample
             if fits:
                 self._insert(w.take(fits[-1]), [(w, fits[-1])], fits[-1])
                 done += fits[-1]
@@ -170,10 +172,12 @@ class WriterHub:
             w.consumed(k)
 
     def _drop_finished(self) -> None:
-        """Forget drained writers that ended, keeping each lane group's last (its lanes' owner of record)."""
+        """Forget drained writers that ended, keeping each lane group's last (its lanes' owner of record) and the
+        dead ones not reported yet."""
         for lanes, writers in self.groups.items():
             last = writers[-1:] if lanes is not None else []
-            keep = [w for w in writers[:len(writers) - len(last)] if w.pending or not w.finished()]
+            keep = [w for w in writers[:len(writers) - len(last)]
+                    if w.pending or not w.finished() or (id(w) not in self.reported and w.dead())]
             self.groups[lanes] = keep + last
 
     # ------------------------------------------------------------------ reports
@@ -202,7 +206,8 @@ class WriterHub:
                 f"once buffer.writer(envs={_show(lanes)}) hands those lanes to a new writer that publishes as many; "
                 "until then they are in no checkpoint (writer.pending counts them)"), stacklevel=4)
 
-    def _warn_closed(self) -> None:
+    def warn_closed(self) -> None:
+        """A :class:`RowsWaiting` warning (once) for rows still queued when the buffer's ``storage_dir`` closed."""
         queued = sum(w.pending for ws in self.groups.values() for w in ws)
         if queued and "closed" not in self.warned:
             self.warned.add("closed")

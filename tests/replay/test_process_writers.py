@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer
-from gpubuf.replay.process_writers import WriterDied
+from gpubuf.replay.process_writers import RowsWaiting, WriterDied
 
 SPAWN = mp.get_context("spawn")
 
@@ -286,3 +286,113 @@ def test_a_buffer_whose_rows_could_never_pass_the_rate_limiter_is_refused():
                                          "a sample of sample_batch_size=4 windows by 4, together more than its band "
                                          "max_diff - min_diff = 8"):
         TransitionBuffer(E * 50, 4, rows(1, E), seed=0, rate_limiter=limiter)
+
+
+def forked(fn) -> None:
+    """Run ``fn()`` in a forked child that then exits without closing anything (a writer it used dies)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def test_inserts_of_writers_land_whole_under_a_rate_limiter():
+    """An insert the limiter holds back waits whole, and its writer goes first next time: no other writer's row
+    lands inside it."""
+    lim = RateLimiter(1.0, 1, 0.0, 6.0, timeout=0)
+    buf = TransitionBuffer(1000, 1, flat(0, 1), vectorized_env=False, seed=0, rate_limiter=lim)
+    b, a = buf.writer(rows=16), buf.writer(rows=16)
+    assert a.max_insert == 5  # the band (6) holds an insert of 5 beside a sample of the batch (1)
+    with pytest.raises(ValueError, match="transition: expected at most max_insert=5 rows per insert into this buffer"):
+        a.insert(flat(9, 6))
+    buf.insert(flat(0, 3))  # diff 3
+    b.insert(flat(2, 1))
+    a.insert(flat(1, 4))  # 4 rows, of which the limiter would let in 3 after b's row
+    for i in range(12):
+        b.insert(flat(10 + i, 1))
+        try:
+            buf.sample()  # commits first
+        except TimeoutError:
+            pass
+    buf.collect()
+    got = buf.storage.data[("observation",)][:len(buf), 0].tolist()
+    at = got.index(1.0)
+    assert got.count(1.0) == 4 and got[at:at + 4] == [1.0] * 4, got
+    assert [v for v in got if v >= 2] == sorted(v for v in got if v >= 2)  # b's rows in order
+    assert lim.min_diff <= lim.diff <= lim.max_diff
+
+
+def test_rows_a_closed_writer_published_beyond_the_other_lanes_wait_and_are_reported():
+    E = 2
+    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0)
+    a, b = buf.writer(envs=range(0, 1)), buf.writer(envs=range(1, 2))
+    a.insert(rows(5, 1))
+    b.insert(rows(3, 1))
+    a.close()
+    b.close()
+    with pytest.warns(RowsWaiting, match=r"\(2 of lanes range\(0, 1\)\) wait for rows of lanes range\(1, 2\), whose "
+                                         r"writer .* ended .* buffer.writer\(envs=range\(1, 2\)\) hands"):
+        assert buf.collect() == 3 * E
+    assert a.pending == 2 and len(buf) == 3 * E
+    c = buf.writer(envs=range(1, 2))  # a new writer of the short lanes: the waiting rows commit beside its rows
+    c.insert(rows(2, 1, start=3))
+    assert buf.collect() == 2 * E and a.pending == 0
+    assert buf.storage.data[("action",)][:5, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_can_sample_reports_a_dead_writer():
+    """The docs' learner loop (``if replay.can_sample(): ... else: sleep``) learns of a dead actor whose lanes
+    stall every commit."""
+    E = 2
+    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0, rate_limiter=RateLimiter.min_size(8, timeout=0))
+    dying, living = buf.writer(envs=range(0, 1)), buf.writer(envs=range(1, 2))
+    forked(lambda: dying.insert(rows(2, 1)))
+    living.insert(rows(5, 1))
+    died = r"every row it published is committed; rows in flight are lost; hand its lanes .*range\(0, 1\)"
+    with pytest.warns(RowsWaiting), pytest.raises(WriterDied, match=died):
+        buf.can_sample()
+    assert len(buf) == 2 * E and not buf.can_sample()  # reported once
+
+
+def test_a_dead_writer_is_reported_once_the_rows_the_limiter_held_back_are_committed(tmp_path):
+    lim = RateLimiter(1.0, 1, 0.0, 6.0, timeout=0)
+    buf = TransitionBuffer(1000, 1, flat(0, 1), vectorized_env=False, seed=0, rate_limiter=lim)
+    w = buf.writer(rows=16)
+    buf.insert(flat(0, 1))
+    forked(lambda: [w.insert(flat(v, 3)) for v in range(1, 5)])  # 12 rows, then dies
+    assert buf.collect() == 3 and w.pending == 9  # the limiter holds 9 back: not reported yet
+    for _ in range(40):
+        try:
+            buf.sample()
+        except TimeoutError:
+            pass
+        except WriterDied as err:
+            message = str(err)
+            break
+    else:
+        raise AssertionError("the dead writer was never reported")
+    assert "every row it published is committed" in message and "other lanes" not in message
+    assert len(buf) == 13 and w.pending == 0  # reported after its rows were committed: a save now has them all
+    buf.save(tmp_path / "ckpt")
+    again = TransitionBuffer(1000, 1, flat(0, 1), vectorized_env=False, seed=0)
+    again.load(tmp_path / "ckpt")
+    assert again.storage.data[("observation",)][:13, 0].tolist() == [0] + [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+
+
+def test_a_closed_storage_dir_buffer_samples(tmp_path):
+    E = 2
+    buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0, storage_dir=tmp_path / "replay")
+    w = buf.writer(rows=16)
+    w.insert(rows(6, E))
+    buf.close()  # commits what the writer published first
+    assert len(buf) == 6 * E and buf.sample().observation.shape == (4, 3)
+    w.insert(rows(2, E, start=6))  # published after close(): it can no longer be committed, and it is said so
+    with pytest.warns(RowsWaiting, match="storage_dir is closed: 2 rows its writers published are not committed"):
+        assert buf.sample().observation.shape == (4, 3)
+    assert buf.collect() == 0 and w.pending == 2
+    again = TransitionBuffer(E * 50, 4, rows(1, E), seed=0, storage_dir=tmp_path / "replay")
+    assert len(again) == 6 * E
+    again.close()
