@@ -17,6 +17,10 @@ write from that row's keys, shapes and dtypes, in one of three places:
   that opened it (a forked child is refused, ``RuntimeError``); a second opener is refused while the first holds
   it.
 
+Every tier stores a later row's leaves in the dtypes of the first, cast only where no value changes (as every gpubuf
+buffer, ``docs/dtypes.md``): a lossy cast raises ``TypeError`` naming the key before any row is written, and torchrl's
+round-robin writer is put back.
+
 A ``storage_dir`` takes rows at the ring's head only (the rows torchrl's ``RoundRobinWriter`` writes; an extend of
 more than ``max_size`` rows keeps its last ``max_size``): rewriting rows in place (``rb[index] = ...``,
 ``write_at``) raises ``ValueError`` with nothing written, and so do rows without every stored key (a staged
@@ -36,6 +40,7 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 
 from gpubuf._core.devices import parse_device
 from gpubuf._core.host_memory import advise_huge
+from gpubuf._core.inputs import check_cast
 from gpubuf.replay.storage_dir import StorageDir
 
 _KIND = "gpubuf.torchrl.ReplayStorage"
@@ -56,6 +61,23 @@ def _leaves(row: TensorDictBase) -> dict:
     """``{key (tuple): (shape, dtype)}`` of one row's tensors."""
     return {(k,) if isinstance(k, str) else tuple(k): (tuple(v.shape), v.dtype)
             for k, v in row.items(include_nested=True, leaves_only=True)}
+
+
+def _exact_rows(data, spec: dict):
+    """``data`` (a ``TensorDict``; anything else as it is) with each stored leaf in its stored dtype (``spec``: ``{key
+    (tuple): (shape, dtype)}``), cast only where no value changes (the rule of every gpubuf buffer,
+    :func:`~gpubuf._core.inputs.check_cast`), else ``TypeError`` naming the leaf, before anything is written."""
+    if not isinstance(data, TensorDictBase):
+        return data
+    out = None
+    for key, t in data.items(include_nested=True, leaves_only=True):
+        want = spec.get((key,) if isinstance(key, str) else tuple(key))
+        if want is None or t.dtype == want[1]:
+            continue
+        check_cast(t, want[1], f"data[{key!r}]")
+        out = data.clone(recurse=False) if out is None else out
+        out.set(key, t.to(want[1]))
+    return data if out is None else out
 
 
 class ReplayStorage(TensorStorage):
@@ -177,11 +199,17 @@ class ReplayStorage(TensorStorage):
 
     def set(self, cursor, data, *, set_cursor: bool = True):
         if self.storage_dir is None:
+            try:
+                data = _exact_rows(data, self._spec) if self.initialized else data
+            except TypeError:
+                self._rewind_writers(cursor)
+                raise
             return super().set(cursor, data, set_cursor=set_cursor)
         if not self.initialized:
             self._init(data[0] if not isinstance(cursor, int) and isinstance(data, TensorDictBase) else data)
         self._check_open()  # in a forked child: refused before anything (the writer's cursor there is shared)
         try:
+            data = _exact_rows(data, self._spec)
             self._write(_rows(cursor, self.max_size), cursor, data, set_cursor)
         except BaseException:
             self._rewind_writers()
@@ -226,12 +254,21 @@ class ReplayStorage(TensorStorage):
             self._ring = (self._ring[0], count, total + T - kept)
             self._dir.commit(*self._ring)
 
-    def _rewind_writers(self) -> None:
-        """torchrl's round-robin writers moved their cursor before a write that raised: put them back at the head."""
+    def _rewind_writers(self, cursor=None) -> None:
+        """torchrl's round-robin writers moved their cursor before a write that raised: put them back at the head (a
+        ``storage_dir``'s, else the first row of ``cursor``, their write count less its rows)."""
+        from torchrl.data.replay_buffers.writers import RoundRobinWriter
+
         for buffer in self._attached_entities:
             writer = getattr(buffer, "_writer", None)
-            if getattr(writer, "_storage", None) is self:
+            if getattr(writer, "_storage", None) is not self:
+                continue
+            if self._dir is not None:
                 self._place(writer)
+            elif isinstance(writer, RoundRobinWriter) and cursor is not None:
+                rows = _rows(cursor, self.max_size)
+                if rows.numel():
+                    writer._cursor, writer._write_count = int(rows[0]), writer._write_count - rows.numel()  # noqa: SLF001
 
     def _copy_staged(self, first: int, t: int, head: int, count: int, total: int) -> None:
         """Rows ``first .. first + t - 1`` (around the ring) = the staged block; commit the journal; disarm."""

@@ -294,3 +294,35 @@ def test_refusals_name_what_they_refuse_and_write_nothing(tmp_path):
 
     with pytest.raises(ValueError, match="cannot re-open as this storage: it holds 37 rows, not max_size=40"):
         ReplayStorage(40, storage_dir=tmp_path / "d")
+
+
+LOSSY = [(torch.int64, torch.tensor([1.7]), "float into an integer dtype"),
+         (torch.int64, torch.tensor([float("nan")]), "float into an integer dtype"),
+         (torch.uint8, torch.tensor([300]), r"values \[300, 300\] do not fit \[0, 255\]"),
+         (torch.uint8, torch.tensor([-1]), r"values \[-1, -1\] do not fit \[0, 255\]"),
+         (torch.bool, torch.tensor([2]), r"values \[2, 2\] do not fit \[0, 1\]"),
+         (torch.float32, torch.tensor([1e300], dtype=torch.float64), "exceeds the largest torch.float32")]
+
+
+@pytest.mark.parametrize("tier", ["memory", "dir"])
+@pytest.mark.parametrize(("dtype", "bad", "why"), LOSSY, ids=lambda x: str(x) if isinstance(x, torch.dtype) else None)
+def test_every_tier_refuses_a_cast_that_changes_values_with_nothing_written(tier, dtype, bad, why, tmp_path):
+    """A row whose value the stored dtype cannot hold (an ``add`` or an ``extend``) raises ``TypeError`` naming the
+    key, with no row written and torchrl's writer put back; a cast that keeps every value (``int32`` into ``int64``,
+    ``float32`` into ``float64``) is stored, in every tier alike."""
+    storage = ReplayStorage(8, storage_dir=tmp_path / "d") if tier == "dir" else ReplayStorage(8)
+    rb = ReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(TensorDict({"k": torch.ones(3, dtype=dtype), ("n", "x"): torch.zeros(3)}, [3]))
+    for call, data in ((rb.add, TensorDict({"k": bad[0], ("n", "x"): torch.tensor(0.0)}, [])),
+                       (rb.extend, TensorDict({"k": bad, ("n", "x"): torch.zeros(1)}, [1]))):
+        with pytest.raises(TypeError, match=rf"data\['k'\]: cannot store .* in the stored dtype {dtype} .*{why}"):
+            call(data)
+        assert len(rb) == 3 and rb[:]["k"].tolist() == torch.ones(3, dtype=dtype).tolist()
+    with pytest.raises(TypeError, match=r"data\[\('n', 'x'\)\]: cannot store torch.float64 .* torch.float32"):
+        huge = torch.tensor([1e300], dtype=torch.float64)
+        rb.extend(TensorDict({"k": torch.ones(1, dtype=dtype), ("n", "x"): huge}, [1]))
+    rb.extend(TensorDict({"k": torch.zeros(2, dtype=torch.bool), ("n", "x"): torch.tensor([0.5, 2.0])}, [2]))
+    rb.add(TensorDict({"k": torch.tensor(False), ("n", "x"): torch.tensor(3.0, dtype=torch.float64)}, []))
+    assert rb.extend(TensorDict({"k": torch.zeros(1, dtype=dtype), ("n", "x"): torch.zeros(1)}, [1])).tolist() == [6]
+    assert rb[:]["n", "x"].tolist() == [0.0, 0.0, 0.0, 0.5, 2.0, 3.0, 0.0] and len(rb) == 7
+    assert rb[:]["k"].dtype == dtype
