@@ -25,6 +25,16 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 # history_model, ...) by name, as the tests do through pytest's ``pythonpath``.
 TESTS = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+# ``scripts/test`` sets GPUBUF_TEST_INSTALLED=1: the suite must then run the installed wheel, never the checkout.
+ROOT = os.path.dirname(TESTS)
+if os.environ.get("GPUBUF_TEST_INSTALLED") == "1":
+    import gpubuf
+
+    if os.path.dirname(os.path.abspath(gpubuf.__file__)) == os.path.join(ROOT, "gpubuf"):
+        pytest.exit(f"GPUBUF_TEST_INSTALLED=1 but gpubuf imports from the checkout ({gpubuf.__file__}); install "
+                    "the wheel (scripts/test does) and run pytest from a venv, not with the checkout on sys.path",
+                    returncode=3)
+    os.environ["PYTHONSAFEPATH"] = "1"  # child pythons started in the checkout do not import its gpubuf either
 NO_HOST_TRITON = ("Triton runs host (CPU) tensors only through its interpreter (TRITON_INTERPRET=1), which is off "
                   "when CUDA is present; this case's buffers live on the host")
 
@@ -43,7 +53,7 @@ def host_loops(request, monkeypatch):
     from gpubuf.ops import host_loops as loops
 
     if request.param == "compiled" and not loops.ENABLED:
-        pytest.skip("numba is not installed")
+        pytest.skip('needs numba: pip install "gpubuf[fast]"')
     monkeypatch.setattr(loops, "ENABLED", request.param == "compiled")
     return request.param
 

@@ -26,17 +26,29 @@ import torch
 
 def rebuild(cls, blob: bytes):
     """The buffer a pickle holds: ``blob`` is ``torch.save`` of its constructor arguments and
-    state."""
+    state; ``cls`` its class, or (pickles since 0.2.0) its class's name among the copied classes."""
+    if isinstance(cls, str):
+        cls = COPIED[cls]
     saved = torch.load(io.BytesIO(blob), weights_only=False)  # the library's own bytes
     buffer = cls(**saved["args"])
     buffer.load_state_dict(saved["state"])
     return buffer
 
 
+# pickles name ``rebuild`` as ``gpubuf._rebuild_buffer`` and the class by its name: module moves break no pickle
+rebuild.__module__, rebuild.__qualname__ = "gpubuf", "_rebuild_buffer"
+COPIED: dict[str, type] = {}  # class name -> class, for every subclass of CopiedByState
+
+
 class CopiedByState:
     """``__copy__`` / ``__deepcopy__`` / ``__reduce__`` through ``state_dict`` for a buffer with a
     ``lock``; subclasses say how they are built (:meth:`copy_args`) and why they may not be
     (:meth:`copy_refusal`)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith("gpubuf."):
+            COPIED.setdefault(cls.__name__, cls)
 
     def copy_args(self) -> dict:  # hook: keyword arguments that build an empty twin of this buffer
         raise NotImplementedError
@@ -65,7 +77,8 @@ class CopiedByState:
             self._check_copyable()
             blob = io.BytesIO()
             torch.save({"args": self.copy_args(), "state": self.state_dict()}, blob)
-        return rebuild, (type(self), blob.getvalue())
+        cls = type(self)
+        return rebuild, (cls.__name__ if COPIED.get(cls.__name__) is cls else cls, blob.getvalue())
 
 
 def refuse_copies(why: str):

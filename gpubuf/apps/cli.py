@@ -1,5 +1,6 @@
 """The ``gpubuf`` command. ``gpubuf demo``: EnvPool envs -> replay and histories -> a learned model planned through.
-``gpubuf bench``: gpubuf against the installed peers, written as markdown, JSON and a PNG chart.
+``gpubuf bench``: gpubuf against the installed peers, written as markdown, JSON and a PNG chart. ``gpubuf info``: what
+runs here (versions, device, each op's implementation, extras, storage tiers).
 
 The demo itself lives in :mod:`gpubuf.apps.demo` (the learner in :mod:`gpubuf.apps.mbrl`), the benchmarks in
 :mod:`gpubuf.apps.benchmarking`; this module parses and validates the options (before any work), shows the demo's
@@ -61,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=1, help="torch (and XLA) CPU threads (default: 1)")
     bench.add_argument("--out", default="gpubuf_bench.md",
                        help="markdown path; the PNG chart and the JSON go beside it (default: gpubuf_bench.md)")
-    parser.demo, parser.bench = demo, bench  # the checks report through them
+    info = commands.add_parser("info", help="versions, device, what each op runs here, extras, storage tiers")
+    info.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    info.add_argument("--json", action="store_true", help="the report as JSON")
+    parser.demo, parser.bench, parser.info = demo, bench, info  # the checks report through them
     return parser
 
 
@@ -243,6 +247,18 @@ def run_demo(args, device) -> dict:
     return result
 
 
+def run_info(parser, args) -> int:
+    """``gpubuf info``: the report of :func:`gpubuf.info`, as text or JSON."""
+    from gpubuf.apps.info import info
+
+    try:
+        report = info(args.device)
+    except ValueError as err:
+        parser.info.error(f"--{err}")
+    print(json.dumps(report, indent=2) if args.json else report)
+    return 0
+
+
 def main(argv=None) -> int:
     # envpool's Box spaces
     warnings.filterwarnings("ignore", message=".*precision lowered by casting.*")
@@ -250,6 +266,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return run_bench(parser, args)
+    if args.command == "info":
+        return run_info(parser, args)
     device = check_args(parser, args)
     result = run_demo(args, device)
 

@@ -25,6 +25,14 @@ _LOOPS = ("tree_update", "tree_update_range", "tree_sample", "tree_sample_masses
           "priority_write", "priority_masses", "masses", "priority_update")  # callees before their callers
 
 
+def runs(backend: str, device) -> bool:
+    """Whether a CPU call of a buffer with ``backend`` on ``device`` (a ``torch.device``) runs these loops: numba
+    enabled, host memory, the torch backend, and not inside a ``torch.compile`` trace."""
+    import torch
+
+    return ENABLED and device.type == "cpu" and backend == "torch" and not torch.compiler.is_compiling()
+
+
 def _compile_all() -> None:
     """Compile every loop and bind ``name`` and ``_name`` to it (the loops call each other by ``_name``); division
     as in numpy (a zero divisor gives inf or NaN, as the torch twins do, not an exception)."""

@@ -125,7 +125,7 @@ def sample_host(tree, offsets, fanout, u, out) -> None:
 
 
 _SAMPLE = Op("tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()",
-             sample_twin, kernel("prefix_tree", "sample"), sample_host)
+             sample_twin, kernel("prefix_tree", "sample"), sample_host, host_loop=True)
 
 
 def tree_sample(backend: str, tree, offsets, fanout, u, out) -> None:
@@ -171,7 +171,7 @@ def update_host(tree, offsets, fanout, idx, values) -> None:
 
 
 _UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()",
-             update_twin, kernel("prefix_tree", "update"), update_host)
+             update_twin, kernel("prefix_tree", "update"), update_host, host_loop=True)
 
 
 def tree_update(backend: str, tree, offsets, fanout, idx, values) -> None:
@@ -208,7 +208,7 @@ def update_range_host(tree, offsets, fanout, lo, values) -> None:
 
 
 _UPDATE_RANGE = Op("tree_update_range", "(Tensor(a!) tree, int[] offsets, int fanout, int lo, Tensor values) -> ()",
-                   update_range_twin, kernel("prefix_tree", "update_range"), update_range_host)
+                   update_range_twin, kernel("prefix_tree", "update_range"), update_range_host, host_loop=True)
 
 
 def tree_update_range(backend: str, tree, offsets, fanout, lo, values) -> None:

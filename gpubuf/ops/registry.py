@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 import torch
 
+from gpubuf.ops import host_loops
 from gpubuf.ops.device import route, writes_only
 
 _compiling = torch.compiler.is_compiling
+OPS: dict[str, "Op"] = {}  # every registered op by name, for the report of what runs where
 
 
 def kernel(module: str, name: str) -> Callable[..., None]:
@@ -33,8 +35,8 @@ def kernel(module: str, name: str) -> Callable[..., None]:
 
 
 class Op:
-    """``torch.ops.gpubuf.<name>`` registered with ``schema``: CPU runs ``cpu`` (default: ``twin``), CUDA
-    runs ``launcher``, the fake writes nothing.
+    """``torch.ops.gpubuf.<name>`` registered with ``schema``: CPU runs ``cpu`` (default: ``twin``; ``host_loop``:
+    it runs the compiled host loops when enabled), CUDA runs ``launcher``, the fake writes nothing.
 
     ``op(backend, device, *args)`` runs ``cpu(*args)`` (host tensors) or ``twin(*args)`` (device tensors),
     ``launcher(*args)`` or the dispatcher's op with ``args`` in the schema's order
@@ -42,10 +44,10 @@ class Op:
     take the schema's arguments in its order.
     """
 
-    __slots__ = ("dispatch", "host", "launcher", "twin")
+    __slots__ = ("dispatch", "host", "host_loop", "launcher", "twin")
 
     def __init__(self, name: str, schema: str, twin: Callable, launcher: Callable,
-                 cpu: Callable | None = None):
+                 cpu: Callable | None = None, host_loop: bool = False):
         qualname = f"gpubuf::{name}"
         torch.library.define(qualname, schema)
         torch.library.impl(qualname, "CPU", cpu or twin)
@@ -53,6 +55,17 @@ class Op:
         torch.library.register_fake(qualname, writes_only)
         self.dispatch = getattr(torch.ops.gpubuf, name).default
         self.twin, self.launcher, self.host = twin, launcher, cpu or twin
+        self.host_loop = host_loop  # whether ``cpu`` runs the compiled host loops when they are enabled
+        OPS[name] = self
+
+    def implementation(self, backend: str, device: torch.device) -> str:
+        """What an eager call with ``backend`` on ``device`` runs: ``"triton kernel"``, ``"numba loop"`` or
+        ``"torch twin"``."""
+        if route(backend, device) == "triton":
+            return "triton kernel"
+        if device.type == "cpu" and self.host_loop and host_loops.ENABLED:
+            return "numba loop"
+        return "torch twin"
 
     def __call__(self, backend: str, device: torch.device, *args) -> None:
         if backend == "torch" and not _compiling():  # what route() answers here, without its call

@@ -9,6 +9,8 @@ wherever it reads the device anyway (``max_priority``, ``state_dict``, a ``stora
 ``GraphSampler.check_updates`` calls it on demand; it raises once per batch of failures and clears them.
 """
 
+import weakref
+
 import torch
 
 from gpubuf.ops import host_loops
@@ -24,18 +26,23 @@ class DevicePriorityUpdates:
     (() int64, how many)."""
 
     def __init__(self, sampler, max_priority: float):
-        dev, self.sampler = sampler.device, sampler
+        # the sampler holds this object: a weak reference back, so that dropping the buffer frees both at once
+        dev, self._sampler, self.size = sampler.device, weakref.ref(sampler), sampler.size
         self.max = torch.full((), max_priority, dtype=torch.float32, device=dev)
         self.flags = torch.zeros((), dtype=torch.int32, device=dev)
         self.dropped = torch.zeros((), dtype=torch.int64, device=dev)
         self.limit = sampler.mass_limit  # the largest priority whose mass over every start stays finite
 
+    @property
+    def sampler(self):
+        """The prioritized sampler these updates write (held weakly: it owns this object)."""
+        return self._sampler()
+
     def apply(self, idx: torch.Tensor, td: torch.Tensor) -> None:
         """Priorities ``|td| + eps`` of flat starts ``idx`` (K,) int64, ``td`` (K,) real, both on the device, K >= 1
         (duplicates keep their largest), or nothing when any value fails a check; device ops only."""
         s, td = self.sampler, td.detach()  # TD errors may come straight from a loss
-        if s.device.type == "cpu" and s.backend == "torch" and host_loops.ENABLED \
-                and not torch.compiler.is_compiling():
+        if host_loops.runs(s.backend, s.device):
             code, _ = s.write_compiled(idx, td)  # checks first, then priorities, trees and max, or nothing
             if code:
                 self.flags.bitwise_or_(code)
@@ -64,6 +71,6 @@ class DevicePriorityUpdates:
             return
         self.flags.zero_()
         self.dropped.zero_()
-        why = "; ".join(w.format(size=self.sampler.size) for bit, w in _WHY.items() if flags & bit)
+        why = "; ".join(w.format(size=self.size) for bit, w in _WHY.items() if flags & bit)
         error = IndexError if flags == BAD_INDEX else ValueError
         raise error(f"update_priorities: {dropped} device-side update(s) since the last check wrote nothing: {why}")

@@ -65,8 +65,7 @@ class PrefixSumTree:
     def sample_masses(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(leaves (B,) int64, their masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 (on the CPU, one
         compiled loop when it can)."""
-        if self.backend == "torch" and self.device.type == "cpu" and host_loops.ENABLED \
-                and not torch.compiler.is_compiling():
+        if host_loops.runs(self.backend, self.device):
             idx, mass = torch.empty(u.shape, dtype=torch.int64), torch.empty(u.shape, dtype=torch.float64)
             host_loops.tree_sample_masses(self.tree.numpy(), offsets_array(self.offsets), self.fanout,
                                           u.contiguous().numpy(), idx.numpy(), mass.numpy())

@@ -9,10 +9,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from extras import needs
 
 from gpubuf.apps.cli import main
 
-pytest.importorskip("envpool")  # the demo steps EnvPool envs (absent on the GPU machine)
+needs("envpool")  # the demo steps EnvPool envs (absent on the GPU machine)
 
 GPUBUF = str(Path(sys.executable).parent / "gpubuf")
 

@@ -5,6 +5,7 @@ name."""
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
 from gpubuf import PrioritizedTransitionBuffer, Step, Transition, TransitionBuffer
 from gpubuf.apps.mbrl import EnsembleDynamics, EpisodeLog, MBRLAgent, MBRLConfig, to_discrete, train_step
@@ -116,7 +117,7 @@ def test_episode_log_closes_episodes_on_termination_or_truncation():
     assert np.isnan(EpisodeLog(1).last_mean())
 
 
-envpool = pytest.importorskip("envpool")
+envpool = needs("envpool")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras import EXTRA, needs
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -52,6 +53,10 @@ def test_torchrun_runs_where_it_can():
 def test_readme_has_quick_starts():
     assert len(BLOCKS) >= 3
 
+# optional packages a block uses through gpubuf's names
+USED_THROUGH = {"torchrl": "gpubuf.torchrl", "envpool": "EnvPoolSource", "gymnasium": "VectorEnvSource",
+                "minari": "to_minari", "h5py": "to_hdf5"}
+
 
 def test_the_docs_have_their_blocks_and_one_runs_under_torchrun():
     pages = {page.stem for page, _ in DOC_BLOCKS}
@@ -61,9 +66,9 @@ def test_the_docs_have_their_blocks_and_one_runs_under_torchrun():
 
 @pytest.mark.parametrize(("page", "code"), DOC_BLOCKS, ids=DOC_IDS)
 def test_doc_block_runs(page, code, monkeypatch, tmp_path):
-    for package in ("envpool", "gymnasium"):  # absent on the GPU machine
-        if f"import {package}" in code:
-            pytest.importorskip(package)
+    for package in EXTRA:  # optional packages (envpool and gymnasium are absent on the GPU machine)
+        if re.search(rf"\b(import|from) {package}\b", code) or USED_THROUGH.get(package, "\0") in code:
+            needs(package if package != "torchrl" else "torchrl.data")
     monkeypatch.delenv("GPUBUF_BACKEND", raising=False)
     monkeypatch.chdir(tmp_path)  # checkpoints the blocks write land here
     if "init_process_group" in code:  # the multi-GPU learner: run as its page says, under torchrun

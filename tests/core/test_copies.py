@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from extras import needs
 from fixtures import index_rows
 from snapshots import assert_same_state, snapshot
 
@@ -110,7 +111,7 @@ def test_bound_objects_refuse_copies():
     for fn in COPIERS.values():
         with pytest.raises(TypeError, match="GraphSampler: cannot be copied or pickled.*graph_sampler"):
             fn(sampler)
-    envpool = pytest.importorskip("envpool")
+    envpool = needs("envpool")
     from gpubuf import EnvPoolSource
 
     src = EnvPoolSource(envpool.make("CartPole-v1", env_type="gymnasium", num_envs=2), device="cpu")

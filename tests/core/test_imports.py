@@ -188,16 +188,33 @@ def test_the_layer_check_can_fail():
     assert layer_of("gpubuf.sources.envpool")[0] > layer_of("gpubuf.history.buffer")[0]
 
 
-def test_earlier_module_paths_are_the_new_modules():
-    """``import gpubuf.envpool`` and the other paths of earlier releases give the module that holds them now,
-    which keeps its own name and spec."""
+def test_earlier_module_paths_are_the_new_modules_with_a_deprecation_warning():
+    """``import gpubuf.envpool`` and the other paths of the layout before 0.2.0 give the module that holds them
+    now, which keeps its own name and spec, and warn naming the new path and the release that removes them."""
     import importlib
 
-    for old, new in gpubuf._MOVED.items():  # noqa: SLF001
-        module = importlib.import_module(old)
+    from gpubuf import _deprecated
+
+    for old, new in _deprecated.MOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated .* removed in 0\.3\.0: import {new}"):
+            module = importlib.import_module(old)
         assert module is importlib.import_module(new) and module.__spec__.name == new
     run_python("import gpubuf.envpool, gpubuf.distributed; from gpubuf.mbrl import MBRLAgent; "
                "from gpubuf.wrappers import ActionRepeatWrapper; print(gpubuf.envpool.EnvPoolSource)")
+
+
+def test_the_public_surface_is_all_and_nothing_legacy():
+    """Every name of ``gpubuf.__all__`` resolves; ``dir(gpubuf)`` lists the API and the public subpackages, no
+    earlier module path."""
+    from gpubuf import _deprecated
+
+    for name in gpubuf.__all__:
+        assert getattr(gpubuf, name) is not None, name
+    shown = set(dir(gpubuf))
+    assert set(gpubuf.__all__) <= shown
+    assert not {old.split(".", 1)[1] for old in _deprecated.MOVED} & (shown - {"history", "replay", "planning"})
+    assert {"Mixture", "Recency", "Online", "Fifo", "Lifo", "WriterDied", "RateLimiter", "export", "info"} <= shown
 
 
 def test_an_earlier_path_runs_as_a_script():

@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 
@@ -320,7 +321,7 @@ def test_a_fork_never_waits_forever_on_nested_locks():
 
     from gpubuf import EnvPoolSource
 
-    envpool = pytest.importorskip("envpool")
+    envpool = needs("envpool")
     stream = Stream(4)
     replay = TransitionBuffer(32 * E, 4, stream.rows(1), device="cpu")
     hist = HistoryBuffer(E, 8, device="cpu")

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
 from gpubuf import Transition, TransitionBuffer
 from gpubuf._core.transition import from_tensordict, items, to, to_tensordict
@@ -75,7 +76,7 @@ def test_to_tensordict_without_the_package_says_how_to_install(monkeypatch):
 
 
 def test_tensordict_round_trip():
-    pytest.importorskip("tensordict", reason="optional dependency tensordict is not installed")
+    needs("tensordict")
     t = batch()
     t.PER_weights = torch.rand(3)
     td = to_tensordict(t)
@@ -96,7 +97,7 @@ def test_tensordict_round_trip():
 
 
 def test_tensordict_bad_input_names_the_argument():
-    tensordict = pytest.importorskip("tensordict", reason="optional dependency tensordict is not installed")
+    tensordict = needs("tensordict")
     with pytest.raises(ValueError, match=r"batch_dims: leaf action has shape \(3, 2\), expected it to start with 3"):
         to_tensordict(batch(), batch_dims=3)
     with pytest.raises(ValueError, match="batch_dims: expected an int >= 0 or None, got -1"):
@@ -138,7 +139,7 @@ def test_methods_are_the_functions():
 
 
 def test_methods_round_trip_a_sampled_batch_through_a_tensordict():
-    tensordict = pytest.importorskip("tensordict", reason="optional dependency tensordict is not installed")
+    tensordict = needs("tensordict")
     t = sampled_with_flags()
     td = t.to_tensordict()
     assert isinstance(td, tensordict.TensorDict) and list(td.batch_size) == [4]  # PER_weights is (B,)
@@ -155,6 +156,6 @@ def test_a_none_inside_info_is_kept_by_to_and_left_out_of_a_tensordict():
     t = Transition(np.zeros((2, 3)), None, None, None, None, info={"lives": np.ones(2), "final_obs": None})
     moved = t.to("cpu")
     assert moved.info["final_obs"] is None and isinstance(moved.info["lives"], torch.Tensor)
-    pytest.importorskip("tensordict", reason="optional dependency tensordict is not installed")
+    needs("tensordict")
     td = t.to_tensordict(batch_dims=np.int64(1))  # numpy ints are ints here too
     assert list(td["info"].keys()) == ["lives"] and list(td.batch_size) == [2]

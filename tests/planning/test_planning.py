@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
 from gpubuf import CEMSolver, EnvPoolSource, HistoryBuffer, PlanConfig, Planner
 from gpubuf.planning import cartpole_cost, cartpole_dynamics
 
-envpool = pytest.importorskip("envpool")  # absent on the GPU machine, which has no registry
+envpool = needs("envpool")  # absent on the GPU machine, which has no registry
 
 
 class RecordingSolver:

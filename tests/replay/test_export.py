@@ -6,8 +6,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+from extras import needs
 
-gym = pytest.importorskip("gymnasium")
+gym = needs("gymnasium")
 from fixtures import make_transition  # noqa: E402
 from gymnasium.vector import AutoresetMode, SyncVectorEnv  # noqa: E402
 
@@ -97,8 +98,8 @@ def test_a_wrapped_ring_exports_only_whole_episodes():
 
 
 def test_minari_and_hdf5_round_trips(tmp_path, monkeypatch):
-    minari = pytest.importorskip("minari")
-    h5py = pytest.importorskip("h5py")
+    minari = needs("minari")
+    h5py = needs("h5py")
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
     buf, logs = run()
     eps = list(export.episodes(buf, first_is_reset=True))

@@ -10,6 +10,7 @@ row after the episode's last transition), inserts wrap the ring, and the model w
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
 
@@ -267,7 +268,7 @@ def test_buffers_that_cannot_stack_or_return_say_why():
 
 
 def test_an_envpool_source_s_rows_stack_and_return_by_its_is_last_convention(backend, device):
-    envpool = pytest.importorskip("envpool")
+    envpool = needs("envpool")
     from gpubuf.sources.envpool import EnvPoolSource
 
     env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=4, seed=0, max_episode_steps=12)

@@ -12,11 +12,12 @@
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 from gpubuf.sources.envpool import EnvPoolSource, StepStager, action_fill
 
-envpool = pytest.importorskip("envpool")
+envpool = needs("envpool")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

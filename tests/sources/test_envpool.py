@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 from dlpack_only import DlpackOnly
+from extras import needs
 
 from gpubuf import HistoryBuffer
 from gpubuf.sources.actions import ActionCodec
 from gpubuf.sources.envpool import EnvPoolSource, StepStager
 
-envpool = pytest.importorskip("envpool")  # absent on the GPU machine, which has no registry
+envpool = needs("envpool")  # absent on the GPU machine, which has no registry
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -3,11 +3,12 @@ what a pure-python history model holds, on both backends."""
 
 import numpy as np
 import pytest
+from extras import needs
 from history_model import HistoryModel
 
 from gpubuf import HistoryBuffer
 
-envpool = pytest.importorskip("envpool")  # absent on the GPU machine, which has no registry
+envpool = needs("envpool")  # absent on the GPU machine, which has no registry
 
 
 @pytest.mark.parametrize("n_envs,batch", [(4, 2)])

@@ -13,8 +13,9 @@ returns never cross an episode end.
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
-gym = pytest.importorskip("gymnasium")
+gym = needs("gymnasium")
 from fixtures import reference_return  # noqa: E402
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv  # noqa: E402
 

@@ -8,9 +8,10 @@ Done when the mean return of the last 8 episodes beats -400 within 20k env steps
 import numpy as np
 import pytest
 import torch
+from extras import needs
 from torch import nn
 
-gym = pytest.importorskip("gymnasium")
+gym = needs("gymnasium")
 
 from gpubuf import TransitionBuffer  # noqa: E402
 from gpubuf.sources.vector_env import VectorEnvSource  # noqa: E402

@@ -7,8 +7,9 @@ from collections import deque
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
-gym = pytest.importorskip("gymnasium")  # absent on the GPU machine, which has no registry
+gym = needs("gymnasium")  # absent on the GPU machine, which has no registry
 
 from gymnasium.vector import AutoresetMode, SyncVectorEnv  # noqa: E402
 

@@ -10,8 +10,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
-torchrl = pytest.importorskip("torchrl")
+torchrl = needs("torchrl.data")
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402
 

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras import needs
 
-pytest.importorskip("torchrl")
-pytest.importorskip("gymnasium")
+needs("torchrl.data")
+needs("gymnasium")
 
 pytestmark = pytest.mark.slow
 

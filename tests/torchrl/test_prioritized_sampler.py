@@ -8,8 +8,9 @@ ones (``tests/torchrl_reference.py``), so everything else the comparison runs is
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
-torchrl = pytest.importorskip("torchrl")
+torchrl = needs("torchrl.data")
 from scipy import stats  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402

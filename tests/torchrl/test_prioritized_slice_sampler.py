@@ -5,8 +5,9 @@ give the same rows, weights and ``info``; the rows that cannot start a slice are
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
-torchrl = pytest.importorskip("torchrl")
+torchrl = needs("torchrl.data")
 from tensordict import TensorDict  # noqa: E402
 from test_slice_sampler import assert_same_sample, extended_steps  # noqa: E402
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402

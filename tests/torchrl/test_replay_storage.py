@@ -12,8 +12,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
-torchrl = pytest.importorskip("torchrl")
+torchrl = needs("torchrl.data")
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import (  # noqa: E402
     LazyMemmapStorage,

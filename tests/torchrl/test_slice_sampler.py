@@ -5,8 +5,9 @@ probabilities (an episode uniformly, then a start uniformly where the slice fits
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
-torchrl = pytest.importorskip("torchrl")
+torchrl = needs("torchrl.data")
 from scipy import stats  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer  # noqa: E402
