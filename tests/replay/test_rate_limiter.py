@@ -183,6 +183,12 @@ def test_counts_ride_along_state_dict_copies_and_storage_dir(tmp_path):
     (lambda: RateLimiter(1.0, 1, math.nan, 1), ValueError, "min_diff: expected a number"),
     (lambda: RateLimiter(1.0, 1, -1, 1, timeout=-1), ValueError, "timeout: expected None or seconds >= 0"),
     (lambda: RateLimiter.sample_to_insert_ratio(1.0, 1, -2), ValueError, "error_buffer: expected a number >= 0"),
+    (lambda: RateLimiter.sample_to_insert_ratio(1.0, 1, (1.0,)), ValueError,
+     r"error_buffer: expected a number >= 0 or two of them \(below, above\), got \(1.0,\)"),
+    (lambda: RateLimiter.sample_to_insert_ratio(1.0, 1, (1, 2, 3)), ValueError, "error_buffer: expected a number"),
+    (lambda: RateLimiter.sample_to_insert_ratio(2.0, 1, (1.0, 2.0)), ValueError,
+     r"error_buffer: expected below \+ above >= 4 \(2 \* max\(1, samples_per_insert\).*got \(1.0, 2.0\)"),
+    (lambda: RateLimiter.sample_to_insert_ratio(1.0, 1, 0.5), ValueError, "error_buffer: expected below"),
     (lambda: buffer("fast"), TypeError, "rate_limiter: expected a gpubuf.RateLimiter or None, got str"),
     (lambda: buffer(RateLimiter.min_size(E * 64 + 1)), ValueError, "rate_limiter: min_size_to_sample=129 exceeds"),
 ])
@@ -229,3 +235,106 @@ def test_a_pickled_or_forked_limited_buffer_keeps_counting():
     got = q.get(timeout=60)
     p.join(60)
     assert got == (6, 5) and p.exitcode == 0 and lim.inserts == 4
+
+
+def reachable_deadlock(spi, m, lo, hi, inserts, samples, capacity=40, most=60):
+    """A state (size, inserts, samples) that the limiter's own rules reach from empty, where an insert of some size in
+    ``inserts`` and a sample of some size in ``samples`` both wait; None when none is reached (breadth first, up to
+    ``most`` inserted transitions)."""
+    lim = RateLimiter(spi, m, lo, hi)
+    seen, todo = set(), [(0, 0, 0)]
+    while todo:
+        state = todo.pop()
+        if state in seen:
+            continue
+        seen.add(state)
+        lim.size, lim.inserts, lim.samples = state
+        for i in inserts:
+            for s in samples:
+                if not lim.can_insert(i) and not lim.can_sample(s):
+                    return state, i, s
+        for i in inserts:
+            if lim.can_insert(i) and state[1] + i <= most:
+                todo.append((min(state[0] + i, capacity), state[1] + i, state[2]))
+        for s in samples:
+            if lim.can_sample(s):
+                todo.append((state[0], state[1], state[2] + s))
+    return None
+
+
+@pytest.mark.parametrize("spi", [0.5, 1.0, 2.0, 3.0])
+def test_the_band_rule_proves_no_deadlock(spi):
+    """Every configuration the limiter accepts (a band at least one insert's and one sample's moves wide) reaches no
+    state where both wait, over every schedule; one narrower (the band [0, 8], inserts of 4, samples of 7) does."""
+    for m in (1, 3, 7):
+        for inserts, samples in (((1,), (1,)), ((4,), (7,)), ((1, 2, 4), (1, 3, 7)), ((3,), (2, 5))):
+            span = max(max(inserts) * spi + max(samples), 2 * max(1.0, spi))  # the narrowest band accepted
+            for lo in (-3.0, 0.0, 2.5):
+                assert reachable_deadlock(spi, m, lo, lo + span, inserts, samples) is None, (m, inserts, samples, lo)
+    assert reachable_deadlock(1.0, 1, 0.0, 8.0, (4,), (7,)) is not None
+
+
+def flat(T: int) -> Transition:
+    return Transition(observation=np.zeros((T, 3), np.float32), action=np.zeros(T, np.float32),
+                      reward=np.zeros(T, np.float32), terminated=np.zeros(T, bool), truncated=np.zeros(T, bool))
+
+
+def test_a_band_too_narrow_for_the_calls_is_refused_not_deadlocked():
+    """The band [0, 8] with inserts of 4 transitions and samples of 7: the second size seen is refused, naming
+    both; two threads then end with that error instead of waiting forever."""
+    lim = RateLimiter(1.0, 1, 0.0, 8.0, timeout=0)
+    buf = TransitionBuffer(64, 7, flat(1), vectorized_env=False,
+                           device="cpu", seed=0, rate_limiter=lim)
+    buf.insert(flat(4))  # filling up: never waits
+    buf.insert(flat(4))
+    with pytest.raises(ValueError, match=r"rate_limiter: a sample of 7 moves .* by 7 and an insert \(4 transitions\) "
+                                         "seen before by 4: together more than max_diff - min_diff = 8, so both "
+                                         "could wait for each other forever"):
+        buf.sample()
+    assert lim.samples == 0 and buf.sample(batch_size=4) is not None  # a size the band holds runs
+
+    lim = RateLimiter(1.0, 1, 0.0, 8.0, timeout=3)  # the actor left alone ends by this timeout
+    buf = TransitionBuffer(64, 7, flat(1), vectorized_env=False,
+                           device="cpu", seed=0, rate_limiter=lim)
+    errors = []
+
+    def run(fn):
+        def go():
+            try:
+                for _ in range(50):
+                    fn()
+            except (ValueError, TimeoutError) as err:
+                errors.append(err)
+        return go
+
+    threads = [threading.Thread(target=run(lambda: buf.insert(flat(4)))),
+               threading.Thread(target=run(buf.sample))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    refused = [e for e in errors if isinstance(e, ValueError)]
+    assert refused and "could wait for each other forever" in str(refused[0])
+
+
+def test_a_buffer_narrower_than_a_row_and_a_batch_is_refused():
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 4, 2.0)  # band 4: a row of 2 envs and a batch of 4 need 6
+    with pytest.raises(ValueError, match=r"rate_limiter: an insert of one row \(2 transitions\) .* by 2 and a sample "
+                                         "of sample_batch_size=4 windows by 4, together more than its band"):
+        buffer(lim)
+
+
+def test_a_reopened_storage_dir_counts_every_insert_after_the_last_flush(tmp_path):
+    d = tmp_path / "r"
+    disk = buffer(RateLimiter.min_size(4, timeout=0), storage_dir=d)  # 64 rows per env
+    disk.insert(rollout(10))
+    disk.sample(batch_size=3)
+    disk.flush()
+    for _ in range(4):
+        disk.insert(rollout(26))  # 104 rows after the flush: more than the ring holds
+    counts = (disk.rate_limiter.inserts, disk.rate_limiter.samples)
+    disk.storage.dir.close()  # as a killed process leaves it: no flush
+    again = buffer(RateLimiter.min_size(4, timeout=0), storage_dir=d)
+    assert (again.rate_limiter.inserts, again.rate_limiter.samples) == counts == (114 * E, 3)
+    again.close()
