@@ -38,6 +38,23 @@ IS_LAST = ("info", "is_last")  # the leaf marking an env source's row that holds
 NOT_IN_NUMPY = (torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def any_rows(rows: dict, paths: list) -> np.ndarray | None:
+    """(T, E) bool: rows where any leaf of ``paths`` is set (``rows``: each leaf's (T, E) bool; maybe one of
+    them, not a copy); None without such leaves."""
+    if not paths:
+        return None
+    if len(paths) == 1:
+        return rows[paths[0]]
+    return np.logical_or.reduce([rows[p] for p in paths])
+
+
+def cut_rows(rows: dict, trunc: list, term: list) -> np.ndarray | None:
+    """(T, E) bool: rows set in a ``trunc`` leaf and in no ``term`` leaf (a termination needs no successor);
+    None without ``trunc`` leaves."""
+    cut, done = any_rows(rows, trunc), any_rows(rows, term)
+    return cut if cut is None or done is None else cut & ~done
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``) and
@@ -191,20 +208,15 @@ class ReplayConfig:
                              f"T = {T}")
         return values, given, T
 
-    def row_flags(self, leaves: dict, T: int) -> tuple:
-        """(T, E) host bool ``(truncated, episode ends, no transition)`` of ``T`` rows of ``leaves``
-        (each None without its leaves; a device leaf is read back)."""
+    def row_flags(self, leaves: dict, T: int, *, raw: bool = False) -> tuple:
+        """(T, E) host bool ``(cut, episode ends, no transition)`` of ``T`` rows of ``leaves`` (each None
+        without its leaves; a device leaf is read back). ``cut``: the rows whose transition needs a successor
+        it does not have, ``truncated`` and not ``terminated`` (a row both terminated and truncated is a
+        termination: discount 0, no successor read); ``raw``: every ``truncated`` row."""
         trunc, ends, last = self.flag_paths
         rows = {p: self._set_rows(leaves[p], T) for p in dict.fromkeys(ends + last)}  # one pass
-
-        def any_of(paths):
-            if not paths:
-                return None
-            if len(paths) == 1:
-                return rows[paths[0]]
-            return np.logical_or.reduce([rows[p] for p in paths])
-
-        return any_of(trunc), any_of(ends), any_of(last)
+        return cut_rows(rows, trunc, [] if raw else self.paths("terminated")), any_rows(rows, ends), \
+            any_rows(rows, last)
 
     def check_state(self, state, template: dict) -> tuple:
         """``(pos, count, rng, row flags)`` of a ``state_dict`` checked against this configuration
@@ -224,10 +236,14 @@ class ReplayConfig:
         flags = {leaf.path: host_tensor(state["data"][leaf.name]) for leaf in self.leaves
                  if leaf.path in paths}
         stored, ends, last = self.row_flags(flags, self.max_rows)
-        if not np.array_equal(trunc, np.zeros_like(trunc) if stored is None else stored):
+        if stored is None:
+            stored = np.zeros_like(trunc)
+        # earlier releases counted the rows both terminated and truncated in `trunc` too
+        if not np.array_equal(trunc, stored) and \
+                not np.array_equal(trunc, self.row_flags(flags, self.max_rows, raw=True)[0]):
             raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of "
                              "state_dict['data']")
-        return trunc, ends, last
+        return stored, ends, last
 
     def _set_rows(self, t: torch.Tensor, T: int) -> np.ndarray:
         """(T, E) host bool: whether leaf ``t`` (T, E, ...) is nonzero anywhere in each row (maybe

@@ -51,8 +51,10 @@ class StartRing:
         # generations of the held rows start past every one handed out before a restore (write_backs.py),
         # from a random base: another ring (a re-opened storage_dir) shares none with this one
         self.base = int.from_bytes(os.urandom(6), "little") << 8
-        self.trunc = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows holding a truncation
-        self.n_trunc = 0  # truncated rows stored
+        # (M, E) rows holding a truncation, a transition whose successor is not stored (a row both terminated
+        # and truncated is a termination: it needs none, and is not one of them)
+        self.trunc = np.zeros((max_rows, n_envs), dtype=bool)
+        self.n_trunc = 0  # such rows stored
         self.ends = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows ending an episode
         self.n_ends = 0  # rows ending an episode stored
         # (M, E) rows holding no transition (never a start)

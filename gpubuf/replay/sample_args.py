@@ -39,8 +39,9 @@ class Samples:
         ``torch.Generator``, an int seed (the same int, the same batch) or ``None`` (the buffer's
         generator). ``with_next_obs`` fills ``next_observation`` with the observation one row later
         (unless stored), and then never samples a window whose first ``n_steps`` rows hold a
-        truncation. Raises ``ValueError`` when there is no valid start, or fewer than ``batch_size``
-        without replacement. Rows of an :class:`~gpubuf.EnvPoolSource` that hold no transition
+        truncation (a row both ``terminated`` and ``truncated`` is a termination: it needs no successor
+        and is drawn, as a terminated row is). Raises ``ValueError`` when there is no valid start, or
+        fewer than ``batch_size`` without replacement. Rows of an :class:`~gpubuf.EnvPoolSource` that hold no transition
         (``info["is_last"]``) never start a window (``P_i`` is taken over the other starts).
 
         Memory: a batch whose outputs and working memory (estimated up front) exceed what the
@@ -87,8 +88,8 @@ class Samples:
           termination); likewise it stops before the newest row held, whose reward is not taken
           while its next observation is not stored, and bootstraps from that row's observation.
           Other leaves (``action``, ``info``) are the start row's. Starts are drawn as with
-          ``with_next_obs=True`` (never a truncated row). Needs a ``terminated`` leaf. ``out`` is
-          not offered with either argument.
+          ``with_next_obs=True`` (never a row truncated but not terminated). Needs a ``terminated``
+          leaf. ``out`` is not offered with either argument.
         """
         return self._sample(key, self.default_with_replacement if with_replacement is None
                             else with_replacement, batch_size, with_next_obs, boundaries, out,

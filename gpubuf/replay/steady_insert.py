@@ -13,6 +13,7 @@ import bisect
 import numpy as np
 
 from gpubuf._core.transition import FIELDS, Transition
+from gpubuf.replay.config import any_rows, cut_rows
 
 
 def _signature(value):
@@ -74,7 +75,7 @@ class SteadyInsert:
         return arrays
 
     def row_flags(self, arrays: dict, T: int) -> tuple:
-        """(T, E) host bool ``(truncated, episode ends, no transition)`` of the rows (None without
+        """(T, E) host bool ``(cut, episode ends, no transition)`` of the rows (None without
         their leaves), as :meth:`~gpubuf.replay.config.ReplayConfig.row_flags` computes them."""
         E = self.config.n_envs
 
@@ -84,12 +85,7 @@ class SteadyInsert:
                 return a.reshape(T, E)
             return (a.reshape(T, E, -1) != 0).any(2)
 
-        def any_of(paths):
-            if not paths:
-                return None
-            flags = rows(paths[0])
-            return flags if len(paths) == 1 else np.logical_or.reduce([rows(p) for p in paths])
-
         trunc, ends, last = self.config.flag_paths
-        return any_of(trunc), any_of(ends), any_of(last)
+        flags = {p: rows(p) for p in dict.fromkeys(ends + last)}
+        return cut_rows(flags, trunc, self.config.paths("terminated")), any_rows(flags, ends), any_rows(flags, last)
 

@@ -314,3 +314,60 @@ def test_cut_episodes_leaves_a_terminated_newest_row_alone():
     fresh = PrioritizedTransitionBuffer(3 * 16, 8, make_transition(0, 1, 3), device="cpu", seed=0)
     fresh.load_state_dict(buf.state_dict())
     torch.testing.assert_close(buf.sampling_mass(True), fresh.sampling_mass(True))
+
+
+def time_limit_rows(start: int, T: int = 6) -> Transition:
+    """Index rows of 3 envs where env 0 terminates on its time-limit step (terminated and truncated both set, as
+    gymnasium's TimeLimit reports it) at rows 2 and 8, env 1 is truncated at row 8 and env 2 terminates there."""
+    tr = index_rows(T, 3, start)
+    term, trunc = np.zeros((T, 3), bool), np.zeros((T, 3), bool)
+    for row, flags in ((2, ((0, True, True),)), (8, ((0, True, True), (1, False, True), (2, True, False)))):
+        if start <= row < start + T:
+            for env, te, tr_ in flags:
+                term[row - start, env], trunc[row - start, env] = te, tr_
+    tr.terminated, tr.truncated = term, trunc
+    return tr
+
+
+@pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
+def test_a_row_both_terminated_and_truncated_is_drawn_as_a_terminal_transition(backend, device, cls):
+    """A termination on the time-limit step needs no successor: it is a valid start with next observations, n-step
+    returns and stacks (discount 0, terminated), uniform and prioritized, through the checked and steady inserts;
+    a truncation alone is still never drawn with a next observation."""
+    buf = cls(3 * 16, 8, time_limit_rows(0, 1), device=device, seed=0)
+    buf.insert(time_limit_rows(0))
+    buf.insert(time_limit_rows(6))  # the same numpy layout: a host buffer's steady path
+    mass = buf.sampling_mass(True).cpu()
+    assert mass[2 * 3] > 0 and mass[8 * 3] > 0 and mass[8 * 3 + 2] > 0 and mass[8 * 3 + 1] == 0
+    assert buf.num_valid(True) == 3 * 11 - 1
+    for kw in ({"with_next_obs": True}, {"n_step_return": (3, 0.5)}, {"n_step_return": (3, 0.5), "frame_stack": 2}):
+        batch, idx = buf.sample(batch_size=400, with_replacement=True, return_indices=True, key=1, **kw)
+        idx = idx.cpu()
+        for flat in (2 * 3, 8 * 3):
+            hit = idx == flat
+            assert hit.any(), (kw, flat)
+            assert batch.terminated.cpu()[hit].all() and batch.reward.cpu()[hit].eq(flat).all()
+            if "n_step_return" in kw:
+                assert batch.discount.cpu()[hit].eq(0).all() and not batch.truncated.cpu()[hit].any()
+        before = (idx == 3) | (idx == 7 * 3)  # returns from the row before take its reward and stop there
+        if "n_step_return" in kw:
+            assert before.any() and batch.discount.cpu()[before].eq(0).all()
+            assert batch.reward.cpu()[before].tolist() == [3 + 3.0 if i == 3 else 21 + 12.0 for i in idx[before]]
+        assert not (idx == 8 * 3 + 1).any()
+
+
+def test_a_state_dict_counting_terminal_time_limit_rows_as_truncations_loads():
+    """A state dict whose ``trunc`` also sets the rows both terminated and truncated (as earlier releases saved
+    them) loads, and those rows are drawn as terminal transitions."""
+    buf = TransitionBuffer(3 * 16, 8, time_limit_rows(0, 1), device="cpu", seed=0)
+    buf.insert(time_limit_rows(0))
+    buf.insert(time_limit_rows(6))
+    state = buf.state_dict()
+    old = dict(state, trunc=state["data"]["truncated"].clone())
+    assert not torch.equal(old["trunc"], state["trunc"])
+    fresh = TransitionBuffer(3 * 16, 8, time_limit_rows(0, 1), device="cpu", seed=0)
+    fresh.load_state_dict(old)
+    torch.testing.assert_close(fresh.sampling_mass(True), buf.sampling_mass(True))
+    assert torch.equal(fresh.state_dict()["trunc"], state["trunc"])
+    with pytest.raises(ValueError, match=r"state_dict\['trunc'\]"):
+        fresh.load_state_dict(dict(state, trunc=torch.zeros_like(state["trunc"])))
