@@ -294,7 +294,8 @@ class TransitionBuffer(Samples, BufferState):
         return B, kind
 
     def _check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
-        self.sampler.check_draw(kind, B, with_replacement and not (self.selector and self.selector.queue))
+        distinct = not with_replacement if self.selector is None else self.selector.distinct(with_replacement)
+        self.sampler.check_draw(kind, B, not distinct)
         if self.selector is not None:
             self.selector.check(kind, B, with_replacement)
 

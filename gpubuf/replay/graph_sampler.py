@@ -174,7 +174,7 @@ class GraphSampler:
         if self._selector is None:
             tree.sample(self.u, out=idx)
         else:  # the selector's probabilities, from device state only
-            drawn, q = self._selector.draw_u(self._kind, self.u)
+            drawn, q = self._selector.draw_u(self._kind, self.u, self.minibatches)  # each minibatch a mixture
             idx.copy_(drawn)
         batch = None
         if self._stacked is not None:

@@ -18,7 +18,8 @@ of a start is how many rows its env wrote after the start's row (0: the newest r
 - :class:`Online`: DreamerV3's online queue: each batch first takes the valid starts not yet served, oldest first
   (at most ``B``), and fills the rest from ``base`` (a :class:`Recency` or :class:`Mixture`, or ``None``: the
   buffer's own draw, as ``with_replacement`` says). Every new start is thus served once before it is left to the
-  base's chances.
+  base's chances. It draws with replacement as the buffer does: a batch larger than the valid starts takes each
+  once, then the rest from the base.
 
 A prioritized buffer's ``PER_weights`` are ``(q_i / min_batch q) ** -beta`` with ``q_i`` the selector's
 probability of start ``i`` (the base's for :class:`Online`'s queued starts; 1 for :class:`Fifo`/:class:`Lifo`).
@@ -68,12 +69,17 @@ class Selector:
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
         """``ValueError`` unless a draw of ``B`` starts of ``kind`` can run."""
 
+    def distinct(self, with_replacement: bool) -> bool:
+        """Whether a draw (``with_replacement`` as asked) returns ``B`` distinct starts, so needs that many valid."""
+        return not with_replacement
+
     def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
         """``(flat starts (B,) int64, their probabilities (B,) float64 or None)``, drawn with ``g``."""
         return self.draw_u(kind, self.buffer.sampler.uniforms(g, B))
 
-    def draw_u(self, kind: int, u: torch.Tensor):
-        """:meth:`draw` from given uniforms ``u`` (B,) float64 on the device (what a graph replays)."""
+    def draw_u(self, kind: int, u: torch.Tensor, groups: int = 1):
+        """:meth:`draw` from given uniforms ``u`` (B,) float64 on the device (what a graph replays); ``groups``: ``u``
+        is that many batches of equal size (a GraphSampler's minibatches), each drawn as a batch of its own."""
         raise NotImplementedError
 
     def prob(self, kind: int, idx: torch.Tensor) -> torch.Tensor:
@@ -138,7 +144,7 @@ class Recency(Selector):
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
         _with_replacement(self, with_replacement)
 
-    def draw_u(self, kind: int, u: torch.Tensor):
+    def draw_u(self, kind: int, u: torch.Tensor, groups: int = 1):  # independent draws: groups change nothing
         mass = self._recency_mass(kind, self.exponent)
         idx, total = _draw_masses(mass, u)
         return idx, mass[idx] / total
@@ -191,13 +197,17 @@ class Mixture(Selector):
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
         _with_replacement(self, with_replacement)
 
-    def draw_u(self, kind: int, u: torch.Tensor):
-        n, parts, at = self.counts(u.numel()), [], 0
+    def draw_u(self, kind: int, u: torch.Tensor, groups: int = 1):
+        """Each of the ``groups`` batches of ``u`` holds :meth:`counts` starts of each component (in component
+        order), so every minibatch is the mixture its probabilities assume."""
+        B = u.numel() // groups
+        n, parts, at, grid = self.counts(B), [], 0, u.view(groups, B)
         for name in COMPONENTS:
             if n[name]:
-                parts.append(self._component(name, kind, u[at:at + n[name]]))
+                part = self._component(name, kind, grid[:, at:at + n[name]].reshape(-1))
+                parts.append(part.view(groups, n[name]))
                 at += n[name]
-        idx = parts[0] if len(parts) == 1 else torch.cat(parts)
+        idx = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).view(-1)
         return idx, self.prob(kind, idx, n)
 
     def _component(self, name: str, kind: int, u: torch.Tensor) -> torch.Tensor:
@@ -282,6 +292,9 @@ class Fifo(_Queue):
 
     def fresh(self) -> "Fifo":
         return type(self)()
+
+    def distinct(self, with_replacement: bool) -> bool:
+        return True  # each start is served once
 
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
         n = self.unserved(kind)

@@ -97,6 +97,47 @@ def test_a_graph_sampler_of_a_prioritized_mixture_weighs_like_sample():
     assert torch.allclose(out.PER_weights, ((q / q.min()) ** -0.4).float())
 
 
+def test_each_minibatch_of_a_graph_sampled_mixture_is_the_mixture_its_weights_assume():
+    """``minibatches=K`` with a Mixture: every minibatch holds the mixture's counts of each component, so its draws
+    follow the mixture's probabilities (chi-square per minibatch) and its PER_weights are those of its own starts."""
+    buf = filled(PrioritizedTransitionBuffer, Mixture(uniform=0.5, recency=0.5), beta=0.5)
+    graph = buf.graph_sampler(batch_size=8, minibatches=2)
+    ok = valid(buf)
+    pr = ok * (ages(buf) + 1.0) ** -1.0
+    q = 0.5 * ok / ok.sum() + 0.5 * pr / pr.sum()
+    c, age, start_age = np.zeros((2, M * E)), [[], []], ages(buf)
+    for _ in range(400):
+        out, idx = graph.sample()
+        for k in range(2):
+            i = idx[k].numpy()
+            np.add.at(c[k], i, 1)
+            age[k].append(start_age[i].mean())
+            want = (q[i] / q[i].min()) ** -0.5
+            assert np.allclose(out.PER_weights[k].numpy(), want, rtol=1e-5)
+    for k in range(2):
+        assert_matches(c[k], q)
+    assert stats.ttest_ind(age[0], age[1]).pvalue > 1e-4  # the same mean age in both
+
+
+@pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
+def test_online_draws_a_batch_larger_than_the_valid_starts_with_replacement_as_the_buffer_does(cls):
+    """6 valid starts, a batch of 8 with replacement: the buffer draws it, and so does Online with any base (its 6
+    queued starts first, then 2 from the base); without replacement both refuse it alike."""
+    for selector in (None, Online(), Online(Recency()), Online(Mixture(uniform=1, recency=1))):
+        buf = cls(E * M, 8, index_rows(1, E), selector=selector, seed=0)
+        buf.insert(index_rows(2, E))
+        assert buf.num_valid() == 6
+        for call in range(2):
+            batch, idx = buf.sample(batch_size=8, with_replacement=True, return_indices=True)
+            assert idx.shape == (8,) and set(idx.tolist()) <= set(range(6)), selector
+            assert (batch.observation[:, 0] == idx.to(batch.observation.dtype)).all()
+            if selector is not None and call == 0:
+                assert sorted(idx[:6].tolist()) == list(range(6))  # the queue first, each start once
+        if selector is None or selector.base is None:
+            with pytest.raises(ValueError, match="batch_size: 8 exceeds the 6 valid starts, which sampling without"):
+                buf.sample(batch_size=8, with_replacement=False)
+
+
 def test_selected_windows_read_as_the_buffer_reads_any_start():
     """Stacks, n-step returns and boundary flags of the starts a selector drew equal the buffer's own reading of
     those starts."""
