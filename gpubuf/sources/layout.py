@@ -6,7 +6,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import as_tensor
+from gpubuf._core.inputs import as_tensor, check_cast
 from gpubuf._core.transition import Transition, flatten, leaf_name
 
 # names a source's own fields take: never an info key nor an extra leaf
@@ -16,7 +16,8 @@ RESERVED = ("action", "reward", "terminated", "truncated", "env_id", "players", 
 def transition_sample(obs_space, action_zeros, info_spec: dict, lead: tuple, extra=None,
                       is_last: bool = True) -> Transition:
     """Zero leaves ``(*lead, ...)``: ``lead`` ``(1, n_envs)`` for a vectorized buffer (with ``info["is_last"]`` unless
-    ``is_last`` is False, next observations inferred), ``(1,)`` for single transitions (with ``next_observation``).
+    ``is_last`` is False, next observations inferred), ``(1,)`` for single transitions (with ``next_observation`` and
+    ``info["env_id"]``, int64, the env each transition came from).
 
     ``obs_space`` has the observation's ``shape`` and numpy ``dtype``; ``action_zeros(lead)`` gives the actions;
     ``info_spec`` ``{key: (shape, numpy dtype)}`` the stored info fields; ``extra`` ``{name: example}`` one env's value
@@ -24,6 +25,8 @@ def transition_sample(obs_space, action_zeros, info_spec: dict, lead: tuple, ext
     vectorized = len(lead) == 2
     obs = torch.from_numpy(np.zeros((*lead, *obs_space.shape), dtype=obs_space.dtype))
     info = {"is_last": torch.zeros(lead, dtype=torch.bool)} if vectorized and is_last else {}
+    if not vectorized:  # single transitions interleave the envs: each row says whose it is (locate() reads it)
+        info["env_id"] = torch.zeros(lead, dtype=torch.int64)
     info.update({k: torch.from_numpy(np.zeros((*lead, *s), d)) for k, (s, d) in info_spec.items()})
     if extra is not None:
         if not isinstance(extra, Mapping):
@@ -73,6 +76,17 @@ def extra_leaves(leaves: dict, own) -> dict:
     """``{name: (shape, dtype)}`` of the ``info`` leaves in ``leaves`` other than the source's ``own`` keys: the
     caller's extra data."""
     return {p[1]: spec for p, spec in leaves.items() if p[0] == "info" and len(p) == 2 and p[1] not in own}
+
+
+def exact_info(values: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+    """Host ``values`` of an info field as its stored numpy ``dtype``, cast only where no value changes (the rule of
+    every buffer, :func:`~gpubuf._core.inputs.check_cast`: 1.7 or NaN into an integer field, 300 into ``uint8``, 2 into
+    ``bool`` are refused; ``float64`` rounds into ``float32``), else ``TypeError`` naming ``name``."""
+    if values.dtype == dtype:
+        return values
+    readable = values if values.flags.writeable else values.copy()  # torch reads no read-only array (JAX's)
+    check_cast(as_tensor(readable, name), torch.from_numpy(np.zeros(0, dtype)).dtype, name)
+    return values.astype(dtype)
 
 
 def example_info_spec(info_keys, obs_key: str) -> dict:

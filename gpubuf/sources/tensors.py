@@ -18,9 +18,11 @@ MuJoCo Playground, Brax, gymnax): the observation they return for that env is al
 Observations stay where they come (a CUDA tensor is staged in place, no copy); the episode-end flags, rewards, actions
 and info fields are read to the host once per step (one device synchronisation per step on CUDA), where the history's
 resets and the buffers' episode bookkeeping live. Values are stored as the simulator gives them, cast to the buffers'
-dtypes where the cast is exact (bool or integer observations into a float space, bool or integer rewards into float32);
-NaN observations and rewards are stored as they are (a diverged simulator's output is the caller's to filter), while
-non-finite actions are refused.
+dtypes only where no value changes (``docs/dtypes.md``: bool or integer observations into a float space, bool or
+integer rewards into float32, info fields into their example's dtype, float64 rounded into float32); a cast that would
+change a value (1.7 or NaN into an integer field, 300 into ``uint8``) raises ``TypeError`` naming the argument before
+anything is written. NaN observations and rewards are stored as they are (a diverged simulator's output is the caller's
+to filter), while non-finite actions are refused.
 """
 
 import numpy as np
@@ -30,7 +32,7 @@ from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.inputs import as_tensor
 from gpubuf.sources.actions import check_action_space
-from gpubuf.sources.layout import example_info_spec
+from gpubuf.sources.layout import exact_info, example_info_spec
 from gpubuf.sources.source import RowSource
 from gpubuf.sources.staging import Step
 
@@ -59,7 +61,8 @@ class TensorSource(RowSource):
         final_obs: whether :meth:`step` gets each ended episode's final observation (module docstring).
         obs_key, device, history, transitions, action_fill: as for :class:`~gpubuf.EnvPoolSource`.
         info_keys: ``{name: example}`` per-step info fields to store (one env's example value: shape and dtype),
-            passed to :meth:`step` as ``infos={name: (n_envs, ...)}``.
+            passed to :meth:`step` as ``infos={name: (n_envs, ...)}``, stored in the example's dtype where no value
+            changes (else ``TypeError`` naming ``infos[name]``).
 
     ``step = src.reset(obs)``, then per simulator step ``step = src.step(actions, obs, reward, terminated, truncated,
     final_obs=...)`` with the actions that produced them. Threads: one call at a time; copies and pickles are refused.
@@ -153,5 +156,5 @@ class TensorSource(RowSource):
             a = host_array(infos[key], f"infos[{key!r}]")
             if a.shape != (self.n_envs, *shape):
                 raise ValueError(f"infos[{key!r}]: expected shape {(self.n_envs, *shape)}, got {a.shape}")
-            out[key] = a.astype(dtype, copy=False)
+            out[key] = exact_info(a, dtype, f"infos[{key!r}]")
         return out

@@ -32,7 +32,7 @@ import numpy as np
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
 from gpubuf.sources.actions import check_action_space
-from gpubuf.sources.layout import example_info_spec
+from gpubuf.sources.layout import exact_info, example_info_spec
 from gpubuf.sources.source import RowSource
 from gpubuf.sources.staging import Step
 
@@ -67,7 +67,8 @@ class VectorEnvSource(RowSource):
         info_keys: ``{name: example}``: fields of the env's ``info`` to store, each with one env's example value (its
             shape and dtype), e.g. ``{"x_position": np.float64(0)}``; appended to the history under their own names
             and stored in the transitions as ``info[name]``, the value the env reported with the row's observation (0
-            where the env's ``info["_name"]`` mask says it reported none).
+            where the env's ``info["_name"]`` mask says it reported none), in the example's dtype where no value
+            changes (``docs/dtypes.md``; else ``ValueError`` naming the field, before anything is written).
         action_fill: the action stored on every row whose action the env ignored (reset frames), as for
             :class:`~gpubuf.EnvPoolSource` (default: NaN for float actions, -1 for signed integer ones).
 
@@ -187,10 +188,11 @@ class VectorEnvSource(RowSource):
                     raise ValueError(f"info_keys: the env's {key!r} came as {values.dtype} {values.shape}, expected "
                                      f"{dtype} {(n, *shape)}")
                 mask = np.asarray(info.get(f"_{key}", np.ones(n, dtype=bool)), dtype=bool)
-                a[mask] = values[mask]
-                if not np.array_equal(a[mask], values[mask], equal_nan=a.dtype.kind in "fc"):
+                try:
+                    a[mask] = exact_info(values[mask], dtype, f"info[{key!r}]")
+                except TypeError as err:
                     raise ValueError(f"info_keys: the env's {key!r} values ({values.dtype}) do not fit the example's "
-                                     f"dtype {dtype} exactly; give an example of their dtype")
+                                     f"dtype {dtype} exactly ({err}); give an example of their dtype") from None
             elif key not in self._unreported:
                 self._unreported.add(key)
                 warnings.warn(f"info_keys: the env reported no {key!r} in its info; stored as 0 until it does",

@@ -10,12 +10,13 @@ bootstraps across an episode end.
 import numpy as np
 import pytest
 import torch
+from extras import needs
 from fixtures import reference_return
 
 from gpubuf import HistoryBuffer, TransitionBuffer
 from gpubuf.sources.tensors import TensorSource
 
-gym = pytest.importorskip("gymnasium")
+gym = needs("gymnasium")
 
 
 class TorchSim:
@@ -197,8 +198,8 @@ def test_bad_steps_are_refused_before_anything_is_written():
 def test_gymnax_cartpole_arrays_cross_by_dlpack(final_obs):
     """gymnax's CartPole, vmapped over 4 envs and jitted, with its own same-step auto-reset: the jax arrays go to the
     source as they are; the rows match what each env did (its ``info["final_observation"]`` at episode ends)."""
-    jax = pytest.importorskip("jax")
-    gymnax = pytest.importorskip("gymnax")
+    jax = needs("jax")
+    gymnax = needs("gymnax")
     jnp = jax.numpy
     env, params = gymnax.make("CartPole-v1")
     params = params.replace(max_steps_in_episode=12)  # truncations as well as terminations
@@ -240,7 +241,7 @@ def test_gymnax_cartpole_arrays_cross_by_dlpack(final_obs):
         np.testing.assert_array_equal(data["terminated"], term)
         np.testing.assert_array_equal(data["truncated"], trunc)
         b = buf.sample(key=1, batch_size=64, with_next_obs=True)
-        assert not b.truncated.any()
+        assert not (b.truncated & ~b.terminated).any()  # a termination on the time-limit step is a terminal transition
 
 
 def test_copies_are_refused():
@@ -258,7 +259,7 @@ def test_jax_actions_for_a_box_pass_without_a_warning():
     """A JAX array reads as a read-only numpy view: the action check copies it rather than warn."""
     import warnings
 
-    jnp = pytest.importorskip("jax").numpy
+    jnp = needs("jax").numpy
     sim = TorchSim(2)
     src = TensorSource(2, sim.observation_space, sim.action_space, final_obs=False, device="cpu")
     src.reset(sim.reset())
@@ -267,3 +268,78 @@ def test_jax_actions_for_a_box_pass_without_a_warning():
         warnings.simplefilter("error")
         step = src.step(jnp.full((2, 1), 5.0), obs, reward, terminated, truncated)
     assert (step.info["action"] == 1.0).all()  # clipped to the box
+
+
+# ------------------------------------------------------------------ info fields: cast exactly or refused
+
+INFO_CASTS = [  # (example, value, stored): stored None means refused
+    (np.int64(0), 1.7, None), (np.int64(0), np.nan, None), (np.int64(0), 1.0, None), (np.uint8(0), 300, None),
+    (np.uint8(0), -1, None), (np.bool_(False), 2, None), (np.float32(0), 1e300, None),
+    (np.int64(0), np.int32(7), 7), (np.uint8(0), 200, 200), (np.bool_(False), 1, True), (np.float64(0), 0.1, 0.1),
+    (np.float32(0), 0.1, float(np.float32(0.1))), (np.float32(0), np.int16(300), 300.0)]
+
+
+@pytest.mark.parametrize(("example", "value", "stored"), INFO_CASTS, ids=lambda x: repr(x))
+def test_an_info_value_is_stored_exactly_or_refused_by_every_source(example, value, stored):
+    """The same rule as every buffer's (docs/dtypes.md) in ``TensorSource`` and ``VectorEnvSource``: a value the
+    example's dtype holds is stored (a float64 rounded into float32), one it would change is refused naming the field,
+    before anything is written."""
+    from gymnasium.vector import SyncVectorEnv
+
+    from gpubuf import VectorEnvSource
+
+    sim = TorchSim(2)
+    src = TensorSource(2, sim.observation_space, sim.action_space, final_obs=True, device="cpu",
+                       info_keys={"t": example})
+    buf = TransitionBuffer(64, 4, src.transition_sample(False), vectorized_env=False, device="cpu")
+    src.transitions, src.history = buf, HistoryBuffer(2, 8, device="cpu")
+    zeros = {"t": np.zeros(2, np.asarray(example).dtype)}
+    src.reset(sim.reset(), infos=zeros)
+    values = {"t": np.full(2, value, dtype=np.asarray(value).dtype)}
+    step = dict(actions=torch.zeros(2, 1), obs=sim.reset(), reward=torch.zeros(2),
+                terminated=torch.zeros(2, dtype=torch.bool), truncated=torch.zeros(2, dtype=torch.bool),
+                final_obs=sim.reset())
+    if stored is None:
+        with pytest.raises(TypeError, match=r"infos\['t'\]: cannot store .* without changing values"):
+            src.step(**step, infos=values)
+        assert len(buf) == 0 and src.history.num_strided() == [1, 1]
+    else:
+        src.step(**step, infos=values)
+        src.step(**step, infos=zeros)
+        held = buf.state_dict()["data"]["info['t']"][:4].tolist()  # each env's two transitions, interleaved
+        assert held == [0, 0, stored, stored]  # with the observation it was reported with
+
+    class Reports(LateInfoEnv):
+        reported = value
+
+    env = SyncVectorEnv([Reports, Reports])
+    vsrc = VectorEnvSource(env, device="cpu", info_keys={"t": example})
+    vbuf = TransitionBuffer(64, 4, vsrc.transition_sample(False), vectorized_env=False, device="cpu")
+    vsrc.transitions = vbuf
+    vsrc.reset(seed=0)
+    if stored is None:
+        with pytest.raises(ValueError, match=r"info_keys: the env's 't' values .* do not fit the example's dtype .*"
+                                             r"cannot store .* without changing values"):
+            vsrc.step(np.zeros(2, np.int64))
+        assert len(vbuf) == 0
+    else:
+        vsrc.step(np.zeros(2, np.int64))
+        vsrc.step(np.zeros(2, np.int64))
+        assert vbuf.state_dict()["data"]["info['t']"][:4].tolist() == [0, 0, stored, stored]
+
+
+class LateInfoEnv(gym.Env):
+    """Reports ``info["t"] = reported`` at its first step only (an int64 0, which every example holds, after a reset
+    and later)."""
+
+    observation_space = gym.spaces.Box(-100, 100, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+    reported = 0
+
+    def reset(self, seed=None, options=None):
+        self.k = 0
+        return np.zeros(1, np.float32), {"t": np.int64(0)}
+
+    def step(self, action):
+        self.k += 1
+        return np.full(1, self.k, np.float32), 1.0, False, False, {"t": self.reported if self.k == 1 else np.int64(0)}
