@@ -7,7 +7,7 @@ alternates between them. ``--log2-frames`` sets the size; each copy takes ``2**n
 (2**21 frames: 25.8 GB per copy; the four copies must exceed RAM for a disk-bound run). Run it in the
 peers' venv (``bash benchmarks/setup_peers.sh``):
 
-    /work/bench-venv/bin/python benchmarks/bench_memmap.py --log2-frames 21 --dir /var/tmp/gpubuf-memmap
+    .venv-peers/bin/python benchmarks/bench_memmap.py --log2-frames 21 --dir /var/tmp/gpubuf-memmap
 """
 
 import argparse

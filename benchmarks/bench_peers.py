@@ -17,7 +17,7 @@ Sections (each section's contenders run interleaved in rotating order, medians):
 Each call's target is printed beside it, met or not. Run it with the venv of ``benchmarks/setup_peers.sh`` on a quiet
 machine (no other benchmark or test beside it):
 
-    /work/bench-venv/bin/python benchmarks/bench_peers.py      # -> results/peers_cpu.json and a markdown table
+    .venv-peers/bin/python benchmarks/bench_peers.py      # -> results/peers_cpu.json and a markdown table
 """
 
 import argparse

@@ -5,7 +5,7 @@ say what is timed), with this script's options: a JSON file under benchmarks/res
 table on stdout. A peer that does not import is listed as missing. Run with the venv made by
 ``benchmarks/setup_peers.sh``:
 
-    /work/bench-venv/bin/python benchmarks/bench_replay.py            # writes benchmarks/results/replay_<device>.json
+    .venv-peers/bin/python benchmarks/bench_replay.py            # writes benchmarks/results/replay_<device>.json
 """
 
 import argparse

@@ -15,7 +15,7 @@ rounds, medians:
   ``gpubuf.torchrl.SliceSampler``, both told the episode key (``traj_key="episode"``);
 - prioritized sequences: the same with ``PrioritizedSliceSampler`` (alpha 0.6, beta 0.4).
 
-    /work/bench-venv/bin/python benchmarks/bench_torchrl.py      # -> results/torchrl_cpu.json
+    .venv-peers/bin/python benchmarks/bench_torchrl.py      # -> results/torchrl_cpu.json
 """
 
 import argparse

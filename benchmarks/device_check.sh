@@ -44,9 +44,8 @@ gymnasium tests and the demo are skipped'; fi"
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rs"
 
 plan_basics() {
-    step info 10 gpu.txt "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c \
-'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"gpus\", \
-torch.cuda.device_count())'"
+    step info 15 gpu.txt "$PY -m gpubuf.apps.cli info; nvidia-smi --query-gpu=name,memory.total,driver_version \
+--format=csv; $PY -c 'import torch; print(\"gpus\", torch.cuda.device_count())'"
     step wheels 25 wheels.txt "$WHEELS_INSTALL"
     # every kernel against its twin on GPU tensors, launch counts, the simulated-device tests
     step kernel_tests 90 kernel_tests.txt "$PYTEST -m 'not cuda' tests/kernels/test_history_kernels.py \
@@ -59,7 +58,7 @@ tests/replay/test_frame_stacks.py"
 }
 
 plan_bench() {
-    step info 5 gpu.txt "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader"
+    step info 10 gpu.txt "$PY -m gpubuf.apps.cli info; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader"
     step wheels 25 wheels.txt "$WHEELS_INSTALL"
     step history 30 history_cuda.md "$PY benchmarks/bench_history.py --device cuda --n-envs 1024 4096 --repeats 21 \
 --no-deque --out \$W/history_cuda.json"
@@ -76,7 +75,7 @@ cp benchmarks/results/overhead_cuda.json \$W/"
 then $PY benchmarks/bench_distributed.py --backend nccl --device cuda --ranks 2 --log2-size 20 --batch 4096 \
 --iters 30 --out \$W/distributed_nccl.json; else $PY benchmarks/bench_distributed.py --backend gloo --device cuda \
 --ranks 1,2 --log2-size 20 --batch 4096 --iters 30 --out \$W/distributed_gloo_cuda.json; fi"
-    step demo 40 demo_cuda.md "if $PY -c 'import envpool' 2>/dev/null; then $PY -m gpubuf.apps.cli demo --device cuda \
+    step demo 35 demo_cuda.md "if $PY -c 'import envpool' 2>/dev/null; then $PY -m gpubuf.apps.cli demo --device cuda \
 --env-steps 5000 --out \$W/demo_cuda.json --plot \$W/demo_cuda.png; else echo 'envpool missing: demo skipped'; fi"
     step bench_quick 15 bench_cuda.log "$PY -m gpubuf.apps.cli bench --quick --device cuda --peers '' --out \$W/bench_cuda.md"
 }

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Installs the replay-buffer peers of benchmarks/bench_replay.py into a separate venv (never the test extra).
-# Usage: bash benchmarks/setup_peers.sh [VENV]   (default /work/bench-venv; override with BENCH_VENV)
+# Usage: bash benchmarks/setup_peers.sh [VENV]   (default .venv-peers in the repository, ignored by git; BENCH_VENV
+# also sets it). The benchmark commands in docs/benchmarks.md run .venv-peers/bin/python from the repository root.
 # CPU torch goes in first, so nothing later pulls a CUDA build. Each peer installs on its own: one that
 # fails is reported as missing by the benchmark, it does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-VENV="${1:-${BENCH_VENV:-/work/bench-venv}}"
+VENV="${1:-${BENCH_VENV:-.venv-peers}}"
 python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q torch==2.13.0 || { echo "setup_peers: torch 2.13.0 failed"; exit 1; }
-"$PY" -m pip install -q -e . numpy scipy
+"$PY" -m pip install -q "setuptools>=68" wheel
+rm -rf build && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$VENV/wheel" . && rm -rf build
+"$PY" -m pip install -q --force-reinstall "$VENV"/wheel/gpubuf-*.whl numpy scipy
 for peer in cpprb "torchrl tensordict" "flashbax jax" "jaxnasium[algs]"; do
     # shellcheck disable=SC2086
     if "$PY" -m pip install -q $peer; then echo "setup_peers: installed $peer"; else echo "setup_peers: FAILED $peer"; fi

@@ -1,12 +1,17 @@
-"""What the release before the subpackages (d75cdaf) left with users still loads: its module paths import
-the modules that hold them now, and its pickles of buffers unpickle to the same buffers."""
+"""What the release before the subpackages (d75cdaf) left with users still loads through 0.2.x: its module paths
+import the modules that hold them now (with a DeprecationWarning), and its pickles of buffers unpickle to the same
+buffers. Pickles made now name nothing but ``gpubuf`` itself, so no later move of a module breaks them."""
 
 import importlib
 import pickle
+import pickletools
 import runpy
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from snapshots import assert_same_state, snapshot
 
@@ -21,12 +26,26 @@ EARLIER = ("benchmarking", "checkpoint", "cli", "concurrency", "copies", "demo",
 
 
 def test_every_earlier_module_path_imports():
-    for name in EARLIER:
-        assert importlib.import_module(f"gpubuf.{name}").__name__.startswith("gpubuf.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # each warns (tests/core/test_imports.py)
+        for name in EARLIER:
+            assert importlib.import_module(f"gpubuf.{name}").__name__.startswith("gpubuf.")
+
+
+def test_pickles_made_now_name_gpubuf_alone():
+    built = runpy.run_path(str(DATA / "make_buffers_pickle.py"), run_name="built_here")
+    for name in ("u", "p", "h"):
+        blob = pickle.dumps(built[name])
+        names = [arg for op, arg, _ in pickletools.genops(blob) if op.name in ("SHORT_BINUNICODE", "BINUNICODE")
+                 and isinstance(arg, str) and arg.startswith("gpubuf")]
+        assert set(names) == {"gpubuf"}, names  # gpubuf._rebuild_buffer and the class by its public name
+        assert type(pickle.loads(blob)) is type(built[name])
 
 
 def test_pickles_of_the_earlier_release_load_as_the_same_buffers():
-    with open(DATA / "buffers_d75cdaf.pkl", "rb") as f:
+    for moved in ("gpubuf.copies", "gpubuf.prioritized"):
+        sys.modules.pop(moved, None)
+    with open(DATA / "buffers_d75cdaf.pkl", "rb") as f, pytest.warns(DeprecationWarning, match="removed in 0.3.0"):
         old = pickle.load(f)
     built = runpy.run_path(str(DATA / "make_buffers_pickle.py"), run_name="built_here")  # the same buffers, now
     for name, cls in (("uniform", gpubuf.TransitionBuffer), ("prioritized", gpubuf.PrioritizedTransitionBuffer),

@@ -25,7 +25,8 @@ import gpubuf
 APPS = ("gpubuf.apps", "gpubuf.sources", "gpubuf.planning", "gpubuf.replay.sharded")
 # The layers, lowest first: a module imports modules of its own package and of lower layers only (packages
 # in one layer are independent of each other). The root package, the facade, re-exports from every layer.
-LAYERS = (("gpubuf.kernels",), ("gpubuf._core",), ("gpubuf.ops",), ("gpubuf.replay", "gpubuf.history"),
+LAYERS = (("gpubuf.kernels",), ("gpubuf._core", "gpubuf._deprecated"), ("gpubuf.ops",),
+          ("gpubuf.replay", "gpubuf.history"),
           ("gpubuf.sources", "gpubuf.planning", "gpubuf.torchrl"), ("gpubuf.apps",))
 # Third-party packages of the apps and the extras, which neither ``import gpubuf`` nor a core module may
 # load.
