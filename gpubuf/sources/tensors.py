@@ -30,7 +30,7 @@ import torch
 
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
-from gpubuf._core.inputs import as_tensor
+from gpubuf._core.inputs import as_tensor, check_cast
 from gpubuf.sources.actions import check_action_space
 from gpubuf.sources.layout import exact_info, example_info_spec
 from gpubuf.sources.source import RowSource
@@ -84,6 +84,7 @@ class TensorSource(RowSource):
         super().__init__(int(n_envs), action_space, observation_space, obs_key=obs_key, device=device,
                          action_fill=action_fill, info_spec=spec, has_final_obs=final_obs, ends_in_step=True)
         self._obs_shape = tuple(observation_space.shape)
+        self._obs_dtype = torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype
         self._no = np.zeros(self.n_envs, dtype=bool)
         self._zeros = np.zeros(self.n_envs, dtype=np.float32)
         self._started = False
@@ -94,6 +95,7 @@ class TensorSource(RowSource):
     def reset(self, obs, infos=None) -> Step:
         """Start every env from ``obs`` ``(n_envs, *obs)`` (reset frames); with a vectorized ``transitions`` buffer
         holding rows, each env's pending observation first ends its episode."""
+        self._check_obs(obs, "obs")
         infos = self._infos(infos)
         self._rows.restart()
         self._started = True
@@ -121,6 +123,7 @@ class TensorSource(RowSource):
                     raise ValueError(f"{name}: expected bools (or 0/1), got {a.dtype} values")
                 a = a.astype(bool)
             flags[name] = a
+        self._check_obs(obs, "obs")
         infos = self._infos(infos)
         extras = None if extra is None and not self._extra.spec else self._extra.check(extra, n)
         ended = flags["terminated"] | flags["truncated"]
@@ -129,9 +132,7 @@ class TensorSource(RowSource):
             if final_obs is None:
                 raise ValueError("final_obs: this source was built with final_obs=True; pass each step's final "
                                  "observations (n_envs, *obs)")
-            f = as_tensor(final_obs, "final_obs")
-            if tuple(f.shape) != (n, *self._obs_shape):
-                raise ValueError(f"final_obs: expected shape {(n, *self._obs_shape)}, got {tuple(f.shape)}")
+            f = self._check_obs(final_obs, "final_obs")
             if np.count_nonzero(ended):
                 final = f[torch.from_numpy(np.flatnonzero(ended)).to(f.device)]
         elif final_obs is not None:
@@ -144,6 +145,16 @@ class TensorSource(RowSource):
                                                      acts, infos)
         return self._rows.receive_ends_in_step(obs, flags["reward"], flags["terminated"], flags["truncated"], acts,
                                                infos, final, {k: v[ended] for k, v in infos.items()})
+
+    def _check_obs(self, value, name: str) -> torch.Tensor:
+        """``value`` as a tensor, checked before anything is written: ``(n_envs, *obs)`` observations the observation
+        space's dtype holds (cast by the buffers' rule), else ``ValueError``/``TypeError`` naming ``name``."""
+        t = as_tensor(value, name)
+        want = (self.n_envs, *self._obs_shape)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+        check_cast(t, self._obs_dtype, name)
+        return t
 
     def _infos(self, infos) -> dict:
         """``{key: (n_envs, *shape)}`` host arrays of the info fields, checked against ``info_keys``."""

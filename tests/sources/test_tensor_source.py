@@ -343,3 +343,33 @@ class LateInfoEnv(gym.Env):
     def step(self, action):
         self.k += 1
         return np.full(1, self.k, np.float32), 1.0, False, False, {"t": self.reported if self.k == 1 else np.int64(0)}
+
+
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_observations_a_buffer_cannot_hold_are_refused_naming_the_argument_passed(vectorized):
+    """``obs`` (of ``reset`` and ``step``) and ``final_obs`` of the wrong shape or of values the observation space's
+    dtype cannot hold raise naming that argument (not the buffer leaf it would have become, nor one call later), with
+    nothing written to the transitions or the history."""
+    sim = TorchSim(2)
+    src = TensorSource(2, sim.observation_space, sim.action_space, final_obs=True, device="cpu")
+    buf = TransitionBuffer(64, 4, src.transition_sample(vectorized), vectorized_env=vectorized, device="cpu")
+    src.transitions, src.history = buf, HistoryBuffer(2, 8, device="cpu")
+    huge = torch.full((2, 2), 1e300, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"^obs: cannot store torch.float64 in the stored dtype torch.float32"):
+        src.reset(huge)
+    src.reset(sim.reset())
+    ended, no = torch.tensor([True, False]), torch.zeros(2, dtype=torch.bool)
+    good = dict(actions=torch.zeros(2, 1), obs=sim.reset(), reward=torch.zeros(2), terminated=ended, truncated=no,
+                final_obs=sim.reset())
+    for change, exc, match in (
+            ({"obs": huge}, TypeError, r"^obs: cannot store torch.float64 in the stored dtype torch.float32"),
+            ({"obs": torch.zeros(2, 2, dtype=torch.complex64)}, TypeError, r"^obs: cannot store torch.complex64"),
+            ({"obs": torch.zeros(2, 3)}, ValueError, r"^obs: expected shape \(2, 2\), got \(2, 3\)"),
+            ({"obs": torch.zeros(3, 2)}, ValueError, r"^obs: expected shape \(2, 2\), got \(3, 2\)"),
+            ({"final_obs": huge}, TypeError, r"^final_obs: cannot store torch.float64")):
+        with pytest.raises(exc, match=match):
+            src.step(**{**good, **change})
+        assert len(buf) == 0 and src.history.num_strided() == [1, 1]
+    src.step(**good)
+    src.step(**{**good, "terminated": no, "obs": torch.zeros(2, 2, dtype=torch.float64)})  # exact: stored
+    assert len(buf) == 4  # two steps of two envs: transitions, or time rows of both envs
