@@ -28,7 +28,8 @@ last one) is real and may be bootstrapped from. A reset after rows were written 
 ``is_last`` row per env).
 
 Rows of a buffer with ``vectorized_env=False`` (sync or async): each received row but reset frames is one transition
-with its ``next_observation`` and the env's ``terminated``/``truncated``.
+with its ``next_observation``, the env's ``terminated``/``truncated`` and ``info["env_id"]``, the env it came from (the
+buffer's ``locate`` reports it).
 
 Envs that reset inside the step that ends an episode (gymnasium's SAME_STEP and DISABLED modes, GPU simulators;
 ``ends_in_step``) hand over the reset frame with the step's reward and flags. With a buffer of ``vectorized_env=False``
@@ -37,7 +38,8 @@ row, then the reset frame as its next row, as if the env had spent a step on the
 successor. A vectorized buffer stores one time row of every env per step, so it gets one row per env per step, without
 ``info["is_last"]`` (:meth:`RowWriter.receive_resets_in_step`): the observation before the step, the action, reward,
 ``terminated`` and ``truncated`` as the env reported them; the next row holds the reset frame, and a final observation
-the env handed over goes to the history only. The buffer then ends episodes at ``terminated | truncated`` rows: a
+the env handed over is stored nowhere (appended to the history, it is flushed with its episode by the reset frame in the
+same call: no ``get()`` returns it). The buffer then ends episodes at ``terminated | truncated`` rows: a
 truncated last transition is never drawn with ``with_next_obs`` and no n-step return or stack reaches past it (its
 successor is not stored: one transition per truncated episode is not learned from); a terminated one is drawn with
 discount 0 (its ``next_observation`` is the next episode's first frame, which no target uses). A reset after rows were
@@ -109,7 +111,8 @@ class RowWriter:
             self._check_transitions(tb)
         self.end_episodes()
         self.transitions = tb
-        self.extra.attach(None if tb is None else extra_leaves(buffer_leaves(tb), {*self.info_spec, "is_last"}))
+        self.extra.attach(None if tb is None else extra_leaves(buffer_leaves(tb), {*self.info_spec, "is_last",
+                                                                                   "env_id"}))
         self._fresh[:] = True  # the new buffer holds no row of the current episodes
 
     def transition_sample(self, vectorized: bool = True, extra=None):
@@ -205,7 +208,8 @@ class RowWriter:
         ``(ended, *obs)``, ``final_infos`` ``{key: (ended, ...)}`` the info reported with it: the final observations
         are received first (the step's reward and flags), then every env's row of this step (the ended envs' reset
         frames, reward 0). A vectorized buffer gets the rows of :meth:`receive_resets_in_step` (the final
-        observations go to the history only). Returns the second batch."""
+        observations are appended to the history only, where the reset frames flush them). Returns the second
+        batch."""
         ended = terminated | truncated
         vectorized = self.transitions is not None and self.transitions.vectorized_env
         if np.count_nonzero(ended):
@@ -293,7 +297,8 @@ class RowWriter:
         dev_ids = self._staging.to_device(torch.from_numpy(ids), "__transition_ids__")
         dev_rows = self._staging.to_device(torch.from_numpy(rows), "__transition_rows__")
         obs = step.info[self.stager.obs_key][:, 0]  # (R, *obs)
-        info = {**{k: v[ids[rows]] for k, v in self._prev_info.items()}, **self.extra.rows(ids[rows])}
+        info = {**{k: v[ids[rows]] for k, v in self._prev_info.items()}, **self.extra.rows(ids[rows]),
+                "env_id": ids[rows].astype(np.int64)}  # the rows interleave the envs: each says whose it is
         self.transitions.insert(Transition(
             observation=self._prev_obs[dev_ids[dev_rows]], next_observation=obs[dev_rows], action=sent[rows],
             reward=reward[rows], terminated=terminated[rows], truncated=truncated[rows], info=info))

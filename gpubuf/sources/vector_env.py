@@ -9,8 +9,8 @@ vectorized implementation) and writes its rows by the row convention of :mod:`gp
 - ``SAME_STEP``: the step that ends an episode returns the reset frame and puts the final observation in
   ``info["final_obs"]``. The source writes the final observation (with the step's reward and flags, and
   ``info["final_info"]``'s fields) as that env's row, then the reset frame as the next row of that env, as if the env
-  had spent a step on the reset (the history too: the final observation, then the reset frame, which starts a new
-  history).
+  had spent a step on the reset (the history too: the final observation, then the reset frame, which flushes it with
+  its episode: no ``get()`` returns a final observation).
 - ``DISABLED``: the source resets the envs that ended, through ``env.reset(options={"reset_mask": ended})``, right after
   the step, and writes the same rows as for ``SAME_STEP``.
 
@@ -19,10 +19,10 @@ frame). A buffer with ``vectorized_env=False`` gets both: each transition with i
 observation included. A vectorized buffer stores one time row of every env per step: it gets each env's step as one row
 (observation before, executed action, the env's reward, ``terminated`` and ``truncated``) without ``info["is_last"]``
 rows, the reset frame in the env's next row, and ends episodes at ``terminated | truncated`` rows; the final observation
-goes to the history only, so a truncated episode's last transition has no stored successor and is never drawn with
-``with_next_obs`` nor bootstrapped by an n-step return or stack (one transition per truncated episode is not learned
-from; a terminated one keeps discount 0). With ``NEXT_STEP`` a vectorized buffer holds EnvPool's rows, the final
-observation as an ``info["is_last"]`` row.
+is not stored (``last`` holds it with ``SAME_STEP``), so a truncated episode's last transition has no stored successor
+and is never drawn with ``with_next_obs`` nor bootstrapped by an n-step return or stack (one transition per truncated
+episode is not learned from; a terminated one keeps discount 0). With ``NEXT_STEP`` a vectorized buffer holds EnvPool's
+rows, the final observation as an ``info["is_last"]`` row.
 """
 
 import warnings

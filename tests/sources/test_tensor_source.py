@@ -373,3 +373,32 @@ def test_observations_a_buffer_cannot_hold_are_refused_naming_the_argument_passe
     src.step(**good)
     src.step(**{**good, "terminated": no, "obs": torch.zeros(2, 2, dtype=torch.float64)})  # exact: stored
     assert len(buf) == 4  # two steps of two envs: transitions, or time rows of both envs
+
+
+@pytest.mark.parametrize("vectorized", [True, False, None])
+def test_a_final_observation_is_in_no_history_get(vectorized):
+    """The final observation handed to ``step`` is flushed from the env's history with its episode in the same call
+    (the reset frame starts the new history), whatever the buffer: ``get()`` never returns it; a
+    ``vectorized_env=False`` buffer stores it as the next observation of the episode's last transition."""
+    sim = TorchSim(2, limit=4)
+    src = TensorSource(2, sim.observation_space, sim.action_space, final_obs=True, device="cpu")
+    src.history = hist = HistoryBuffer(2, 16, device="cpu")
+    if vectorized is not None:
+        src.transitions = buf = TransitionBuffer(64, 4, src.transition_sample(vectorized), vectorized_env=vectorized,
+                                                 device="cpu")
+    src.reset(sim.reset())
+    ends = 0
+    for _ in range(9):
+        action = torch.rand(2, 1, generator=sim.g) * 2 - 1
+        obs, reward, terminated, truncated, final = sim.step(action)
+        src.step(action, obs, reward, terminated, truncated, final_obs=final)
+        for e in torch.nonzero(terminated | truncated).flatten().tolist():
+            ends += 1
+            assert hist.num_strided([e]) == [1]
+            frames = hist.get(4, env_ids=[e])["observation"][0]
+            assert torch.equal(frames, obs[e].expand(4, 2))  # the reset frame, padded
+            assert not (frames == final[e]).all(1).any()
+            if vectorized is False:
+                held = buf.state_dict()["data"]["next_observation"][:len(buf)]
+                assert (held == final[e]).all(1).any()
+    assert ends >= 2

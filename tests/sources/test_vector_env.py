@@ -309,7 +309,7 @@ def test_a_cut_same_step_run_adds_no_row_and_nothing_crosses_the_cut(mode, cut, 
 
 @pytest.mark.parametrize("mode", MODES[1:], ids=lambda m: m.value)
 def test_same_step_history_is_the_same_whatever_the_buffer(mode, device):
-    """The history gets the final observation, then the reset frame, with a vectorized buffer as without one."""
+    """The history is the same with a vectorized buffer, a flat one or none."""
     E, K = 2, 30
     got = []
     for vectorized in (True, False, None):
@@ -570,3 +570,36 @@ def test_a_closed_storage_dir_buffer_can_be_detached_and_its_reopened_self_attac
     src.step(np.zeros((2, 1), np.float32))
     assert len(again) == n + 2
     again.close()
+
+
+@pytest.mark.parametrize("mode", MODES[1:], ids=lambda m: m.value)
+@pytest.mark.parametrize("vectorized", [True, False, None])
+def test_same_step_final_observations_are_in_no_history_get_and_stay_in_source_last(mode, vectorized, device):
+    """After an episode end in a same-step mode the env's history starts at its reset frame: the final observation is
+    flushed with its episode in the same call, so no ``get()`` returns it, whatever the buffer. SAME_STEP keeps it in
+    ``source.last``'s ``info["final_obs"]``; a ``vectorized_env=False`` buffer stores it as a next observation."""
+    E = 2
+    src = VectorEnvSource(gym.make_vec("CartPole-v1", E, vectorization_mode="sync",
+                                       vector_kwargs={"autoreset_mode": mode}), device=device)
+    src.history = hist = HistoryBuffer(E, 64, device=device)
+    if vectorized is not None:
+        src.transitions = buf = TransitionBuffer(E * 80, 4, src.transition_sample(vectorized),
+                                                 vectorized_env=vectorized, device=device)
+    src.reset(seed=0)
+    rng, seen = np.random.default_rng(0), 0
+    for _ in range(60):
+        step = src.step(random_actions(src, rng))
+        obs, _, terminated, truncated, info = src.last
+        for e in np.flatnonzero(np.asarray(terminated) | np.asarray(truncated)):
+            seen += 1
+            assert hist.num_strided([e]) == [1]
+            frames = hist.get(3, env_ids=[e])["observation"][0].cpu().numpy()  # (3, 4): the reset frame, padded
+            np.testing.assert_array_equal(frames, np.repeat(obs[e][None], 3, 0))
+            np.testing.assert_array_equal(step.info["observation"][e, 0].cpu().numpy(), obs[e])
+            if mode == AutoresetMode.SAME_STEP:
+                final = info["final_obs"][e]
+                assert not (frames == final).all(1).any()
+                if vectorized is False:
+                    held = buf.state_dict()["data"]["next_observation"][:len(buf)].cpu().numpy()
+                    assert (held == final).all(1).any()
+    assert seen >= 2
