@@ -1,12 +1,13 @@
 """Threads: an actor inserting while learners sample and update, a planner reading while a thread
 appends. Every row encodes its env and step (value = step * E + env) in every leaf, so a torn row
 (leaves of two writes), a window across the write seam, a start on a row being written or a stale
-stack shows as a value that breaks the arithmetic. The workers run bounded in time, with the
-interpreter switching threads every few microseconds so that calls interleave finely."""
+stack shows as a value that breaks the arithmetic. The workers run until each made its share of
+progress (counted calls, never work per second: a loaded machine only makes them slower), with the
+interpreter switching threads every few microseconds so that calls interleave finely; a generous
+timeout tells a hang from slowness."""
 
 import sys
 import threading
-import time
 import warnings
 
 import numpy as np
@@ -17,7 +18,7 @@ from extras import needs
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 
 E = 4
-DEADLINE_S = 60.0
+HANG_S = 600.0  # a worker still running after this long is stuck (a deadlock), not slow
 
 
 @pytest.fixture(autouse=True)
@@ -46,9 +47,9 @@ class Stream:
                           info={"id": v.astype(np.int64)})
 
 
-def run_workers(*targets, timeout: float = DEADLINE_S) -> list:
+def run_workers(*targets, timeout: float = HANG_S) -> list:
     """Run each ``target(stop)`` in its own thread until the first returns (``stop`` is then set);
-    re-raise the first error; every thread must finish within ``timeout``."""
+    re-raise the first error; every thread must finish within ``timeout`` (a hang, not a speed)."""
     stop, errors = threading.Event(), []
 
     def wrap(fn):
@@ -84,7 +85,9 @@ def check_windows(batch: Transition, idx: torch.Tensor, n: int) -> None:
     assert torch.equal(steps, torch.arange(n, dtype=v.dtype) * E * torch.ones_like(v)), \
         f"a window jumps: {v[(steps != torch.arange(n) * E).any(1)][:3].tolist()}"
     assert torch.equal(batch.next_observation.reshape(-1, n, 2)[..., 0], v + E)
-    assert not batch.truncated.reshape(-1, n).any()  # inferred next observations: never truncated
+    # inferred next observations: never a truncation without its final observation (one that is also a termination
+    # needs no successor)
+    assert not (batch.truncated & ~batch.terminated).reshape(-1, n).any()
     assert torch.equal(idx % E, v[:, 0].long() % E)
     if batch.PER_weights is not None:
         w = batch.PER_weights
@@ -107,7 +110,7 @@ def assert_masses_rebuilt_equal(buf, with_next_obs: bool, boundaries: str) -> No
 
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_actor_inserts_while_learners_sample_and_update(prioritized, host_backend):
-    inserts = 1500 if host_backend == "torch" else 120
+    inserts = 1500 if host_backend == "torch" else 30  # Triton's interpreter runs the kernels on CPU: slow
     n = 3
     stream = Stream(0)
     kwargs = {"alpha": 0.7} if prioritized else {}
@@ -117,15 +120,12 @@ def test_actor_inserts_while_learners_sample_and_update(prioritized, host_backen
     buf.insert(stream.rows(8))
     counts = {"samples": 0, "inserts": 0}
     indices = {"return_indices": True}
-    end = time.monotonic() + DEADLINE_S / 2
 
     def actor(stop):  # inserts, and goes on until the learners sampled enough (a slow first draw)
         rng = np.random.default_rng(1)
         while counts["inserts"] < inserts or counts["samples"] < 10:
             buf.insert(stream.rows(int(rng.integers(1, 4))))
             counts["inserts"] += 1
-            if time.monotonic() > end:
-                break
 
     def learner(seed):
         def run(stop):
@@ -140,7 +140,7 @@ def test_actor_inserts_while_learners_sample_and_update(prioritized, host_backen
         return run
 
     run_workers(actor, learner(2), learner(3))
-    assert counts["inserts"] >= 20 and counts["samples"] >= 10, counts  # both made progress
+    assert counts["inserts"] >= inserts and counts["samples"] >= 10, counts  # both made their progress
     assert_masses_rebuilt_equal(buf, True, "mask")
     assert_masses_rebuilt_equal(buf, False, "allow")
 
@@ -156,15 +156,12 @@ def test_stacks_and_returns_while_an_actor_inserts():
     k, gamma = 3, 0.5
 
     checked = []
-    end = time.monotonic() + DEADLINE_S / 2
 
     def actor(stop):  # inserts, and goes on until the learner checked enough (a slow first draw)
         inserts = 0
         while inserts < 1500 or sum(checked) < 160:
             buf.insert(stream.rows(1))
             inserts += 1
-            if time.monotonic() > end:
-                break
 
     def learner(stop):
         gen = torch.Generator().manual_seed(7)
@@ -198,7 +195,6 @@ def test_planner_reads_while_a_thread_appends():
     hist = HistoryBuffer(E, 16, action_block=ab, block_keys=("act",), device="cpu")
 
     checked = []
-    end = time.monotonic() + DEADLINE_S / 2
 
     def appender(stop):  # appends, and goes on until the planners checked enough
         s = 0
@@ -208,8 +204,6 @@ def test_planner_reads_while_a_thread_appends():
             if s % 97 == 0:
                 hist.reset([0])
             s += 1
-            if time.monotonic() > end:
-                break
 
     def planner(stop):
         while not stop.is_set():
@@ -348,5 +342,5 @@ def test_a_fork_never_waits_forever_on_nested_locks():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the fork's "still inside a call" warning
-        run_workers(nester, forker, timeout=60)
+        run_workers(nester, forker)
     assert len(forks) == 20
