@@ -41,7 +41,7 @@ from gpubuf._core.inputs import generator_for, host_indices, index_array, int_se
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import memory_ranges
 from gpubuf._core.transition import Transition
-from gpubuf.replay import tiers, write_backs
+from gpubuf.replay import provenance, tiers, write_backs
 from gpubuf.replay.buffer_state import BufferState
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
 from gpubuf.replay.process_writers import ReplayWriter
@@ -522,6 +522,10 @@ class TransitionBuffer(Samples, BufferState):
         ``step`` counts the env's rows from the first this buffer wrote (a :meth:`load_state_dict`
         numbers its rows from 0; with an :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step``
         shows the env after ``step`` calls of ``step()``). ``IndexError`` for an index outside ``[0,
-        max_size)`` or a row not held."""
+        max_size)`` or a row not held. A buffer of ``vectorized_env=False`` holds one stream, which a
+        source with several envs interleaves: ``env`` is each row's stored ``info["env_id"]`` (a
+        source's ``transition_sample(vectorized=False)`` has it), else 0, and ``step`` counts the
+        stream's rows (:mod:`gpubuf.replay.provenance`)."""
         flat, device = host_indices(indices)
-        return tuple(torch.from_numpy(a).to(device) for a in self.ring.locate(flat))
+        return tuple(torch.from_numpy(a).to(device)
+                     for a in provenance.locate(self.config, self.storage, self.ring, flat))

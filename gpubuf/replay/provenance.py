@@ -1,0 +1,33 @@
+"""Provenance of flat starts: the env, ring row and step of each (:meth:`~gpubuf.TransitionBuffer.locate`).
+
+A vectorized buffer's flat start ``row * E + env`` names its env, and ``step`` counts that env's rows. A flat buffer
+(``vectorized_env=False``) holds one stream of transitions (``E == 1``), which a source with several envs
+interleaves: a row names no env by its place, only by what it stores. A source's single-transition rows store it, in
+``info["env_id"]`` (``transition_sample(vectorized=False)``), and :func:`locate` reports that leaf as the env; its
+``step`` counts the rows of the buffer's one stream (every env's, interleaved). A flat buffer without an integer
+``info["env_id"]`` reports env 0, the one stream it holds.
+"""
+
+import numpy as np
+import torch
+
+ENV_ID = ("info", "env_id")  # a flat buffer's leaf naming the env of each row
+INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def stored_env(config) -> bool:
+    """Whether ``config`` is a flat buffer's that stores each row's env: an integer ``info["env_id"]``, one value per
+    row."""
+    leaf = config.by_path.get(ENV_ID)
+    return not config.vectorized_env and leaf is not None and leaf.shape == () and leaf.dtype in INTEGERS
+
+
+def locate(config, storage, ring, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(env, row, step)`` int64 of flat starts ``flat`` (any shape): the ring's, the env read from the stored
+    ``info["env_id"]`` of a flat buffer that stores one (:func:`stored_env`). ``IndexError`` as the ring raises."""
+    env, row, step = ring.locate(flat)
+    if stored_env(config):
+        rows = torch.from_numpy(row.reshape(-1))
+        ids = storage.data[ENV_ID].index_select(0, rows.to(storage.data[ENV_ID].device))
+        env = ids.to(torch.int64).cpu().numpy().reshape(row.shape)
+    return env, row, step
