@@ -29,7 +29,7 @@ def cartpole_rows(T: int, E: int, actor: int, first_step: int, env, obs, rng):
     return rows, obs
 
 
-def cartpole_actor(writer, actor: int, E: int, inserts: int, T: int, seed: int, timeout: float = 60.0) -> None:
+def cartpole_actor(writer, actor: int, E: int, inserts: int, T: int, seed: int, timeout: float = 600.0) -> None:
     """Step ``E`` CartPole envs and insert ``inserts`` blocks of ``T`` rows through ``writer``, then close it."""
     import gymnasium as gym
 
@@ -54,7 +54,7 @@ def numbered_actor(writer, E: int, shape: tuple, T: int, start: int = 0, rows_do
         rows = Transition(observation=obs, action=np.broadcast_to(n[:, None], (T, E)).astype(np.float32),
                           reward=np.zeros((T, E), np.float32), terminated=np.zeros((T, E), bool),
                           truncated=np.zeros((T, E), bool))
-        writer.insert(rows, timeout=60)
+        writer.insert(rows, timeout=600)  # a hang bound: a loaded owner only commits later
         step += T
         if rows_done is not None:
             rows_done[0] = step - start

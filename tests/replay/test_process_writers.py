@@ -17,6 +17,7 @@ from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, Transit
 from gpubuf.replay.process_writers import RowsWaiting, WriterDied
 
 SPAWN = mp.get_context("spawn")
+HANG_S = 600.0  # actors that have not finished after this long are stuck, not slow (the tests wait for progress)
 
 
 def rows(T, E, start=0, shape=(3,)):
@@ -40,7 +41,7 @@ def start(target, *args):
     return p
 
 
-def drain(buf, procs, deadline_s=180.0, sample=True):
+def drain(buf, procs, deadline_s=HANG_S, sample=True):
     """Sample/collect until every process ended and nothing is left to commit."""
     end = time.monotonic() + deadline_s
     while any(p.is_alive() for p in procs):
@@ -59,13 +60,13 @@ def drain(buf, procs, deadline_s=180.0, sample=True):
 def test_two_cartpole_actors_fill_their_lanes_in_order_with_a_rate_limiter():
     E_w, T, inserts = 3, 4, 30
     limiter = RateLimiter.sample_to_insert_ratio(samples_per_insert=2.0, min_size_to_sample=24, error_buffer=64.0,
-                                                 timeout=60)
+                                                 timeout=HANG_S)
     buf = PrioritizedTransitionBuffer(2 * E_w * 200, 8, cartpole_sample(2 * E_w), seed=0, rate_limiter=limiter)
     writers = [buf.writer(envs=range(0, E_w), rows=16), buf.writer(envs=range(E_w, 2 * E_w), rows=16)]
     assert "envs 0..2 of PrioritizedTransitionBuffer" in repr(writers[0])
     procs = [start(process_actors.cartpole_actor, w, a, E_w, inserts, T, 10 + a) for a, w in enumerate(writers)]
     samples = 0
-    end = time.monotonic() + 180
+    end = time.monotonic() + HANG_S
     while limiter.inserts < 2 * E_w * inserts * T:
         assert time.monotonic() < end
         batch, idx = buf.sample()  # blocks on the limiter and commits the actors' rows meanwhile
@@ -97,7 +98,7 @@ def test_an_actor_killed_mid_write_loses_only_its_rows_in_flight_and_is_reported
     writer = buf.writer(rows=8)
     done = torch.zeros(1, dtype=torch.int64).share_memory_()
     proc = start(process_actors.numbered_actor, writer, E, shape, 3, 0, done)
-    end = time.monotonic() + 120
+    end = time.monotonic() + HANG_S
     while len(buf) < 300 * E:
         assert time.monotonic() < end
         buf.collect()
@@ -124,13 +125,11 @@ def test_an_actor_killed_mid_write_loses_only_its_rows_in_flight_and_is_reported
 
 def test_a_dead_actor_wakes_a_learner_waiting_on_the_limiter():
     E = 2
-    limiter = RateLimiter.min_size(1000, timeout=60)
+    limiter = RateLimiter.min_size(1000, timeout=HANG_S)  # not woken, it would end in TimeoutError
     buf = TransitionBuffer(E * 1000, 4, rows(1, E), seed=0, rate_limiter=limiter)
     proc = start(process_actors.kill_self_actor, buf.writer(), E)
-    t0 = time.monotonic()
     with pytest.raises(WriterDied):
         buf.sample()
-    assert time.monotonic() - t0 < 50
     proc.join(10)
     assert len(buf) == E
 
@@ -268,7 +267,7 @@ def test_a_dead_or_replaced_writer_refuses_to_write_again():
     buf = TransitionBuffer(E * 50, 4, rows(1, E), seed=0)
     old = buf.writer()
     proc = start(process_actors.numbered_actor, old, E, (3,), 1, 0, None, 2, False)  # exits without close()
-    proc.join(60)
+    proc.join(HANG_S)
     with pytest.raises(WriterDied, match="every row it published is committed"):
         buf.collect()
     assert len(buf) == 2 * E
