@@ -136,8 +136,11 @@ class RowWriter:
                              "(built from transition_sample(vectorized=False))")
         if vectorized and self.ends_in_step and not hasattr(tb, "cut_episodes"):
             raise ValueError(f"transitions: {type(tb).__name__} cannot end the episodes of rows it already handed on, "
-                             "as an env that resets inside the ending step needs at a reset; feed it from an env that "
-                             "keeps final observations (EnvPool, a next-step autoreset vector env)")
+                             "as an env that resets inside the ending step (a SAME_STEP or DISABLED autoreset vector "
+                             "env, a TensorSource) needs at a reset; feed a writer from an env that keeps final "
+                             "observations (an EnvPoolSource, or a VectorEnvSource of a NEXT_STEP autoreset vector "
+                             "env), or step this source in the buffer's own process (a thread) with transitions= the "
+                             "buffer itself")
         if vectorized and tb.n_envs != self.n_envs:
             raise ValueError(f"transitions: expected a TransitionBuffer over {self.n_envs} envs "
                              f"(build it from transition_sample()), got {tb.n_envs}")
