@@ -497,8 +497,8 @@ class TransitionBuffer(Samples, BufferState):
         limiter's wait and :meth:`collect`; a vectorized buffer's row once every lane's writer published it.
         A lane has one writer at a time: ``ValueError`` for lanes overlapping another writer's, except exactly
         the range of a writer that ended (closed, or its process gone), whose last row then ends those lanes'
-        episodes. With a rate limiter, ``ValueError`` when one row of all lanes (committed whole) moves its
-        ratio by more than its band. The queue lives in shared host memory (CUDA memory for a buffer storing on
+        episodes. Not vectorized, each insert is committed whole (with a rate limiter, one insert holds at most
+        ``writer.max_insert`` rows). The queue lives in shared host memory (CUDA memory for a buffer storing on
         a GPU), allocated here once."""
         if self._hub is None:
             self._hub = WriterHub(self)
@@ -511,8 +511,10 @@ class TransitionBuffer(Samples, BufferState):
     def collect(self) -> int:
         """Commit the rows that writers in other processes (:meth:`writer`) published, as far as the rate limiter
         lets inserts run now; returns the transitions committed (0 without writers). ``WriterDied`` once for a
-        writer whose process ended without closing it, after its published rows were committed. Rows still
-        queued by writers are in no checkpoint: call this before ``save``/``state_dict``."""
+        writer whose process ended without closing it, after its published rows were committed (or at once when
+        some can never be until new writers come, saying how many wait); a ``RowsWaiting`` warning for rows that
+        wait for lanes whose writers ended (:mod:`gpubuf.replay.writer_hub`). Rows still queued by writers are in
+        no checkpoint: call this before ``save``/``state_dict``."""
         return 0 if self._hub is None else self._hub.collect()
 
     @locked
