@@ -402,3 +402,41 @@ def test_a_final_observation_is_in_no_history_get(vectorized):
                 held = buf.state_dict()["data"]["next_observation"][:len(buf)]
                 assert (held == final[e]).all(1).any()
     assert ends >= 2
+
+
+def test_discrete_actions_are_whole_numbers_of_any_real_dtype_with_unit_axes_and_the_rest_is_refused():
+    """What docs/sources-and-rows.md lists: a Discrete(n) env takes ``(n_envs,)`` actions (extra axes of size 1
+    dropped) of an integer dtype, bools (0/1) or whole-number floats, each in ``[0, n)``, stored in the space's dtype;
+    anything else raises naming ``actions`` before a row is written. The spaces no source encodes are refused when the
+    source is built."""
+    space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    src = TensorSource(2, space, gym.spaces.Discrete(3), final_obs=True, device="cpu")
+    buf = TransitionBuffer(64, 4, src.transition_sample(False), vectorized_env=False, device="cpu")
+    src.transitions = buf
+    obs, no = torch.zeros(2, 1), torch.zeros(2, dtype=torch.bool)
+    src.reset(obs)
+    accepted = [np.array([0, 2]), np.array([1, 2], np.uint8), torch.tensor([2, 1], dtype=torch.int32),
+                np.array([True, False]), np.array([2.0, 0.0]), torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+                np.array([[1], [0]]), torch.tensor([[[2]], [[2]]]), [0, 1]]
+    for actions in accepted:
+        src.step(actions, obs, torch.zeros(2), no, no, final_obs=obs)
+    stored = buf.state_dict()["data"]["action"][:len(buf)]
+    assert stored.dtype == torch.int64
+    assert stored.view(-1, 2).tolist() == [[0, 2], [1, 2], [2, 1], [1, 0], [2, 0], [1, 2], [1, 0], [2, 2], [0, 1]]
+    for actions, match in ((np.array([0.0, 1.5]), r"a discrete env takes integer actions, got \[1.5\]"),
+                           (np.array([np.nan, 1.0]), "a discrete env takes integer actions, got \\[nan\\]"),
+                           (np.array([0, 3]), r"expected actions in \[0, 3\), got \[0, 3\]"),
+                           (np.array([-1, 0]), r"expected actions in \[0, 3\)"),
+                           (np.array([np.inf, 0.0]), r"expected actions in \[0, 3\)"),
+                           (np.array([[0, 1]]), r"expected shape \(2,\), got \(1, 2\)"),
+                           (np.array([[0, 1], [1, 2]]), r"expected shape \(2,\), got \(2, 2\)"),
+                           (np.array([1j, 0]), "expected numbers shaped")):
+        with pytest.raises((ValueError, TypeError), match=f"^actions: .*{match}"):
+            src.step(actions, obs, torch.zeros(2), no, no, final_obs=obs)
+    assert len(buf) == 2 * len(accepted)
+    for unsupported in (gym.spaces.MultiDiscrete([2, 3]), gym.spaces.MultiBinary(4),
+                        gym.spaces.Box(0, 3, (1,), np.int64), gym.spaces.Box(0, 1, (2,), bool),
+                        gym.spaces.Discrete(3, start=1)):
+        with pytest.raises(TypeError, match=r"action_space: expected an action space Discrete\(n\) \(from 0\) or a "
+                                            r"float Box, got .*gymnasium action wrapper"):
+            TensorSource(2, space, unsupported, final_obs=True, device="cpu")
