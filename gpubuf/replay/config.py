@@ -103,8 +103,10 @@ class ReplayConfig:
         for p, t in samples.items():
             if t.dim() < lead:
                 want = "(T, E, ...)" if vectorized_env else "(T, ...)"
+                hint = ("; single transitions shaped (T, ...), such as a source's "
+                        "transition_sample(vectorized=False), need vectorized_env=False") if vectorized_env else ""
                 raise ValueError(f"data_sample.{leaf_name(p)}: expected leaves shaped {want}, got "
-                                 f"{tuple(t.shape)}")
+                                 f"{tuple(t.shape)}{hint}")
         E = 1
         if vectorized_env:
             envs = {p: t.shape[1] for p, t in samples.items()}

@@ -18,6 +18,13 @@ from gpubuf._core.transition import Transition, unflatten
 from gpubuf.replay.storage import leaves_of_words, word_views
 
 RETURN_FIELDS = ("reward", "terminated", "truncated")  # replaced by the n-step transition's
+# why a vectorized_env=False buffer has no stacks or returns, and the buffer that has them
+SINGLE_TRANSITIONS = (": a vectorized_env=False buffer holds single transitions with their own next_observation, "
+                      "not each env's rows in order. For n-step returns or frame stacks build a vectorized buffer "
+                      "from the source's transition_sample() (in a same-step autoreset mode its truncated episodes' "
+                      "last transitions have no next observation; a next-step env loses nothing), or keep this one for "
+                      "1-step targets, each with its true next observation (docs/replay.md, 'Same-step envs: which "
+                      "buffer')")
 # (1,) float64 tensors of the discounts asked for, per (gamma, device): 8 at most, so an annealed
 # gamma keeps none of its past values (a GraphSampler keeps its own)
 _GAMMAS = ops.LRU(8)
@@ -61,7 +68,7 @@ class StackSpec:
         if config.stores_next_obs:
             raise ValueError("frame_stack/n_step_return: build next observations from the "
                              "following rows; this buffer stores next_observation (store each "
-                             "frame once, in observation)")
+                             "frame once, in observation)" + ("" if config.vectorized_env else SINGLE_TRANSITIONS))
         n, gamma = None, 1.0
         if n_step_return is not None:
             if not isinstance(n_step_return, (tuple, list)) or len(n_step_return) != 2:

@@ -2,6 +2,7 @@
 against exact probabilities computed here from the rows' ages, validity and priorities."""
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,6 +137,20 @@ def test_online_draws_a_batch_larger_than_the_valid_starts_with_replacement_as_t
         if selector is None or selector.base is None:
             with pytest.raises(ValueError, match="batch_size: 8 exceeds the 6 valid starts, which sampling without"):
                 buf.sample(batch_size=8, with_replacement=False)
+
+
+def test_dreamerv3_s_default_replay_is_online_then_uniform_as_the_docs_map_it():
+    """DreamerV3's defaults (replay.online: True, fracs: uniform 1.0) are Online() on a uniform buffer: the new starts
+    first, then uniform draws over the valid starts (no recency); docs/replay.md maps them so."""
+    buf = filled(selector=Online())
+    buf.sample(batch_size=48)  # serves the waiting starts (and more)
+    while buf.num_unserved():
+        buf.sample(batch_size=48)
+    assert_matches(counts(lambda: buf.sample(batch_size=48, return_indices=True)[1], 200), valid(buf) * 1.0)
+    page = (Path(__file__).parents[2] / "docs" / "replay.md").read_text()
+    block = page[page.index("# DreamerV3's defaults"):]
+    assert "fracs: {uniform: 1.0, priority: 0.0, recency: 0.0}" in block
+    assert block.split("world = ", 1)[1].split("\n", 1)[0].endswith("selector=Online())")
 
 
 def test_selected_windows_read_as_the_buffer_reads_any_start():
