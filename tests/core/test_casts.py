@@ -145,3 +145,57 @@ def test_inf_into_float8_e4m3fn_which_has_no_infinity_is_rejected():
     check_cast(torch.tensor([1.0, -448.0, float("nan")]), torch.float8_e4m3fn, "x")  # NaN it has
     with pytest.raises(TypeError, match=r"x: .* \(torch.float8_e4m3fn has no infinity \(it would store 448\)\)"):
         check_cast(torch.tensor([1.0, float("inf")]), torch.float8_e4m3fn, "x")
+
+
+DOORS = [(np.int64, np.array([1.7, 0.0])), (np.int64, np.array([np.nan, 0.0])), (np.uint8, np.array([300, 0])),
+         (np.uint8, np.array([-1, 0])), (np.bool_, np.array([2, 0])), (np.float32, np.array([1e300, 0.0])),
+         (np.int64, np.array([7, 0], np.int32)), (np.uint8, np.array([200, 0])), (np.float32, np.array([0.1, 0.0])),
+         (np.bool_, np.array([1, 0])), (np.float64, np.array([3, 0], np.int16))]
+
+
+@pytest.mark.parametrize(("stored", "values"), DOORS,
+                         ids=lambda x: str(x.tolist()) if isinstance(x, np.ndarray) else None)
+def test_every_door_casts_by_the_one_rule(stored, values, tmp_path):
+    """One rule (``check_cast``) decides at every door that stores values in a fixed dtype: a history key, a
+    ``TensorSource`` info field and each ``gpubuf.torchrl.ReplayStorage`` tier accept exactly the values it accepts
+    (``VectorEnvSource``'s info fields: tests/sources/test_tensor_source.py)."""
+    from extras import needs
+
+    gym = needs("gymnasium")
+    needs("torchrl")
+    from tensordict import TensorDict
+    from torchrl.data import ReplayBuffer
+
+    from gpubuf.sources.tensors import TensorSource
+    from gpubuf.torchrl import ReplayStorage
+
+    try:
+        check_cast(torch.from_numpy(values), torch.from_numpy(np.zeros(0, stored)).dtype, "x")
+        expected = True
+    except TypeError:
+        expected = False
+
+    def accepted(call) -> bool:
+        try:
+            call()
+            return True
+        except (TypeError, ValueError) as err:
+            assert "without changing values" in str(err), err
+            return False
+
+    hist = HistoryBuffer(2, 3, device="cpu")
+    hist.append({"x": np.zeros(2, stored)})
+    box = gym.spaces.Box(-1, 1, (1,), np.float32)
+    src = TensorSource(2, box, box, final_obs=False, device="cpu", info_keys={"x": stored(0)})
+    src.reset(np.zeros((2, 1), np.float32), infos={"x": np.zeros(2, stored)})
+    no = np.zeros(2, bool)
+    step = dict(actions=np.zeros((2, 1), np.float32), obs=np.zeros((2, 1), np.float32), reward=np.zeros(2),
+                terminated=no, truncated=no)
+    doors = {"history": lambda: hist.append({"x": values}),
+             "TensorSource": lambda: src.step(**step, infos={"x": values})}
+    for tier in ("memory", "dir"):
+        storage = ReplayStorage(4, storage_dir=tmp_path / "d") if tier == "dir" else ReplayStorage(4)
+        rb = ReplayBuffer(storage=storage, batch_size=2)
+        rb.extend(TensorDict({"x": torch.from_numpy(np.zeros(2, stored))}, [2]))
+        doors[f"ReplayStorage {tier}"] = lambda rb=rb: rb.extend(TensorDict({"x": torch.from_numpy(values)}, [2]))
+    assert {name: accepted(call) for name, call in doors.items()} == dict.fromkeys(doors, expected)
