@@ -186,11 +186,10 @@ class WriterHub:
         """``{lanes: their last writer}`` of the lane groups whose writers all ended with no row left, while
         another group's writers published rows that now wait for them (none when every lane has rows)."""
         groups = self._groups()
-        if sum(len(lanes) for lanes, _ in groups) != self.buffer.config.n_envs:
-            return {}
-        ended = {lanes: ws[-1] for lanes, ws in groups if all(w.finished() and not w.pending for w in ws)}
-        waiting = any(w.pending for lanes, ws in groups if lanes not in ended for w in ws)
-        return ended if waiting else {}
+        dry = [(lanes, ws) for lanes, ws in groups if not any(w.pending for w in ws)]
+        if not dry or len(dry) == len(groups) or sum(len(lanes) for lanes, _ in groups) != self.buffer.config.n_envs:
+            return {}  # every lane has rows, or none has: nothing waits (liveness is not read then)
+        return {lanes: ws[-1] for lanes, ws in dry if all(w.finished() for w in ws)}
 
     def _warn_stuck(self, stuck: dict) -> None:
         for lanes, last in stuck.items():
