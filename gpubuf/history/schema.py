@@ -186,9 +186,10 @@ class Schema:
             frames = any(key not in self.block_keys for key in shapes)
             blocks = any(key in self.block_keys for key in shapes)
             idx = 3 * 8 * rows * (n * frames + (n - 1) * self.action_block * blocks)
+        device = self.device  # the kept answer must not hold the schema (a cycle through _sized_at)
 
         def what() -> str:
-            said = f"get(n={n}) needs {out} bytes of output on {self.device}"
+            said = f"get(n={n}) needs {out} bytes of output on {device}"
             return said + (f" (and {idx} bytes of row indices: {out + idx} in all)" if idx else "")
 
         return what, out + idx

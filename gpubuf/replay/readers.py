@@ -154,8 +154,9 @@ class BatchReader:
 
     def _check_fits(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool):
         nbytes = self.sample_bytes(B, with_next_obs, spec, with_replacement, fresh)
+        device = self.device  # the cached phrase must not hold the reader (a cycle through _fits)
         what = lambda: (f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and "
-                        f"working memory on {self.device}")
+                        f"working memory on {device}")
         ops.check_fits("batch_size", what, nbytes, self.device)
         if self.storage.device != self.device:
             ops.check_fits("batch_size", what, nbytes, self.storage.device)

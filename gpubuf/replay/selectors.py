@@ -32,6 +32,7 @@ unlike the tree's O(log) descents); the queues scan the host validity of every s
 """
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -50,14 +51,20 @@ class Selector:
     replacement_only = False  # draws with replacement only (the buffer's default becomes True)
 
     def __init__(self):
-        self.buffer = None
+        self._buffer = None
+
+    @property
+    def buffer(self):
+        """The buffer this selector selects for (``None`` before :meth:`attach`, or once that buffer is gone): held
+        weakly, as the buffer holds its selector, so that dropping the buffer frees it at once."""
+        return None if self._buffer is None else self._buffer()
 
     def attach(self, buffer) -> None:
         """Select for ``buffer`` (one at most: ``ValueError`` for a selector attached already)."""
         if self.buffer is not None:
             raise ValueError(f"selector: this {type(self).__name__} selects for another buffer already; give "
                              "each buffer its own")
-        self.buffer = buffer
+        self._buffer = weakref.ref(buffer)
         M, dev = buffer.ring.max_rows, buffer.device
         self._rows = torch.arange(M, device=dev)
         self._newest = torch.zeros((), dtype=torch.int64, device=dev)  # the newest row, kept current by writes

@@ -21,6 +21,7 @@ Reports, never silent:
 
 import os
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -33,12 +34,17 @@ class WriterHub:
     """The owner's side: the writers of one buffer, their lanes, and the commits of their rows."""
 
     def __init__(self, buffer):
-        self.buffer = buffer
+        self._buffer = weakref.ref(buffer)  # the buffer holds its hub: a weak reference back (dropped, it is freed)
         self.owner_pid = os.getpid()
         self.groups: dict[range | None, list[ReplayWriter]] = {}  # lanes -> writers in order (the last current)
         self.reported: set[int] = set()  # ids of writers reported dead
         self.warned: set = set()  # the stalls warned about (RowsWaiting)
         self.first = None  # not vectorized: the writer whose insert the rate limiter held back (goes first)
+
+    @property
+    def buffer(self):
+        """The buffer these writers insert into."""
+        return self._buffer()
 
     def add(self, envs, rows: int) -> ReplayWriter:
         buffer, config = self.buffer, self.buffer.config

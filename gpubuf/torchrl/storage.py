@@ -31,6 +31,7 @@ in place (whole rows, held; the writer goes on after them) without the sampler's
 """
 
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,33 @@ def _exact_rows(data, spec: dict):
     return data if out is None else out
 
 
+class _Attached:
+    """The buffers attached to a storage (torchrl's ``_attached_entities``), held weakly: each buffer holds its
+    storage, so a strong list back would keep both (and a ``storage_dir``'s lock) alive after the buffer is dropped,
+    until Python's cyclic collector runs. Iterates the buffers still alive; copies and pickles keep them."""
+
+    def __init__(self, entities=()):
+        self._refs = [weakref.ref(e) for e in entities]
+
+    def live(self) -> list:
+        return [e for e in (r() for r in self._refs) if e is not None]
+
+    def __iter__(self):
+        return iter(self.live())
+
+    def __len__(self) -> int:
+        return len(self.live())
+
+    def __contains__(self, entity) -> bool:
+        return any(e is entity for e in self.live())
+
+    def append(self, entity) -> None:
+        self._refs = [r for r in self._refs if r() is not None] + [weakref.ref(entity)]
+
+    def __reduce__(self):
+        return type(self), (self.live(),)
+
+
 class ReplayStorage(TensorStorage):
     """torchrl ``TensorStorage`` of ``max_size`` rows in one of gpubuf's tiers (module docstring).
 
@@ -105,6 +133,13 @@ class ReplayStorage(TensorStorage):
         self._head_known = True
         if storage_dir is not None and (Path(storage_dir) / StorageDir.META).exists():
             self._reopen()
+
+    @property
+    def _attached_entities(self) -> _Attached:  # torchrl's list of the buffers on this storage, held weakly
+        entities = self.__dict__.get("_attached_entities_list")
+        if not isinstance(entities, _Attached):
+            entities = self._attached_entities_list = _Attached(entities or ())
+        return entities
 
     # ------------------------------------------------------------------ allocation
 
