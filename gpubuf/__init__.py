@@ -27,7 +27,7 @@ from gpubuf._core.copies import rebuild as _rebuild_buffer  # noqa: F401 (the st
 from gpubuf._core.transition import Transition
 from gpubuf.history import HistoryBuffer
 from gpubuf.replay import GraphSampler, PrioritizedTransitionBuffer, RateLimiter, TransitionBuffer
-from gpubuf.replay.process_writers import ReplayWriter, WriterDied
+from gpubuf.replay.process_writers import ReplayWriter, RowsWaiting, WriterDied
 from gpubuf.replay.selectors import Fifo, Lifo, Mixture, Online, Recency
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and go-to-definition
@@ -57,8 +57,8 @@ _deprecated.install()
 __all__ = [
     "CEMSolver", "CheckpointError", "EnvPoolSource", "Fifo", "GraphSampler", "HistoryBuffer", "Lifo", "Mixture",
     "Online", "PlanConfig", "Planner", "PrioritizedTransitionBuffer", "RateLimiter", "Recency", "ReplayWriter",
-    "ShardedBuffer", "Step", "StepStager", "TensorSource", "Transition", "TransitionBuffer", "VectorEnvSource",
-    "WriterDied", "export", "info",
+    "RowsWaiting", "ShardedBuffer", "Step", "StepStager", "TensorSource", "Transition", "TransitionBuffer",
+    "VectorEnvSource", "WriterDied", "export", "info",
 ]
 try:
     __version__ = version("gpubuf")
