@@ -309,7 +309,10 @@ def test_lazy_names_resolve_and_are_listed():
     assert {name: getattr(gpubuf, name) for name in LAZY_NAMES} == want
     assert set(LAZY_NAMES) <= set(gpubuf.__all__) <= set(dir(gpubuf))
     assert all(hasattr(gpubuf, name) for name in gpubuf.__all__)
-    assert {"planning", "envpool", "cli"} <= set(dir(gpubuf)) and gpubuf.mbrl.__name__ == "gpubuf.apps.mbrl"
+    assert {"planning", "apps", "export"} <= set(dir(gpubuf)) and not {"envpool", "cli"} & set(dir(gpubuf))
+    with pytest.warns(DeprecationWarning, match="gpubuf.mbrl is deprecated"):
+        sys.modules.pop("gpubuf.mbrl", None), vars(gpubuf).pop("mbrl", None)  # as in a fresh process
+        assert gpubuf.mbrl.__name__ == "gpubuf.apps.mbrl"
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         gpubuf.no_such_name  # noqa: B018
 
