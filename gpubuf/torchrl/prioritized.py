@@ -18,6 +18,7 @@ So it runs without torchrl's compiled extension, which torchrl's own trees need,
 """
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -56,12 +57,17 @@ def _check_priorities(priority, eps: float, alpha: float, dtype: torch.dtype) ->
         return
     if p.dtype == torch.bool or p.is_complex() or not p.numel():
         return
+    lo, hi = torch.stack(torch.aminmax(p.reshape(-1))).tolist()  # one read; a NaN makes both NaN
+    try:  # the largest leaf (leaves grow with the priority)
+        top = (hi + eps) ** alpha if lo >= 0 else math.nan
+    except OverflowError:
+        top = math.inf
+    if top <= torch.finfo(dtype).max and hi < math.inf:
+        return
     p = p.to(torch.float64)
-    leaf = torch.pow(p + eps, alpha).to(dtype)
-    bad = ~(torch.isfinite(p) & (p >= 0) & torch.isfinite(leaf))
-    if bool(bad.any()):
-        raise ValueError(f"priority: expected finite priorities >= 0 whose (priority + eps) ** alpha is finite in "
-                         f"{dtype}, got {p[bad][:5].tolist()}; nothing was written")
+    bad = ~(torch.isfinite(p) & (p >= 0) & torch.isfinite(torch.pow(p + eps, alpha).to(dtype)))
+    raise ValueError(f"priority: expected finite priorities >= 0 whose (priority + eps) ** alpha is finite in {dtype}, "
+                     f"got {p[bad][:5].tolist()}; nothing was written")
 
 
 class _Writes:
