@@ -237,7 +237,7 @@ class ReplayStorage(TensorStorage):
             try:
                 data = _exact_rows(data, self._spec) if self.initialized else data
             except TypeError:
-                self._rewind_writers(cursor)
+                self._rewind_writers(cursor if set_cursor else None)  # set_cursor: a writer's add or extend
                 raise
             return super().set(cursor, data, set_cursor=set_cursor)
         if not self.initialized:
@@ -291,7 +291,8 @@ class ReplayStorage(TensorStorage):
 
     def _rewind_writers(self, cursor=None) -> None:
         """torchrl's round-robin writers moved their cursor before a write that raised: put them back at the head (a
-        ``storage_dir``'s, else the first row of ``cursor``, their write count less its rows)."""
+        ``storage_dir``'s; else, for a writer whose cursor is just past the rows of ``cursor``, the first of them,
+        its write count less their number)."""
         from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
         for buffer in self._attached_entities:
@@ -302,7 +303,7 @@ class ReplayStorage(TensorStorage):
                 self._place(writer)
             elif isinstance(writer, RoundRobinWriter) and cursor is not None:
                 rows = _rows(cursor, self.max_size)
-                if rows.numel():
+                if rows.numel() and writer._cursor == (int(rows[-1]) + 1) % self.max_size:  # noqa: SLF001
                     writer._cursor, writer._write_count = int(rows[0]), writer._write_count - rows.numel()  # noqa: SLF001
 
     def _copy_staged(self, first: int, t: int, head: int, count: int, total: int) -> None:

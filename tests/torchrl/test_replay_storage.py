@@ -319,6 +319,10 @@ def test_every_tier_refuses_a_cast_that_changes_values_with_nothing_written(tier
         with pytest.raises(TypeError, match=rf"data\['k'\]: cannot store .* in the stored dtype {dtype} .*{why}"):
             call(data)
         assert len(rb) == 3 and rb[:]["k"].tolist() == torch.ones(3, dtype=dtype).tolist()
+    if tier == "memory":  # an in-place rewrite refused: the writer, which it did not move, stays where it is
+        with pytest.raises(TypeError, match=r"data\['k'\]: cannot store"):
+            rb[2] = TensorDict({"k": bad[0], ("n", "x"): torch.tensor(0.0)}, [])
+        assert rb._writer._cursor == 3 and rb[:]["k"].tolist() == torch.ones(3, dtype=dtype).tolist()  # noqa: SLF001
     with pytest.raises(TypeError, match=r"data\[\('n', 'x'\)\]: cannot store torch.float64 .* torch.float32"):
         huge = torch.tensor([1e300], dtype=torch.float64)
         rb.extend(TensorDict({"k": torch.ones(1, dtype=dtype), ("n", "x"): huge}, [1]))
