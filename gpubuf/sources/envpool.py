@@ -124,13 +124,13 @@ class EnvPoolSource(RowSource):
 
         ``env_ids`` must be distinct envs that are not in flight (sent or reset and not yet received); with a vectorized
         ``transitions`` buffer every env steps together, so ``env_ids`` must cover all envs. A discrete env takes
-        integers in ``[0, n)``; floats are accepted only when integral (``2.0``), so a continuous planner's output must
-        be mapped explicitly (e.g. ``(plan > 0).long()``). A continuous env takes finite values that fit its action
-        dtype; values outside its ``Box`` are clipped to it before they are sent, as EnvPool would apply them, so the
-        buffers store what the env executed (clipping, not rejecting: a Gaussian policy's samples routinely leave the
-        box, and the env accepts them). ``actions`` is ``(R, *shape)`` (singleton axes may be added or dropped).
-        ``extra``: ``{name: (R, ...)}`` per-env data for the transitions buffer's own ``info`` leaves (see the class).
-        Anything else is a ``ValueError``/``TypeError`` before anything is sent."""
+        integers (or bools, as 0 and 1) in ``[0, n)``; floats are accepted only when integral (``2.0``), so a continuous
+        planner's output must be mapped explicitly (e.g. ``(plan > 0).long()``). A continuous env takes finite values
+        that fit its action dtype; values outside its ``Box`` are clipped to it before they are sent, as EnvPool would
+        apply them, so the buffers store what the env executed (clipping, not rejecting: a Gaussian policy's samples
+        routinely leave the box, and the env accepts them). ``actions`` is ``(R, *shape)`` (singleton axes may be added
+        or dropped). ``extra``: ``{name: (R, ...)}`` per-env data for the transitions buffer's own ``info`` leaves (see
+        the class). Anything else is a ``ValueError``/``TypeError`` before anything is sent."""
         if env_ids is None:  # every env, in order: distinct by construction
             if np.count_nonzero(self._in_flight):
                 self._raise_in_flight(self._order)

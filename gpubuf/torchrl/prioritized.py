@@ -11,8 +11,8 @@ unchanged) with its two segment trees replaced by :class:`SumTree` and :class:`M
   (``(p_i / min p) ** -beta``, as torchrl computes them), and on the host that minimum itself between writes.
 
 Both answer a draw's query over the filled rows without reading the leaves, and a write of both trees is checked
-once. A refused update (an index outside the capacity: ``IndexError``) changes nothing, torchrl's maximum
-priority included.
+once. A refused update (an index outside the capacity: ``IndexError``; a negative, NaN or infinite priority, or one
+whose leaf overflows ``dtype``: ``ValueError``) changes nothing, torchrl's maximum priority included.
 
 So it runs without torchrl's compiled extension, which torchrl's own trees need, and on the storage's device.
 """
