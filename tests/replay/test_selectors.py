@@ -242,9 +242,11 @@ def test_bad_selectors_are_refused_naming_the_argument():
     with pytest.raises(ValueError, match="prioritized: a TransitionBuffer has no priorities"):
         TransitionBuffer(E * M, 4, index_rows(1, E), selector=Mixture(prioritized=1))
     shared = Recency()
-    TransitionBuffer(E * M, 4, index_rows(1, E), selector=shared)
+    first = TransitionBuffer(E * M, 4, index_rows(1, E), selector=shared)
     with pytest.raises(ValueError, match="selects for another buffer already"):
         TransitionBuffer(E * M, 4, index_rows(1, E), selector=shared)
+    del first  # held weakly by its selector: once the buffer is gone, the selector may select for another
+    TransitionBuffer(E * M, 4, index_rows(1, E), selector=shared)
     buf = filled(selector=Recency())
     with pytest.raises(ValueError, match="with_replacement: a Recency selector draws with replacement"):
         buf.sample(with_replacement=False)
