@@ -6,6 +6,8 @@ of a ``storage_dir``. It works on the buffer's parts (``config``, ``storage``, `
 ``sampler``, ``reader``, ``generator``), which the buffer builds.
 """
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -123,18 +125,42 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         TransitionBuffer(...) as buf:`` closes on exit. Without one, or in a forked child of the
         process that opened the directory (which keeps its lock): nothing to do. Rows that writers in other
         processes published are committed first (as far as the rate limiter lets them in); a ``RowsWaiting``
-        warning names any left in their queues."""
-        if not self.storage.closed:
-            hub = getattr(self, "_hub", None)
+        warning names any left in their queues.
+
+        The directory is released whatever fails on the way. A deferred priority update that failed its checks
+        and was not raised yet (``update_priorities(..., deferred=True)``, a ``GraphSampler``'s) is raised
+        after the release and the flush (which keeps the priorities as they are: the failed update wrote
+        nothing), so it is never silent and re-opening the directory works; any other error of the flush is
+        raised with the directory released too. A ``with`` block whose body raised closes the same way but
+        lets the body's exception through, with the close's own error as a warning."""
+        if self.storage.closed:
+            return
+        hub, pending = getattr(self, "_hub", None), None
+        try:
             if hub is not None:
                 hub.collect(report=False)
+            if self.sampler.prioritized:
+                try:  # reported once the directory is released
+                    self.sampler.check_updates()
+                except (IndexError, ValueError) as err:
+                    pending = err
             self.flush()
+        finally:
             self.storage.close()
-            if hub is not None:
-                hub.warn_closed()
+        if hub is not None:
+            hub.warn_closed()
+        if pending is not None:
+            raise pending
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:  # ``with`` closes a storage_dir buffer
-        self.close()
+    def __exit__(self, kind, error, trace) -> None:  # ``with`` closes a storage_dir buffer
+        if kind is None:
+            self.close()
+            return
+        try:  # the body's own exception goes on; the close's is a warning
+            self.close()
+        except Exception as err:  # noqa: BLE001 (reported, not swallowed)
+            warnings.warn(f"close() on leaving the with block that raised {kind.__name__}: "
+                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
