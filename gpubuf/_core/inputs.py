@@ -272,6 +272,16 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise TypeError(f"{name}: cannot store {src} in the stored dtype {dtype} without changing values ({why})")
 
 
+def check_bool(name: str, value) -> bool:
+    """A flag as a Python bool: ``True``/``False`` (or numpy's); anything else (``"no"``, ``0``, ``1.0``, ``None``)
+    raises ``TypeError`` naming ``name``, where its truthiness would silently pick a branch."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool, got {value!r} ({type(value).__name__})")
+
+
 def is_int(value) -> bool:
     """A Python or numpy int, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -37,7 +37,7 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.concurrency import CallGuard, locked
-from gpubuf._core.inputs import generator_for, host_indices, index_array, int_seed
+from gpubuf._core.inputs import check_bool, generator_for, host_indices, index_array, int_seed
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import memory_ranges
 from gpubuf._core.transition import Transition
@@ -303,10 +303,10 @@ class TransitionBuffer(Samples, BufferState):
     def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
                 return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
         """:meth:`sample` with the buffer's defaults resolved: check, draw, read."""
-        if not isinstance(return_indices, bool):
-            raise TypeError(f"return_indices: expected a bool, got {return_indices!r}")
-        if not isinstance(return_generations, bool):
-            raise TypeError(f"return_generations: expected a bool, got {return_generations!r}")
+        if type(return_indices) is not bool:
+            return_indices = check_bool("return_indices", return_indices)
+        if type(return_generations) is not bool:
+            return_generations = check_bool("return_generations", return_generations)
         if self._hub is not None:
             self._hub.collect()
         reader = self.reader

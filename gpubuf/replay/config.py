@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import as_tensor, check_cast, check_storable, positive_int
+from gpubuf._core.inputs import as_tensor, check_bool, check_cast, check_storable, positive_int
 from gpubuf._core.state import check_range, check_rng, check_state, host_tensor
 from gpubuf._core.transition import Transition, flatten, leaf_name
 from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS
@@ -92,7 +92,7 @@ class ReplayConfig:
         max_size = positive_int("max_size", max_size)
         sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
         n_steps = positive_int("n_steps", n_steps)
-        vectorized_env = bool(vectorized_env)
+        vectorized_env = check_bool("vectorized_env", vectorized_env)
         samples = {p: as_tensor(v, leaf_name(p))
                    for p, v in flatten(data_sample, "data_sample").items()}
         if not samples:
@@ -260,7 +260,10 @@ class ReplayConfig:
         return (t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy()
 
     def kind(self, with_next_obs: bool, boundaries: str = "allow") -> int:
-        """The validity kind that ``with_next_obs`` and ``boundaries`` sample from."""
+        """The validity kind that ``with_next_obs`` (a bool: ``TypeError`` otherwise) and ``boundaries`` sample
+        from."""
+        if type(with_next_obs) is not bool:
+            with_next_obs = check_bool("with_next_obs", with_next_obs)
         if boundaries not in BOUNDARIES:
             raise ValueError(f"boundaries: expected one of {BOUNDARIES}, got {boundaries!r}")
         if boundaries != "allow" and not self.flag_paths[1]:

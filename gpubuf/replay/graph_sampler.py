@@ -18,6 +18,7 @@ import torch
 from gpubuf import ops
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
+from gpubuf._core.inputs import check_bool
 from gpubuf._core.transition import Transition, map_leaves, unflatten
 from gpubuf.replay.stacked import StackedGather
 from gpubuf.replay.storage import leaves_of_words, word_views
@@ -69,6 +70,7 @@ class GraphSampler:
                  generator: torch.Generator | None = None, boundaries: str = "allow", *,
                  frame_stack: int | None = None, frame_stride: int = 1,
                  n_step_return: tuple[int, float] | None = None, minibatches: int = 1):
+        with_next_obs = check_bool("with_next_obs", with_next_obs)
         if boundaries not in ("allow", "forbid"):
             raise ValueError("boundaries: expected 'allow' or 'forbid' for a GraphSampler, got "
                              f"{boundaries!r}")

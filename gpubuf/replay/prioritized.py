@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gpubuf._core.concurrency import locked
-from gpubuf._core.inputs import finite_float, priority_updates
+from gpubuf._core.inputs import check_bool, finite_float, priority_updates
 from gpubuf._core.transition import Transition
 from gpubuf.replay import write_backs
 from gpubuf.replay.buffer import TransitionBuffer
@@ -98,8 +98,10 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         ``deferred=True``: checked on the device instead, with no host synchronisation (device tensors of the
         buffer's device, as :meth:`GraphSampler.update_priorities <gpubuf.GraphSampler.update_priorities>`): an
         update failing a check writes nothing, and the failure is raised at :meth:`check_updates`, or at the next
-        ``max_priority``, ``state_dict`` or flush. Not with ``generations`` (their check reads the host's counters).
+        ``max_priority``, ``state_dict`` or flush (``close()`` raises it after releasing a ``storage_dir``). Not with
+        ``generations`` (their check reads the host's counters). ``deferred`` must be a bool (``TypeError``).
         """
+        deferred = check_bool("deferred", deferred)
         self.storage.check_open()
         if deferred:
             if generations is not None:

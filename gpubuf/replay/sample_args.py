@@ -8,6 +8,7 @@ which refuses by name what it cannot do.
 
 import torch
 
+from gpubuf._core.inputs import check_bool
 from gpubuf._core.transition import Transition
 
 
@@ -90,7 +91,14 @@ class Samples:
           Other leaves (``action``, ``info``) are the start row's. Starts are drawn as with
           ``with_next_obs=True`` (never a row truncated but not terminated). Needs a ``terminated``
           leaf. ``out`` is not offered with either argument.
+
+        The flags (``with_replacement``, ``with_next_obs``, ``return_indices``, ``return_generations``) must be
+        bools (``None`` where it means the default): ``TypeError`` naming the flag otherwise.
         """
+        if type(with_next_obs) is not bool:
+            with_next_obs = check_bool("with_next_obs", with_next_obs)
+        if with_replacement is not None and type(with_replacement) is not bool:
+            with_replacement = check_bool("with_replacement", with_replacement)
         return self._sample(key, self.default_with_replacement if with_replacement is None
                             else with_replacement, batch_size, with_next_obs, boundaries, out,
                             self.default_return_indices if return_indices is None

@@ -8,7 +8,7 @@ shard.
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import generator_for, int_seed, is_int
+from gpubuf._core.inputs import check_bool, generator_for, int_seed, is_int
 from gpubuf.replay.buffer import BOUNDARIES
 from gpubuf.replay.shard_transport import ARG_ERRORS, ShardTransport
 from gpubuf.replay.shard_windows import WindowPacker, bytes_as
@@ -58,6 +58,7 @@ class ShardSampler:
         B, kind, which, gen = 0, 0, -1, None
         if error is None:
             try:
+                with_replacement = check_bool("with_replacement", with_replacement)
                 B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs, boundaries)
                 which, gen = BOUNDARIES.index(boundaries), self.generator(key)
             except ARG_ERRORS as err:

@@ -54,6 +54,7 @@ sent with (as sent, on ``is_last`` rows too; the fill on the rows a reset adds).
 import numpy as np
 import torch
 
+from gpubuf._core.inputs import check_bool
 from gpubuf._core.staging import Staging
 from gpubuf._core.transition import Transition
 from gpubuf.sources.actions import ActionCodec
@@ -116,8 +117,8 @@ class RowWriter:
         self._fresh[:] = True  # the new buffer holds no row of the current episodes
 
     def transition_sample(self, vectorized: bool = True, extra=None):
-        """The ``Transition`` of one insert (see the source's ``transition_sample``)."""
-        lead = (1, self.n_envs) if vectorized else (1,)
+        """The ``Transition`` of one insert (see the source's ``transition_sample``); ``vectorized``: a bool."""
+        lead = (1, self.n_envs) if check_bool("vectorized", vectorized) else (1,)
         return transition_sample(self.obs_space, self.codec.zeros, self.info_spec, lead, extra, not self.ends_in_step)
 
     def _check_transitions(self, tb) -> None:
