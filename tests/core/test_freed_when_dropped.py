@@ -182,7 +182,9 @@ def learner_step(gs):
 
 
 @pytest.mark.parametrize("name", ["uniform", "prioritized", "Recency"])
-def test_a_compiled_learner_step_dropped_with_its_buffer_frees_it(name, backend, device, tmp_path, no_gc):
+def test_a_compiled_learner_step_dropped_with_its_buffer_frees_it(name, device, tmp_path, no_gc):
+    """The device's own backend (traced through the ops' torch.library registrations: on a GPU the Triton kernels;
+    Triton's interpreter on the host is not traced)."""
     buf = build(name, device, tmp_path / "d")
     buf.insert(make_transition(0, 12, E))
     gs = buf.graph_sampler(4)
