@@ -9,6 +9,7 @@ the host takes ``host_backend``, whose ``triton`` case is skipped unless the int
 must not eat a whole GPU loan).
 """
 
+import contextlib
 import os
 import signal
 
@@ -87,8 +88,8 @@ def _limit() -> int:
         return 0
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
+@contextlib.contextmanager
+def _time_limit(item):
     """Per-test time limit from ``GPUBUF_TEST_TIMEOUT`` (SIGALRM: main thread, POSIX)."""
     limit = _limit()
     if limit <= 0 or not hasattr(signal, "SIGALRM"):
@@ -105,3 +106,28 @@ def pytest_runtest_call(item):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    _skip_when_an_extra_is_missing((yield))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _time_limit(item):
+        outcome = yield
+    _skip_when_an_extra_is_missing(outcome)
+
+
+def _skip_when_an_extra_is_missing(outcome) -> None:
+    """A test (or its fixtures) stopped by an optional package that is not installed (a core-only install) is
+    skipped, naming the extra that brings the package; a package that is installed but fails to import still
+    fails the test."""
+    from extras import missing_extra
+
+    err = outcome.excinfo[1] if outcome.excinfo else None
+    why = missing_extra(err) if isinstance(err, ImportError) else None
+    if why:
+        outcome.force_exception(pytest.skip.Exception(why))
+

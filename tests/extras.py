@@ -2,6 +2,7 @@
 naming the pip extra of gpubuf that brings it, so a core-only install (torch and gpubuf alone) runs the rest."""
 
 import importlib
+import importlib.util
 
 import pytest
 
@@ -24,3 +25,15 @@ def needs(module: str):
     except ImportError as err:
         extra = EXTRA.get(top, "test")
         pytest.skip(f'needs {top} ({err}): pip install "gpubuf[{extra}]"', allow_module_level=True)
+
+
+def missing_extra(err: ImportError) -> str | None:
+    """The skip reason for ``err`` when it (or its cause) is the import of an optional package that is not
+    installed, else None."""
+    while err is not None:
+        top = (getattr(err, "name", None) or "").split(".")[0]
+        if top in EXTRA and importlib.util.find_spec(top) is None:
+            return f'needs {top}: pip install "gpubuf[{EXTRA[top]}]"'
+        err = err.__cause__ if isinstance(err.__cause__, ImportError) else None
+    return None
+
