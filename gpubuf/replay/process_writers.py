@@ -46,7 +46,8 @@ from gpubuf.replay.config import ReplayConfig
 
 # the int64 control words of one writer, in shared host memory
 PUBLISHED, CONSUMED, PID, CLOSED = range(4)
-CLOSED_BY_ACTOR, RETIRED = 1, 2  # values of CLOSED: closed by its actor; ended by the owner (dead or replaced)
+# values of CLOSED: closed by its actor; ended by the owner (dead or replaced); its buffer closed or dropped
+CLOSED_BY_ACTOR, RETIRED, OWNER_ENDED = 1, 2, 3
 _POLL_S = (0.0002, 0.005)  # first and longest sleep of a waiting actor
 
 
@@ -130,6 +131,8 @@ class ReplayWriter:
         while self.rows - int(control[PUBLISHED] - control[CONSUMED]) < T:
             if not process_alive(self.owner_pid):
                 raise RuntimeError(f"{self}: the owner (pid {self.owner_pid}) is gone; nothing was published")
+            if control[CLOSED] == OWNER_ENDED:
+                self._check_writer()  # its RuntimeError: the buffer takes no more rows
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self}: the owner did not make room for {T} rows in {timeout} s "
                                    "(is it sampling or calling collect()?)")
@@ -183,6 +186,9 @@ class ReplayWriter:
         if self.copied or not control.is_shared():
             raise RuntimeError(f"{self}: this is a copy holding no shared memory (a plain pickle or copy); pass the "
                                "writer to the actor as a torch.multiprocessing process argument, or fork")
+        if control[CLOSED] == OWNER_ENDED:
+            raise RuntimeError(f"{self}: its buffer was closed or dropped by the owner (pid {self.owner_pid}) and "
+                               "takes no more rows; nothing was published")
         if control[CLOSED] == RETIRED:
             raise RuntimeError(f"{self}: retired by the owner (its process died, or its lanes went to another "
                                "writer); ask the owner for a new writer")

@@ -16,7 +16,8 @@ always run: while ``size < min_size_to_sample`` inserts run; after, a sample of 
 ``diff < min_diff + s``, and then ``diff < min_diff + S <= max_diff - I``, so an insert of ``i <= I`` runs. The
 limiter enforces it: the buffer refuses at construction a band narrower than one insert of a row (``n_envs``
 transitions vectorized, else 1) plus a sample of ``sample_batch_size``, and every call refuses (``ValueError``,
-counting nothing) a size that, with the largest call of the other kind seen so far, the band cannot hold.
+counting nothing) a size that, with the largest call of the other kind seen so far, the band cannot hold (the
+default sample of ``sample_batch_size`` counts as seen from the start, so no insert can shut it out).
 
 :meth:`RateLimiter.min_size` only waits for ``min_size_to_sample`` transitions;
 :meth:`RateLimiter.sample_to_insert_ratio` holds ``samples / inserts`` near ``samples_per_insert``: ``diff``
@@ -113,12 +114,14 @@ class RateLimiter:
         smallest part (:meth:`can_insert` lets any insert run while filling up)."""
         return self.size + n <= self.min_size_to_sample or self.diff + n * self.samples_per_insert <= self.max_diff
 
-    def attach(self, guard, row: int = 1) -> None:
+    def attach(self, guard, row: int = 1, batch: int = 1) -> None:
         """This limiter now limits the buffer of ``guard`` (its :class:`~gpubuf._core.concurrency.CallGuard`):
-        waits let go of that buffer's lock. ``row``: the transitions of the smallest insert (a row of all envs)."""
+        waits let go of that buffer's lock. ``row``: the transitions of the smallest insert (a row of all envs);
+        ``batch``: the buffer's default sample, reserved (an insert the band cannot hold beside it is refused)."""
         self.attached, self._guard = True, guard
         self._cond = threading.Condition(guard.lock)
         self.largest["insert"] = max(self.largest["insert"], row * self.samples_per_insert)
+        self.largest["sample"] = max(self.largest["sample"], float(batch))
 
     def insert_cap(self, batch: int) -> int:
         """The most transitions one insert may hold (at least 1) so that it and a sample of ``batch`` (or the largest

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from gpubuf._core.transition import unflatten
-from gpubuf.replay.process_writers import CLOSED, RETIRED, ReplayWriter, RowsWaiting, WriterDied
+from gpubuf.replay.process_writers import CLOSED, OWNER_ENDED, RETIRED, ReplayWriter, RowsWaiting, WriterDied
 
 
 class WriterHub:
@@ -40,6 +40,7 @@ class WriterHub:
         self.reported: set[int] = set()  # ids of writers reported dead
         self.warned: set = set()  # the stalls warned about (RowsWaiting)
         self.first = None  # not vectorized: the writer whose insert the rate limiter held back (goes first)
+        weakref.finalize(self, end_writers, self.groups)  # the buffer dropped: its actors hear of it at once
 
     @property
     def buffer(self):
@@ -212,7 +213,9 @@ class WriterHub:
                 "until then they are in no checkpoint (writer.pending counts them)"), stacklevel=4)
 
     def warn_closed(self) -> None:
-        """A :class:`RowsWaiting` warning (once) for rows still queued when the buffer's ``storage_dir`` closed."""
+        """The buffer's ``storage_dir`` closed: its writers insert no more (``RuntimeError`` in their actors), and a
+        :class:`RowsWaiting` warning (once) names the rows still queued."""
+        end_writers(self.groups)
         queued = sum(w.pending for ws in self.groups.values() for w in ws)
         if queued and "closed" not in self.warned:
             self.warned.add("closed")
@@ -264,3 +267,12 @@ def _positive_int(name: str, value) -> int:
 
 def _show(envs: range) -> str:
     return f"range({envs.start}, {envs.stop})"
+
+
+def end_writers(groups: dict) -> None:
+    """Every writer of ``groups`` (a hub's) refuses further inserts: its buffer was closed or dropped."""
+    for writers in groups.values():
+        for w in writers:
+            if int(w.control[CLOSED]) != RETIRED:  # a retired one says so still
+                w.control[CLOSED] = OWNER_ENDED
+

@@ -2,6 +2,7 @@
 handles into one buffer the test process owns and samples."""
 
 import copy
+import gc
 import os
 import pickle
 import signal
@@ -389,10 +390,31 @@ def test_a_closed_storage_dir_buffer_samples(tmp_path):
     w.insert(rows(6, E))
     buf.close()  # commits what the writer published first
     assert len(buf) == 6 * E and buf.sample().observation.shape == (4, 3)
-    w.insert(rows(2, E, start=6))  # published after close(): it can no longer be committed, and it is said so
-    with pytest.warns(RowsWaiting, match="storage_dir is closed: 2 rows its writers published are not committed"):
-        assert buf.sample().observation.shape == (4, 3)
-    assert buf.collect() == 0 and w.pending == 2
+    with pytest.raises(RuntimeError, match="its buffer was closed or dropped by the owner"):
+        w.insert(rows(2, E, start=6))  # after close() nothing could commit it: refused at once
+    assert buf.sample().observation.shape == (4, 3) and buf.collect() == 0 and w.pending == 0
     again = TransitionBuffer(E * 50, 4, rows(1, E), seed=0, storage_dir=tmp_path / "replay")
     assert len(again) == 6 * E
     again.close()
+
+
+@pytest.mark.parametrize("end", ["close", "drop"])
+def test_a_writer_of_a_buffer_its_owner_closed_or_dropped_refuses_at_once(tmp_path, end):
+    """After the owner closed its storage_dir buffer, or dropped the buffer (gc off: freed at once), the writer's
+    next insert raises RuntimeError saying so, nothing published, instead of filling its queue and waiting."""
+    gc.disable()
+    try:
+        buf = TransitionBuffer(100, 4, flat(0, 1), vectorized_env=False, seed=0, storage_dir=tmp_path / "d")
+        w = buf.writer(rows=4)
+        w.insert(flat(1, 2))
+        if end == "close":
+            buf.close()  # commits the 2 rows first
+        else:
+            del buf
+        published = w.pending
+        with pytest.raises(RuntimeError, match="its buffer was closed or dropped by the owner .* nothing was "
+                                               "published"):
+            w.insert(flat(2, 1), timeout=30)
+        assert w.pending == published
+    finally:
+        gc.enable()

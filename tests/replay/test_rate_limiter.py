@@ -29,7 +29,7 @@ def test_a_random_schedule_holds_the_ratio_within_the_error_buffer(spi, min_size
     """Single thread, non-blocking: every call the limiter allows runs, every other one times out at once and
     changes nothing; the counts are exact and ``inserts * spi - samples`` stays in its band."""
     lim = RateLimiter.sample_to_insert_ratio(spi, min_size, error, timeout=0)
-    buf = buffer(lim)
+    buf = TransitionBuffer(E * 64, 3, rollout(1), device="cpu", seed=0, rate_limiter=lim)  # default: the largest B
     below, above = error if isinstance(error, tuple) else (error, error)
     lo, hi = spi * min_size - below, spi * min_size + above
     rng = np.random.default_rng(0)
@@ -286,12 +286,19 @@ def test_a_band_too_narrow_for_the_calls_is_refused_not_deadlocked():
     buf = TransitionBuffer(64, 7, flat(1), vectorized_env=False,
                            device="cpu", seed=0, rate_limiter=lim)
     buf.insert(flat(4))  # filling up: never waits
+    with pytest.raises(ValueError, match=r"rate_limiter: an insert of 4 moves .* by 4 and a sample \(7 windows\) "
+                                         "seen before by 7: together more than max_diff - min_diff = 8, so both "
+                                         "could wait for each other forever"):
+        buf.insert(flat(4))  # the default sample of 7 counts as seen from the start
+    assert lim.inserts == 4 and buf.insert(flat(1)) is buf  # a size the band holds runs
+    lim = RateLimiter(1.0, 1, 0.0, 8.0, timeout=0)
+    buf = TransitionBuffer(64, 4, flat(1), vectorized_env=False, device="cpu", seed=0, rate_limiter=lim)
+    buf.insert(flat(4))
     buf.insert(flat(4))
     with pytest.raises(ValueError, match=r"rate_limiter: a sample of 7 moves .* by 7 and an insert \(4 transitions\) "
-                                         "seen before by 4: together more than max_diff - min_diff = 8, so both "
-                                         "could wait for each other forever"):
-        buf.sample()
-    assert lim.samples == 0 and buf.sample(batch_size=4) is not None  # a size the band holds runs
+                                         "seen before by 4: together more than max_diff - min_diff = 8"):
+        buf.sample(batch_size=7)  # a sample larger than the default: checked against the inserts seen
+    assert lim.samples == 0 and buf.sample(batch_size=4) is not None
 
     lim = RateLimiter(1.0, 1, 0.0, 8.0, timeout=3)  # the actor left alone ends by this timeout
     buf = TransitionBuffer(64, 7, flat(1), vectorized_env=False,
@@ -338,3 +345,20 @@ def test_a_reopened_storage_dir_counts_every_insert_after_the_last_flush(tmp_pat
     again = buffer(RateLimiter.min_size(4, timeout=0), storage_dir=d)
     assert (again.rate_limiter.inserts, again.rate_limiter.samples) == counts == (114 * E, 3)
     again.close()
+
+
+def test_an_insert_that_would_shut_out_the_default_sample_is_refused():
+    """The band holds a row and a default sample (12 >= 2 + 7), so the buffer is accepted; an insert of 4
+    transitions (diff + 8) beside a sample of 7 would not fit, and the default sample counts as seen from the start:
+    the insert is refused naming both, nothing counted, and the default sample keeps running."""
+    lim = RateLimiter(2.0, 1, 0.0, 12.0, timeout=1)
+    buf = TransitionBuffer(100, 7, flat(1), vectorized_env=False, device="cpu", seed=0, rate_limiter=lim)
+    buf.insert(flat(1))  # filling up: never checked
+    with pytest.raises(ValueError, match=r"rate_limiter: an insert of 4 moves .* by 8 and a sample \(7 windows\) "
+                                         r"seen before by 7: together more than max_diff - min_diff = 12"):
+        buf.insert(flat(4))
+    assert lim.inserts == 1 and len(buf) == 1
+    for _ in range(3):
+        while not buf.can_sample():
+            buf.insert(flat(2))  # moves diff by 4: fits beside 7
+        assert buf.sample().observation.shape == (7, 3)  # the default sample is never refused
