@@ -79,6 +79,9 @@ class Transition:
         return from_tensordict(td)
 
 
+Transition.__module__ = "gpubuf"  # pickled batches name gpubuf.Transition, the public name no move breaks
+
+
 def leaf_name(path: tuple) -> str:
     """The printable name of a leaf path: ``info['lives']`` for ``("info", "lives")``."""
     return path[0] + "".join(f"[{p!r}]" for p in path[1:])

@@ -30,6 +30,7 @@ that fails after its turn came (a bad argument, no valid start) gives its counts
 import math
 import threading
 import time
+from numbers import Integral, Real
 
 
 class RateLimiter:
@@ -47,22 +48,22 @@ class RateLimiter:
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float,
                  timeout: float | None = None):
         self.samples_per_insert = _positive("samples_per_insert", samples_per_insert)
-        if isinstance(min_size_to_sample, bool) or not isinstance(min_size_to_sample, int) \
+        if _flag(min_size_to_sample) or not isinstance(min_size_to_sample, Integral) \
                 or min_size_to_sample < 1:
             raise ValueError(f"min_size_to_sample: expected an int >= 1, got {min_size_to_sample!r}")
-        self.min_size_to_sample = min_size_to_sample
+        self.min_size_to_sample = int(min_size_to_sample)
         for name, v in (("min_diff", min_diff), ("max_diff", max_diff)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            if _flag(v) or not isinstance(v, Real) or math.isnan(v):
                 raise ValueError(f"{name}: expected a number (inf allowed), got {v!r}")
         gap = 2 * max(1.0, self.samples_per_insert)
         if not max_diff - min_diff >= gap:
             raise ValueError(f"min_diff, max_diff: expected max_diff - min_diff >= {gap:g} "
                              f"(2 * max(1, samples_per_insert)), got {min_diff!r} and {max_diff!r}")
         self.min_diff, self.max_diff = float(min_diff), float(max_diff)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        if timeout is not None and (_flag(timeout) or not isinstance(timeout, Real)
                                     or not timeout >= 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
-        self.timeout = timeout
+        self.timeout = timeout if timeout is None or type(timeout) in (int, float) else float(timeout)
         self.inserts = self.samples = 0
         self.size = 0  # transitions the buffer holds (set by the buffer)
         self.attached = False  # limits a buffer (one at most)
@@ -82,7 +83,7 @@ class RateLimiter:
         """Hold ``samples / inserts`` at ``samples_per_insert``: ``diff`` within ``error_buffer`` (a number, or
         ``(below, above)``) of ``samples_per_insert * min_size_to_sample``."""
         pair = error_buffer if isinstance(error_buffer, (tuple, list)) else (error_buffer, error_buffer)
-        if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in pair):
+        if len(pair) != 2 or any(_flag(v) or not isinstance(v, Real) or not v >= 0 for v in pair):
             raise ValueError(f"error_buffer: expected a number >= 0 or two of them (below, above), got "
                              f"{error_buffer!r}")
         below, above = pair
@@ -91,7 +92,7 @@ class RateLimiter:
         if not below + above >= gap:
             raise ValueError(f"error_buffer: expected below + above >= {gap:g} (2 * max(1, samples_per_insert): one "
                              f"sample and one insert must fit in the band), got {error_buffer!r}")
-        offset = spi * min_size_to_sample if isinstance(min_size_to_sample, int) else 0.0
+        offset = spi * min_size_to_sample if isinstance(min_size_to_sample, Integral) else 0.0
         return cls(samples_per_insert, min_size_to_sample, offset - below, offset + above, timeout)
 
     # ------------------------------------------------------------------ checks
@@ -283,6 +284,12 @@ def _a(what: str) -> str:
 
 
 def _positive(name: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
+    if _flag(v) or not isinstance(v, Real) or not v > 0 or math.isinf(v):
         raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
     return float(v)
+
+
+def _flag(v) -> bool:
+    """Whether ``v`` is a bool (Python's or numpy's), which no count or size of the limiter takes."""
+    return isinstance(v, bool) or type(v).__name__ == "bool_"
+

@@ -40,6 +40,11 @@ def test_pickles_made_now_name_gpubuf_alone():
                  and isinstance(arg, str) and arg.startswith("gpubuf")]
         assert set(names) == {"gpubuf"}, names  # gpubuf._rebuild_buffer and the class by its public name
         assert type(pickle.loads(blob)) is type(built[name])
+    batch = built["u"].sample(key=1, batch_size=2)
+    blob = pickle.dumps(batch)
+    assert {arg for op, arg, _ in pickletools.genops(blob) if op.name in ("SHORT_BINUNICODE", "BINUNICODE")
+            and isinstance(arg, str) and arg.startswith("gpubuf")} == {"gpubuf"}  # gpubuf.Transition
+    torch.testing.assert_close(pickle.loads(blob).observation, batch.observation, rtol=0, atol=0)
 
 
 def test_pickles_of_the_earlier_release_load_as_the_same_buffers():

@@ -362,3 +362,17 @@ def test_an_insert_that_would_shut_out_the_default_sample_is_refused():
         while not buf.can_sample():
             buf.insert(flat(2))  # moves diff by 4: fits beside 7
         assert buf.sample().observation.shape == (7, 3)  # the default sample is never refused
+
+
+def test_numpy_numbers_configure_a_limiter_as_python_numbers_do():
+    a = RateLimiter.sample_to_insert_ratio(np.float32(2), np.int64(10), (np.float32(2), np.int64(4)),
+                                           timeout=np.float64(1))
+    b = RateLimiter.sample_to_insert_ratio(2.0, 10, (2.0, 4), timeout=1.0)
+    assert a.config() == b.config() and all(type(v) in (int, float) for v in a.config())
+    assert RateLimiter.sample_to_insert_ratio(1.0, 4, np.int64(4)).config() == \
+        RateLimiter.sample_to_insert_ratio(1.0, 4, 4).config()
+    for bad in (np.True_, True):
+        with pytest.raises(ValueError, match="min_size_to_sample: expected an int >= 1"):
+            RateLimiter(1.0, bad, 0.0, 8.0)
+        with pytest.raises(ValueError, match="error_buffer: expected a number >= 0"):
+            RateLimiter.sample_to_insert_ratio(1.0, 4, bad)
