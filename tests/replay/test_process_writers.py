@@ -13,6 +13,7 @@ import process_actors
 import pytest
 import torch
 import torch.multiprocessing as mp
+from extras import needs
 
 from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer
 from gpubuf.replay.process_writers import RowsWaiting, WriterDied
@@ -59,6 +60,7 @@ def drain(buf, procs, deadline_s=HANG_S, sample=True):
 
 
 def test_two_cartpole_actors_fill_their_lanes_in_order_with_a_rate_limiter():
+    needs("gymnasium")  # the actors import it in their processes
     E_w, T, inserts = 3, 4, 30
     limiter = RateLimiter.sample_to_insert_ratio(samples_per_insert=2.0, min_size_to_sample=24, error_buffer=64.0,
                                                  timeout=HANG_S)
