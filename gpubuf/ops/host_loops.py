@@ -18,6 +18,7 @@ import importlib.util
 import os
 
 import numpy as np
+import torch
 
 ENABLED = os.environ.get("GPUBUF_NUMBA", "1").strip() != "0" and importlib.util.find_spec("numba") is not None
 BAD_INDEX, NOT_FINITE, OVERFLOW = 1, 2, 4  # the checks of a priority update, as bits
@@ -28,8 +29,6 @@ _LOOPS = ("tree_update", "tree_update_range", "tree_sample", "tree_sample_masses
 def runs(backend: str, device) -> bool:
     """Whether a CPU call of a buffer with ``backend`` on ``device`` (a ``torch.device``) runs these loops: numba
     enabled, host memory, the torch backend, and not inside a ``torch.compile`` trace."""
-    import torch
-
     return ENABLED and device.type == "cpu" and backend == "torch" and not torch.compiler.is_compiling()
 
 

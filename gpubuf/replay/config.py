@@ -155,6 +155,11 @@ class ReplayConfig:
         return self.paths("truncated"), self.paths("terminated", "truncated"), last
 
     @functools.cached_property
+    def term_paths(self) -> list:
+        """Leaves of ``terminated`` (a row set in one needs no successor, truncated or not)."""
+        return self.paths("terminated")
+
+    @functools.cached_property
     def kinds(self) -> tuple[int, ...]:
         """Validity kinds (:mod:`gpubuf.replay.ring`): ``NEXT_OBS`` when next observations are read from
         the following row, ``IN_EPISODE`` when windows may not cross an episode end."""
@@ -217,7 +222,7 @@ class ReplayConfig:
         termination: discount 0, no successor read); ``raw``: every ``truncated`` row."""
         trunc, ends, last = self.flag_paths
         rows = {p: self._set_rows(leaves[p], T) for p in dict.fromkeys(ends + last)}  # one pass
-        return cut_rows(rows, trunc, [] if raw else self.paths("terminated")), any_rows(rows, ends), \
+        return cut_rows(rows, trunc, [] if raw else self.term_paths), any_rows(rows, ends), \
             any_rows(rows, last)
 
     def check_state(self, state, template: dict) -> tuple:

@@ -87,5 +87,5 @@ class SteadyInsert:
 
         trunc, ends, last = self.config.flag_paths
         flags = {p: rows(p) for p in dict.fromkeys(ends + last)}
-        return cut_rows(flags, trunc, self.config.paths("terminated")), any_rows(flags, ends), any_rows(flags, last)
+        return cut_rows(flags, trunc, self.config.term_paths), any_rows(flags, ends), any_rows(flags, last)
 
