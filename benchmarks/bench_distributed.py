@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
 from gpubuf.apps.benchmarking.timing import median_us, syncer
-from gpubuf.replay.sharded import ShardedBuffer
+from gpubuf.replay.sharded.buffer import ShardedBuffer
 
 OBS, ACT = 17, 6
 ROW_BYTES = (OBS + ACT + 1) * 4 + 2  # bytes of one window (n_steps = 1)
@@ -144,7 +144,7 @@ def main() -> None:
     if args.backend == "nccl" and (args.device != "cuda" or max(ranks) > torch.cuda.device_count()):
         parser.error(f"--backend nccl: needs --device cuda and one GPU per rank ({torch.cuda.device_count()} here)")
     load_start = os.getloadavg()[0]  # other work sharing the cores
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.replay.sharded"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.replay.sharded.buffer"])
     per_world = {}
     for W in ranks:
         with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,7 @@ import gpubuf.ops.sequence as sequence_ops
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
 from gpubuf.ops import host_loops
-from gpubuf.replay.storage import MemoryStorage
+from gpubuf.replay.storage.memory import MemoryStorage
 
 E, OBS, B, ROWS, N = 16, 4, 32, 1024, 4
 # issue 20's targets in units: (call, host-only)

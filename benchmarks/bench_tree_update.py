@@ -18,7 +18,7 @@ import torch
 
 from gpubuf.apps.benchmarking.timing import cuda_event_clock, median_us
 from gpubuf.ops.prefix_tree import update_range_twin, update_twin
-from gpubuf.replay.tree import PrefixSumTree
+from gpubuf.replay.sampling.tree import PrefixSumTree
 
 
 def launch(pt, threshold: int, kernel, *args) -> None:

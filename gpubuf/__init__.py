@@ -27,14 +27,14 @@ from gpubuf._core.copies import rebuild as _rebuild_buffer  # noqa: F401 (the st
 from gpubuf._core.transition import Transition
 from gpubuf.history import HistoryBuffer
 from gpubuf.replay import GraphSampler, PrioritizedTransitionBuffer, RateLimiter, TransitionBuffer
-from gpubuf.replay.process_writers import ReplayWriter, RowsWaiting, WriterDied
-from gpubuf.replay.selectors import Fifo, Lifo, Mixture, Online, Recency
+from gpubuf.replay.feeds.process_writers import ReplayWriter, RowsWaiting, WriterDied
+from gpubuf.replay.sampling.selectors import Fifo, Lifo, Mixture, Online, Recency
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and go-to-definition
     from gpubuf.apps.info import info
     from gpubuf.planning import CEMSolver, PlanConfig, Planner
-    from gpubuf.replay import export
-    from gpubuf.replay.sharded import ShardedBuffer
+    from gpubuf.replay.feeds import export
+    from gpubuf.replay.sharded.buffer import ShardedBuffer
     from gpubuf.sources.envpool import EnvPoolSource, Step, StepStager
     from gpubuf.sources.tensors import TensorSource
     from gpubuf.sources.vector_env import VectorEnvSource
@@ -43,13 +43,13 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
 _LAZY = {
     "CEMSolver": "gpubuf.planning", "PlanConfig": "gpubuf.planning", "Planner": "gpubuf.planning",
     "EnvPoolSource": "gpubuf.sources.envpool", "Step": "gpubuf.sources.envpool",
-    "StepStager": "gpubuf.sources.envpool", "ShardedBuffer": "gpubuf.replay.sharded",
+    "StepStager": "gpubuf.sources.envpool", "ShardedBuffer": "gpubuf.replay.sharded.buffer",
     "VectorEnvSource": "gpubuf.sources.vector_env", "TensorSource": "gpubuf.sources.tensors",
     "info": "gpubuf.apps.info",
 }
 # public modules: ``gpubuf.export`` (episodes out as Minari datasets and HDF5 files), and the subpackages reachable
 # as attributes after ``import gpubuf`` alone
-_LAZY_MODULES = {"export": "gpubuf.replay.export",
+_LAZY_MODULES = {"export": "gpubuf.replay.feeds.export",
                  **{name: f"gpubuf.{name}" for name in ("apps", "history", "ops", "planning", "replay", "sources")}}
 
 _deprecated.install()

@@ -14,14 +14,28 @@ REMOVED_IN = "0.3.0"
 MOVED = {
     **{f"gpubuf.{m}": f"gpubuf._core.{m}"
        for m in ("checkpoint", "concurrency", "copies", "inputs", "staging", "state", "transition")},
-    **{f"gpubuf.{m}": f"gpubuf.replay.{m}" for m in ("episode_marks", "prioritized", "ring", "samplers",
-                                                     "steady_insert", "storage", "storage_dir", "tiers")},
+    **{f"gpubuf.{m}": f"gpubuf.replay.{m}" for m in ("prioritized", "ring", "steady_insert")},
+    **{f"gpubuf.{m}": f"gpubuf.replay.sampling.{m}" for m in ("episode_marks", "samplers")},
+    "gpubuf.storage": "gpubuf.replay.storage.memory", "gpubuf.storage_dir": "gpubuf.replay.storage.directory",
+    "gpubuf.tiers": "gpubuf.replay.storage.tiers",
+    # the flat gpubuf.replay of 0.2.0's first layout, laid out by job since
+    **{f"gpubuf.replay.{m}": f"gpubuf.replay.sampling.{m}"
+       for m in ("device_priorities", "episode_marks", "graph_sampler", "readers", "sample_args", "samplers",
+                 "selectors", "stacked", "tree")},
+    **{f"gpubuf.replay.{m}": f"gpubuf.replay.feeds.{m}"
+       for m in ("export", "process_writers", "rate_limiter", "write_backs", "writer_doors", "writer_hub")},
+    **{f"gpubuf.replay.storage_{m}": f"gpubuf.replay.storage.{m}" for m in ("files", "format", "journal", "lock")},
+    "gpubuf.replay.storage_dir": "gpubuf.replay.storage.directory",
+    "gpubuf.replay.tiers": "gpubuf.replay.storage.tiers",
+    **{f"gpubuf.replay.shard_{m}": f"gpubuf.replay.sharded.{m}" for m in ("priorities", "sampling", "transport",
+                                                                        "windows")},
     **{f"gpubuf.{m}": f"gpubuf.apps.{m}" for m in ("benchmarking", "cli", "demo", "mbrl")},
     **{f"gpubuf.{m}": f"gpubuf.sources.{m}" for m in ("envpool", "wrappers")},
     # renamed as they moved
-    "gpubuf.distributed": "gpubuf.replay.sharded", "gpubuf.graph_sampling": "gpubuf.replay.graph_sampler",
-    "gpubuf.interrupts": "gpubuf._core.signals", "gpubuf.prefix_tree": "gpubuf.replay.tree",
-    "gpubuf.replay_config": "gpubuf.replay.config", "gpubuf.stacked_sampling": "gpubuf.replay.stacked",
+    "gpubuf.distributed": "gpubuf.replay.sharded.buffer",
+    "gpubuf.graph_sampling": "gpubuf.replay.sampling.graph_sampler",
+    "gpubuf.interrupts": "gpubuf._core.signals", "gpubuf.prefix_tree": "gpubuf.replay.sampling.tree",
+    "gpubuf.replay_config": "gpubuf.replay.config", "gpubuf.stacked_sampling": "gpubuf.replay.sampling.stacked",
 }
 
 

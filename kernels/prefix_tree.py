@@ -15,7 +15,7 @@ import triton.language as tl
 import gpubuf.kernels as _pkg
 from gpubuf.kernels import INDEX, Variant, signature
 
-# the fan-out compiled ahead of time: the buffers' trees use it (gpubuf.replay.tree.FANOUT)
+# the fan-out compiled ahead of time: the buffers' trees use it (gpubuf.replay.sampling.tree.FANOUT)
 FANOUT = 32
 BLOCK = 1024  # leaves written per step of the update kernel
 PARENTS = 32  # parents recomputed per step (PARENTS * fanout children)

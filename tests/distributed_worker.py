@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
-from gpubuf.replay.sharded import ShardedBuffer
+from gpubuf.replay.sharded.buffer import ShardedBuffer
 
 E, M, N_STEPS = 3, 20, 3
 DEVICE = os.environ.get("GPUBUF_TEST_DIST_DEVICE", "cpu")  # "cuda": every shard on the GPU (gloo stages via host)

@@ -1,5 +1,5 @@
 """Advice to the kernel about host memory through libc's ``madvise``: read-ahead hints for mapped
-files (:mod:`gpubuf.replay.tiers`), huge pages under large fresh outputs (:mod:`gpubuf.history`).
+files (:mod:`gpubuf.replay.storage.tiers`), huge pages under large fresh outputs (:mod:`gpubuf.history`).
 Hints only: where ``madvise`` is missing or refuses, nothing changes."""
 
 import ctypes

@@ -3,8 +3,8 @@ samplers, prefix-sum tree, storages (device, host, ``storage_dir`` files), frame
 the CUDA-graph sampler and the sharded buffer (:mod:`gpubuf.replay.sharded`, loaded when used)."""
 
 from gpubuf.replay.buffer import BOUNDARIES, TransitionBuffer
-from gpubuf.replay.graph_sampler import GraphSampler
+from gpubuf.replay.feeds.rate_limiter import RateLimiter
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
-from gpubuf.replay.rate_limiter import RateLimiter
+from gpubuf.replay.sampling.graph_sampler import GraphSampler
 
 __all__ = ["BOUNDARIES", "GraphSampler", "PrioritizedTransitionBuffer", "RateLimiter", "TransitionBuffer"]

@@ -2,13 +2,13 @@
 
 A buffer composes five parts, each behind a small surface and public for companions
 (``ShardedBuffer``, ``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`:
-sizes, leaves and their rules), ``storage`` (:mod:`gpubuf.replay.storage`: device, host or memory-mapped
+sizes, leaves and their rules), ``storage`` (:mod:`gpubuf.replay.storage.memory`: device, host or memory-mapped
 rows), ``ring`` (:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and
-valid starts), ``sampler`` (:mod:`gpubuf.replay.samplers`: device validity, prefix-sum trees,
-priorities, draws) and ``reader`` (:class:`~gpubuf.replay.readers.BatchReader`: the gathers of drawn
+valid starts), ``sampler`` (:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees,
+priorities, draws) and ``reader`` (:class:`~gpubuf.replay.sampling.readers.BatchReader`: the gathers of drawn
 starts), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
 storage. A sample checks its arguments, draws starts (``sampler.draw``), then reads their windows
-(``reader.prepare``'s read); its signature is :meth:`gpubuf.replay.sample_args.Samples.sample`.
+(``reader.prepare``'s read); its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
 
 Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
 ``truncated`` is set; needs one of those leaves):
@@ -41,18 +41,20 @@ from gpubuf._core.inputs import check_bool, generator_for, host_indices, index_a
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import memory_ranges
 from gpubuf._core.transition import Transition
-from gpubuf.replay import provenance, tiers, write_backs
+from gpubuf.replay import provenance
 from gpubuf.replay.buffer_state import BufferState
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
-from gpubuf.replay.rate_limiter import check_limiter
-from gpubuf.replay.readers import BatchReader
+from gpubuf.replay.feeds import write_backs
+from gpubuf.replay.feeds.rate_limiter import check_limiter
+from gpubuf.replay.feeds.writer_doors import WriterDoors
 from gpubuf.replay.ring import StartRing
-from gpubuf.replay.sample_args import Samples
-from gpubuf.replay.samplers import TreeSampler, UniformSampler
-from gpubuf.replay.selectors import check_selector
+from gpubuf.replay.sampling.readers import BatchReader
+from gpubuf.replay.sampling.sample_args import Samples
+from gpubuf.replay.sampling.samplers import TreeSampler, UniformSampler
+from gpubuf.replay.sampling.selectors import check_selector
 from gpubuf.replay.steady_insert import SteadyInsert
-from gpubuf.replay.storage import MappedStorage, MemoryStorage
-from gpubuf.replay.writer_doors import WriterDoors
+from gpubuf.replay.storage import tiers
+from gpubuf.replay.storage.memory import MappedStorage, MemoryStorage
 
 __all__ = ["BOUNDARIES", "Transition", "TransitionBuffer"]
 
@@ -85,17 +87,17 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
             last :meth:`flush` saved (sampling RNG; priorities, rows inserted after that flush at
             ``max_priority``). The buffer holds the directory's lock until :meth:`close`; files are
             allocated up front; a process killed at any instant re-opens to a state the buffer has
-            been in (:mod:`gpubuf.replay.storage_dir` for the guarantee).
+            been in (:mod:`gpubuf.replay.storage.directory` for the guarantee).
         rate_limiter: a :class:`~gpubuf.RateLimiter` (one per buffer): :meth:`insert` and
             :meth:`sample` wait for their turn (threads; holding no lock while they wait), its counts
             ride along in ``state_dict`` and a ``storage_dir``'s flushes. ``None``: no limit.
-        selector: which valid starts :meth:`sample` draws (:mod:`gpubuf.replay.selectors`: ``Recency``,
+        selector: which valid starts :meth:`sample` draws (:mod:`gpubuf.replay.sampling.selectors`: ``Recency``,
             ``Mixture`` of uniform, prioritized and recency, ``Fifo``/``Lifo`` queues, DreamerV3's ``Online``
             queue; one per buffer). ``None``: the buffer's own draw.
 
     Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the
     capacity. Without replacement the draw is exact sequential sampling without replacement
-    (:mod:`gpubuf.replay.samplers`).
+    (:mod:`gpubuf.replay.sampling.samplers`).
 
     Threads: any number of threads may call any method at once; each call runs whole, between the
     others (:attr:`lock`, re-entrant; on CUDA, calls from different streams are ordered on the
@@ -340,7 +342,7 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
 
     @locked
     def episode_marks(self):
-        """The :class:`~gpubuf.replay.episode_marks.EpisodeMarks` of this buffer (built on first use,
+        """The :class:`~gpubuf.replay.sampling.episode_marks.EpisodeMarks` of this buffer (built on first use,
         then kept current by every write)."""
         return self.reader.marks()
 
@@ -362,7 +364,7 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
         the only one a compiled step can hold; ``frame_stack``, ``frame_stride``,
         ``n_step_return``: as in :meth:`sample`; ``minibatches=K``: one draw of ``K`` minibatches of
         ``batch_size``, leaves ``(K, B, ...)``)."""
-        from gpubuf.replay.graph_sampler import GraphSampler
+        from gpubuf.replay.sampling.graph_sampler import GraphSampler
 
         return GraphSampler(self, batch_size, with_next_obs, generator, boundaries,
                             frame_stack=frame_stack, frame_stride=frame_stride,

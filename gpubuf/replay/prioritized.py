@@ -1,5 +1,5 @@
 """PrioritizedTransitionBuffer: a TransitionBuffer composed with a
-:class:`~gpubuf.replay.samplers.PrioritizedSampler`.
+:class:`~gpubuf.replay.sampling.samplers.PrioritizedSampler`.
 
 The sampler owns everything about priorities (their checks, state, flush and re-open, the importance
 weights' ``beta``); this module adds the prioritized API on top: the arguments, ``PER_weights`` on
@@ -14,9 +14,9 @@ import torch
 from gpubuf._core.concurrency import locked
 from gpubuf._core.inputs import check_bool, finite_float, priority_updates
 from gpubuf._core.transition import Transition
-from gpubuf.replay import write_backs
 from gpubuf.replay.buffer import TransitionBuffer
-from gpubuf.replay.samplers import PrioritizedSampler
+from gpubuf.replay.feeds import write_backs
+from gpubuf.replay.sampling.samplers import PrioritizedSampler
 
 _F32_TINY = torch.finfo(torch.float32).tiny
 _LOG_TINY = math.log(torch.finfo(torch.float64).tiny)

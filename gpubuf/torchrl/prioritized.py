@@ -5,7 +5,7 @@
 unchanged) with its two segment trees replaced by :class:`SumTree` and :class:`MinTree`:
 
 - :class:`SumTree` keeps each leaf ``(priority + eps) ** alpha`` (rounded to the sampler's ``dtype``, as
-  torchrl's trees store it) in gpubuf's float64 :class:`~gpubuf.replay.tree.PrefixSumTree`: batched updates
+  torchrl's trees store it) in gpubuf's float64 :class:`~gpubuf.replay.sampling.tree.PrefixSumTree`: batched updates
   recompute only the touched parents, draws descend it on the device, and a leaf of zero mass is never drawn;
 - :class:`MinTree` keeps the same leaves for the minimum priority that normalises the weights
   (``(p_i / min p) ** -beta``, as torchrl computes them), and on the host that minimum itself between writes.
@@ -27,7 +27,7 @@ from tensordict import MemoryMappedTensor
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
 
 from gpubuf import ops
-from gpubuf.replay.tree import PrefixSumTree
+from gpubuf.replay.sampling.tree import PrefixSumTree
 
 _BELOW_ONE = 1.0 - 2.0 ** -53  # the largest float64 uniform below 1
 _BLOCK = 1024  # leaves per block of the min tree's block minima

@@ -42,7 +42,7 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 from gpubuf._core.devices import parse_device
 from gpubuf._core.host_memory import advise_huge
 from gpubuf._core.inputs import check_cast
-from gpubuf.replay.storage_dir import StorageDir
+from gpubuf.replay.storage.directory import StorageDir
 
 _KIND = "gpubuf.torchrl.ReplayStorage"
 _STAGED = 4096  # rows of the staging block a storage_dir writes through

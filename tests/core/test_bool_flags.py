@@ -8,7 +8,7 @@ import torch
 from fixtures import make_transition
 
 from gpubuf import PrioritizedTransitionBuffer, TransitionBuffer
-from gpubuf.replay.selectors import Fifo
+from gpubuf.replay.sampling.selectors import Fifo
 
 E = 2
 WRONG = ["no", "False", "True", 1.0, 0, 1, None, torch.tensor(True)]

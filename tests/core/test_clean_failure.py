@@ -18,7 +18,7 @@ import gpubuf.history.outputs as outputs_module
 import gpubuf.ops.device as device_ops
 import gpubuf.ops.indexing as indexing
 import gpubuf.ops.prefix_tree as tree_ops
-import gpubuf.replay.stacked as stacked_sampling
+import gpubuf.replay.sampling.stacked as stacked_sampling
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
 
 E, M = 2, 8

@@ -23,7 +23,7 @@ import torch
 from fixtures import make_transition
 
 from gpubuf import HistoryBuffer, PlanConfig, Planner, PrioritizedTransitionBuffer, RateLimiter, TransitionBuffer
-from gpubuf.replay.selectors import Fifo, Lifo, Mixture, Online, Recency
+from gpubuf.replay.sampling.selectors import Fifo, Lifo, Mixture, Online, Recency
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

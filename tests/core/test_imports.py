@@ -301,7 +301,7 @@ def test_done_when_check_prints_nothing_without_the_apps_extra():
 
 def test_lazy_names_resolve_and_are_listed():
     from gpubuf.planning import CEMSolver, PlanConfig, Planner
-    from gpubuf.replay.sharded import ShardedBuffer
+    from gpubuf.replay.sharded.buffer import ShardedBuffer
     from gpubuf.sources.envpool import EnvPoolSource, Step, StepStager
 
     want = {"EnvPoolSource": EnvPoolSource, "ShardedBuffer": ShardedBuffer, "Planner": Planner,

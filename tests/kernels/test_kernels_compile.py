@@ -11,7 +11,7 @@ import pytest
 
 from gpubuf.kernels import INDEX
 from gpubuf.kernels.words import WORDS
-from gpubuf.replay.tree import FANOUT
+from gpubuf.replay.sampling.tree import FANOUT
 
 signatures = pytest.importorskip("gpubuf.kernels.signatures")
 

@@ -17,7 +17,7 @@ from gpubuf.kernels import sequence as sequence_kernels
 from gpubuf.ops import host_loops
 from gpubuf.ops.prefix_tree import sample_twin, update_range_twin, update_twin
 from gpubuf.ops.sequence import gather_twin
-from gpubuf.replay.tree import PrefixSumTree
+from gpubuf.replay.sampling.tree import PrefixSumTree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU_RTOL = 1e-13  # float64 sums of <= 64 positive terms, added in any order, agree to ~64 ulp (1.4e-14)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpubuf.ops import history, prefix_tree, sequence, stacks
-from gpubuf.replay.tree import PrefixSumTree
+from gpubuf.replay.sampling.tree import PrefixSumTree
 
 # every op registered in the gpubuf namespace
 OPS = sorted(s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("gpubuf::"))

@@ -13,7 +13,7 @@ from gpubuf import ops
 from gpubuf._core.staging import Staging
 from gpubuf.kernels import history, prefix_tree, sequence  # imported while the interpreter is set (conftest)
 from gpubuf.ops.prefix_tree import sample_twin
-from gpubuf.replay.tree import PrefixSumTree
+from gpubuf.replay.sampling.tree import PrefixSumTree
 
 # ---- backend choice
 

@@ -7,7 +7,7 @@ import torch
 
 from gpubuf.ops import host_loops
 from gpubuf.ops import prefix_tree as pt
-from gpubuf.replay.tree import PrefixSumTree
+from gpubuf.replay.sampling.tree import PrefixSumTree
 
 pytestmark = pytest.mark.skipif(not host_loops.ENABLED, reason="numba is not installed")
 CPU = torch.device("cpu")

@@ -28,7 +28,7 @@ def runs(tmp_path_factory) -> dict:
     """``{"world": [4 rank results], "pair0": [ranks 0, 1], "pair1": [ranks 2, 3]}``."""
     out = tmp_path_factory.mktemp("distributed")
     # children fork from a server that imported gpubuf once, instead of each importing torch again
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.replay.sharded"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["gpubuf.replay.sharded.buffer"])
     ctx = mp.start_processes(dw.main, args=(WORLD, str(out / "init"), str(out)), nprocs=WORLD, join=False,
                              start_method="forkserver")
     try:
@@ -279,8 +279,8 @@ def test_refusals_raise_on_every_rank_and_what_is_offered_passes(runs, name):
 def test_sample_takes_the_signature_every_buffer_shares():
     import inspect
 
-    from gpubuf.replay.sample_args import Samples
-    from gpubuf.replay.sharded import ShardedBuffer
+    from gpubuf.replay.sampling.sample_args import Samples
+    from gpubuf.replay.sharded.buffer import ShardedBuffer
 
     def shape(fn):
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]

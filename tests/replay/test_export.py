@@ -1,6 +1,6 @@
-"""Episodes out of a replay buffer (gpubuf.replay.export): a real gymnasium vector env logs every step each sub-env
-took; the buffer's episodes, the Minari dataset loaded back with Minari and the HDF5 file read back with h5py must
-each be exactly those episodes, step by step."""
+"""Episodes out of a replay buffer (gpubuf.replay.feeds.export): a real gymnasium vector env logs every step each
+sub-env took; the buffer's episodes, the Minari dataset loaded back with Minari and the HDF5 file read back with h5py
+must each be exactly those episodes, step by step."""
 
 import dataclasses
 

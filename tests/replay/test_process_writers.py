@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from extras import needs
 
 from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer
-from gpubuf.replay.process_writers import RowsWaiting, WriterDied
+from gpubuf.replay.feeds.process_writers import RowsWaiting, WriterDied
 
 SPAWN = mp.get_context("spawn")
 HANG_S = 600.0  # actors that have not finished after this long are stuck, not slow (the tests wait for progress)

@@ -11,7 +11,7 @@ from fixtures import index_rows
 from scipy import stats
 
 from gpubuf import PrioritizedTransitionBuffer, TransitionBuffer
-from gpubuf.replay.selectors import Fifo, Lifo, Mixture, Online, Recency
+from gpubuf.replay.sampling.selectors import Fifo, Lifo, Mixture, Online, Recency
 
 E, M = 3, 20
 

@@ -282,7 +282,7 @@ def test_graph_sampling_and_checkpoints_of_env_major_storage(host_backend, tmp_p
 def test_mapped_leaves_are_advised_random_and_each_sampled_window_is_prefetched(tmp_path, monkeypatch):
     import mmap
 
-    from gpubuf.replay import tiers
+    from gpubuf.replay.storage import tiers
 
     if tiers._MADVISE is None:
         pytest.skip("no madvise on this platform")

@@ -26,7 +26,7 @@ wait, ``collect``) after every row it published was committed (or, when some can
 writers come, at once, saying how many wait); its lanes then stop the commits until a new writer is handed out
 for the same lanes (``buffer.writer(envs=the same range)``), whose first row starts new episodes there: the dead
 writer's last row is marked ``truncated`` (where the buffer stores that leaf). The owner's side, the commits and
-the reports, is :mod:`gpubuf.replay.writer_hub`. An actor waits while
+the reports, is :mod:`gpubuf.replay.feeds.writer_hub`. An actor waits while
 its queue is full (the owner commits what the rate limiter allows, so a limiter holds actors back
 too); ``insert(..., timeout=)`` ends the wait with ``TimeoutError``, and a dead owner with
 ``RuntimeError``. Liveness is read from ``/proc`` (Linux).

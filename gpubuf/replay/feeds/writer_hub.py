@@ -1,6 +1,6 @@
 """The owner's side of writers in other processes: their lanes, the commits of their rows, the reports.
 
-Commits (:mod:`gpubuf.replay.process_writers` for the actor's side): a vectorized buffer commits row ``t`` once
+Commits (:mod:`gpubuf.replay.feeds.process_writers` for the actor's side): a vectorized buffer commits row ``t`` once
 every lane's writer published its row ``t`` (lockstep; a rate limiter may let in fewer rows than are ready, one row
 of all lanes at a time). A buffer that is not vectorized commits each writer's inserts whole: an insert the rate
 limiter holds back waits whole, and that writer goes first at the next commit, so no other writer's row lands inside
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from gpubuf._core.transition import unflatten
-from gpubuf.replay.process_writers import CLOSED, OWNER_ENDED, RETIRED, ReplayWriter, RowsWaiting, WriterDied
+from gpubuf.replay.feeds.process_writers import CLOSED, OWNER_ENDED, RETIRED, ReplayWriter, RowsWaiting, WriterDied
 
 
 class WriterHub:

@@ -1,7 +1,7 @@
 """Sampling policies of the replay buffers: which flat starts a batch begins at, and with what mass.
 
 A policy is composed into a :class:`~gpubuf.TransitionBuffer`. It owns the device side of sampling:
-one :class:`~gpubuf.replay.tree.PrefixSumTree` and one validity mask per validity kind (see
+one :class:`~gpubuf.replay.sampling.tree.PrefixSumTree` and one validity mask per validity kind (see
 :class:`~gpubuf.replay.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping
 says which starts are valid; the policy turns that into mass: 1 per valid start
 (:class:`UniformSampler`) or ``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A
@@ -22,9 +22,9 @@ from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import Staging
 from gpubuf._core.state import check_tensor, chunks, copy_into, unaliased
 from gpubuf.ops import host_loops
-from gpubuf.replay.device_priorities import DevicePriorityUpdates
 from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, StartRing
-from gpubuf.replay.tree import PrefixSumTree
+from gpubuf.replay.sampling.device_priorities import DevicePriorityUpdates
+from gpubuf.replay.sampling.tree import PrefixSumTree
 
 _LOG_MAX = math.log(torch.finfo(torch.float64).max)
 
@@ -340,7 +340,8 @@ class PrioritizedSampler(TreeSampler):
     def max_priority(self) -> float:
         """The running maximum priority (new starts get it). Once updates ran on the device
         (:meth:`device_updates`) it lives there: reading it reads the device, and first raises what
-        those updates dropped (:meth:`~gpubuf.replay.device_priorities.DevicePriorityUpdates.raise_pending`)."""
+        those updates dropped
+        (:meth:`~gpubuf.replay.sampling.device_priorities.DevicePriorityUpdates.raise_pending`)."""
         dev = self._device_updates
         if dev is None:
             return float(self._max_box[0])

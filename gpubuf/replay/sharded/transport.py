@@ -1,4 +1,4 @@
-"""The collectives of a :class:`~gpubuf.replay.sharded.ShardedBuffer`: one object per rank that moves tensors
+"""The collectives of a :class:`~gpubuf.replay.sharded.buffer.ShardedBuffer`: one object per rank that moves tensors
 between the ranks of its process group and makes an error on one rank an error on every rank.
 
 Exchanges run on ``device`` (the shard's CUDA device under NCCL, else the host: gloo stages a CUDA shard

@@ -1,5 +1,5 @@
 """Sampling from the union of the shards: each request's shard drawn from the global masses, its start drawn by
-the owner's own tree with the requester's uniforms (:mod:`gpubuf.replay.sharded` describes the exchanges).
+the owner's own tree with the requester's uniforms (:mod:`gpubuf.replay.sharded.buffer` describes the exchanges).
 
 Start ``j`` of the shard on group rank ``r`` has the global index ``r * S + j``, ``S`` the start slots of one
 shard.
@@ -10,8 +10,8 @@ import torch
 
 from gpubuf._core.inputs import check_bool, generator_for, int_seed, is_int
 from gpubuf.replay.buffer import BOUNDARIES
-from gpubuf.replay.shard_transport import ARG_ERRORS, ShardTransport
-from gpubuf.replay.shard_windows import WindowPacker, bytes_as
+from gpubuf.replay.sharded.transport import ARG_ERRORS, ShardTransport
+from gpubuf.replay.sharded.windows import WindowPacker, bytes_as
 
 
 class ShardSampler:
@@ -52,7 +52,7 @@ class ShardSampler:
 
     def sample(self, key, with_replacement: bool, batch_size, with_next_obs: bool, boundaries: str,
                return_indices: bool, error: Exception | None = None):
-        """:meth:`ShardedBuffer.sample <gpubuf.replay.sharded.ShardedBuffer.sample>` (``with_replacement`` and
+        """:meth:`ShardedBuffer.sample <gpubuf.replay.sharded.buffer.ShardedBuffer.sample>` (``with_replacement`` and
         ``return_indices`` resolved; ``error``: this rank's refusal of an argument, raised on every rank with its
         own argument errors)."""
         B, kind, which, gen = 0, 0, -1, None
@@ -128,7 +128,7 @@ class ShardSampler:
         return self.packer.unpack(rows, 16, with_next_obs), local_idx, owner, drawn
 
     def _without_replacement(self, kind, B, gen, masses, counts, with_next_obs):
-        """Rounds of draws (see :meth:`ShardedBuffer.sample <gpubuf.replay.sharded.ShardedBuffer.sample>`), then
+        """Rounds of draws (see :meth:`ShardedBuffer.sample <gpubuf.replay.sharded.buffer.ShardedBuffer.sample>`), then
         one exchange fetching the windows of the chosen starts."""
         t, S = self.transport, self.shard_size
         W, dev = t.world_size, t.device

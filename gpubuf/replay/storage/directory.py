@@ -7,7 +7,7 @@ A directory holds:
 - ``leaf<i>.bin``: one raw file per leaf, ``(E, M, *shape)`` row-major (env-major), mapped shared, so writes land
   in the file's pages. The files are allocated on disk at creation (not sparse): a disk without room fails then,
   with an error, never with a SIGBUS on a later write;
-- ``counters.bin``: the row journal (:mod:`gpubuf.replay.storage_journal`), twelve int64:
+- ``counters.bin``: the row journal (:mod:`gpubuf.replay.storage.journal`), twelve int64:
   ``[active slot, dirty, slot 0 (position, rows held, rows ever written, flushes), slot 1 (likewise), boot id
   (2 words)]``. A commit writes the inactive slot, then flips ``active`` with one aligned 8-byte store, so a
   process killed at any instant leaves one whole slot. The rows held are the ``rows held`` rows before
@@ -16,7 +16,7 @@ A directory holds:
   prioritized buffer; the rows ever written at that moment; its flush number), replaced atomically, then
   committed by the journal's flush count. A ``state.pt`` one flush ahead of the journal is a flush cut short
   after saving it: it holds what the buffer held then, and the re-open completes the flush;
-- ``lock``: held with ``flock`` for the buffer's life (one writer, :mod:`gpubuf.replay.storage_lock`); it names
+- ``lock``: held with ``flock`` for the buffer's life (one writer, :mod:`gpubuf.replay.storage.lock`); it names
   the holder's pid and host.
 
 Crash consistency, as the buffer uses it: before rows that the buffer holds are overwritten, the journal commits a
@@ -31,7 +31,7 @@ unflushed writes: it re-opens empty (with a warning), keeping its flushed sampli
 last flush it re-opens exactly as flushed.
 
 Damage is refused, never re-created over or guessed at (``ValueError`` naming the file, from the checks of
-:mod:`gpubuf.replay.storage_format`; a refused open changes nothing in the directory, its lock file included):
+:mod:`gpubuf.replay.storage.format`; a refused open changes nothing in the directory, its lock file included):
 
 - a directory holding a buffer's files (``leaf<i>.bin``, ``counters.bin``, ``state.pt`` or their temporary
   files) but no ``gpubuf.json`` (lost, or a creation cut short); an empty or missing directory is created as a new
@@ -71,11 +71,11 @@ import numpy as np
 import torch
 
 from gpubuf._core.state import check_range
-from gpubuf.replay import storage_format as fmt
-from gpubuf.replay.storage_files import fsync, replace_file
-from gpubuf.replay.storage_journal import JOURNAL, WORDS, Journal
-from gpubuf.replay.storage_lock import DirLock
-from gpubuf.replay.tiers import advise
+from gpubuf.replay.storage import format as fmt
+from gpubuf.replay.storage.files import fsync, replace_file
+from gpubuf.replay.storage.journal import JOURNAL, WORDS, Journal
+from gpubuf.replay.storage.lock import DirLock
+from gpubuf.replay.storage.tiers import advise
 
 
 class StorageDir:

@@ -28,8 +28,8 @@ Collectives run on the shard's device with NCCL (split sizes are read back to th
 and on CPU tensors with gloo (a CUDA shard then stages through the host). Both backends implement
 ``all_to_all_single`` with variable splits.
 
-The parts: :mod:`~gpubuf.replay.shard_transport` (the collectives), :mod:`~gpubuf.replay.shard_windows` (windows
-as bytes), :mod:`~gpubuf.replay.shard_sampling` (the draws) and :mod:`~gpubuf.replay.shard_priorities` (priority
+The parts: :mod:`~gpubuf.replay.sharded.transport` (the collectives), :mod:`~gpubuf.replay.sharded.windows` (windows
+as bytes), :mod:`~gpubuf.replay.sharded.sampling` (the draws) and :mod:`~gpubuf.replay.sharded.priorities` (priority
 updates).
 """
 
@@ -45,10 +45,10 @@ from gpubuf._core.copies import refuse_copies
 from gpubuf._core.transition import Transition
 from gpubuf.replay.buffer import TransitionBuffer
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
-from gpubuf.replay.shard_priorities import PriorityRouter
-from gpubuf.replay.shard_sampling import ShardSampler
-from gpubuf.replay.shard_transport import ShardTransport
-from gpubuf.replay.shard_windows import WindowPacker
+from gpubuf.replay.sharded.priorities import PriorityRouter
+from gpubuf.replay.sharded.sampling import ShardSampler
+from gpubuf.replay.sharded.transport import ShardTransport
+from gpubuf.replay.sharded.windows import WindowPacker
 
 _RANK = "{rank}"
 

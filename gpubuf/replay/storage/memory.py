@@ -11,8 +11,8 @@ files).
   over with non-blocking copies). Host RAM keeps the time-major layout: there env-major rows gather
   large frames only a little faster, small leaves slower, and scatter every insert over the envs.
 - :class:`MappedStorage`: env-major ``(E, M, *shape)`` files of a ``storage_dir``
-  (:class:`~gpubuf.replay.storage_dir.StorageDir`: allocation, lock, row journal), written through
-  transposed ``(M, E, *shape)`` views and gathered with :func:`gpubuf.replay.tiers.env_major_gather`.
+  (:class:`~gpubuf.replay.storage.directory.StorageDir`: allocation, lock, row journal), written through
+  transposed ``(M, E, *shape)`` views and gathered with :func:`gpubuf.replay.storage.tiers.env_major_gather`.
 """
 
 import numpy as np
@@ -24,9 +24,9 @@ from gpubuf._core.staging import Staging, check_disjoint, overlaps
 from gpubuf._core.transition import flatten, leaf_name
 from gpubuf.ops import as_words
 from gpubuf.ops.indexing import window_rows
-from gpubuf.replay import tiers
 from gpubuf.replay.config import NOT_IN_NUMPY, ReplayConfig
-from gpubuf.replay.storage_dir import StorageDir
+from gpubuf.replay.storage import tiers
+from gpubuf.replay.storage.directory import StorageDir
 
 
 class MemoryStorage:
@@ -257,7 +257,7 @@ class MappedStorage(MemoryStorage):
 
     def check_open(self) -> None:
         """Raise unless this process may write the directory now: ``RuntimeError`` in a process
-        other than the one that opened it (:meth:`~gpubuf.replay.storage_dir.StorageDir.check_writer`),
+        other than the one that opened it (:meth:`~gpubuf.replay.storage.directory.StorageDir.check_writer`),
         ``ValueError`` once closed. One pid comparison: cheap enough for every insert."""
         d = self.dir
         d.check_writer()

@@ -1,7 +1,7 @@
 """The files of a ``storage_dir`` as found on disk, checked before anything is mapped or written: its
 description (``gpubuf.json``), its leaf files, leftovers of a buffer without a description, the counters of the
 format written before the row journal, and the flushed state (``state.pt``). Damage raises ``ValueError`` naming
-the file (:mod:`gpubuf.replay.storage_dir` lists what counts as damage)."""
+the file (:mod:`gpubuf.replay.storage.directory` lists what counts as damage)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpubuf.replay.storage_journal import JOURNAL, LEGACY_WORDS, WORDS
+from gpubuf.replay.storage.journal import JOURNAL, LEGACY_WORDS, WORDS
 
 META, COUNTERS, STATE = "gpubuf.json", "counters.bin", "state.pt"
 LAYOUT = "env-major"  # of the leaf files: recorded in the configuration, checked on re-opening
@@ -96,7 +96,7 @@ def is_legacy_counters(path: Path) -> bool:
 
 def legacy_counters(path: Path, stored: dict, M: int) -> tuple[int, int, int]:
     """The three counters ``(position, rows held, rows ever written)`` of a ``counters.bin`` of 24 bytes, taken
-    as the format written before the journal only where they are one (:mod:`gpubuf.replay.storage_dir`); else
+    as the format written before the journal only where they are one (:mod:`gpubuf.replay.storage.directory`); else
     ``ValueError`` naming it."""
     file = path / COUNTERS
     pos, count, total = (int(v) for v in np.fromfile(file, dtype=np.int64))

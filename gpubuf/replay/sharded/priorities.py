@@ -1,4 +1,4 @@
-"""Priority updates of a prioritized :class:`~gpubuf.replay.sharded.ShardedBuffer`: each update travels to the
+"""Priority updates of a prioritized :class:`~gpubuf.replay.sharded.buffer.ShardedBuffer`: each update travels to the
 shard that owns its global index, and ``max_priority`` stays the same on every rank."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import torch
 
 from gpubuf._core.inputs import priority_updates
-from gpubuf.replay.shard_transport import ARG_ERRORS, ShardTransport
+from gpubuf.replay.sharded.transport import ARG_ERRORS, ShardTransport
 
 
 class PriorityRouter:

@@ -2,7 +2,7 @@
 ``[active slot, dirty, slot 0 (position, rows held, rows ever written, flushes), slot 1 (likewise), boot id
 (2 words)]``. A commit writes the inactive slot, then flips ``active`` with one aligned 8-byte store, so a
 process killed at any instant leaves one whole slot; ``dirty`` and the boot id tell an operating-system crash
-with unflushed writes (:mod:`gpubuf.replay.storage_dir`)."""
+with unflushed writes (:mod:`gpubuf.replay.storage.directory`)."""
 
 import uuid
 from pathlib import Path
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpubuf.replay.storage_files import fsync, replace_file
+from gpubuf.replay.storage.files import fsync, replace_file
 
 _ACTIVE, _DIRTY, _SLOTS, _BOOT = 0, 1, (2, 6), 10  # word offsets in counters.bin
 WORDS = 12

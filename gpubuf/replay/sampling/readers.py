@@ -5,11 +5,11 @@ caller's ``out`` and allocates what can fail (a failed allocation draws nothing)
 read for the call:
 
 - plain windows (and ``next_observation`` one row later), into fresh tensors or the caller's ``out``
-  (:meth:`~gpubuf.replay.storage.MemoryStorage.gather`: the storage's device, then copied to the
+  (:meth:`~gpubuf.replay.storage.memory.MemoryStorage.gather`: the storage's device, then copied to the
   sampling device);
 - the steady host path: fresh windows of host storage for a CPU buffer, gathered with the torch twin's
-  rows (:meth:`~gpubuf.replay.storage.MemoryStorage.host_jobs`);
-- frame stacks and n-step returns (:class:`~gpubuf.replay.stacked.StackedGather`, on the storage's
+  rows (:meth:`~gpubuf.replay.storage.memory.MemoryStorage.host_jobs`);
+- frame stacks and n-step returns (:class:`~gpubuf.replay.sampling.stacked.StackedGather`, on the storage's
   device, from the episode marks this reader keeps).
 
 It also estimates what a sample needs in memory and refuses one that cannot fit, before the draw.
@@ -22,9 +22,9 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.transition import Transition, flatten, unflatten
-from gpubuf.replay.episode_marks import EpisodeMarks
-from gpubuf.replay.stacked import StackedGather, StackSpec
-from gpubuf.replay.tree import FANOUT
+from gpubuf.replay.sampling.episode_marks import EpisodeMarks
+from gpubuf.replay.sampling.stacked import StackedGather, StackSpec
+from gpubuf.replay.sampling.tree import FANOUT
 
 
 class BatchReader:
@@ -44,7 +44,7 @@ class BatchReader:
     # ------------------------------------------------------------------ episode marks
 
     def marks(self) -> EpisodeMarks:
-        """The buffer's :class:`~gpubuf.replay.episode_marks.EpisodeMarks` (built from the stored
+        """The buffer's :class:`~gpubuf.replay.sampling.episode_marks.EpisodeMarks` (built from the stored
         rows now unless built already, then kept current by every write and load)."""
         if self._marks is None:
             self._marks = EpisodeMarks(self.config, self.storage, self.ring)

@@ -15,7 +15,7 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.transition import Transition, unflatten
-from gpubuf.replay.storage import leaves_of_words, word_views
+from gpubuf.replay.storage.memory import leaves_of_words, word_views
 
 RETURN_FIELDS = ("reward", "terminated", "truncated")  # replaced by the n-step transition's
 # why a vectorized_env=False buffer has no stacks or returns, and the buffer that has them

@@ -20,8 +20,8 @@ from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.inputs import check_bool
 from gpubuf._core.transition import Transition, map_leaves, unflatten
-from gpubuf.replay.stacked import StackedGather
-from gpubuf.replay.storage import leaves_of_words, word_views
+from gpubuf.replay.sampling.stacked import StackedGather
+from gpubuf.replay.storage.memory import leaves_of_words, word_views
 
 
 @refuse_copies("its tensors may be captured in a CUDA graph of its buffer; build a new one with "

@@ -1,14 +1,14 @@
 """A replay buffer's doors for its writers and its rate limiter: writers in other processes (:meth:`writer`, their
 commits in :meth:`collect`), and the limiter's questions (:meth:`can_sample`, :meth:`can_insert`) and turns
-(:meth:`insert_in_turn`). The commits themselves live in :mod:`gpubuf.replay.writer_hub`."""
+(:meth:`insert_in_turn`). The commits themselves live in :mod:`gpubuf.replay.feeds.writer_hub`."""
 
 import numpy as np
 import torch
 
 from gpubuf._core.concurrency import locked
 from gpubuf._core.transition import Transition
-from gpubuf.replay.process_writers import ReplayWriter
-from gpubuf.replay.writer_hub import WriterHub
+from gpubuf.replay.feeds.process_writers import ReplayWriter
+from gpubuf.replay.feeds.writer_hub import WriterHub
 
 
 class WriterDoors:
@@ -46,7 +46,7 @@ class WriterDoors:
     @torch.compiler.disable
     @locked
     def writer(self, envs=None, rows: int | None = None) -> ReplayWriter:
-        """A :class:`~gpubuf.replay.process_writers.ReplayWriter` through which one other process (an actor,
+        """A :class:`~gpubuf.replay.feeds.process_writers.ReplayWriter` through which one other process (an actor,
         given it as a ``torch.multiprocessing`` process argument) inserts into this buffer.
 
         ``envs``: the env lanes it writes, ``range(a, b)`` (``None``: all; a buffer with ``vectorized_env=False``
@@ -71,6 +71,6 @@ class WriterDoors:
         lets inserts run now; returns the transitions committed (0 without writers). ``WriterDied`` once for a
         writer whose process ended without closing it, after its published rows were committed (or at once when
         some can never be until new writers come, saying how many wait); a ``RowsWaiting`` warning for rows that
-        wait for lanes whose writers ended (:mod:`gpubuf.replay.writer_hub`). Rows still queued by writers are in
+        wait for lanes whose writers ended (:mod:`gpubuf.replay.feeds.writer_hub`). Rows still queued by writers are in
         no checkpoint: call this before ``save``/``state_dict``."""
         return 0 if self._hub is None else self._hub.collect()

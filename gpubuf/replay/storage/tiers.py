@@ -4,7 +4,7 @@ A buffer samples on its ``device`` (validity masks, prefix-sum trees, priorities
 live there too (the default), in host memory
 (``storage_device="cpu"``: pinned staging carries the sampled windows to a CUDA device), or in
 memory-mapped files of a directory (``storage_dir``, owned by
-:class:`gpubuf.replay.storage_dir.StorageDir`), which a later process re-opens. Those files are env-major
+:class:`gpubuf.replay.storage.directory.StorageDir`), which a later process re-opens. Those files are env-major
 ``(E, M, *shape)``: one env's consecutive steps are adjacent, so a sampled window is one contiguous
 read. The buffer writes through a transposed ``(M, E, *shape)`` view and gathers with
 :func:`env_major_gather`; flat starts stay ``step * E + env`` as in every other tier.
