@@ -24,6 +24,7 @@ from gpubuf._core.state import check_tensor, chunks, copy_into, unaliased
 from gpubuf.ops import host_loops
 from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, StartRing
 from gpubuf.replay.sampling.device_priorities import DevicePriorityUpdates
+from gpubuf.replay.sampling.draws import MassSetAside
 from gpubuf.replay.sampling.tree import PrefixSumTree
 
 _LOG_MAX = math.log(torch.finfo(torch.float64).max)
@@ -162,16 +163,11 @@ class TreeSampler:
     def descend_excluding(self, kind: int, old: torch.Tensor,
                           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`descend` with the mass of flat starts ``old`` (K,) int64 (distinct) set aside:
-        zeroed for the descent and restored after it, whatever happens (signals held meanwhile)."""
+        zeroed for the descent and restored after it, whatever happens (:class:`MassSetAside`)."""
         tree = self.tree(kind)
-        with signals_held():  # the tree is whole again before any handler runs
-            saved = tree.leaves(old)
-            try:
-                tree.update(old, torch.zeros_like(saved))
-                idx = tree.sample(u)
-                return idx, tree.leaves(idx)
-            finally:
-                tree.update(old, saved)
+        with MassSetAside(tree, old):
+            idx = tree.sample(u)
+            return idx, tree.leaves(idx)
 
     def weigh(self, batch, mass: torch.Tensor | None) -> None:
         """Add the batch's importance weights for drawn masses ``mass`` (B,) (uniform: none)."""
@@ -197,32 +193,24 @@ class TreeSampler:
 
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
         """Exact sequential sampling without replacement: rounds of draws with replacement, keeping
-        first appearances, with the drawn starts' mass zeroed between rounds and restored at the end
-        (one device read per round; a first round with enough distinct draws touches no mass). The
-        tree is restored whatever happens: an exception restores it, and asynchronous signals
-        (Ctrl-C, alarms) are held until it is whole again, so their handlers never run half-way."""
-        chosen, masses, zeroed = [], [], False
-        need = B
-        with signals_held():
-            try:
-                while True:
-                    draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
-                    uniq, inv = torch.unique(draws, return_inverse=True)
-                    first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
-                        0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
-                    # distinct draws in order of first appearance
-                    new = uniq[torch.argsort(first_seen)][:need]
-                    masses.append(tree.leaves(new))
-                    chosen.append(new)
-                    need -= new.numel()
-                    if need <= 0:
-                        break
-                    zeroed = True  # set first: a restore of leaves not yet zeroed is harmless
-                    tree.update(new,
-                                torch.zeros(new.shape, dtype=torch.float64, device=self.device))
-            finally:
-                if zeroed:  # restore: leaves as before, parents recomputed from them
-                    tree.update(torch.cat(chosen), torch.cat(masses))
+        first appearances, with the drawn starts' mass set aside between rounds and restored at the end
+        (:class:`MassSetAside`: whatever happens, signals held meanwhile; one device read per round; a
+        first round with enough distinct draws touches no mass)."""
+        chosen, masses, need = [], [], B
+        with MassSetAside(tree) as aside:
+            while True:
+                draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
+                uniq, inv = torch.unique(draws, return_inverse=True)
+                first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
+                    0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
+                # distinct draws in order of first appearance
+                new = uniq[torch.argsort(first_seen)][:need]
+                masses.append(tree.leaves(new))
+                chosen.append(new)
+                need -= new.numel()
+                if need <= 0:
+                    break
+                aside.add(new, masses[-1])
         return torch.cat(chosen), torch.cat(masses)
 
     # ------------------------------------------------------------------ state (uniform: none)

@@ -10,6 +10,7 @@ import torch
 
 from gpubuf._core.inputs import check_bool, generator_for, int_seed, is_int
 from gpubuf.replay.buffer import BOUNDARIES
+from gpubuf.replay.sampling.draws import proportional_draw
 from gpubuf.replay.sharded.transport import ARG_ERRORS, ShardTransport
 from gpubuf.replay.sharded.windows import WindowPacker, bytes_as
 
@@ -43,9 +44,7 @@ class ShardSampler:
     @staticmethod
     def _owners(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """(k,) int64 shards drawn by uniforms ``u`` (k,) in proportion to ``weights`` (W,) float64 (host)."""
-        cum = weights.cumsum(0).to(u.device)
-        last = int(torch.nonzero(weights > 0).max())  # rounding never sends a draw past the last shard with mass
-        return torch.searchsorted(cum, u * cum[-1], right=True).clamp_max_(last)
+        return proportional_draw(weights.to(u.device), u)[0]
 
     def _uniforms(self, gen: torch.Generator, n: int) -> torch.Tensor:
         return torch.rand(n, dtype=torch.float64, generator=gen, device=gen.device).to(self.transport.device)
