@@ -7,8 +7,9 @@ rows), ``ring`` (:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of pos
 valid starts), ``sampler`` (:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees,
 priorities, draws) and ``reader`` (:class:`~gpubuf.replay.sampling.readers.BatchReader`: the gathers of drawn
 starts), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
-storage. A sample checks its arguments, draws starts (``sampler.draw``), then reads their windows
-(``reader.prepare``'s read); its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
+storage. A sample checks its arguments, then runs the stages of its configuration's plan
+(:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their windows, weighs them; its
+signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
 
 Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
 ``truncated`` is set; needs one of those leaves):
@@ -137,7 +138,7 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
                 self.selector.attach(self)
                 if self.selector.replacement_only:
                     self.default_with_replacement = True
-            self.reader = BatchReader(config, self.storage, self.ring, self.device, self.backend)
+            self.reader = BatchReader(config, self.storage, self.ring, self.sampler, self.device, self.backend)
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             self._steady = SteadyInsert(config, self.storage)
             # a host generator draws: one seed, the same starts on every device
@@ -319,17 +320,16 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
 
     def _draw_and_read(self, key, B, kind, with_replacement, with_next_obs, boundaries, out, spec,
                        return_indices, return_generations):
-        """Draw ``B`` starts of ``kind`` and read their batch (under the lock)."""
-        reader = self.reader
+        """Draw ``B`` starts of ``kind`` and read their batch (under the lock): the stages of the call's plan."""
         g = generator_for(key, self.generator)
-        what = reader.check_memory(B, with_next_obs, spec, with_replacement, out is None)
+        plan, what = self.reader.plan(B, with_next_obs, boundaries, spec, with_replacement, out, self._owned)
         # a failed sample leaves the generator as it was (an int key's is new for this call)
         rng = g.get_state() if key is None or isinstance(key, torch.Generator) else None
         try:
-            read = reader.prepare(B, with_next_obs, boundaries, spec, out, self._owned)
+            outputs = plan.outputs()  # before the draw: a failed allocation draws nothing
             idx, mass = (self.selector or self.sampler).draw(kind, B, g, with_replacement)
-            batch = read(idx)
-            self.sampler.weigh(batch, mass)
+            batch = plan.read(idx, outputs)
+            plan.weigh(batch, mass)
         except BaseException as err:
             if rng is not None:
                 g.set_state(rng)
@@ -345,12 +345,6 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
         """The :class:`~gpubuf.replay.sampling.episode_marks.EpisodeMarks` of this buffer (built on first use,
         then kept current by every write)."""
         return self.reader.marks()
-
-    @locked
-    def gather(self, starts, jobs: dict, out=None, boundaries: str = "allow") -> Transition:
-        """The flagged batch of windows of flat ``starts`` (B,) for ``storage.check_out``'s
-        jobs."""
-        return self.reader.windows(starts, jobs, out, boundaries)
 
     @locked
     def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,

@@ -287,7 +287,7 @@ def test_a_graph_sampler_keeps_its_own_gamma():
     for i in range(20):
         buf.sample(n_step_return=(2, 0.1 + i / 100))  # evicts 0.5 from the shared cache
     out, _ = gs.sample()
-    assert gs._stacked.gamma.item() == 0.5  # noqa: SLF001
+    assert gs._plan.stacks.gamma.item() == 0.5  # noqa: SLF001
     assert set(out.discount.tolist()) <= {0.0, 0.5, 0.25}  # gamma**m after m rewards, 0 after a termination
 
 

@@ -101,7 +101,7 @@ class ShardSampler:
         batch = self.config.with_flags(batch, boundaries, self.local.device)
         if not self.prioritized:
             return batch
-        batch.PER_weights = self.sampler.weights(drawn).to(self.local.device)
+        self.sampler.weigh(batch, drawn.to(self.local.device))  # the plans' weigh stage
         return batch, (owner * self.shard_size + local_idx).to(self.local.device)
 
     def _with_replacement(self, kind, B, width, gen, masses, with_next_obs):
