@@ -15,13 +15,14 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.transition import Transition, flatten
+from gpubuf.replay.ring import RowEvents
 from gpubuf.replay.sampling.episode_marks import EpisodeMarks
 from gpubuf.replay.sampling.plan import SamplePlan
 from gpubuf.replay.sampling.stacked import StackSpec
 from gpubuf.replay.sampling.tree import FANOUT
 
 
-class BatchReader:
+class BatchReader(RowEvents):
     """The reads of one buffer's samples: its ``config``, ``storage`` and ``ring``
     (:class:`~gpubuf.replay.ring.StartRing`: the rows held), the ``sampler`` that weighs them, the sampling
     ``device`` and its ``backend``; the episode marks, built by the first read that needs them."""
@@ -53,6 +54,10 @@ class BatchReader:
         """Keep built marks current after ``T`` rows were written at ``pos``."""
         if self._marks is not None:
             self._marks.rows_written(self.ring, pos, before_wrap, T)
+
+    def row_cut(self, row: int) -> None:
+        """Keep built marks current after an episode was cut at held row ``row``."""
+        self.rows_written(row, 1, 1)
 
     def rows_loaded(self, whole: bool) -> None:
         """Keep built marks current after a load: rebuilt from every row (``whole``), else (the

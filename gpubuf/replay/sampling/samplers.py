@@ -22,7 +22,7 @@ from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import Staging
 from gpubuf._core.state import check_tensor, chunks, copy_into, unaliased
 from gpubuf.ops import host_loops
-from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, StartRing
+from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, RowEvents, StartRing
 from gpubuf.replay.sampling.device_priorities import DevicePriorityUpdates
 from gpubuf.replay.sampling.draws import MassSetAside
 from gpubuf.replay.sampling.tree import PrefixSumTree
@@ -30,7 +30,7 @@ from gpubuf.replay.sampling.tree import PrefixSumTree
 _LOG_MAX = math.log(torch.finfo(torch.float64).max)
 
 
-class TreeSampler:
+class TreeSampler(RowEvents):
     """The shared base of the policies: validity and a prefix-sum tree per kind of a
     :class:`StartRing` (each kind's built on first use), tree descents, exact draws without
     replacement.
@@ -82,7 +82,7 @@ class TreeSampler:
                 self.refresh_rows(kind, 0, self.ring.max_rows)
                 self._active.add(kind)
 
-    def forget(self) -> None:
+    def rows_loaded(self, whole: bool) -> None:
         """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in
         use now, so tensors handed out earlier (a GraphSampler's tree) stay current."""
         self.ring.forget_validity()
@@ -90,8 +90,12 @@ class TreeSampler:
             self.refresh_rows(kind, 0, self.ring.max_rows)
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
-        """New rows ``pos .. pos+before_wrap-1`` and ``0 .. T-before_wrap-1`` were written (before
-        validity is refreshed)."""
+        """New rows were written at ``pos``: refresh the starts whose windows changed."""
+        self.refresh_after_write(pos, T)
+
+    def row_cut(self, row: int) -> None:
+        """An episode was cut at held row ``row``: refresh the starts whose windows changed."""
+        self.refresh_after_write(row, 1)
 
     def refresh_after_write(self, old_pos: int, T: int) -> None:
         """Refresh the starts whose windows changed after ``T`` rows were written at ``old_pos``."""
@@ -366,11 +370,13 @@ class PrioritizedSampler(TreeSampler):
         return super().tensors() + [self.priority]
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
+        """New rows take the running ``max_priority`` (order matters: before their masses are refreshed)."""
         # the device's copy once device updates exist: no read-back
         top = float(self._max_box[0]) if self._device_updates is None else self._device_updates.max
         self._rows[pos:pos + before_wrap].fill_(top)
         if before_wrap < T:  # wrapped
             self._rows[:T - before_wrap].fill_(top)
+        self.refresh_after_write(pos, T)
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         if isinstance(starts, slice) and self.device.type == "cpu" and host_loops.ENABLED \

@@ -38,12 +38,13 @@ import numpy as np
 import torch
 
 from gpubuf._core.state import check_tensor, host_tensor
+from gpubuf.replay.ring import RowEvents
 from gpubuf.replay.sampling.draws import MassSetAside, proportional_draw
 
 COMPONENTS = ("uniform", "prioritized", "recency")
 
 
-class Selector:
+class Selector(RowEvents):
     """The base of the selectors: the buffer it is attached to, and its hooks."""
 
     capturable = False  # draws from device state only (a GraphSampler may use it)
@@ -97,7 +98,7 @@ class Selector:
         """Rows were written (ring position now ``buffer.ring.pos``)."""
         self._newest.fill_((self.buffer.ring.pos - 1) % self.buffer.ring.max_rows)
 
-    def rows_loaded(self) -> None:
+    def rows_loaded(self, whole: bool = True) -> None:
         """The rows changed wholesale (a load, a re-open)."""
         self._newest.fill_((self.buffer.ring.pos - 1) % self.buffer.ring.max_rows)
 
@@ -337,10 +338,10 @@ class Online(_Queue):
         if self.base is not None:
             self.base.rows_written(pos, before_wrap, T)
 
-    def rows_loaded(self) -> None:
-        super().rows_loaded()
+    def rows_loaded(self, whole: bool = True) -> None:
+        super().rows_loaded(whole)
         if self.base is not None:
-            self.base.rows_loaded()
+            self.base.rows_loaded(whole)
 
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
         if self.base is not None:
