@@ -7,9 +7,9 @@ rows), ``ring`` (:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of pos
 valid starts), ``sampler`` (:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees,
 priorities, draws) and ``reader`` (:class:`~gpubuf.replay.sampling.readers.BatchReader`: the gathers of drawn
 starts), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
-storage. A sample checks its arguments, then runs the stages of its configuration's plan
-(:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their windows, weighs them; its
-signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
+storage. A sample (:mod:`gpubuf.replay.sampling.eager`) checks its arguments, then runs the stages of its
+configuration's plan (:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their windows,
+weighs them; its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
 
 Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
 ``truncated`` is set; needs one of those leaves):
@@ -43,18 +43,18 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.concurrency import CallGuard, locked
-from gpubuf._core.inputs import check_bool, generator_for, int_seed
+from gpubuf._core.inputs import int_seed
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import memory_ranges
 from gpubuf._core.transition import Transition
 from gpubuf.replay.buffer_state import BufferState
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
-from gpubuf.replay.feeds import write_backs
 from gpubuf.replay.feeds.rate_limiter import check_limiter
 from gpubuf.replay.feeds.write_backs import WriteBackDoors
 from gpubuf.replay.feeds.writer_doors import WriterDoors
 from gpubuf.replay.provenance import Provenance
 from gpubuf.replay.ring import LimiterSize, StartRing
+from gpubuf.replay.sampling.eager import EagerSample
 from gpubuf.replay.sampling.readers import BatchReader
 from gpubuf.replay.sampling.sample_args import Samples
 from gpubuf.replay.sampling.samplers import TreeSampler, UniformSampler
@@ -66,7 +66,7 @@ from gpubuf.replay.storage.memory import MappedStorage, MemoryStorage
 __all__ = ["BOUNDARIES", "Transition", "TransitionBuffer"]
 
 
-class TransitionBuffer(Samples, WriterDoors, WriteBackDoors, Provenance, BufferState):
+class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Provenance, BufferState):
     """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
 
     Args:
@@ -263,71 +263,6 @@ class TransitionBuffer(Samples, WriterDoors, WriteBackDoors, Provenance, BufferS
         if steady is None:
             self._steady.learn(transition, given)
         return self
-
-    def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
-                          boundaries: str = "allow") -> tuple[int, int]:
-        """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises (a
-        check the sampling calls run under :attr:`lock`; it takes none itself)."""
-        B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs, boundaries)
-        self._check_draw(kind, B, with_replacement)
-        return B, kind
-
-    def _check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
-        distinct = not with_replacement if self.selector is None else self.selector.distinct(with_replacement)
-        self.sampler.check_draw(kind, B, not distinct)
-        if self.selector is not None:
-            self.selector.check(kind, B, with_replacement)
-
-    @locked
-    def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
-                return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
-        """:meth:`sample` with the buffer's defaults resolved: check, draw, read."""
-        if type(return_indices) is not bool:
-            return_indices = check_bool("return_indices", return_indices)
-        if type(return_generations) is not bool:
-            return_generations = check_bool("return_generations", return_generations)
-        if self._hub is not None:
-            self._hub.collect()
-        reader = self.reader
-        plain = frame_stack is None and n_step_return is None and type(frame_stride) is int and frame_stride == 1
-        spec = None if plain else reader.spec(frame_stack, frame_stride, n_step_return, out)  # steady: no call
-        returns = spec is not None and spec.n is not None
-        if self.rate_limiter is None:
-            B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
-                                             boundaries)
-            return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
-                                       spec, return_indices, return_generations)
-        B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs or returns, boundaries)
-        self.rate_limiter.take("sample", B)  # waits for its turn, letting go of the lock
-        try:
-            self._check_draw(kind, B, with_replacement)  # the rows as they are after the wait
-            return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
-                                       spec, return_indices, return_generations)
-        except BaseException:
-            self.rate_limiter.give_back("sample", B)
-            raise
-
-    def _draw_and_read(self, key, B, kind, with_replacement, with_next_obs, boundaries, out, spec,
-                       return_indices, return_generations):
-        """Draw ``B`` starts of ``kind`` and read their batch (under the lock): the stages of the call's plan."""
-        g = generator_for(key, self.generator)
-        plan, what = self.reader.plan(B, with_next_obs, boundaries, spec, with_replacement, out, self._owned)
-        # a failed sample leaves the generator as it was (an int key's is new for this call)
-        rng = g.get_state() if key is None or isinstance(key, torch.Generator) else None
-        try:
-            outputs = plan.outputs()  # before the draw: a failed allocation draws nothing
-            idx, mass = (self.selector or self.sampler).draw(kind, B, g, with_replacement)
-            batch = plan.read(idx, outputs)
-            plan.weigh(batch, mass)
-        except BaseException as err:
-            if rng is not None:
-                g.set_state(rng)
-            if ops.allocation_failed(err):
-                raise ops.memory_error("batch_size", what, err) from None
-            raise
-        if return_generations:
-            return batch, idx, write_backs.generations(self.ring, idx)
-        return (batch, idx) if return_indices else batch
 
     @locked
     def episode_marks(self):
