@@ -196,26 +196,33 @@ class TreeSampler(RowEvents):
         return self._draw_without_replacement(tree, B, g)
 
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
-        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping
-        first appearances, with the drawn starts' mass set aside between rounds and restored at the end
-        (:class:`MassSetAside`: whatever happens, signals held meanwhile; one device read per round; a
-        first round with enough distinct draws touches no mass)."""
-        chosen, masses, need = [], [], B
+        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping first
+        appearances (:meth:`_distinct_draws`). A first round with enough distinct draws touches no mass; else the
+        drawn starts' mass is set aside between rounds and restored at the end (:class:`MassSetAside`: whatever
+        happens, signals held meanwhile)."""
+        new, mass = self._distinct_draws(tree, B, g)
+        if new.numel() == B:
+            return new, mass
+        chosen, masses, need = [new], [mass], B - new.numel()
         with MassSetAside(tree) as aside:
-            while True:
-                draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
-                uniq, inv = torch.unique(draws, return_inverse=True)
-                first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
-                    0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
-                # distinct draws in order of first appearance
-                new = uniq[torch.argsort(first_seen)][:need]
-                masses.append(tree.leaves(new))
+            while need > 0:
+                aside.add(new, mass)
+                new, mass = self._distinct_draws(tree, need, g)
                 chosen.append(new)
+                masses.append(mass)
                 need -= new.numel()
-                if need <= 0:
-                    break
-                aside.add(new, masses[-1])
         return torch.cat(chosen), torch.cat(masses)
+
+    def _distinct_draws(self, tree: PrefixSumTree, need: int, g: torch.Generator):
+        """``(starts (K,) int64, their masses (K,) float64)``: the distinct starts of one round of ``max(2 * need,
+        16)`` draws with replacement from ``tree``, in order of first appearance, at most ``need`` of them (one
+        device read)."""
+        draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
+        uniq, inv = torch.unique(draws, return_inverse=True)
+        first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
+            0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
+        new = uniq[torch.argsort(first_seen)][:need]
+        return new, tree.leaves(new)
 
     # ------------------------------------------------------------------ state (uniform: none)
 
