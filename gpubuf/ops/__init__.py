@@ -13,7 +13,7 @@ kernels only through this package (their word views and mark bits included).
 """
 
 from gpubuf.kernels import MARK_BOUNDARY, MARK_STOP, MARK_TERM
-from gpubuf.kernels.words import as_words
+from gpubuf.kernels.words import as_words, gather_word
 from gpubuf.ops.device import (
     BACKENDS,
     LRU,
@@ -35,7 +35,7 @@ from gpubuf.ops.sequence import sequence_gather, sequence_gather_fixed, sequence
 from gpubuf.ops.stacks import frame_stack, frame_stack_fixed, n_step_return, stack_tables
 
 __all__ = ["BACKENDS", "LRU", "MARK_BOUNDARY", "MARK_STOP", "MARK_TERM", "allocate", "allocation_failed", "as_words",
-           "backend_for", "capacity", "capture_graph", "check_fits", "frame_stack", "frame_stack_fixed",
+           "backend_for", "capacity", "capture_graph", "check_fits", "frame_stack", "frame_stack_fixed", "gather_word",
            "history_append", "history_gather_frames", "history_pack_blocks", "interpreting", "memory_error",
            "n_step_return", "resolve_device", "route", "sequence_gather", "sequence_gather_fixed", "sequence_tables",
            "stack_tables", "tree_sample", "tree_update", "tree_update_range", "triton_runs_on"]
