@@ -141,11 +141,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
                 if self.selector.replacement_only:
                     self.default_with_replacement = True
             self.reader = BatchReader(config, self.storage, self.ring, self.sampler, self.device, self.backend)
-            limiter = None if self.rate_limiter is None else LimiterSize(self.rate_limiter, self.ring, config.n_envs)
-            # the parts told of every row event (RowEvents), in this order. It matters within a part (the
-            # sampler's new priorities before their masses) and for the rate limiter, last: the size it wakes
-            # waiting samples with counts rows every other part has taken in
-            self.parts = [p for p in (self.sampler, self.selector, self.reader, limiter) if p is not None]
+            self.parts = self._row_parts()
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             self._steady = SteadyInsert(config, self.storage)
             # a host generator draws: one seed, the same starts on every device
@@ -163,6 +159,13 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         if self.rate_limiter is not None:
             self.rate_limiter.attach(self._guard, self._row_items, config.sample_batch_size)
         self._hub = None  # the writers in other processes (WriterHub), once one was handed out
+
+    def _row_parts(self) -> list:
+        """The parts told of every row event (:class:`~gpubuf.replay.ring.RowEvents`), in the order they are told.
+        Order matters for the rate limiter, last: the size it wakes waiting samples with counts rows every other
+        part has taken in (and, within the sampler, new rows' priorities come before their masses)."""
+        limiter = None if self.rate_limiter is None else LimiterSize(self.rate_limiter, self.ring, self.config.n_envs)
+        return [p for p in (self.sampler, self.selector, self.reader, limiter) if p is not None]
 
     @property
     def _row_items(self) -> int:  # transitions of the smallest insert: one row of every env
