@@ -140,6 +140,10 @@ class Backend:
         """Whether a CUDA graph captures the work on this table's device now."""
         return self.device.type == "cuda" and not _compiling() and torch.cuda.is_current_stream_capturing()
 
+    def __reduce__(self):
+        """Copied or pickled (with what holds it) as the table of its deciding inputs where it lands."""
+        return backend_table, (self.device, self.name, self.env_major)
+
     def _host_or(self, host: Callable, twin: Callable) -> Callable:
         """``host`` (a compiled loop) for eager calls where the loops run, else (and traced) ``twin``."""
         return _traced_else(twin, host) if self.host_loops else twin

@@ -3,6 +3,8 @@ adapters or apps asks "Triton? numba? compiling?" itself (read from the source w
 chosen once per deciding inputs and answers the report."""
 
 import ast
+import copy
+import pickle
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,9 @@ def test_the_report_is_the_tables_answer(monkeypatch):
     report = gpubuf.info("cpu")["ops"]
     assert report == table.implementations() and set(OPS) <= set(report)
     assert not table.kernels and table.window_tables is None and not table.fixed_tables and table.host_gather
+
+
+def test_a_copied_or_pickled_table_is_the_table_of_its_inputs(monkeypatch):
+    monkeypatch.delenv("GPUBUF_BACKEND", raising=False)
+    table = backend_table(torch.device("cpu"), env_major=True)
+    assert copy.deepcopy(table) is table and pickle.loads(pickle.dumps(table)) is table
