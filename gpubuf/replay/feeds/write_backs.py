@@ -43,7 +43,7 @@ def current(ring, idx: torch.Tensor, given) -> torch.Tensor:
     if g.dim() != 1 or g.shape[0] != idx.shape[0] or g.dtype.is_floating_point or g.dtype.is_complex \
             or g.dtype == torch.bool:
         raise ValueError(f"generations: expected a 1-D integer array of {idx.shape[0]} values (one per index, as "
-                         f"sample(return_generations=True) returns them), got {g.dtype} of shape {tuple(g.shape)}")
+                         f"a sampled Batch's generations hold them), got {g.dtype} of shape {tuple(g.shape)}")
     now = generations(ring, idx.to(torch.int64))
     held = now < ring.base + ring.total  # its age below the rows held
     return held & (now == g.to(device=idx.device, dtype=torch.int64))
