@@ -35,7 +35,7 @@ import gpubuf.ops.backends as backends
 import gpubuf.ops.history as history_ops
 import gpubuf.ops.prefix_tree as tree_ops
 import gpubuf.ops.sequence as sequence_ops
-from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer, Unit
 from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
 from gpubuf.ops import host_loops
 from gpubuf.replay.storage.memory import MemoryStorage
@@ -47,6 +47,7 @@ TARGETS = {"history append": (10, 15), "history get(4)": (15, 15), "history get(
            "PER sample": (80, 15), "PER sample without replacement": (125, 25), "PER update": (55, 15)}
 LEAVES = {"observation": ((OBS,), torch.float32), "action": ((), torch.int64), "reward": ((), torch.float32),
           "terminated": ((), torch.bool), "truncated": ((), torch.bool)}
+TRANSITION = Unit.transition()  # the sampled unit, built once as a learner would
 
 
 def _nothing(*args, **kwargs):
@@ -201,7 +202,7 @@ def cases(device):
     tight_uni, tight_per = Replay(ROWS, E, LEAVES), Replay(ROWS, E, LEAVES, prioritized=True)
     for buf in (uni, per):
         buf.insert(fill)
-        buf.sample(with_next_obs=True)  # trees built
+        buf.sample(unit=TRANSITION)  # trees built
     for t in range(ROWS):
         row = {k: v[t:t + 1] for k, v in fields(fill).items()}
         tight_uni.insert(row)
@@ -220,10 +221,10 @@ def cases(device):
                                  "tight": lambda: tight_hist.get(N, out=tight_outs)},
         "replay insert": {"gpubuf": lambda: uni.insert(one), "tight": lambda: tight_uni.insert(row)},
         "PER insert": {"gpubuf": lambda: per.insert(one), "tight": lambda: tight_per.insert(row)},
-        "uniform sample": {"gpubuf": lambda: uni.sample(with_next_obs=True), "tight": lambda: tight_uni.sample(B)},
-        "PER sample": {"gpubuf": lambda: per.sample(with_replacement=True, with_next_obs=True),
+        "uniform sample": {"gpubuf": lambda: uni.sample(unit=TRANSITION), "tight": lambda: tight_uni.sample(B)},
+        "PER sample": {"gpubuf": lambda: per.sample(unit=TRANSITION, with_replacement=True),
                        "tight": lambda: tight_per.sample(B)},
-        "PER sample without replacement": {"gpubuf": lambda: per.sample(with_next_obs=True),
+        "PER sample without replacement": {"gpubuf": lambda: per.sample(unit=TRANSITION),
                                            "tight": lambda: tight_per.sample(B, with_replacement=False)},
         "PER update": {"gpubuf": lambda: per.update_priorities(idx, td),
                        "tight": lambda: tight_per.update_priorities(idx, td)},

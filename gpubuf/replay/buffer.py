@@ -123,8 +123,7 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
             setattr(self, name, getattr(config, name))
         self.device = ops.resolve_device(device)
         self.table = ops.backend_table(self.device)  # what each op call runs, decided once
-        self.backend = self.table.name
-        self._guard = CallGuard(self.device)
+        self.backend, self._guard = self.table.name, CallGuard(self.device)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
         self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs, self._row_items,
                                           config.sample_batch_size)
@@ -293,6 +292,10 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
     def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
                 return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
         """:meth:`sample` with the buffer's defaults resolved: check, draw, read."""
+        if type(with_next_obs) is not bool:
+            with_next_obs = check_bool("with_next_obs", with_next_obs)
+        if type(with_replacement) is not bool:
+            with_replacement = check_bool("with_replacement", with_replacement)
         if type(return_indices) is not bool:
             return_indices = check_bool("return_indices", return_indices)
         if type(return_generations) is not bool:

@@ -86,7 +86,7 @@ def test_a_buffer_and_its_parts_share_one_table(monkeypatch):
     assert buf.backend == buf.table.name == "torch"
     assert buf.sampler.table is buf.reader.table is buf.table and buf.storage.table is buf.table
     buf.insert(make_transition(0, 5, 2))
-    buf.sample()
+    buf.sample(unit=gpubuf.Unit.window())
     assert buf.sampler.tree(0).table is buf.table
 
 
