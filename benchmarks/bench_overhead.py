@@ -31,6 +31,7 @@ import torch
 from tight_reference import History, Replay
 
 import gpubuf
+import gpubuf.ops.backends as backends
 import gpubuf.ops.history as history_ops
 import gpubuf.ops.prefix_tree as tree_ops
 import gpubuf.ops.sequence as sequence_ops
@@ -70,6 +71,23 @@ def _written(*args):
     return 0, np.float32(1.0)
 
 
+def _fresh_masses(tree, offsets, fanout, u):
+    """The backend table's descent with masses, faked: leaves 0 .. B-1 of mass 1."""
+    return torch.arange(u.shape[0]), torch.ones(u.shape[0], dtype=torch.float64)
+
+
+def _weights(mass, beta, out=None, work=None):
+    """The backend table's importance weights, faked: ``out``, or an empty float32 tensor."""
+    return out if out is not None else torch.empty(mass.shape, dtype=torch.float32)
+
+
+# each backend table's callables faked while the switch is on (a written priority's code stays 0)
+TABLE_FAKES = {"tree_update": _nothing, "tree_update_range": _nothing, "tree_sample": _distinct_leaves,
+               "tree_sample_masses": _fresh_masses, "priority_write": _nothing, "masses": _nothing,
+               "importance_weights": _weights, "window_gather": _nothing, "history_append": _nothing,
+               "history_gather_frames": _nothing, "history_pack_blocks": _nothing}
+
+
 def _selected(src, dim, index, out=None):
     """The host-only ``torch.index_select``: ``out``, or an empty tensor of the selection's shape
     (one allocation, no copy)."""
@@ -86,12 +104,10 @@ class HostOnly:
     The time spent switching is left out by :meth:`clock`."""
 
     def __init__(self):
-        writes = (history_ops.history_append, history_ops.append_twin, history_ops.history_gather_frames,
-                  history_ops.gather_frames_twin, history_ops.history_pack_blocks, history_ops.pack_blocks_twin,
-                  sequence_ops.sequence_gather, sequence_ops.gather_twin, tree_ops.tree_update,
-                  tree_ops.update_twin, tree_ops.tree_update_range, tree_ops.update_range_twin)
+        writes = (history_ops.append_twin, history_ops.gather_frames_twin, history_ops.pack_blocks_twin,
+                  sequence_ops.gather_twin, tree_ops.update_twin, tree_ops.update_range_twin)
         fakes = {id(f): _nothing for f in writes}
-        fakes.update({id(f): _distinct_leaves for f in (tree_ops.tree_sample, tree_ops.sample_twin)})
+        fakes.update({id(tree_ops.sample_twin): _distinct_leaves})
         # the CPU's compiled loops (compiled by the calls cases() made before this switch is built)
         fakes.update({id(host_loops.tree_sample_masses): _sampled_masses, id(host_loops.priority_update): _written,
                       id(host_loops.priority_write): _written, id(host_loops.priority_masses): _nothing,
@@ -99,6 +115,8 @@ class HostOnly:
         modules = [m for key, m in list(sys.modules.items()) if key.split(".")[0] == "gpubuf"]
         self.swaps = [(m, name, fakes[id(value)], value)
                       for m in modules for name, value in list(vars(m).items()) if id(value) in fakes]
+        self.swaps += [(table, name, fake, getattr(table, name)) for table in backends.cached_tables()
+                       for name, fake in TABLE_FAKES.items() if getattr(table, name) is not None]
         self.swaps += [(MemoryStorage, "write", _nothing, MemoryStorage.write),
                        (torch, "index_select", _selected, torch.index_select),
                        (torch, "nan_to_num", lambda *a, out=None, **k: out, torch.nan_to_num),

@@ -66,16 +66,17 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         self.action_block = positive_int("action_block", action_block)
         self.block_keys = block_key_names(block_keys)
         self.device = ops.resolve_device(device)
-        self.backend = ops.backend_for(self.device)
+        self.table = ops.backend_table(self.device)  # what each op call runs, decided once
+        self.backend = self.table.name
         self._guard = CallGuard(self.device)
         self._ring = Ring(self.n_envs, self.max_len)
         self._schema = Schema(self.n_envs, self.max_len, self.action_block, self.block_keys,
-                              self.device, self.backend)
+                              self.table)
         self._staging = Staging(self.device)
         self._outputs = Outputs(self.device)
-        # the Triton kernels keep their own launch paths: no fast path on their backend
-        self._lockstep = (Lockstep(self._schema, self._ring, self._staging, self._outputs,
-                                   self.action_block) if self.backend == "torch" else None)
+        # the Triton kernels keep their own launch paths: no fast path where they run
+        self._lockstep = (None if self.table.kernels else
+                          Lockstep(self._schema, self._ring, self._staging, self._outputs, self.action_block))
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -185,7 +186,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         if dtypes is not None:
             self._set_storage(*schema.new_storage(values, dtypes))
         with signals_held():  # phase 2: commit
-            ops.history_append(self.backend, [schema.data[key] for key in staged], list(staged.values()), dst)
+            self.table.history_append([schema.data[key] for key in staged], list(staged.values()), dst)
             self._ring.restore(heads, counts)
         if env_ids is None and fast is not None:
             fast.accept(info_dict, values)
@@ -250,11 +251,11 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         for key in shapes:
             storage, dst = schema.data[key], out[key]
             if key in self.block_keys:
-                ops.history_pack_blocks(self.backend, storage, meta, n, ab, self.max_len, dst)
+                self.table.history_pack_blocks(storage, dst, meta, n, ab, self.max_len)
             else:
                 storages.append(storage)
                 outs.append(dst)
-        ops.history_gather_frames(self.backend, storages, outs, meta, n, ab, self.max_len)
+        self.table.history_gather_frames(storages, outs, meta, n, ab, self.max_len)
 
     # ------------------------------------------------------------------ state
 

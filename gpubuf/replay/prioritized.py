@@ -73,8 +73,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return (("alpha", self.alpha), ("eps", self.eps))
 
     def _make_sampler(self) -> PrioritizedSampler:
-        return PrioritizedSampler(self.ring, self.device, self.backend, self.alpha,
-                                  self._initial_beta, self.eps)
+        return PrioritizedSampler(self.ring, self.table, self.alpha, self._initial_beta, self.eps)
 
     @property
     def max_priority(self) -> float:

@@ -107,7 +107,7 @@ class GraphSampler:
                 raise
             raise MemoryError(f"batch_size, minibatches: {minibatches} minibatches of {B // minibatches} windows "
                               f"are one draw of {B}; {err}") from None
-        self._guard = buffer.guard  # calls hold the buffer's lock
+        self._guard, self._table = buffer.guard, buffer.table  # calls hold the buffer's lock
         self.buffer, self.batch_size, self.generator = buffer, B // minibatches, generator
         self._tree = sampler.tree(kind)  # kept current from now on
         self._selector, self._kind = selector, kind
@@ -129,8 +129,8 @@ class GraphSampler:
             # forbid: constant
             self.out: Transition = buffer.config.with_flags(result, boundaries, dev)
             # the kernel reads time-major storage
-            if spec is None and buffer.backend == "triton" and storage.dir is None:
-                self._tables = ops.sequence_tables(self._work, B, buffer.n_steps, dev)
+            if spec is None and storage.table.fixed_tables:
+                self._tables = storage.table.window_tables(self._work, B, buffer.n_steps, dev)
             self.prioritized = sampler.prioritized
             if self.prioritized:
                 self._mass = torch.empty(B, dtype=torch.float64, device=dev)
@@ -169,7 +169,7 @@ class GraphSampler:
         every call. With ``minibatches=K``: ``K`` minibatches of one draw, every leaf ``(K, B, ...)``
         and ``indices`` ``(K, B)``, each minibatch's ``PER_weights`` normalised by its own largest."""
         tree, config, idx, flat = self._tree, self._config, self._idx, self._flat
-        if self.generator is not None and torch.compiler.is_compiling():
+        if self.generator is not None and self._table.tracing():
             raise ValueError("generator: torch.compile cannot trace a torch.Generator; build the GraphSampler with "
                              "generator=None (the device's default generator, seeded by torch.manual_seed)")
         torch.rand(self.u.shape, dtype=torch.float64, generator=self.generator, out=self.u)
@@ -187,7 +187,7 @@ class GraphSampler:
         else:
             self._storage.gather_windows(self._work, idx)
         out, indices = self.out, self.indices
-        if torch.compiler.is_compiling() and (self._views is not None or batch is not None):
+        if self._table.tracing() and (self._views is not None or batch is not None):
             # traced: the outputs as views of the gathered words, so that no two inputs of the graph alias
             flat, out, indices = self._traced(flat, batch)
         config.refresh_flags(flat)  # has_transition from the rows just gathered
@@ -196,14 +196,9 @@ class GraphSampler:
                 tree.leaves(idx, out=self._mass)
             else:
                 self._mass.copy_(q)
-            mass = self._mass.view(self.minibatches, -1)
-            if torch.compiler.is_compiling():  # traced: functional (AOTAutograd may read a 0-d out= buffer's old value)
-                mass.div_(mass.amin(1, keepdim=True)).pow_(torch.neg(self._beta))
-            else:  # the buffer's beta when this runs (or is replayed); no allocation
-                torch.amin(mass, 1, keepdim=True, out=self._min)
-                torch.neg(self._beta, out=self._neg_beta)
-                mass.div_(self._min).pow_(self._neg_beta)
-            flat.PER_weights.copy_(self._mass)
+            K = self.minibatches  # the buffer's beta when this runs (or is replayed); eager: no allocation
+            self._table.importance_weights(self._mass.view(K, -1), self._beta, flat.PER_weights.view(K, -1),
+                                           (self._min, self._neg_beta))
         return out, indices
 
     def _traced(self, flat: Transition, batch: Transition | None) -> tuple[Transition, Transition, torch.Tensor]:

@@ -119,11 +119,10 @@ class StackedGather:
 
     def __init__(self, reader, spec: StackSpec, B: int, with_next_obs: bool, fixed: bool = False):
         config, storage = reader.config, reader.storage
-        self.config, self.storage, self.backend = config, storage, reader.backend
+        self.config, self.storage, self.table = config, storage, storage.table
         self.spec, self.B = spec, B
         self.device, self.fixed = reader.device, fixed
         self.marks = reader.marks()
-        self.env_major = storage.dir is not None
         here = storage.device
         self.pin = here.type == "cpu" and self.device.type == "cuda"
         n, k = config.n_steps, spec.k
@@ -155,7 +154,7 @@ class StackedGather:
         """Allocate the outputs (and, ``fixed`` with Triton, upload the copy tables); returns
         ``self``."""
         self.out = self._outputs()
-        if self.fixed and self.backend == "triton" and not self.env_major:
+        if self.fixed and self.table.fixed_tables:
             self.tables = self._tables()
         elif self.fixed and self.storage.device == self.device:  # the plain windows' word views, made once
             _, self._plain_work = self.storage.outputs(self.B, self._plain_jobs(self.out), self.device)
@@ -208,23 +207,22 @@ class StackedGather:
             if self._plain_work is not None:
                 storage.gather_windows(self._plain_work, starts)
                 result = dict(out["plain"])
-                if self._plain_views is not None and torch.compiler.is_compiling():  # views made in the trace
+                if self._plain_views is not None and self.table.tracing():  # views made in the trace
                     result = leaves_of_words(self._plain_views, self._plain_work)
             else:
                 result = storage.gather(starts, self._plain_jobs(out) if self.fixed else self.plain, self.device)
-            ops.frame_stack(storage.backend, self._jobs(self.stacks, out), local, marks.marks,
-                            marks.held, n, k, spec.stride, E, M, self.env_major)
+            self.table.frame_stack(self._jobs(self.stacks, out), local, marks.marks, marks.held, n, k, spec.stride,
+                                   E, M)
         if spec.n is not None:
             returns = out["returns"]
-            ops.n_step_return(storage.backend, local, self.reward, marks.marks, marks.held,
-                              returns, self.gamma, spec.n, E, M, self.env_major)
+            self.table.n_step_return(local, self.reward, marks.marks, marks.held, returns, self.gamma, spec.n, E,
+                                     M)
             if self.tables is not None:
                 ops.frame_stack_fixed(self.tables["boots"], returns[2], marks.marks, marks.held, 1, k,
                                       spec.stride, E, M)
             else:
-                ops.frame_stack(storage.backend, self._jobs(self.boots, out), returns[2],
-                                marks.marks, marks.held, 1, k, spec.stride, E, M,
-                                self.env_major)
+                self.table.frame_stack(self._jobs(self.boots, out), returns[2], marks.marks, marks.held, 1, k,
+                                       spec.stride, E, M)
         return self.assemble(out, result)
 
     def assemble(self, out: dict, plain: dict) -> Transition:
