@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer, Unit
 from gpubuf.apps.benchmarking.timing import median_us, syncer
 from gpubuf.replay.sharded.buffer import ShardedBuffer
 
@@ -67,7 +67,8 @@ def shard(cls, N: int, B: int, rank: int, device: torch.device):
 def check_windows(per: ShardedBuffer, uni: ShardedBuffer, B: int, g: torch.Generator) -> None:
     """The windows a rank receives are the rows that their global indices name."""
     for replace in (True, False):
-        batch, idx = per.sample(key=g, with_replacement=replace)
+        batch = per.sample(key=g, with_replacement=replace, unit=Unit.window())
+        idx = batch.indices
         got = batch.observation[:, 0].long().cpu()
         if not torch.equal(got, idx.cpu()):
             raise AssertionError(f"rank {dist.get_rank()}: windows do not match their global indices "
@@ -98,7 +99,7 @@ def cases(N: int, B: int, rank: int, sharded: bool, device: torch.device):
         check_windows(per, uni, B, g)
 
     def per_step(replace: bool):
-        _, idx = per.sample(key=g, with_replacement=replace)
+        idx = per.sample(key=g, with_replacement=replace, unit=Unit.window()).indices
         per.update_priorities(idx, torch.rand(B, generator=g) * 2)
 
     return {"per": lambda: per_step(True), "per no-repl": lambda: per_step(False),

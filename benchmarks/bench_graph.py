@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer, Unit
 from gpubuf.apps.benchmarking.timing import median_us, syncer
 from gpubuf.ops import capture_graph
 
@@ -48,7 +48,8 @@ def main():
     for name, cls in (("uniform", TransitionBuffer), ("prioritized", PrioritizedTransitionBuffer)):
         buf = build(cls, dev)
         gs = buf.graph_sampler(B)
-        fns = {"eager sample": lambda buf=buf: buf.sample(with_replacement=True), "GraphSampler.sample": gs.sample}
+        fns = {"eager sample": lambda buf=buf: buf.sample(unit=Unit.window(), with_replacement=True),
+               "GraphSampler.sample": gs.sample}
         if cuda:
             graph, (out, idx) = capture_graph(gs.sample)
             graph.replay()

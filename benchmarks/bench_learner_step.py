@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from gpubuf import PrioritizedTransitionBuffer, Transition
+from gpubuf import PrioritizedTransitionBuffer, Transition, Unit
 from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
 from gpubuf.ops import capture_graph
 
@@ -60,12 +60,12 @@ def main():
         return (td.pow(2) * batch.PER_weights).mean(), td.detach()
 
     def eager():
-        batch, idx = buf.sample(with_replacement=True)
+        batch = buf.sample(unit=Unit.window(), with_replacement=True)
         loss, td = loss_of(batch)
         opt.zero_grad(set_to_none=False)
         loss.backward()
         opt.step()
-        buf.update_priorities(idx, td)
+        buf.update_priorities(batch.indices, td)
 
     def graph_forward():  # sample -> loss -> priorities: what torch.compile(fullgraph=True) takes whole
         batch, idx = gs.sample()

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer, Unit
 from gpubuf.apps.benchmarking.timing import machine
 
 E, CALLS, SAMPLES = 16, 50, 300
@@ -43,7 +43,7 @@ def cases() -> dict:
     uni.insert(rows(1024))
     per = PrioritizedTransitionBuffer(E * 1024, 32, rows(1), device="cpu", seed=0)
     per.insert(rows(1024))
-    _, idx = per.sample()
+    idx = per.sample(unit=Unit.window()).indices
     td, one = torch.rand(32), rows(1)
     bare = {name: without_lock(obj, type(obj), name)
             for obj, name in ((hist, "append"), (hist, "get"), (uni, "insert"), (uni, "sample"),

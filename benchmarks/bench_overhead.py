@@ -31,10 +31,11 @@ import torch
 from tight_reference import History, Replay
 
 import gpubuf
+import gpubuf.ops.backends as backends
 import gpubuf.ops.history as history_ops
 import gpubuf.ops.prefix_tree as tree_ops
 import gpubuf.ops.sequence as sequence_ops
-from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, Transition, TransitionBuffer, Unit
 from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
 from gpubuf.ops import host_loops
 from gpubuf.replay.storage.memory import MemoryStorage
@@ -46,6 +47,7 @@ TARGETS = {"history append": (10, 15), "history get(4)": (15, 15), "history get(
            "PER sample": (80, 15), "PER sample without replacement": (125, 25), "PER update": (55, 15)}
 LEAVES = {"observation": ((OBS,), torch.float32), "action": ((), torch.int64), "reward": ((), torch.float32),
           "terminated": ((), torch.bool), "truncated": ((), torch.bool)}
+TRANSITION = Unit.transition()  # the sampled unit, built once as a learner would
 
 
 def _nothing(*args, **kwargs):
@@ -69,6 +71,23 @@ def _written(*args):
     return 0, np.float32(1.0)
 
 
+def _fresh_masses(tree, offsets, fanout, u):
+    """The backend table's descent with masses, faked: leaves 0 .. B-1 of mass 1."""
+    return torch.arange(u.shape[0]), torch.ones(u.shape[0], dtype=torch.float64)
+
+
+def _weights(mass, beta, out=None, work=None):
+    """The backend table's importance weights, faked: ``out``, or an empty float32 tensor."""
+    return out if out is not None else torch.empty(mass.shape, dtype=torch.float32)
+
+
+# each backend table's callables faked while the switch is on (a written priority's code stays 0)
+TABLE_FAKES = {"tree_update": _nothing, "tree_update_range": _nothing, "tree_sample": _distinct_leaves,
+               "tree_sample_masses": _fresh_masses, "priority_write": _nothing, "masses": _nothing,
+               "importance_weights": _weights, "window_gather": _nothing, "history_append": _nothing,
+               "history_gather_frames": _nothing, "history_pack_blocks": _nothing}
+
+
 def _selected(src, dim, index, out=None):
     """The host-only ``torch.index_select``: ``out``, or an empty tensor of the selection's shape
     (one allocation, no copy)."""
@@ -85,12 +104,10 @@ class HostOnly:
     The time spent switching is left out by :meth:`clock`."""
 
     def __init__(self):
-        writes = (history_ops.history_append, history_ops.append_twin, history_ops.history_gather_frames,
-                  history_ops.gather_frames_twin, history_ops.history_pack_blocks, history_ops.pack_blocks_twin,
-                  sequence_ops.sequence_gather, sequence_ops.gather_twin, tree_ops.tree_update,
-                  tree_ops.update_twin, tree_ops.tree_update_range, tree_ops.update_range_twin)
+        writes = (history_ops.append_twin, history_ops.gather_frames_twin, history_ops.pack_blocks_twin,
+                  sequence_ops.gather_twin, tree_ops.update_twin, tree_ops.update_range_twin)
         fakes = {id(f): _nothing for f in writes}
-        fakes.update({id(f): _distinct_leaves for f in (tree_ops.tree_sample, tree_ops.sample_twin)})
+        fakes.update({id(tree_ops.sample_twin): _distinct_leaves})
         # the CPU's compiled loops (compiled by the calls cases() made before this switch is built)
         fakes.update({id(host_loops.tree_sample_masses): _sampled_masses, id(host_loops.priority_update): _written,
                       id(host_loops.priority_write): _written, id(host_loops.priority_masses): _nothing,
@@ -98,6 +115,8 @@ class HostOnly:
         modules = [m for key, m in list(sys.modules.items()) if key.split(".")[0] == "gpubuf"]
         self.swaps = [(m, name, fakes[id(value)], value)
                       for m in modules for name, value in list(vars(m).items()) if id(value) in fakes]
+        self.swaps += [(table, name, fake, getattr(table, name)) for table in backends.cached_tables()
+                       for name, fake in TABLE_FAKES.items() if getattr(table, name) is not None]
         self.swaps += [(MemoryStorage, "write", _nothing, MemoryStorage.write),
                        (torch, "index_select", _selected, torch.index_select),
                        (torch, "nan_to_num", lambda *a, out=None, **k: out, torch.nan_to_num),
@@ -183,7 +202,7 @@ def cases(device):
     tight_uni, tight_per = Replay(ROWS, E, LEAVES), Replay(ROWS, E, LEAVES, prioritized=True)
     for buf in (uni, per):
         buf.insert(fill)
-        buf.sample(with_next_obs=True)  # trees built
+        buf.sample(unit=TRANSITION)  # trees built
     for t in range(ROWS):
         row = {k: v[t:t + 1] for k, v in fields(fill).items()}
         tight_uni.insert(row)
@@ -202,10 +221,10 @@ def cases(device):
                                  "tight": lambda: tight_hist.get(N, out=tight_outs)},
         "replay insert": {"gpubuf": lambda: uni.insert(one), "tight": lambda: tight_uni.insert(row)},
         "PER insert": {"gpubuf": lambda: per.insert(one), "tight": lambda: tight_per.insert(row)},
-        "uniform sample": {"gpubuf": lambda: uni.sample(with_next_obs=True), "tight": lambda: tight_uni.sample(B)},
-        "PER sample": {"gpubuf": lambda: per.sample(with_replacement=True, with_next_obs=True),
+        "uniform sample": {"gpubuf": lambda: uni.sample(unit=TRANSITION), "tight": lambda: tight_uni.sample(B)},
+        "PER sample": {"gpubuf": lambda: per.sample(unit=TRANSITION, with_replacement=True),
                        "tight": lambda: tight_per.sample(B)},
-        "PER sample without replacement": {"gpubuf": lambda: per.sample(with_next_obs=True),
+        "PER sample without replacement": {"gpubuf": lambda: per.sample(unit=TRANSITION),
                                            "tight": lambda: tight_per.sample(B, with_replacement=False)},
         "PER update": {"gpubuf": lambda: per.update_priorities(idx, td),
                        "tight": lambda: tight_per.update_priorities(idx, td)},

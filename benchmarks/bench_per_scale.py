@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpubuf import PrioritizedTransitionBuffer, Transition
+from gpubuf import PrioritizedTransitionBuffer, Transition, Unit
 from gpubuf.apps.benchmarking.timing import machine, median_us, versions
 
 CAPACITY, B, INSERT, OBS, CHUNK = 2**20, 256, 16, 4, 2**16
@@ -58,7 +58,7 @@ def contenders(rng) -> dict:
     last = {}
 
     def gpubuf_sample():
-        _, last["gpubuf"] = per.sample(with_replacement=True, with_next_obs=True)
+        last["gpubuf"] = per.sample(with_replacement=True, unit=Unit.transition()).indices
 
     def cpprb_sample():
         last["cpprb"] = rb.sample(B, beta=0.4)["indexes"]

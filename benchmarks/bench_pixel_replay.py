@@ -6,7 +6,7 @@ synthetic stream: episodes of 100-1000 steps, each ended by a termination (the l
 and actions; frame ``t`` is a random pool frame with ``t`` stamped in its first four bytes, so every sampled stack
 names the steps it holds and is checked against stacks built by hand from the stream (all peers; gpubuf must match).
 
-- gpubuf: ``TransitionBuffer.sample(frame_stack=4, n_step_return=(3, 0.99))``; one frame per step stored.
+- gpubuf: ``TransitionBuffer.sample(unit=Unit.n_step(3, 0.99, frames=4))``; one frame per step stored.
 - cpprb: ``ReplayBuffer(stack_compress="obs", Nstep=...)`` fed the full (84, 84, 4) stack per step (cpprb wants the
   stack axis last); it keeps one frame per step. With ``Nstep`` cpprb switches ``next_of`` off, so it returns no
   bootstrap stack at all (``done`` masks it).
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpubuf import Transition, TransitionBuffer
+from gpubuf import Transition, TransitionBuffer, Unit
 from gpubuf.apps.benchmarking.timing import cpu_name, median_us, versions
 
 K, N, GAMMA, SIDE, BATCHES = 4, 3, 0.99, 84, (32, 256)
@@ -127,12 +127,13 @@ def gpubuf_peer(stream: Stream, cap: int):
     buf = TransitionBuffer(cap, BATCHES[0], rows(0, 1), device="cpu", seed=0)
     for a, b in stream.chunks:
         buf.insert(rows(a, b))
-    buf.sample(frame_stack=K, n_step_return=(N, GAMMA))  # builds the episode marks that nbytes counts
+    unit = Unit.n_step(N, GAMMA, frames=K)
+    buf.sample(unit=unit)  # builds the episode marks that nbytes counts
 
     def view(s):
         return s.observation.numpy(), s.next_observation.numpy(), s.reward.numpy(), s.discount.numpy()
 
-    return lambda B: buf.sample(batch_size=B, frame_stack=K, n_step_return=(N, GAMMA)), view, buf.nbytes
+    return lambda B: buf.sample(batch_size=B, unit=unit), view, buf.nbytes
 
 
 def windows(frames: np.ndarray) -> np.ndarray:

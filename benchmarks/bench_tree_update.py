@@ -17,6 +17,7 @@ import sys
 import torch
 
 from gpubuf.apps.benchmarking.timing import cuda_event_clock, median_us
+from gpubuf.ops import backend_table
 from gpubuf.ops.prefix_tree import update_range_twin, update_twin
 from gpubuf.replay.sampling.tree import PrefixSumTree
 
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     rows = []
     for k in (int(x) for x in args.log2_sizes.split(",")):
         cap, F = 2**k, 32
-        tree = PrefixSumTree(cap, device, "torch", F)
+        tree = PrefixSumTree(cap, backend_table(device, "torch"), F)
         g = torch.Generator(device=device).manual_seed(k)
         full = torch.rand(cap, dtype=torch.float64, device=device, generator=g)
         update_range_twin(tree.tree, tree.offsets, F, 0, full)

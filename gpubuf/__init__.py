@@ -1,7 +1,8 @@
 """gpubuf: GPU-resident history and replay buffers for reinforcement learning.
 
-Everything a user needs is a name of this package (``gpubuf.__all__``): the buffers, the samplers and selectors,
-writers and the rate limiter, the sources, the planner, episode export and :func:`info`.
+Everything a user needs is a name of this package (``gpubuf.__all__``): the buffers, what they sample (``Unit``,
+``Batch``), the samplers and selectors, writers and the rate limiter, the sources, the planner, episode export and
+:func:`info`.
 
 The package is layered; each layer imports only the ones before it:
 ``gpubuf._core`` (input checks, staging, state, checkpoints, signals, locks, copies, host memory, device names,
@@ -28,7 +29,9 @@ from gpubuf._core.transition import Transition
 from gpubuf.history import HistoryBuffer
 from gpubuf.replay import GraphSampler, PrioritizedTransitionBuffer, RateLimiter, TransitionBuffer
 from gpubuf.replay.feeds.process_writers import ReplayWriter, RowsWaiting, WriterDied
+from gpubuf.replay.sampling.batch import Batch
 from gpubuf.replay.sampling.selectors import Fifo, Lifo, Mixture, Online, Recency
+from gpubuf.replay.sampling.units import Unit
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and go-to-definition
     from gpubuf.apps.info import info
@@ -55,10 +58,10 @@ _LAZY_MODULES = {"export": "gpubuf.replay.feeds.export",
 _deprecated.install()
 
 __all__ = [
-    "CEMSolver", "CheckpointError", "EnvPoolSource", "Fifo", "GraphSampler", "HistoryBuffer", "Lifo", "Mixture",
-    "Online", "PlanConfig", "Planner", "PrioritizedTransitionBuffer", "RateLimiter", "Recency", "ReplayWriter",
-    "RowsWaiting", "ShardedBuffer", "Step", "StepStager", "TensorSource", "Transition", "TransitionBuffer",
-    "VectorEnvSource", "WriterDied", "export", "info",
+    "Batch", "CEMSolver", "CheckpointError", "EnvPoolSource", "Fifo", "GraphSampler", "HistoryBuffer", "Lifo",
+    "Mixture", "Online", "PlanConfig", "Planner", "PrioritizedTransitionBuffer", "RateLimiter", "Recency",
+    "ReplayWriter", "RowsWaiting", "ShardedBuffer", "Step", "StepStager", "TensorSource", "Transition",
+    "TransitionBuffer", "Unit", "VectorEnvSource", "WriterDied", "export", "info",
 ]
 try:
     __version__ = version("gpubuf")

@@ -1,10 +1,10 @@
 """Triton kernels and their launchers (shipped as ``gpubuf.kernels``); the only place importing
 triton.
 
-One module per kernel family (``history``, ``prefix_tree``, ``sequence``, ``stacks``): its kernels,
-their launchers and ``variants()``, every (signature, constexprs) the launchers compile
-(``signatures.py`` compiles them ahead of time). This package imports nothing from ``gpubuf``; this
-file and ``words.py`` import no Triton.
+One module per kernel family (``history``, ``prefix_tree``, ``priorities``, ``sequence``,
+``stacks``): its kernels, their launchers and ``variants()``, every (signature, constexprs) the
+launchers compile (``signatures.py`` compiles them ahead of time). This package imports nothing from
+``gpubuf``; this file and ``words.py`` import no Triton.
 
 Copy kernels serve many keys (leaves) per launch: the launcher views each ``(source, destination)``
 pair as rows of int words (:func:`gpubuf.kernels.words.as_words`), groups pairs by word type, and
@@ -31,6 +31,10 @@ INDEX = ("i32", "i64")  # Triton passes a Python int as i32, or i64 from 2**31 o
 # transition terminated; a return stops before this row (truncated, or a row holding no
 # transition); an episode ends after this row (a frame stack never reaches past it)
 MARK_TERM, MARK_STOP, MARK_BOUNDARY = 1, 2, 4
+# bits of a priority write's code (``priorities`` kernels): an index outside the priorities; a
+# ``|td| + eps`` NaN or infinite in float32; the largest new priority's ``**alpha`` mass over every
+# start would overflow float64
+BAD_INDEX, NOT_FINITE, OVERFLOW = 1, 2, 4
 
 
 def on_device(t: torch.Tensor):

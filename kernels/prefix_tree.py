@@ -81,47 +81,59 @@ def _update_kernel(
     # (no atomics, so the tree stays a deterministic function of its leaves). The programs of the
     # grid share each level's work; a block-wide barrier orders the levels of a one-program launch,
     # and a many-program launch does one level (launches on one stream are ordered). Duplicate
-    # parents store equal values. The leaf loop and the parent loop share their shape (a strided
-    # loop over a range or over idx) on purpose: one jit helper per loop body would hide the two
-    # passes' different bounds and strides behind constexpr arguments.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    ar = tl.arange(0, BLOCK)
+    # parents store equal values.
     if k0 == 0:
-        for s in range(pid * BLOCK, n, nprog * BLOCK):
-            offs = s + ar
-            mask = offs < n
-            if RANGE:
-                i = lo + offs
-            else:
-                i = tl.load(idx_ptr + offs, mask=mask, other=0)
-            tl.store(tree_ptr + i, tl.load(val_ptr + offs, mask=mask), mask=mask)
+        _write_leaves(tree_ptr, idx_ptr, val_ptr, n, lo, RANGE, BLOCK)
         tl.debug_barrier()
-    ap = tl.arange(0, P)
-    af = tl.arange(0, F)
     div = tl.load(off_ptr) * 0 + 1  # int64 F**level: leaf // div = its ancestor on that level
     for k in range(1, k1):
         div = div * F
         if k >= k0:
-            child_off = tl.load(off_ptr + k - 1)
-            parent_off = tl.load(off_ptr + k)
-            if RANGE:  # the touched parents are one contiguous range
-                first = lo // div
-                count = (lo + n - 1) // div - first + 1
-            else:
-                first = div * 0
-                count = div * 0 + n
-            for q in range(pid * P, count, nprog * P):
-                offs = q + ap
-                mask = offs < count
-                if RANGE:
-                    parent = first + offs
-                else:
-                    parent = tl.load(idx_ptr + offs, mask=mask, other=0) // div
-                c = tl.load(tree_ptr + child_off + parent[:, None] * F + af[None, :],
-                            mask=mask[:, None], other=0.0)
-                tl.store(tree_ptr + parent_off + parent, tl.sum(c, 1), mask=mask)
+            _sum_level(tree_ptr, off_ptr, idx_ptr, n, lo, k, div, F, RANGE, P)
             tl.debug_barrier()
+
+
+@triton.jit
+def _write_leaves(tree_ptr, idx_ptr, val_ptr, n, lo, RANGE: tl.constexpr, BLOCK: tl.constexpr):
+    """Leaves ``tree[idx or lo + arange(n)] = val (n,)``, a strided loop over the grid's
+    programs."""
+    ar = tl.arange(0, BLOCK)
+    for s in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = s + ar
+        mask = offs < n
+        if RANGE:
+            i = lo + offs
+        else:
+            i = tl.load(idx_ptr + offs, mask=mask, other=0)
+        tl.store(tree_ptr + i, tl.load(val_ptr + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _sum_level(tree_ptr, off_ptr, idx_ptr, n, lo, k, div, F: tl.constexpr, RANGE: tl.constexpr,
+               P: tl.constexpr):
+    """Every touched parent on level ``k`` (``div = F**k`` leaves under each) = the sum of its
+    ``F`` children on level ``k - 1``, ``P`` parents per step of a strided loop over the grid's
+    programs."""
+    child_off = tl.load(off_ptr + k - 1)
+    parent_off = tl.load(off_ptr + k)
+    if RANGE:  # the touched parents are one contiguous range
+        first = lo // div
+        count = (lo + n - 1) // div - first + 1
+    else:
+        first = div * 0
+        count = div * 0 + n
+    ap = tl.arange(0, P)
+    af = tl.arange(0, F)
+    for q in range(tl.program_id(0) * P, count, tl.num_programs(0) * P):
+        offs = q + ap
+        mask = offs < count
+        if RANGE:
+            parent = first + offs
+        else:
+            parent = tl.load(idx_ptr + offs, mask=mask, other=0) // div
+        c = tl.load(tree_ptr + child_off + parent[:, None] * F + af[None, :], mask=mask[:, None],
+                    other=0.0)
+        tl.store(tree_ptr + parent_off + parent, tl.sum(c, 1), mask=mask)
 
 
 def sample(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,

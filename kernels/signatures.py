@@ -21,12 +21,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from gpubuf.kernels import Variant, history, prefix_tree, sequence, stacks
+from gpubuf.kernels import Variant, history, prefix_tree, priorities, sequence, stacks
 
 
 def variants() -> list[Variant]:
     """The variants of every kernel module."""
-    return history.variants() + sequence.variants() + prefix_tree.variants() + stacks.variants()
+    return (history.variants() + sequence.variants() + prefix_tree.variants() + stacks.variants()
+            + priorities.variants())
 
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

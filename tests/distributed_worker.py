@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer, Unit
 from gpubuf.replay.sharded.buffer import ShardedBuffer
 
 E, M, N_STEPS = 3, 20, 3
@@ -130,6 +130,13 @@ def scenarios(group, tmp: str) -> dict:
     alone = per.sample(key=14, batch_size=2, return_indices=False)
     res["per_batch_alone"] = (type(alone).__name__, tuple(alone.PER_weights.shape))
     res["refused_one_rank"] = caught(lambda: per.sample(batch_size=2, frame_stack=4 if rank == last else None))
+    # the new call: a Batch with global indices and weights when prioritized, neither when uniform
+    got = per.sample(key=15, batch_size=2, unit=Unit.transition())
+    res["per_batch"] = (type(got).__name__, tuple(got.indices.shape), tuple(got.weights.shape), got.generations,
+                        got.next_observation is not None)
+    got = uni.sample(key=16, batch_size=2)
+    res["uni_batch"] = (type(got).__name__, got.indices, got.weights, tuple(got.observation.shape))
+    res["refused_unit"] = caught(lambda: uni.sample(batch_size=2, unit=Unit.frames(2)))
     res["defaults_given"] = (len(per.sample(key=12, batch_size=2, return_indices=True, frame_stride=1)),
                              uni.sample(key=13, batch_size=2, return_indices=False, out=None).observation.shape[0])
 

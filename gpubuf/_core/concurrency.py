@@ -4,7 +4,7 @@ An actor thread inserting while a learner thread samples and updates priorities 
 loop. Each buffer (and what composes one: an env source, a graph sampler, the local side of a sharded buffer) owns a
 :class:`CallGuard`; its public methods are :func:`locked`, so a call sees the buffer as it was before or after each
 other call, never between. The lock is public as ``buffer.lock``: hold it to make several calls one step (``with
-buf.lock: batch, idx = buf.sample(); buf.update_priorities(idx, td)``). It is re-entrant for the library's own
+buf.lock: batch = buf.sample(); buf.update_priorities(batch.indices, td)``). It is re-entrant for the library's own
 nested calls; a signal handler runs in the middle of whatever the main thread is doing, so one that calls a buffer
 while the main thread is inside a call of it gets a ``RuntimeError`` (it would otherwise run between that call's
 steps).

@@ -20,6 +20,7 @@ from gpubuf.apps.benchmarking.timing import wall_clock
 from gpubuf.apps.mbrl import EnvLoop, EpisodeLog, MBRLAgent, MBRLConfig
 from gpubuf.planning import PlanConfig, Planner, cartpole_cost
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
+from gpubuf.replay.sampling.units import Unit
 from gpubuf.sources.envpool import EnvPoolSource
 
 # known task costs the learning run plans with (as PETS does)
@@ -100,8 +101,9 @@ class ValueLearner:
         self.lr, self.gamma = lr / obs_size, gamma
 
     def update(self, per: PrioritizedTransitionBuffer, with_next_obs: bool) -> None:
-        batch, idx = per.sample(with_next_obs=with_next_obs, out=self._batch)
+        batch = per.sample(unit=Unit.transition() if with_next_obs else Unit.window(), out=self._batch)
         self._batch = batch  # the next sample writes into the same tensors (no allocation)
+        idx = batch.indices
         B = batch.reward.shape[0]
         scale = 1 / 255 if batch.observation.dtype == torch.uint8 else 1.0
         x = batch.observation.reshape(B, -1).float() * scale  # (B, obs)

@@ -14,14 +14,11 @@ import platform
 
 import torch
 
-from gpubuf.ops import backend_for, host_loops, interpreting, resolve_device
-from gpubuf.ops.registry import OPS
+from gpubuf.ops import backend_table, resolve_device
 
 # extra -> the packages it brings (an extra imports when every one of them does)
 EXTRAS = {"fast": ("numba",), "apps": ("matplotlib", "tqdm"), "envpool": ("envpool",), "gymnasium": ("gymnasium",),
           "jax": ("jax",), "export": ("minari", "h5py"), "torchrl": ("torchrl",), "tensordict": ("tensordict",)}
-# the PER bookkeeping outside the ops: compiled host loops where they run, else torch ops on the device
-HOST_LOOP_CALLS = ("priority_update", "importance_weights")
 
 
 class Report(dict):
@@ -67,24 +64,15 @@ def device_report(device: torch.device) -> dict:
         props = torch.cuda.get_device_properties(device)
         report.update(name=props.name, capability=f"sm_{props.major}{props.minor}",
                       memory_gib=round(props.total_memory / 2**30, 1))
-    report.update(backend=backend_for(device), GPUBUF_BACKEND=os.environ.get("GPUBUF_BACKEND") or None,
-                  TRITON_INTERPRET=interpreting(), GPUBUF_NUMBA=os.environ.get("GPUBUF_NUMBA") or None)
+    table = backend_table(device)
+    report.update(backend=table.name, GPUBUF_BACKEND=os.environ.get("GPUBUF_BACKEND") or None,
+                  TRITON_INTERPRET=table.interpreted, GPUBUF_NUMBA=os.environ.get("GPUBUF_NUMBA") or None)
     return report
 
 
 def ops_report(device: torch.device) -> dict:
-    """Each operation -> what an eager call of a buffer on ``device`` runs."""
-    _load_ops()
-    backend = backend_for(device)
-    report = {name: op.implementation(backend, device) for name, op in sorted(OPS.items())}
-    for name in HOST_LOOP_CALLS:
-        report[name] = "numba loop" if host_loops.runs(backend, device) else "torch ops"
-    return report
-
-
-def _load_ops() -> None:
-    for family in ("history", "prefix_tree", "sequence", "stacks"):  # every op registers when its module loads
-        importlib.import_module(f"gpubuf.ops.{family}")
+    """Each operation -> what an eager call of a buffer on ``device`` runs (its backend table's answer)."""
+    return backend_table(device).implementations()
 
 
 def extras_report() -> dict:

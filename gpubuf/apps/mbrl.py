@@ -26,6 +26,7 @@ from gpubuf.history.buffer import HistoryBuffer
 from gpubuf.planning import CEMSolver, PlanConfig, Planner
 from gpubuf.replay.buffer import TransitionBuffer
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
+from gpubuf.replay.sampling.units import Unit
 from gpubuf.sources.envpool import EnvPoolSource
 
 
@@ -181,8 +182,8 @@ def train_step(buffer: TransitionBuffer, model: EnsembleDynamics, optimizer: tor
         raise TypeError(f"model: expected an EnsembleDynamics, got {type(model).__name__}")
     batch_size = positive_int("batch_size", batch_size)
     K, n = model.members, buffer.n_steps
-    sampled = buffer.sample(batch_size=K * batch_size, with_next_obs=True)
-    batch, idx = sampled if isinstance(buffer, PrioritizedTransitionBuffer) else (sampled, None)
+    batch = buffer.sample(batch_size=K * batch_size, unit=Unit.transition())
+    idx = batch.indices if isinstance(buffer, PrioritizedTransitionBuffer) else None
 
     # (K * B, n, ...) or (K * B, ...) -> (K, B, n, ...)
     def per_member(t: torch.Tensor) -> torch.Tensor:

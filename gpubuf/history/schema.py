@@ -41,12 +41,12 @@ def _new_storage_dtype(value, t: torch.Tensor) -> torch.dtype:
 
 class Schema:
     """Per key: the entry shape ``shapes[key]`` and the storage ``data[key]``
-    ``(max_len * n_envs, D)`` (``D`` elements per entry); ``owned``: the storage's byte ranges."""
+    ``(max_len * n_envs, D)`` (``D`` elements per entry); ``owned``: the storage's byte ranges; ``table``: the
+    device's backend table."""
 
-    def __init__(self, n_envs: int, max_len: int, action_block: int, block_keys: tuple,
-                 device: torch.device, backend: str):
+    def __init__(self, n_envs: int, max_len: int, action_block: int, block_keys: tuple, table):
         self.n_envs, self.max_len, self.action_block = n_envs, max_len, action_block
-        self.block_keys, self.device, self.backend = block_keys, device, backend
+        self.block_keys, self.device, self.table = block_keys, table.device, table
         self.shapes: dict[str, tuple] = {}
         self.data: dict[str, torch.Tensor] = {}
         self.owned = ()
@@ -182,7 +182,7 @@ class Schema:
         of one index per output row live at once); ``what()`` says so, for a ``MemoryError``."""
         out = sum(sizes.values()) if fresh else 0
         idx = 0
-        if self.backend == "torch":
+        if not self.table.kernels:
             frames = any(key not in self.block_keys for key in shapes)
             blocks = any(key in self.block_keys for key in shapes)
             idx = 3 * 8 * rows * (n * frames + (n - 1) * self.action_block * blocks)

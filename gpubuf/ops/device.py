@@ -1,5 +1,5 @@
-"""Devices and backends: where a buffer lives, which implementation its ops run, and how a call gets
-there.
+"""Devices and backends: where a buffer lives and which backend its ops run (the table of what each call runs:
+:mod:`gpubuf.ops.backends`).
 
 ``GPUBUF_BACKEND=torch|triton`` forces one backend for the buffers built while it is set. Triton
 compiles for GPUs only: a host (CPU) tensor goes to a Triton kernel only while Triton's interpreter
@@ -186,22 +186,6 @@ def backend_for(device: torch.device) -> str:
             raise ValueError(f"GPUBUF_BACKEND: expected one of {BACKENDS}, got {forced!r}")
         return forced if forced == "torch" or triton_runs_on(device) else "torch"
     return "triton" if device.type == "cuda" else "torch"
-
-
-def route(backend: str, device: torch.device) -> str:
-    """How an op call with ``backend`` on ``device`` runs.
-
-    ``"dispatch"`` under ``torch.compile`` when ``backend`` is what the dispatcher registers for ``device`` (Triton
-    for CUDA, else torch): the call goes through ``torch.ops.gpubuf`` and Dynamo traces the op. Eager calls go
-    straight to an implementation (boxing tensor lists through the dispatcher costs more than the work of a small
-    call; README, Benchmarks: Host overhead per call): ``"triton"`` (the kernel's launcher) when asked and Triton
-    runs on ``device``, else ``"torch"`` (the twin, also for a ``"triton"`` request on a device Triton cannot run
-    on).
-    """
-    if torch.compiler.is_compiling() and backend == ("triton" if device.type == "cuda"
-                                                     else "torch"):
-        return "dispatch"
-    return "triton" if backend == "triton" and triton_runs_on(device) else "torch"
 
 
 def writes_only(*args) -> None:

@@ -6,8 +6,8 @@ slot ``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newe
 frames used.
 
 Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
-signature, in the schema's argument order; its index arithmetic is :mod:`gpubuf.ops.indexing`'s),
-the op (:class:`~gpubuf.ops.registry.Op`) and the function the buffers call. Vectorised torch only in
+signature, in the schema's argument order; its index arithmetic is :mod:`gpubuf.ops.indexing`'s)
+and the op (:class:`~gpubuf.ops.registry.Op`), which a buffer calls through its backend table. Vectorised torch only in
 the twins: no Python loop over envs or rows.
 """
 
@@ -31,14 +31,8 @@ def append_twin(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
             dst.index_copy_(0, dst_rows, src)
 
 
-_APPEND = Op("history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()",
+APPEND = Op("history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()",
              append_twin, kernel("history", "append"))
-
-
-def history_append(backend: str, storages: list, rows: list, dst_rows: torch.Tensor) -> None:
-    """For each storage (max_len*n_envs, D) of storages and its rows (R, D): storage[dst_rows (R,)] =
-    rows."""
-    _APPEND(backend, dst_rows.device, storages, rows, dst_rows)
 
 
 # ---- history_gather_frames
@@ -59,15 +53,9 @@ def gather_frames_twin(storages: list, outs: list, meta, n, ab, max_len) -> None
             torch.index_select(src, 0, src_rows, out=dst)
 
 
-_GATHER_FRAMES = Op("history_gather_frames",
+GATHER_FRAMES = Op("history_gather_frames",
                     "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int max_len) -> ()",
                     gather_frames_twin, kernel("history", "gather_frames"))
-
-
-def history_gather_frames(backend: str, storages: list, outs: list, meta, n, ab, max_len) -> None:
-    """For each storage of storages and its out (rows, n, D): strided frames; meta (3, rows) int64 =
-    (env, newest slot, k)."""
-    _GATHER_FRAMES(backend, meta.device, storages, outs, meta, int(n), int(ab), int(max_len))
 
 
 # ---- history_pack_blocks
@@ -89,11 +77,6 @@ def pack_blocks_twin(storage, out, meta, n, ab, max_len) -> None:
     out.masked_fill_(indexing.zero_block_mask(n, k), 0)
 
 
-_PACK_BLOCKS = Op("history_pack_blocks",
+PACK_BLOCKS = Op("history_pack_blocks",
                   "(Tensor storage, Tensor(a!) out, Tensor meta, int n, int ab, int max_len) -> ()",
                   pack_blocks_twin, kernel("history", "pack_blocks"))
-
-
-def history_pack_blocks(backend: str, storage, meta, n, ab, max_len, out) -> None:
-    """out (rows, n-1, ab*D) = action blocks between strided frames, NaN zeroed, zero-padded."""
-    _PACK_BLOCKS(backend, meta.device, storage, out, meta, int(n), int(ab), int(max_len))

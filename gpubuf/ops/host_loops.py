@@ -18,18 +18,12 @@ import importlib.util
 import os
 
 import numpy as np
-import torch
+
+from gpubuf.kernels import BAD_INDEX, NOT_FINITE, OVERFLOW  # the checks of a priority write, as bits
 
 ENABLED = os.environ.get("GPUBUF_NUMBA", "1").strip() != "0" and importlib.util.find_spec("numba") is not None
-BAD_INDEX, NOT_FINITE, OVERFLOW = 1, 2, 4  # the checks of a priority update, as bits
 _LOOPS = ("tree_update", "tree_update_range", "tree_sample", "tree_sample_masses", "importance_weights",
           "priority_write", "priority_masses", "masses", "priority_update")  # callees before their callers
-
-
-def runs(backend: str, device) -> bool:
-    """Whether a CPU call of a buffer with ``backend`` on ``device`` (a ``torch.device``) runs these loops: numba
-    enabled, host memory, the torch backend, and not inside a ``torch.compile`` trace."""
-    return ENABLED and device.type == "cpu" and backend == "torch" and not torch.compiler.is_compiling()
 
 
 def _compile_all() -> None:
@@ -180,10 +174,11 @@ def _masses(priority, valid, alpha, out):  # pragma: no cover (compiled)
         out[i] = np.float64(priority[i]) ** alpha if valid[i] else 0.0
 
 
-def _priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets, fanout, top_box):  # pragma: no cover
+def _priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets, fanout, top_box,
+                     result):  # pragma: no cover (compiled)
     """:func:`priority_write`, then the masses of ``idx`` in one tree (``valid``, ``tree``, ``offsets``, ``fanout``)
     and ``top_box[0] = max(top_box[0], largest new priority)``, all in one call (no Python signal handler runs
-    between them); nothing written when a check fails. Returns ``(code, top)`` as :func:`priority_write`."""
+    between them); nothing written when a check fails. ``result`` (2,) = ``(code, top)`` of :func:`priority_write`."""
     code, top = _priority_write(priority, idx, td, eps, limit)
     if code == 0:
         mass = np.empty(idx.shape[0])
@@ -191,7 +186,8 @@ def _priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets,
         _tree_update(tree, offsets, fanout, idx, mass)
         if top > top_box[0]:
             top_box[0] = top
-    return code, top
+    result[0] = code
+    result[1] = top
 
 
 tree_update = _first_call("tree_update")

@@ -6,9 +6,9 @@ groups of ``fanout`` entries of level ``k``; the top level is one node of ``fano
 ints) bounds the K levels:
 level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
 
-Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
-signature), its :class:`~gpubuf.ops.registry.Op` (schema, CPU, CUDA, fake) and the function the buffers
-call.
+Per op: the pure-torch twin (the tests' oracle, with its launcher's signature), the CPU implementation (the
+compiled host loop when enabled, else the twin) and its :class:`~gpubuf.ops.registry.Op` (schema, CPU, CUDA,
+fake); a buffer calls them through its backend table (:mod:`gpubuf.ops.backends`).
 """
 
 import numpy as np
@@ -124,13 +124,17 @@ def sample_host(tree, offsets, fanout, u, out) -> None:
         host_loops.tree_sample(tree.numpy(), offsets_array(offsets), fanout, u.numpy(), out.numpy())
 
 
-_SAMPLE = Op("tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()",
-             sample_twin, kernel("prefix_tree", "sample"), sample_host, host_loop=True)
+SAMPLE = Op("tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, Tensor(a!) out) -> ()",
+            sample_twin, kernel("prefix_tree", "sample"), sample_host, host_loop=True)
 
 
-def tree_sample(backend: str, tree, offsets, fanout, u, out) -> None:
-    """out (B,) int64 = leaves of the wide prefix-sum tree picked by uniforms u (B,) float64."""
-    _SAMPLE(backend, tree.device, tree, offsets, fanout, u, out)
+def sample_masses_host(tree, offsets, fanout, u) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(leaves (B,) int64, their masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 of a host tree, in
+    one compiled loop."""
+    idx, mass = torch.empty(u.shape, dtype=torch.int64), torch.empty(u.shape, dtype=torch.float64)
+    host_loops.tree_sample_masses(tree.numpy(), offsets_array(offsets), fanout, u.contiguous().numpy(), idx.numpy(),
+                                  mass.numpy())
+    return idx, mass
 
 
 # ---- tree_update
@@ -170,13 +174,8 @@ def update_host(tree, offsets, fanout, idx, values) -> None:
         host_loops.tree_update(tree.numpy(), offsets_array(offsets), fanout, idx.numpy(), values.numpy())
 
 
-_UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()",
-             update_twin, kernel("prefix_tree", "update"), update_host, host_loop=True)
-
-
-def tree_update(backend: str, tree, offsets, fanout, idx, values) -> None:
-    """tree leaves [idx (K,)] = values (K,) float64, then touched parents recomputed from their children."""
-    _UPDATE(backend, tree.device, tree, offsets, fanout, idx, values)
+UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()",
+            update_twin, kernel("prefix_tree", "update"), update_host, host_loop=True)
 
 
 # ---- tree_update_range
@@ -207,10 +206,5 @@ def update_range_host(tree, offsets, fanout, lo, values) -> None:
         host_loops.tree_update_range(tree.numpy(), offsets_array(offsets), fanout, lo, values.numpy())
 
 
-_UPDATE_RANGE = Op("tree_update_range", "(Tensor(a!) tree, int[] offsets, int fanout, int lo, Tensor values) -> ()",
-                   update_range_twin, kernel("prefix_tree", "update_range"), update_range_host, host_loop=True)
-
-
-def tree_update_range(backend: str, tree, offsets, fanout, lo, values) -> None:
-    """tree leaves [lo, lo + K) = values (K,) float64, then their parents recomputed from their children."""
-    _UPDATE_RANGE(backend, tree.device, tree, offsets, fanout, int(lo), values)
+UPDATE_RANGE = Op("tree_update_range", "(Tensor(a!) tree, int[] offsets, int fanout, int lo, Tensor values) -> ()",
+                  update_range_twin, kernel("prefix_tree", "update_range"), update_range_host, host_loop=True)

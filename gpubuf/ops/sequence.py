@@ -5,14 +5,13 @@ flat start ``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E
 ``j < n``.
 
 The pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
-the ``torch.ops.gpubuf`` registration (:class:`~gpubuf.ops.registry.Op`: schema, CPU, CUDA, fake)
-and the function the buffers call.
+the ``torch.ops.gpubuf`` registration (:class:`~gpubuf.ops.registry.Op`: schema, CPU, CUDA, fake, and the
+job-list call form a buffer's backend table binds), and the fixed pointer tables of the Triton gather.
 """
 
 import torch
 
 from gpubuf.kernels.words import as_words
-from gpubuf.ops.device import route
 from gpubuf.ops.indexing import window_rows
 from gpubuf.ops.registry import Op
 
@@ -44,39 +43,36 @@ def gather_cuda(storages: list, outs: list, shifts: list, starts, n, E, M) -> No
     gather(list(zip(storages, outs, shifts, strict=True)), starts, n, E, M)
 
 
-# registered through Op; sequence_gather routes eager calls itself, passing its job list straight to
-# the twin or launcher (Op's eager path would split it into the schema's lists and back)
-_GATHER = Op("sequence_gather", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
-             "int n, int E, int M) -> ()", gather_cpu, gather_cuda)
+def gather_launch(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
+    """The Triton launcher for the twin's call form, imported when it first runs."""
+    from gpubuf.kernels.sequence import gather
+
+    gather(jobs, starts, int(n), int(E), int(M))
 
 
-def sequence_gather(backend: str, jobs: list, starts: torch.Tensor, n, E, M) -> None:
-    """For each (storage (M*E, D), out (B, n, D), shift) in jobs: windows of n time-major rows from
-    flat starts (B,), shifted."""
-    jobs = [(storage, out, int(shift)) for storage, out, shift in jobs]
-    n, E, M = int(n), int(E), int(M)
-    how = route(backend, starts.device)
-    if how == "dispatch":
-        _GATHER.dispatch([j[0] for j in jobs], [j[1] for j in jobs], [j[2] for j in jobs], starts, n,
-                         E, M)
-    elif how == "triton":
-        from gpubuf.kernels.sequence import gather
+def gather_traced(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
+    """The twin's call form through the dispatcher (``torch.compile`` traces the op)."""
+    GATHER.dispatch([j[0] for j in jobs], [j[1] for j in jobs], [int(j[2]) for j in jobs], starts, int(n),
+                    int(E), int(M))
 
-        gather(jobs, starts, n, E, M)
-    else:
-        gather_twin(jobs, starts, n, E, M)
+
+# the buffers call it with a job list (the twin's form), which goes straight to the twin or launcher
+GATHER = Op("sequence_gather", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
+            "int n, int E, int M) -> ()", gather_cpu, gather_cuda,
+            calls=(gather_twin, gather_twin, gather_launch, gather_traced))
 
 
 def sequence_tables(jobs: list, B: int, n: int, device: torch.device) -> list:
     """The Triton gather's pointer tables for fixed ``(storage, out (B, n, D), shift)`` jobs, uploaded once
-    (CUDA only): :func:`sequence_gather_fixed` launches them, also inside a CUDA graph."""
+    (where Triton runs): :func:`sequence_gather_fixed` launches them, also inside a CUDA graph."""
     from gpubuf.kernels.sequence import tables
 
     return tables(jobs, B, n, device)
 
 
 def sequence_gather_fixed(tables: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
-    """:func:`sequence_gather` into the outputs of :func:`sequence_tables` for flat starts (B,) int64."""
+    """The windows of :func:`gather_twin` into the outputs of :func:`sequence_tables` for flat starts (B,)
+    int64."""
     from gpubuf.kernels.sequence import gather_from_tables
 
     gather_from_tables(tables, starts, n, E, M)

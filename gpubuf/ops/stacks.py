@@ -19,7 +19,8 @@ bootstrap row is ``r + m`` and its factor ``gamma**m`` (0 after a termination).
 
 The pure-torch twins (the tests' oracle, the CPU implementation and the torch backend on a GPU,
 with their launchers' signatures; their index arithmetic is :mod:`gpubuf.ops.indexing`'s, run in
-numpy for host tensors), the ``torch.ops.gpubuf`` registrations and the functions the buffers call.
+numpy for host tensors), the ``torch.ops.gpubuf`` registrations with the call forms a buffer's backend
+table binds, and the fixed pointer tables of the Triton stack gather.
 """
 
 import functools
@@ -29,7 +30,6 @@ import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
-from gpubuf.ops.device import route
 from gpubuf.ops.registry import Op
 
 
@@ -121,58 +121,47 @@ def return_cuda(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, 
                                           cut.view(torch.uint8)), gamma, n, E, M)
 
 
-# registered through Op; the functions below route eager calls themselves, passing their job lists
-# straight to the twin or launcher (Op's eager path would split them into the schema's lists and back)
-_STACK = Op("frame_stack", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
-            "Tensor marks, Tensor held, int n, int k, int stride, int E, int M) -> ()",
-            stack_cpu, stack_cuda)
-_RETURN = Op("n_step_return", "(Tensor starts, Tensor reward, Tensor marks, Tensor held, "
-             "Tensor(a!) ret, Tensor(b!) disc, Tensor(c!) boot, Tensor(d!) term, Tensor(e!) cut, "
-             "Tensor gamma, int n, int E, int M) -> ()", return_cpu, return_cuda)
+def stack_launch(jobs: list, starts, marks, held, n, k, stride, E, M) -> None:
+    """The Triton launcher for the twin's call form, imported when it first runs."""
+    from gpubuf.kernels.stacks import stack
+
+    stack(jobs, starts, marks, held, int(n), int(k), int(stride), int(E), int(M))
 
 
-def frame_stack(backend: str, jobs: list, starts: torch.Tensor, marks: torch.Tensor,
-                held: torch.Tensor, n: int, k: int, stride: int, E: int, M: int,
-                env_major: bool = False) -> None:
-    """For each (storage (M*E, D), out (B, n, k, D), shift) in jobs: k-frame stacks at stride
-    ``stride`` ending at the rows of the windows of flat starts (B,), shifted."""
-    jobs = [(storage, out, int(shift)) for storage, out, shift in jobs]
-    args = (int(n), int(k), int(stride), int(E), int(M))
-    how = route(backend, starts.device) if not env_major else "torch"
-    if how == "dispatch":
-        _STACK.dispatch([j[0] for j in jobs], [j[1] for j in jobs], [j[2] for j in jobs], starts,
-                        marks, held, *args)
-    elif how == "triton":
-        from gpubuf.kernels.stacks import stack
-
-        stack(jobs, starts, marks, held, *args)
-    else:
-        stack_twin(jobs, starts, marks, held, *args, env_major=env_major)
+def stack_traced(jobs: list, starts, marks, held, n, k, stride, E, M) -> None:
+    """The twin's call form through the dispatcher (``torch.compile`` traces the op)."""
+    STACK.dispatch([j[0] for j in jobs], [j[1] for j in jobs], [int(j[2]) for j in jobs], starts, marks, held,
+                   int(n), int(k), int(stride), int(E), int(M))
 
 
-def n_step_return(backend: str, starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
-                  held: torch.Tensor, outs: tuple, gamma: torch.Tensor, n: int, E: int, M: int,
-                  env_major: bool = False) -> None:
-    """n-step returns of flat starts (B,) into ``outs`` = (return, discount (float), bootstrap row
-    (int64, time-major), terminated, cut (bool)) (B,); ``reward`` (M*E,), ``gamma`` (1,)
-    float64."""
-    args = (int(n), int(E), int(M))
-    how = route(backend, starts.device) if not env_major else "torch"
-    if how == "dispatch":
-        _RETURN.dispatch(starts, reward, marks, held, *outs, gamma, *args)
-    elif how == "triton":
-        from gpubuf.kernels.stacks import returns
+def return_launch(starts, reward, marks, held, outs, gamma, n, E, M) -> None:
+    """The Triton launcher for the twin's call form, imported when it first runs."""
+    from gpubuf.kernels.stacks import returns
 
-        ret, disc, boot, term, cut = outs
-        returns(starts, reward, marks, held,
-                (ret, disc, boot, term.view(torch.uint8), cut.view(torch.uint8)), gamma, *args)
-    else:
-        return_twin(starts, reward, marks, held, outs, gamma, *args, env_major=env_major)
+    ret, disc, boot, term, cut = outs
+    returns(starts, reward, marks, held, (ret, disc, boot, term.view(torch.uint8), cut.view(torch.uint8)), gamma,
+            int(n), int(E), int(M))
+
+
+def return_traced(starts, reward, marks, held, outs, gamma, n, E, M) -> None:
+    """The twin's call form through the dispatcher (``torch.compile`` traces the op)."""
+    RETURN.dispatch(starts, reward, marks, held, *outs, gamma, int(n), int(E), int(M))
+
+
+# the buffers call them with job lists and output tuples (the twins' form), which go straight to the twin or
+# launcher; env-major rows (a storage_dir's files) run the twins only
+STACK = Op("frame_stack", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
+           "Tensor marks, Tensor held, int n, int k, int stride, int E, int M) -> ()",
+           stack_cpu, stack_cuda, calls=(stack_twin, stack_twin, stack_launch, stack_traced))
+RETURN = Op("n_step_return", "(Tensor starts, Tensor reward, Tensor marks, Tensor held, "
+            "Tensor(a!) ret, Tensor(b!) disc, Tensor(c!) boot, Tensor(d!) term, Tensor(e!) cut, "
+            "Tensor gamma, int n, int E, int M) -> ()", return_cpu, return_cuda,
+            calls=(return_twin, return_twin, return_launch, return_traced))
 
 
 def stack_tables(jobs: list, B: int, n: int, k: int, device: torch.device) -> list:
     """The Triton stack gather's pointer tables for fixed ``(storage, out (B, n, k, D), shift)`` jobs,
-    uploaded once (CUDA only): :func:`frame_stack_fixed` launches them, also inside a CUDA graph."""
+    uploaded once (where Triton runs): :func:`frame_stack_fixed` launches them, also inside a CUDA graph."""
     from gpubuf.kernels.stacks import tables
 
     return tables(jobs, B, n, k, device)
@@ -180,7 +169,8 @@ def stack_tables(jobs: list, B: int, n: int, k: int, device: torch.device) -> li
 
 def frame_stack_fixed(tables: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,
                       n: int, k: int, stride: int, E: int, M: int) -> None:
-    """:func:`frame_stack` into the outputs of :func:`stack_tables` for flat starts (B,) int64."""
+    """The stacks of :func:`stack_twin` into the outputs of :func:`stack_tables` for flat starts (B,)
+    int64."""
     from gpubuf.kernels.stacks import stack_from_tables
 
     stack_from_tables(tables, starts, marks, held, n, k, stride, E, M)

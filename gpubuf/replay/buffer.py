@@ -125,8 +125,8 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         for name in ReplayConfig.STATE_FIELDS:
             setattr(self, name, getattr(config, name))
         self.device = ops.resolve_device(device)
-        self.backend = ops.backend_for(self.device)
-        self._guard = CallGuard(self.device)
+        self.table = ops.backend_table(self.device)  # what each op call runs, decided once
+        self.backend, self._guard = self.table.name, CallGuard(self.device)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
         self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs, self._row_items,
                                           config.sample_batch_size)
@@ -140,7 +140,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
                 self.selector.attach(self)
                 if self.selector.replacement_only:
                     self.default_with_replacement = True
-            self.reader = BatchReader(config, self.storage, self.ring, self.sampler, self.device, self.backend)
+            self.reader = BatchReader(config, self.storage, self.ring, self.sampler, self.table)
             self.parts = self._row_parts()
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             self._steady = SteadyInsert(config, self.storage)
@@ -175,7 +175,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         return ()
 
     def _make_sampler(self) -> TreeSampler:  # hook: the sampling policy composed here
-        return UniformSampler(self.ring, self.device, self.backend)
+        return UniformSampler(self.ring, self.table)
 
     @property
     def lock(self):

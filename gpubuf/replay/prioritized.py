@@ -32,9 +32,10 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
 
     Each start has a raw priority (float32); newly inserted starts get the running ``max_priority``
     (initially 1, never decreasing). ``P_i = p_i**alpha / sum over valid starts``. :meth:`sample`
-    returns ``(Transition, flat_indices)`` with ``PER_weights = (N*P_i)**-beta / max over the
-    batch``, which equals ``(P_i / min_batch P)**-beta`` (``return_indices=False``: the batch
-    alone). Without replacement (**the default here**, as in the original PER buffer; the uniform
+    returns a :class:`~gpubuf.Batch` whose ``weights`` (``PER_weights``) are ``(N*P_i)**-beta / max over the
+    batch``, which equals ``(P_i / min_batch P)**-beta``, and whose ``indices`` go back to
+    :meth:`update_priorities` (through 0.2.x a call that names no ``unit`` returns ``(batch, indices)``, with a
+    ``DeprecationWarning``). Without replacement (**the default here**, as in the original PER buffer; the uniform
     :class:`TransitionBuffer` defaults to with replacement) the draw is exact sequential sampling
     without replacement (Plackett-Luce): see :class:`TransitionBuffer` for how and what it costs.
 
@@ -46,7 +47,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     """
 
     default_with_replacement = False  # sample: as the original PER buffer
-    default_return_indices = True  # sample: (batch, flat_indices), for update_priorities
+    default_return_indices = True  # sample() without a unit: 0.2.0's (batch, flat_indices), until 0.3.0
     sampler: PrioritizedSampler
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
@@ -72,8 +73,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         return (("alpha", self.alpha), ("eps", self.eps))
 
     def _make_sampler(self) -> PrioritizedSampler:
-        return PrioritizedSampler(self.ring, self.device, self.backend, self.alpha,
-                                  self._initial_beta, self.eps)
+        return PrioritizedSampler(self.ring, self.table, self.alpha, self._initial_beta, self.eps)
 
     @property
     def max_priority(self) -> float:
@@ -87,8 +87,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         """Set priorities ``|td| + eps`` (float32) of flat starts ``indices``; returns ``self``.
 
         Duplicate indices keep their largest value. ``max_priority`` becomes ``max(max_priority,
-        new)``. Empty inputs do nothing. With ``generations`` (from ``sample(...,
-        return_generations=True)``) the starts whose rows were overwritten since that sample keep
+        new)``. Empty inputs do nothing. With ``generations`` (a sampled batch's
+        ``generations``) the starts whose rows were overwritten since that sample keep
         their priority (the TD error was computed on other data), and :attr:`stale_updates` counts
         them. Raises (writing nothing) on non-integer or out-of-range indices, a length mismatch,
         misshapen ``generations``, NaN/inf results, a priority whose ``**alpha`` mass would

@@ -1,28 +1,24 @@
 """StartRing: the host-side bookkeeping of a time-major replay ring (no tensors, no device).
 
-A ring holds ``M`` rows per env for ``E`` envs; a sequence start is the flat index
-``row * E + env``. The ring knows the write position, how many rows are written, which rows carry a
-truncation or end an episode (terminated or truncated), and, per validity kind, which starts may
-begin a window. A kind is two bits:
+A ring holds ``M`` rows per env for ``E`` envs; a sequence start is the flat index ``row * E + env``. The ring knows
+the write position, how many rows are written, which rows carry a truncation or end an episode (terminated or
+truncated), and, per validity kind, which starts may begin a window. A kind is two bits:
 
-- bit 0 (``NEXT_OBS``): windows of ``n_steps + 1`` rows
-  (next observations are read from the following row) whose first ``n_steps`` rows hold no
-  truncation; else windows of ``n_steps`` rows;
-- bit 1 (``IN_EPISODE``): no episode ends in the window's first ``n_steps - 1`` rows
-  (its last row may end one), so the window never crosses into the next episode.
+- bit 0 (``NEXT_OBS``): windows of ``n_steps + 1`` rows (next observations are read from the following row) whose
+  first ``n_steps`` rows hold no truncation; else windows of ``n_steps`` rows;
+- bit 1 (``IN_EPISODE``): no episode ends in the window's first ``n_steps - 1`` rows (its last row may end one), so
+  the window never crosses into the next episode.
 
-Every kind's windows lie inside the written rows and never cross the write seam, and never start at
-a row that holds no transition (an env source's row holding an episode's last observation,
-``info["is_last"]``).
+Every kind's windows lie inside the written rows and never cross the write seam, and never start at a row that holds
+no transition (an env source's row holding an episode's last observation, ``info["is_last"]``).
 
-Everything here is numpy on the host: the replay buffer turns the validity it computes into device
-masks and sampling mass.
+Everything here is numpy on the host: the replay buffer turns the validity it computes into device masks and
+sampling mass.
 
-Glossary (shared by the buffers, tiers and ops): ``M`` rows per env; ``E`` envs (only ever the
-number of envs); ``D`` words or elements per row of a leaf; flat start ``row * E + env``; window:
-the rows a sampled start reads (:meth:`StartRing.window`); kind: the two validity bits above; held
-rows: the ``count`` rows before ``pos``; head rows: of ``T`` rows written at ``pos``, those before
-the wrap (``min(T, M - pos)``).
+Glossary (shared by the buffers, tiers and ops): ``M`` rows per env; ``E`` envs (only ever the number of envs);
+``D`` words or elements per row of a leaf; flat start ``row * E + env``; window: the rows a sampled start reads
+(:meth:`StartRing.window`); kind: the two validity bits above; held rows: the ``count`` rows before ``pos``; head
+rows: of ``T`` rows written at ``pos``, those before the wrap (``min(T, M - pos)``).
 
 :class:`RowEvents` is what a buffer tells each part that follows its rows (its sampler, selector, reader, rate
 limiter), through one list of parts.
@@ -86,10 +82,8 @@ class StartRing:
         self.n_trunc = 0  # such rows stored
         self.ends = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows ending an episode
         self.n_ends = 0  # rows ending an episode stored
-        # (M, E) rows holding no transition (never a start)
-        self.last = np.zeros((max_rows, n_envs), dtype=bool)
-        # such rows stored (while these three counts are 0, every kind is one ring range)
-        self.n_last = 0
+        self.last = np.zeros((max_rows, n_envs), dtype=bool)  # (M, E) rows holding no transition (never a start)
+        self.n_last = 0  # such rows stored (while these three counts are 0, every kind is one ring range)
         # (M, E) per kind
         self.valid = {k: np.zeros((max_rows, n_envs), dtype=bool) for k in self.kinds}
         self.n_valid = dict.fromkeys(self.kinds, 0)
@@ -100,9 +94,9 @@ class StartRing:
 
     def write(self, T: int, trunc: np.ndarray | None, ends: np.ndarray | None,
               last: np.ndarray | None = None) -> tuple[int, int]:
-        """Account for ``T`` rows written at the write position with truncation flags ``trunc``
-        (T, E), episode ends ``ends`` (T, E) and rows holding no transition ``last`` (T, E)
-        (None: no such leaf); returns ``(old position, rows before the wrap)``."""
+        """Account for ``T`` rows written at the write position with truncation flags ``trunc`` (T, E), episode ends
+        ``ends`` (T, E) and rows holding no transition ``last`` (T, E) (None: no such leaf); returns ``(old position,
+        rows before the wrap)``."""
         M, pos = self.max_rows, self.pos
         head_rows = min(T, M - pos)
         self.n_trunc += self._put(self.trunc, trunc, pos, head_rows, T)
@@ -123,21 +117,19 @@ class StartRing:
 
     @staticmethod
     def _put(flags: np.ndarray, new: np.ndarray | None, pos: int, head_rows: int, T: int) -> int:
-        """Write ``new`` (T, E) into ``flags`` at ``pos`` (wrapping after ``head_rows`` rows, the
-        rows before the wrap); returns the change in set flags."""
+        """Write ``new`` (T, E) into ``flags`` at ``pos`` (wrapping after ``head_rows`` rows, the rows before the
+        wrap); returns the change in set flags."""
         if new is None:
             return 0
-        old = (int(np.count_nonzero(flags[pos:pos + head_rows]))
-               + int(np.count_nonzero(flags[:T - head_rows])))
+        old = int(np.count_nonzero(flags[pos:pos + head_rows])) + int(np.count_nonzero(flags[:T - head_rows]))
         flags[pos:pos + head_rows] = new[:head_rows]
         if head_rows < T:
             flags[:T - head_rows] = new[head_rows:]
         return int(np.count_nonzero(new)) - old
 
     def changed_rows(self, old_pos: int, T: int, kinds) -> list[tuple[int, int]]:
-        """Row ranges ``[r0, r1)`` (at most two) whose starts' windows changed after writing ``T``
-        rows at ``old_pos``: rows ``old_pos - W + 1 .. old_pos + T - 1``, W the longest window of
-        ``kinds``."""
+        """Row ranges ``[r0, r1)`` (at most two) whose starts' windows changed after writing ``T`` rows at
+        ``old_pos``: rows ``old_pos - W + 1 .. old_pos + T - 1``, W the longest window of ``kinds``."""
         M = self.max_rows
         W = max(self.window(k) for k in kinds)
         K = min(T + W - 1, M)
@@ -145,11 +137,9 @@ class StartRing:
         return [(a, min(a + K, M))] + ([(0, a + K - M)] if a + K > M else [])
 
     def validity(self, r0: int, r1: int, kind: int) -> np.ndarray:
-        """((r1 - r0) * E,) bool: whether a window of this kind may start at each flat start of rows
-        [r0, r1)."""
+        """((r1 - r0) * E,) bool: whether a window of this kind may start at each flat start of rows [r0, r1)."""
         M, E = self.max_rows, self.n_envs
-        # rows r0 + i have time indices (t0 + i) % M (0 = oldest); valid ones are <= last: two
-        # slices of rows
+        # rows r0 + i have time indices (t0 + i) % M (0 = oldest); valid ones are <= last: two slices of rows
         t0 = (r0 - self.oldest) % M
         last = self.count - self.window(kind)
         ok = np.zeros(r1 - r0, dtype=bool)
@@ -169,8 +159,8 @@ class StartRing:
         return ok if E == 1 else np.repeat(ok, E)
 
     def refresh(self, kind: int, r0: int, r1: int) -> tuple[np.ndarray, int]:
-        """Recompute the validity of rows ``[r0, r1)`` for ``kind``; returns it ((r1 - r0) * E,) and
-        how many of those starts are valid."""
+        """Recompute the validity of rows ``[r0, r1)`` for ``kind``; returns it ((r1 - r0) * E,) and how many of those
+        starts are valid."""
         ok = self.validity(r0, r1, kind)
         valid = self.valid[kind].reshape(-1)  # (M*E,) view
         lo, hi = r0 * self.n_envs, r1 * self.n_envs
@@ -180,40 +170,37 @@ class StartRing:
         return ok, n_ok
 
     def one_range(self, kind: int) -> bool:
-        """Whether the valid starts of ``kind`` are every env's start in one ring range of rows:
-        always for kind 0; with ``NEXT_OBS`` while no truncation is stored, with ``IN_EPISODE``
-        while no episode end is (or windows are single rows)."""
+        """Whether the valid starts of ``kind`` are every env's start in one ring range of rows: always for kind 0;
+        with ``NEXT_OBS`` while no truncation is stored, with ``IN_EPISODE`` while no episode end is (or windows are
+        single rows)."""
         return self.n_last == 0 and (not kind & NEXT_OBS or self.n_trunc == 0) and \
             (not kind & IN_EPISODE or self.n_ends == 0 or self.n_steps == 1)
 
     def range_starts(self, kind: int) -> tuple[int, int]:
-        """``(oldest row, number of valid starts)`` when :meth:`one_range`: starts
-        ``(oldest + t) % M`` for ``t < count - window + 1``, every env."""
+        """``(oldest row, number of valid starts)`` when :meth:`one_range`: starts ``(oldest + t) % M`` for
+        ``t < count - window + 1``, every env."""
         return self.oldest, max(self.count - self.window(kind) + 1, 0) * self.n_envs
 
     @property
     def oldest(self) -> int:
-        """The oldest row held: rows held are the ``count`` rows before ``pos``
-        (a crash-safe storage directory may re-open holding fewer rows than were written before
-        ``pos``)."""
+        """The oldest row held: rows held are the ``count`` rows before ``pos`` (a crash-safe storage directory may
+        re-open holding fewer rows than were written before ``pos``)."""
         return (self.pos - self.count) % self.max_rows
 
     def locate(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(env, row, step)`` int64 of flat starts ``flat`` (any shape): ``flat = row * E + env``;
-        ``step`` counts the env's rows ever written (``total - count`` rows before the oldest held).
-        ``IndexError`` for an index outside ``[0, M*E)`` or a row not held."""
+        """``(env, row, step)`` int64 of flat starts ``flat`` (any shape): ``flat = row * E + env``; ``step`` counts
+        the env's rows ever written (``total - count`` rows before the oldest held). ``IndexError`` for an index
+        outside ``[0, M*E)`` or a row not held."""
         flat, size = flat.astype(np.int64), self.max_rows * self.n_envs
         bad = (flat < 0) | (flat >= size)
         if bad.any():
-            raise IndexError(f"indices: expected flat starts in [0, {size}), got "
-                             f"{flat[bad][:5].tolist()}")
+            raise IndexError(f"indices: expected flat starts in [0, {size}), got {flat[bad][:5].tolist()}")
         row, env = flat // self.n_envs, flat % self.n_envs
         age = (row - self.oldest) % self.max_rows  # 0 = the oldest row held
         bad = age >= self.count
         if bad.any():
-            raise IndexError(f"indices: rows {np.unique(row[bad])[:5].tolist()} are not held (the "
-                             "buffer "
-                             f"holds {self.count} rows per env)")
+            raise IndexError(f"indices: rows {np.unique(row[bad])[:5].tolist()} are not held (the buffer holds "
+                             f"{self.count} rows per env)")
         step = self.total - self.count + age
         return tuple(np.array(a, dtype=np.int64).reshape(flat.shape) for a in (env, row, step))
 
@@ -223,12 +210,11 @@ class StartRing:
             self.valid[kind][:] = False
             self.n_valid[kind] = 0
 
-    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray,
-                total: int | None = None,
+    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray, total: int | None = None,
                 last: np.ndarray | None = None) -> None:
-        """Set the write position, row count, truncation flags, episode ends, (default: ``count``)
-        rows ever written and rows holding no transition (default: none); the flags are copied;
-        validity is forgotten, and every generation handed out before is stale."""
+        """Set the write position, row count, truncation flags, episode ends, (default: ``count``) rows ever written
+        and rows holding no transition (default: none); the flags are copied; validity is forgotten, and every
+        generation handed out before is stale."""
         self.base += self.total + 1
         self.pos, self.count = pos, count
         self.trunc, self.ends = np.array(trunc, dtype=bool), np.array(ends, dtype=bool)

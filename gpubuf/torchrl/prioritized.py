@@ -144,7 +144,7 @@ class SumTree(_Leaves):
 
     def __init__(self, writes: _Writes):
         super().__init__(writes)
-        self.tree = PrefixSumTree(self.capacity, self.device, ops.backend_for(self.device))
+        self.tree = PrefixSumTree(self.capacity, ops.backend_table(self.device))
 
     @property
     def leaves(self) -> torch.Tensor:

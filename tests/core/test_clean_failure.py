@@ -154,7 +154,7 @@ def test_a_draw_without_replacement_that_fails_restores_priorities_and_generator
 def test_a_stacked_gather_that_fails_after_the_draw_restores_the_generator(monkeypatch, where):
     buf = replay(PrioritizedTransitionBuffer)
     before = state(buf)
-    fail_on_call(monkeypatch, stacked_sampling.ops, where, 1)
+    fail_on_call(monkeypatch, buf.storage.table, where, 1)  # the stacks' and returns' ops: the storage's table
     with pytest.raises(MemoryError, match="batch_size: sample"):
         buf.sample(batch_size=6, frame_stack=2, n_step_return=(2, 0.9))
     assert_same(buf, before)

@@ -20,9 +20,9 @@ def test_every_launcher_dtype_is_covered():
     variants = signatures.variants()
     assert {v.name for v in variants} == {"history.append", "history.gather_frames", "history.pack_blocks",
                                           "sequence.gather", "prefix_tree.update",
-                                          "prefix_tree.sample", "stacks.stack", "stacks.returns"}
+                                          "prefix_tree.sample", "stacks.stack", "stacks.returns", "priorities.write"}
     per_index_width = (4 * len(WORDS) + len(signatures.history.FLOATS) + len(signatures.history.INTS) + 3
-                       + len(signatures.stacks.REWARDS))
+                       + len(signatures.stacks.REWARDS) + 4)  # priorities.write: TD errors x running maximum dtypes
     assert len(variants) == len(INDEX) * per_index_width
     assert signatures.prefix_tree.FANOUT == FANOUT  # the tree kernels compile for the fan-out the buffers use
 

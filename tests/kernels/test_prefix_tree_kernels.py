@@ -14,7 +14,7 @@ from scipy import stats
 
 from gpubuf.kernels import prefix_tree as pt
 from gpubuf.kernels import sequence as sequence_kernels
-from gpubuf.ops import host_loops
+from gpubuf.ops import backend_table, host_loops
 from gpubuf.ops.prefix_tree import sample_twin, update_range_twin, update_twin
 from gpubuf.ops.sequence import gather_twin
 from gpubuf.replay.sampling.tree import PrefixSumTree
@@ -26,7 +26,7 @@ GPU_RTOL = 1e-13  # float64 sums of <= 64 positive terms, added in any order, ag
 def make_tree(capacity, fanout, seed=0, zero_frac=0.3):
     """A tree with random leaf masses (some exactly zero) built through the torch twin."""
     g = torch.Generator().manual_seed(seed)
-    tree = PrefixSumTree(capacity, torch.device(DEVICE), "torch", fanout)
+    tree = PrefixSumTree(capacity, backend_table(torch.device(DEVICE), "torch"), fanout)
     tree.tree = torch.zeros(tree.size, dtype=torch.float64, device=DEVICE)
     mass = torch.rand(capacity, generator=g, dtype=torch.float64) * 10
     mass[torch.rand(capacity, generator=g) < zero_frac] = 0
@@ -121,7 +121,7 @@ def test_float_drift_after_millions_of_updates():
     """3 million leaf updates (3000 vectorised batches of 1000 indices, priorities spanning 12 decades): the
     tree stays a deterministic function of its leaves, so afterwards every live leaf is still sampled."""
     cap, F = 1000, 16
-    tree = PrefixSumTree(cap, torch.device("cpu"), "torch", F)
+    tree = PrefixSumTree(cap, backend_table(torch.device("cpu"), "torch"), F)
     tree.tree = torch.zeros(tree.size, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     for _ in range(3000):
@@ -159,7 +159,8 @@ def test_many_program_update_matches_twin(capacity, fanout, K, monkeypatch):
 
 
 def test_many_program_grids_cover_every_touched_parent():
-    tree = PrefixSumTree(2**20 + 5, torch.device("cpu"), "torch", 32)  # levels: 2**20+32, 2**15+32, 1056, 64, 32
+    # levels: 2**20+32, 2**15+32, 1056, 64, 32
+    tree = PrefixSumTree(2**20 + 5, backend_table(torch.device("cpu"), "torch"), 32)
     assert pt.level_grids(2**20 + 5, 0, tree.offsets, 32, True) == [1025, 1025, 33, 2, 1]
     assert pt.level_grids(4096, 0, tree.offsets, 32, False) == [4, 128, 128, 128, 128]
     assert pt.level_grids(40, 31, tree.offsets, 32, True) == [1, 1, 1, 1, 1]
@@ -234,7 +235,7 @@ def test_descent_never_returns_a_dead_or_padding_leaf(capacity, fanout, kind):
     """Zeros, subnormals, infinite sums, a single live leaf: both the twin and the kernel return only leaves
     of positive mass below the capacity, for uniforms across [0, 1) including both ends."""
     mass = _adversarial(capacity, kind)
-    tree = PrefixSumTree(capacity, torch.device(DEVICE), "torch", fanout)
+    tree = PrefixSumTree(capacity, backend_table(torch.device(DEVICE), "torch"), fanout)
     tree.tree = torch.zeros(tree.size, dtype=torch.float64, device=DEVICE)
     tree.update(torch.arange(capacity, device=DEVICE), mass.to(DEVICE))
     u = torch.cat([torch.tensor([0.0, 1.0 - 2**-53, 0.5]), torch.rand(29, dtype=torch.float64,

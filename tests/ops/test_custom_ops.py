@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from gpubuf.ops import history, prefix_tree, sequence, stacks
+from gpubuf.ops import backend_table, history, prefix_tree, priorities, sequence, stacks
 from gpubuf.replay.sampling.tree import PrefixSumTree
 
 # every op registered in the gpubuf namespace
@@ -14,11 +14,11 @@ CPU = {"history_append": history.append_twin, "history_gather_frames": history.g
        "history_pack_blocks": history.pack_blocks_twin, "tree_sample": prefix_tree.sample_twin,
        "tree_update": prefix_tree.update_twin, "tree_update_range": prefix_tree.update_range_twin,
        "sequence_gather": sequence.gather_cpu, "frame_stack": stacks.stack_cpu,
-       "n_step_return": stacks.return_cpu}
+       "n_step_return": stacks.return_cpu, "priority_write": priorities.write_host}
 
 
 def _tree(capacity: int, fanout: int = 4) -> PrefixSumTree:
-    tree = PrefixSumTree(capacity, torch.device("cpu"), "torch", fanout=fanout)
+    tree = PrefixSumTree(capacity, backend_table(torch.device("cpu"), "torch"), fanout=fanout)
     tree.update_range(0, torch.arange(1, capacity + 1, dtype=torch.float64))
     return tree
 
@@ -47,6 +47,11 @@ def _samples() -> dict:
                           torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.int64),
                           torch.zeros(3, dtype=torch.bool), torch.zeros(3, dtype=torch.bool),
                           torch.tensor([0.5], dtype=torch.float64), 2, 2, 3),
+        # start 3 twice (its largest new priority is kept), start 35 of zero validity
+        "priority_write": (torch.arange(37, dtype=torch.float32), [t.tree.clone()], [torch.arange(37) % 5 != 0],
+                           t.offsets, t.fanout, torch.tensor([3, 30, 3, 35]),
+                           torch.tensor([0.5, -2.0, 4.0, 1.0], dtype=torch.float64), 1e-6, 0.5, 1e30,
+                           torch.ones(1, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)),
     }
 
 
@@ -54,7 +59,8 @@ def test_every_operation_is_a_registered_op_that_declares_what_it_writes():
     want = {"history_append": ["storages"], "history_gather_frames": ["outs"], "history_pack_blocks": ["out"],
             "tree_sample": ["out"], "tree_update": ["tree"], "tree_update_range": ["tree"],
             "sequence_gather": ["outs"], "frame_stack": ["outs"],
-            "n_step_return": ["ret", "disc", "boot", "term", "cut"]}
+            "n_step_return": ["ret", "disc", "boot", "term", "cut"],
+            "priority_write": ["priority", "trees", "box", "result"]}
     written = {}
     for name in OPS:
         op = getattr(torch.ops.gpubuf, name).default

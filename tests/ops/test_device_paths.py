@@ -12,6 +12,7 @@ from fixtures import make_transition
 from gpubuf import ops
 from gpubuf._core.staging import Staging
 from gpubuf.kernels import history, prefix_tree, sequence  # imported while the interpreter is set (conftest)
+from gpubuf.ops import backend_table
 from gpubuf.ops.prefix_tree import sample_twin
 from gpubuf.replay.sampling.tree import PrefixSumTree
 
@@ -52,7 +53,7 @@ def test_a_triton_request_on_host_tensors_runs_the_twin_without_the_interpreter(
                           (prefix_tree, ("sample", "update", "update_range")), (sequence, ("gather",))):
         for name in names:
             monkeypatch.setattr(module, name, refused(f"{module.__name__}.{name}"))
-    t = PrefixSumTree(37, torch.device("cpu"), "triton", fanout=4)
+    t = PrefixSumTree(37, backend_table(torch.device("cpu"), "triton"), fanout=4)
     t.update_range(0, torch.arange(1, 38, dtype=torch.float64))
     t.update(torch.tensor([3, 5]), torch.tensor([0.5, 0.25], dtype=torch.float64))
     want = torch.empty(9, dtype=torch.int64)
@@ -122,7 +123,7 @@ def test_every_launcher_launches_under_its_tensors_device(guarded, monkeypatch):
     history.append([storage.clone()], [torch.zeros(2, 5, dtype=torch.int64)], torch.tensor([1, 4]))
     history.gather_frames([storage], [torch.zeros(2, 2, 5, dtype=torch.int64)], meta, 2, 1, 3)
     history.pack_blocks(storage.float(), torch.zeros(2, 1, 5), meta, 2, 1, 3)
-    t = PrefixSumTree(300, cpu, "torch", fanout=4)
+    t = PrefixSumTree(300, backend_table(cpu, "torch"), fanout=4)
     prefix_tree.update_range(t.tree, t.offsets, 4, 0, torch.ones(300, dtype=torch.float64))
     prefix_tree.update(t.tree, t.offsets, 4, torch.tensor([3, 30]), torch.ones(2, dtype=torch.float64))
     monkeypatch.setattr(prefix_tree, "MANY_PROGRAMS_FROM", 1)  # one launch per level

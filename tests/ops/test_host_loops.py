@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpubuf.ops import host_loops
+from gpubuf.ops import backend_table, host_loops
 from gpubuf.ops import prefix_tree as pt
 from gpubuf.replay.sampling.tree import PrefixSumTree
 
@@ -14,7 +14,7 @@ CPU = torch.device("cpu")
 
 
 def trees(capacity: int, fanout: int):
-    a, b = (PrefixSumTree(capacity, CPU, "torch", fanout) for _ in range(2))
+    a, b = (PrefixSumTree(capacity, backend_table(CPU, "torch"), fanout) for _ in range(2))
     values = torch.arange(1, capacity + 1, dtype=torch.float64)
     pt.update_range_twin(a.tree, a.offsets, fanout, 0, values)
     pt.update_range_host(b.tree, b.offsets, fanout, 0, values)

@@ -276,6 +276,15 @@ def test_refusals_raise_on_every_rank_and_what_is_offered_passes(runs, name):
         assert r["defaults_given"] == (2, 2)  # (batch, global indices) when prioritized; a batch of 2 when uniform
 
 
+@pytest.mark.parametrize("name", GROUPS)
+def test_the_new_call_returns_a_batch_and_refuses_units_by_name(runs, name):
+    for r in runs[name]:
+        assert r["per_batch"] == ("Batch", (2,), (2,), None, True)
+        assert r["uni_batch"] == ("Batch", None, None, (2, dw.N_STEPS, 2))
+        kind, msg = r["refused_unit"]
+        assert kind == "ValueError" and msg.startswith("frame_stack: ShardedBuffer.sample returns windows"), msg
+
+
 def test_sample_takes_the_signature_every_buffer_shares():
     import inspect
 

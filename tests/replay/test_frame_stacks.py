@@ -322,6 +322,7 @@ def test_the_cpu_paths_and_the_kernels_match_the_twins_on_random_marks(seed, dev
     from conftest import INTERPRET
 
     from gpubuf.kernels import stacks as kernels
+    from gpubuf.ops import backend_table
     from gpubuf.ops import stacks as ops_stacks
 
     g = torch.Generator().manual_seed(seed)
@@ -350,11 +351,11 @@ def test_the_cpu_paths_and_the_kernels_match_the_twins_on_random_marks(seed, dev
         kernels.returns(starts, reward, marks, held, (ret, disc, boot, term.view(torch.uint8), cut.view(torch.uint8)),
                         gamma, n, E, M)
 
-    def stack_host(*args, **kw):
-        ops_stacks.frame_stack("torch", *args, **kw)
+    def stack_host(*args, env_major=False):
+        backend_table(torch.device("cpu"), "torch", env_major).frame_stack(*args)
 
-    def return_host(*args, **kw):
-        ops_stacks.n_step_return("torch", *args, **kw)
+    def return_host(*args, env_major=False):
+        backend_table(torch.device("cpu"), "torch", env_major).n_step_return(*args)
 
     want = stacked(ops_stacks.stack_twin, storage, "cpu")
     assert torch.equal(stacked(stack_host, storage, "cpu"), want)

@@ -14,6 +14,7 @@ from gpubuf._core.transition import Transition
 from gpubuf.apps.benchmarking.peers import Peers
 from gpubuf.apps.benchmarking.timing import median_us, syncer
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
+from gpubuf.replay.sampling.units import Unit
 
 OBS, ACT, CHUNK = 17, 6, 2**16
 ROW_BYTES = (OBS + ACT + 1) * 4 + 2
@@ -86,7 +87,8 @@ def gpubuf_per(fill: dict, batch: dict, device: torch.device) -> dict:
     gen = torch.Generator(device=device).manual_seed(2)
 
     def sample(replace=True):
-        out, state["idx"] = buf.sample(key=gen, with_replacement=replace)
+        out = buf.sample(key=gen, with_replacement=replace, unit=Unit.window())
+        state["idx"] = out.indices
         return out
 
     sample()

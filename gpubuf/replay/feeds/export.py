@@ -17,8 +17,8 @@ that the buffer's first rows are reset frames (it was attached before the source
 not wrapped since, and its rows were not loaded by ``load_state_dict``, which numbers them from 0 again).
 The row after an ``is_last`` row is taken for a reset frame, which holds for a buffer that stays attached to
 its source: one detached and attached again mid-episode starts each env with a partial episode there, which
-this cannot tell from a whole one (drop the episodes with ``first_step`` at the re-attach). A buffer that keeps no final
-observation (``vectorized_env=False``, or an env that resets inside the step that ends an episode) is refused.
+this cannot tell from a whole one (drop the episodes with ``first_step`` at the re-attach). A buffer that keeps no
+final observation (``vectorized_env=False``, or an env that resets inside the step that ends an episode) is refused.
 """
 
 from collections.abc import Iterator
@@ -32,6 +32,28 @@ def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
     (T + 1, ...)}}`` numpy arrays (an ``info`` leaf's value on each observation's row; with stored next
     observations, the last one repeats the last transition's). ``ValueError`` naming ``buffer`` for a buffer
     that keeps no final observations."""
+    state, data = _exported_data(buffer, first_is_reset)
+    is_last = data.get("info['is_last']")
+    M, count, pos = data["observation"].shape[0], state["count"], state["pos"]
+    rows = (pos - count + np.arange(count)) % M  # oldest first
+    infos = [n for n in data if n.startswith("info[") and n != "info['is_last']"]
+    first_step = buffer.locate(np.asarray([rows[0] * buffer.n_envs]))[2].item() if count else 0
+    for env in range(buffer.n_envs):
+        col = {k: v[rows, env] for k, v in data.items()}
+        ends = col["info['is_last']"] if is_last is not None else col["terminated"] | col["truncated"]
+        ends = np.flatnonzero(ends)
+        if first_is_reset and first_step == 0:  # the first row is a reset frame: as if an episode ended before
+            ends = np.concatenate([[-1], ends])
+        for a_end, b_end in zip(ends[:-1], ends[1:], strict=True):
+            a, b = a_end + 1, b_end
+            episode = _episode(col, a, b, infos, is_last is not None)
+            if episode is not None:
+                yield {"env": env, "first_step": first_step + int(a), **episode}
+
+
+def _exported_data(buffer, first_is_reset) -> tuple[dict, dict[str, np.ndarray]]:
+    """``buffer``'s state dict and its data as numpy arrays ``(M, n_envs, ...)``, once the checks that it can be
+    cut into episodes have passed."""
     if not callable(getattr(buffer, "state_dict", None)) or not hasattr(buffer, "locate"):
         raise TypeError(f"buffer: expected a TransitionBuffer, got {type(buffer).__name__}")
     state = buffer.state_dict()
@@ -45,44 +67,36 @@ def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
     if nested:
         raise ValueError(f"buffer: nested observations or actions ({nested[:3]}) are not exported; export a buffer "
                          "of one observation and one action leaf")
-    is_last = data.get("info['is_last']")
-    has_next = "next_observation" in data
-    if is_last is None and not has_next:
+    if "info['is_last']" not in data and "next_observation" not in data:
         raise ValueError("buffer: it keeps no final observations (no info['is_last'] rows of an env source and no "
                          "stored next_observation: an env that resets inside the step that ends an episode), so its "
                          "episodes cannot have T + 1 observations")
-    M, count, pos = data["observation"].shape[0], state["count"], state["pos"]
-    rows = (pos - count + np.arange(count)) % M  # oldest first
-    infos = [n for n in data if n.startswith("info[") and n != "info['is_last']"]
-    first_step = buffer.locate(np.asarray([rows[0] * buffer.n_envs]))[2].item() if count else 0
-    for env in range(buffer.n_envs):
-        col = {k: v[rows, env] for k, v in data.items()}
-        ends = col["info['is_last']"] if is_last is not None else col["terminated"] | col["truncated"]
-        ends = np.flatnonzero(ends)
-        if first_is_reset and first_step == 0:  # the first row is a reset frame: as if an episode ended before
-            ends = np.concatenate([[-1], ends])
-        for a_end, b_end in zip(ends[:-1], ends[1:], strict=True):
-            if is_last is not None:  # rows a..b: reset frame .. final observation
-                a, b = a_end + 1, b_end
-                if b <= a:
-                    continue
-                sl, T = slice(a, b + 1), b - a
-                obs = col["observation"][sl]
-                term = col["terminated"][a:b].astype(bool).copy()
-                trunc = np.zeros(T, bool)
-                trunc[-1] = not term[-1]
-                info = {n: col[n][sl] for n in infos}
-            else:  # rows a..b, b's next observation the final one
-                a, b = a_end + 1, b_end
-                sl, T = slice(a, b + 1), b - a + 1
-                obs = np.concatenate([col["observation"][sl], col["next_observation"][b:b + 1]])
-                term = col["terminated"][sl].astype(bool).copy()
-                trunc = col["truncated"][sl].astype(bool) & ~term
-                info = {n: np.concatenate([col[n][sl], col[n][b:b + 1]]) for n in infos}
-            yield {"env": env, "first_step": first_step + int(a), "observations": obs,
-                   "actions": col["action"][a:a + T], "rewards": col["reward"][a:a + T].astype(np.float64),
-                   "terminations": term, "truncations": trunc,
-                   "infos": {_info_name(n): v for n, v in info.items()}}
+    return state, data
+
+
+def _episode(col: dict[str, np.ndarray], a: int, b: int, infos: list[str], source_rows: bool) -> dict | None:
+    """The episode on rows ``a..b`` of one env's columns ``col`` (oldest first): with ``source_rows`` (an env
+    source's rows) ``a`` is its reset frame and ``b`` its final observation (``None`` when ``b <= a``), else ``b``'s
+    stored next observation is the final one. ``infos``: the info leaves to carry."""
+    sl = slice(a, b + 1)
+    if source_rows:
+        if b <= a:
+            return None
+        T = b - a
+        obs = col["observation"][sl]
+        term = col["terminated"][a:b].astype(bool).copy()
+        trunc = np.zeros(T, bool)
+        trunc[-1] = not term[-1]
+        info = {n: col[n][sl] for n in infos}
+    else:
+        T = b - a + 1
+        obs = np.concatenate([col["observation"][sl], col["next_observation"][b:b + 1]])
+        term = col["terminated"][sl].astype(bool).copy()
+        trunc = col["truncated"][sl].astype(bool) & ~term
+        info = {n: np.concatenate([col[n][sl], col[n][b:b + 1]]) for n in infos}
+    return {"observations": obs, "actions": col["action"][a:a + T],
+            "rewards": col["reward"][a:a + T].astype(np.float64), "terminations": term, "truncations": trunc,
+            "infos": {_info_name(n): v for n, v in info.items()}}
 
 
 def _info_name(leaf: str) -> str:
@@ -114,10 +128,9 @@ def to_hdf5(buffer, path, first_is_reset: bool = False) -> int:
 def to_minari(buffer, dataset_id: str, *, env=None, observation_space=None, action_space=None,
               first_is_reset: bool = False, **metadata):
     """A Minari dataset ``dataset_id`` of every whole episode of ``buffer`` (:func:`episodes`, ``first_is_reset``
-    as there; ``infos`` as
-    Minari's per-observation infos), made with ``minari.create_dataset_from_buffers``: give the ``env`` (an id,
-    a gymnasium env or spec) or both spaces; ``metadata`` (``author``, ``algorithm_name``, ...) is passed on.
-    Returns the dataset. ``ValueError`` when the buffer holds no whole episode."""
+    as there; ``infos`` as Minari's per-observation infos), made with ``minari.create_dataset_from_buffers``: give
+    the ``env`` (an id, a gymnasium env or spec) or both spaces; ``metadata`` (``author``, ``algorithm_name``, ...)
+    is passed on. Returns the dataset. ``ValueError`` when the buffer holds no whole episode."""
     import minari
     from minari.data_collector.episode_buffer import EpisodeBuffer
 

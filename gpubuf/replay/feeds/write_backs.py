@@ -23,8 +23,21 @@ from gpubuf.replay.config import IS_LAST
 
 def generations(ring, idx: torch.Tensor) -> torch.Tensor:
     """``(B,)`` int64 generations of held flat starts ``idx`` (B,) int64, on their device (no read-back)."""
-    row = torch.div(idx, ring.n_envs, rounding_mode="floor")
-    return (row - ring.oldest).remainder(ring.max_rows) + (ring.base + ring.total - ring.count)
+    return generations_at(origin(ring), idx)
+
+
+def origin(ring) -> tuple[int, int, int, int, int]:
+    """What the generations of the rows held depend on, now: ``(n_envs, max_rows, pos, count, base + total)``
+    (host ints, no device work)."""
+    return ring.n_envs, ring.max_rows, ring.pos, ring.count, ring.base + ring.total
+
+
+def generations_at(at: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` int64 generations of flat starts ``idx`` (B,) int64 held when the ring was at :func:`origin`
+    ``at``, on their device: the oldest row held is generation ``base + total - count``, each later row one more."""
+    n_envs, max_rows, pos, count, end = at
+    row = torch.div(idx, n_envs, rounding_mode="floor")
+    return (row - (pos - count) % max_rows).remainder(max_rows) + (end - count)
 
 
 def current(ring, idx: torch.Tensor, given) -> torch.Tensor:
@@ -35,7 +48,7 @@ def current(ring, idx: torch.Tensor, given) -> torch.Tensor:
     if g.dim() != 1 or g.shape[0] != idx.shape[0] or g.dtype.is_floating_point or g.dtype.is_complex \
             or g.dtype == torch.bool:
         raise ValueError(f"generations: expected a 1-D integer array of {idx.shape[0]} values (one per index, as "
-                         f"sample(return_generations=True) returns them), got {g.dtype} of shape {tuple(g.shape)}")
+                         f"a sampled Batch's generations hold them), got {g.dtype} of shape {tuple(g.shape)}")
     now = generations(ring, idx.to(torch.int64))
     held = now < ring.base + ring.total  # its age below the rows held
     return held & (now == g.to(device=idx.device, dtype=torch.int64))

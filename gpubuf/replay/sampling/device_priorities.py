@@ -13,9 +13,8 @@ import weakref
 
 import torch
 
-from gpubuf.ops import host_loops
+from gpubuf.ops import BAD_INDEX, NOT_FINITE, OVERFLOW
 
-BAD_INDEX, NOT_FINITE, OVERFLOW = 1, 2, 4
 _WHY = {BAD_INDEX: "indices outside [0, {size})", NOT_FINITE: "td_errors with |td| + eps NaN or infinite",
         OVERFLOW: "td_errors whose priority ** alpha over every start overflows float64"}
 
@@ -41,27 +40,11 @@ class DevicePriorityUpdates:
     def apply(self, idx: torch.Tensor, td: torch.Tensor) -> None:
         """Priorities ``|td| + eps`` of flat starts ``idx`` (K,) int64, ``td`` (K,) real, both on the device, K >= 1
         (duplicates keep their largest), or nothing when any value fails a check; device ops only."""
-        s, td = self.sampler, td.detach()  # TD errors may come straight from a loss
-        if host_loops.runs(s.backend, s.device):
-            code, _ = s.write_compiled(idx, td)  # checks first, then priorities, trees and max, or nothing
-            if code:
-                self.flags.bitwise_or_(code)
-                self.dropped.add_(1)
-            return
-        new = td.to(torch.float32).abs().add_(s.eps)
-        top = new.amax()
-        finite = torch.isfinite(top)
-        code = ((idx < 0) | (idx >= s.size)).any().to(torch.int32) * BAD_INDEX \
-            + (~finite).to(torch.int32) * NOT_FINITE \
-            + (finite & (top.double() >= self.limit)).to(torch.int32) * OVERFLOW  # as the host check: in float64
-        ok = code == 0
-        safe = idx.clamp(0, s.size - 1)
-        s.priority.scatter_reduce_(0, safe, torch.where(ok, new, s.priority.index_select(0, safe)), "amax",
-                                   include_self=False)
-        self.max.copy_(torch.maximum(self.max, torch.where(ok, top, self.max)))
+        s = self.sampler
+        s.write(idx, td.detach())  # checks first, then priorities, trees and max, or nothing: the code on the device
+        code = s.written_code()
         self.flags.bitwise_or_(code)
-        self.dropped.add_((~ok).to(torch.int64))
-        s.refresh_masses(safe)
+        self.dropped.add_((code != 0).to(torch.int64))
 
     def raise_pending(self) -> None:
         """Raise ``ValueError`` (``IndexError`` when only indices failed) naming what the dropped updates held, once

@@ -40,6 +40,10 @@ class EagerSample:
     def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
                 return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
         """:meth:`sample` with the buffer's defaults resolved: check, draw, read."""
+        if type(with_next_obs) is not bool:
+            with_next_obs = check_bool("with_next_obs", with_next_obs)
+        if type(with_replacement) is not bool:
+            with_replacement = check_bool("with_replacement", with_replacement)
         if type(return_indices) is not bool:
             return_indices = check_bool("return_indices", return_indices)
         if type(return_generations) is not bool:

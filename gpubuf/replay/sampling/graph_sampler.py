@@ -14,7 +14,7 @@ from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.inputs import check_bool, check_device_updates
 from gpubuf._core.transition import Transition
-from gpubuf.replay.sampling.plan import check_fixed, fixed_plan, minibatch_count, split, tracing
+from gpubuf.replay.sampling.plan import check_fixed, fixed_plan, minibatch_count, split
 
 
 @refuse_copies("its tensors may be captured in a CUDA graph of its buffer; build a new one with "
@@ -84,7 +84,7 @@ class GraphSampler:
         With ``minibatches=K``: ``K`` minibatches of one draw, every leaf ``(K, B, ...)`` and ``indices`` ``(K,
         B)``, each minibatch's ``PER_weights`` normalised by its own largest."""
         plan, draw = self._plan, self._draw
-        if self.generator is not None and tracing():
+        if self.generator is not None and self.buffer.table.tracing():
             raise ValueError("generator: torch.compile cannot trace a torch.Generator; build the GraphSampler with "
                              "generator=None (the device's default generator, seeded by torch.manual_seed)")
         draw.draw(self.generator)

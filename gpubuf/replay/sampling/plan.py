@@ -46,16 +46,6 @@ from gpubuf.replay.storage.memory import leaves_of_words, word_views
 FLAGS = ("PER_weights", "is_first", "mask", "has_transition")  # leaves a traced batch takes from the fixed one
 
 
-def tracing() -> bool:
-    """Whether ``torch.compile`` traces this call (a fixed plan then returns its leaves as views)."""
-    return torch.compiler.is_compiling()
-
-
-def uses_tables(reader) -> bool:
-    """Whether a fixed plan of ``reader``'s buffer launches Triton copy tables uploaded once (time-major storage)."""
-    return reader.backend == "triton" and reader.storage.dir is None
-
-
 class WindowsRead:
     """Read paths 1-5 of a plan's plain leaves: ``jobs`` ``{output path: (given tensor or None, stored path, shift,
     shape)}`` of ``B`` starts; ``keep``: the outputs are held (fixed, or given), ``fixed``: allocated here;
@@ -69,15 +59,15 @@ class WindowsRead:
         if keep and storage.device == device:
             self.result, self.work = storage.outputs(B, jobs, device)
             self.views = word_views(self.result, self.work)
-            if fixed and uses_tables(reader):
-                self.tables = ops.sequence_tables(self.work, B, self.config.n_steps, device)
+            if fixed and storage.table.fixed_tables:  # pointer tables uploaded once
+                self.tables = storage.table.window_tables(self.work, B, self.config.n_steps, device)
 
     def run(self, starts: torch.Tensor, traced: bool = False) -> dict:
         """``{output path: tensor}``: the windows of flat ``starts`` (B,) int64."""
         if self.work is not None:
             c = self.config
             if self.tables is not None:
-                ops.sequence_gather_fixed(self.tables, starts, c.n_steps, c.n_envs, c.max_rows)
+                self.storage.table.window_gather_fixed(self.tables, starts, c.n_steps, c.n_envs, c.max_rows)
             else:
                 self.storage.gather_windows(self.work, starts)
             return leaves_of_words(self.views, self.work) if traced and self.views is not None else self.result
@@ -100,7 +90,7 @@ class SamplePlan:
         self.config, self.B, self.boundaries, self.fixed = config, B, boundaries, fixed
         # the weigh stage: ``weigh(batch, drawn masses (B,))`` sets ``batch.PER_weights`` (a uniform buffer's: none)
         self.weigh = reader.sampler.weigh
-        self.device, self.given, self.tables = reader.device, out, None
+        self.device, self.table, self.given, self.tables = reader.device, reader.table, out, None
         self.stacks = None if spec is None else StackedGather(reader, spec, B, with_next_obs)
         plain = config.jobs(B, with_next_obs) if spec is None else self.stacks.plain
         jobs = storage.check_out(out, plain, reader.device, owned)
@@ -110,7 +100,7 @@ class SamplePlan:
         self.held = self.stacks.outputs() if fixed and self.stacks is not None else None
         self.out = None
         if fixed:
-            if self.held is not None and uses_tables(reader):
+            if self.held is not None and storage.table.fixed_tables:
                 self.tables = self.stacks.tables(self.held)
             self.out = config.with_flags(self._batch(self.windows.result, self.held), boundaries, self.device)
 
@@ -123,7 +113,7 @@ class SamplePlan:
 
     def read(self, starts: torch.Tensor, outputs: dict | None = None) -> Transition:
         """The flagged batch of flat ``starts`` (B,) int64 (``outputs``: :meth:`outputs`' set for this read)."""
-        traced = self.fixed and tracing() and (self.stacks is not None or self.windows.views is not None)
+        traced = self.fixed and self.table.tracing() and (self.stacks is not None or self.windows.views is not None)
         plain = self.windows.run(starts, traced)
         if self.stacks is not None:
             self.stacks.run(starts, outputs, self.tables)
@@ -149,6 +139,7 @@ class DeviceDraw:
     def __init__(self, buffer, kind: int, B: int, groups: int):
         dev, self.groups, self.kind = buffer.device, groups, kind
         self.tree, self.selector = buffer.sampler.tree(kind), buffer.selector  # the tree: kept current from now on
+        self.table = buffer.table
         self.u = torch.empty(B, dtype=torch.float64, device=dev)
         self.starts = torch.empty(B, dtype=torch.int64, device=dev)
         self.prioritized = buffer.sampler.prioritized
@@ -174,14 +165,9 @@ class DeviceDraw:
     def weigh(self, weights: torch.Tensor) -> None:
         """``weights`` (B,) float32 = ``(P_i / min_minibatch P)**-beta``, in place: no allocation, the buffer's beta
         when this runs (or is replayed)."""
-        mass = self.mass.view(self.groups, -1)
-        if tracing():  # functional: AOTAutograd may read a 0-d out= buffer's old value
-            mass.div_(mass.amin(1, keepdim=True)).pow_(torch.neg(self._beta))
-        else:
-            torch.amin(mass, 1, keepdim=True, out=self._min)
-            torch.neg(self._beta, out=self._neg_beta)
-            mass.div_(self._min).pow_(self._neg_beta)
-        weights.copy_(self.mass)
+        K = self.groups
+        self.table.importance_weights(self.mass.view(K, -1), self._beta, weights.view(K, -1),
+                                      (self._min, self._neg_beta))
 
 
 def check_fixed(buffer) -> None:

@@ -24,12 +24,12 @@ from gpubuf.replay.sampling.tree import FANOUT
 
 class BatchReader(RowEvents):
     """The reads of one buffer's samples: its ``config``, ``storage`` and ``ring``
-    (:class:`~gpubuf.replay.ring.StartRing`: the rows held), the ``sampler`` that weighs them, the sampling
-    ``device`` and its ``backend``; the episode marks, built by the first read that needs them."""
+    (:class:`~gpubuf.replay.ring.StartRing`: the rows held), the ``sampler`` that weighs them and the sampling
+    device's backend ``table``; the episode marks, built by the first read that needs them."""
 
-    def __init__(self, config, storage, ring, sampler, device: torch.device, backend: str):
+    def __init__(self, config, storage, ring, sampler, table: ops.Backend):
         self.config, self.storage, self.ring, self.sampler = config, storage, ring, sampler
-        self.device, self.backend = device, backend
+        self.device, self.table = table.device, table
         self._plans = ops.LRU(8)  # (plan, what) per sample configuration
         self._last_plan = (None, None)  # (key, (plan, what)) of the last sample (a loop asks the same each step)
         self._marks = None  # EpisodeMarks, built by the first sample that needs them
@@ -156,11 +156,11 @@ class BatchReader(RowEvents):
         per += 2 * n + 24  # is_first and mask; starts, masses, weights
         work = 8 * n * 2  # window rows
         if draw:
-            if self.backend == "torch":
+            if not self.table.kernels:
                 work += 2 * FANOUT * 8 + 48  # the twin's descent: children and their sums
             if not with_replacement:
                 work = 2 * (work + 64)  # rounds of 2 B draws, made unique
-        if spec is not None and self.storage.backend == "torch":
+        if spec is not None and not self.storage.table.kernels:
             reach = (k - 1) * spec.stride
             stack = reach * 18 + k * 8  # the back-reach masks and frame rows of one stack
             work += n * stack * (spec.k is not None) + (spec.n * 48 + stack if returns else 0)

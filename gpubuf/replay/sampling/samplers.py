@@ -11,8 +11,6 @@ the tree draw (:meth:`TreeSampler.draw`, with or without replacement), which
 can.
 """
 
-import math
-
 import numpy as np
 import torch
 
@@ -21,13 +19,10 @@ from gpubuf._core.inputs import finite_float, priority_updates
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import Staging
 from gpubuf._core.state import check_tensor, chunks, copy_into, unaliased
-from gpubuf.ops import host_loops
 from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, RowEvents, StartRing
 from gpubuf.replay.sampling.device_priorities import DevicePriorityUpdates
 from gpubuf.replay.sampling.draws import MassSetAside
-from gpubuf.replay.sampling.tree import PrefixSumTree
-
-_LOG_MAX = math.log(torch.finfo(torch.float64).max)
+from gpubuf.replay.sampling.tree import FANOUT, PrefixSumTree
 
 
 class TreeSampler(RowEvents):
@@ -44,8 +39,8 @@ class TreeSampler(RowEvents):
 
     prioritized = False
 
-    def __init__(self, ring: StartRing, device: torch.device, backend: str):
-        self.ring, self.device, self.backend = ring, device, backend
+    def __init__(self, ring: StartRing, table: ops.Backend):
+        self.ring, self.device, self.table = ring, table.device, table  # the table runs the trees' ops
         self._trees: dict[int, PrefixSumTree] = {}  # per kind, allocated on first use
         # (M*E,) bool device validity mask per kind, likewise
         self._valid: dict[int, torch.Tensor] = {}
@@ -53,7 +48,7 @@ class TreeSampler(RowEvents):
         # set once a CUDA graph captured device-side priority updates: the kinds whose trees that graph updates
         self.frozen_kinds: frozenset | None = None
         self.allocations = 0  # bumped whenever tensors() grows
-        self._staging = Staging(device)
+        self._staging = Staging(table.device)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device tensor the policy holds (trees and masks exist once their kind was first
@@ -73,7 +68,7 @@ class TreeSampler(RowEvents):
                     "GraphSampler, or one eager sample with the same arguments)")
             if kind not in self._trees:
                 L = self.ring.max_rows * self.ring.n_envs
-                tree = PrefixSumTree(L, self.device, self.backend)
+                tree = PrefixSumTree(L, self.table)
                 self._valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool},
                                                 self.device)["valid"]
                 self._trees[kind] = tree
@@ -81,6 +76,10 @@ class TreeSampler(RowEvents):
             with signals_held():
                 self.refresh_rows(kind, 0, self.ring.max_rows)
                 self._active.add(kind)
+                self.kept_changed()
+
+    def kept_changed(self) -> None:
+        """The kinds kept current changed (one more was built)."""
 
     def rows_loaded(self, whole: bool) -> None:
         """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in
@@ -287,20 +286,32 @@ class PrioritizedSampler(TreeSampler):
 
     prioritized = True
 
-    def __init__(self, ring: StartRing, device: torch.device, backend: str, alpha: float,
-                 beta: float, eps: float):
-        super().__init__(ring, device, backend)
+    def __init__(self, ring: StartRing, table: ops.Backend, alpha: float, beta: float, eps: float):
+        super().__init__(ring, table)
+        device = table.device
         self.alpha, self.eps, self.size = alpha, eps, ring.max_rows * ring.n_envs
         self._beta, self._beta_tensor = beta, None
         self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32},
                                      device)["priority"]
         # (1,) max_priority on the host (the device's own memory on a CPU buffer once device updates ran): the
-        # compiled loops raise it
-        self._max_box, self._device_updates = np.ones(1), None
-        # the largest priority whose mass ``top**alpha`` over every start stays finite (check_mass's bound)
-        self.mass_limit = math.inf if alpha == 0 else math.exp(min((_LOG_MAX - math.log(self.size)) / alpha, 700.0))
+        # priority write raises it; ``_max_np`` views it
+        self._max_box, self._device_updates = torch.ones(1, dtype=torch.float64), None
+        self._max_np = self._max_box.numpy()
+        # (2,) float64 on the device: the code and largest new priority of the last write (``_result_np``: its
+        # numpy view on the host)
+        self._result = torch.zeros(2, dtype=torch.float64, device=device)
+        self._result_np = self._result.numpy() if device.type == "cpu" else None
+        self._scratch_box = None  # (1,) float32 on a GPU: the maximum a checked write raises before device updates
+        # the largest priority whose mass ``top**alpha`` over every start stays finite: the one overflow bound
+        self.mass_limit = ops.mass_limit(alpha, self.size)
         self._rows = self.priority.view(ring.max_rows, ring.n_envs)
+        self._kept = ([], [], [0], FANOUT)  # the kept trees, their validity masks, their level bounds and fan-out
         self.check_mass("alpha", 1.0)
+
+    def kept_changed(self) -> None:
+        kinds = sorted(self._active)
+        trees = [self._trees[k] for k in kinds]
+        self._kept = ([t.tree for t in trees], [self._valid[k] for k in kinds], trees[0].offsets, trees[0].fanout)
 
     @property
     def beta(self) -> float:
@@ -325,11 +336,7 @@ class PrioritizedSampler(TreeSampler):
     def weights(self, mass: torch.Tensor) -> torch.Tensor:
         """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch
         P)**-beta``."""
-        if mass.device.type == "cpu" and host_loops.ENABLED and mass.numel() and not torch.compiler.is_compiling():
-            out = torch.empty(mass.shape, dtype=torch.float32)
-            host_loops.importance_weights(mass.contiguous().numpy(), self._beta, out.numpy())
-            return out
-        return (mass / mass.min()).pow_(-self._beta).to(torch.float32)
+        return self.table.importance_weights(mass, self._beta)
 
     def weigh(self, batch, mass: torch.Tensor) -> None:
         """``batch.PER_weights``: :meth:`weights` of ``mass``."""
@@ -343,19 +350,19 @@ class PrioritizedSampler(TreeSampler):
         (:meth:`~gpubuf.replay.sampling.device_priorities.DevicePriorityUpdates.raise_pending`)."""
         dev = self._device_updates
         if dev is None:
-            return float(self._max_box[0])
+            return float(self._max_np[0])
         dev.raise_pending()
         return float(dev.max)
 
     @max_priority.setter
     def max_priority(self, value: float) -> None:
-        self._max_box[0] = value
+        self._max_np[0] = value
         if self._device_updates is not None:
             self._device_updates.max.fill_(value)
 
     def raise_max_priority(self, value: float) -> None:
         """``max_priority`` becomes ``max(max_priority, value)`` (new starts get it); no device read."""
-        self._max_box[0] = max(self._max_box[0], value)
+        self._max_np[0] = max(self._max_np[0], value)
         if self._device_updates is not None:
             self._device_updates.max.clamp_(min=value)
 
@@ -368,9 +375,10 @@ class PrioritizedSampler(TreeSampler):
         """The sync-free priority updates of this sampler (made on first use; from then on ``max_priority`` lives
         on the device and inserts read it there)."""
         if self._device_updates is None:
-            self._device_updates = DevicePriorityUpdates(self, float(self._max_box[0]))
-            if self.device.type == "cpu":  # one home for max_priority: the compiled loops raise the device's
-                self._max_box = self._device_updates.max.view(1).numpy()
+            self._device_updates = DevicePriorityUpdates(self, float(self._max_np[0]))
+            if self.device.type == "cpu":  # one home for max_priority: the checked writes raise the device's
+                self._max_box = self._device_updates.max.view(1)
+                self._max_np = self._max_box.numpy()
         return self._device_updates
 
     def tensors(self) -> list[torch.Tensor]:
@@ -379,55 +387,28 @@ class PrioritizedSampler(TreeSampler):
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
         """New rows take the running ``max_priority`` (order matters: before their masses are refreshed)."""
         # the device's copy once device updates exist: no read-back
-        top = float(self._max_box[0]) if self._device_updates is None else self._device_updates.max
+        top = float(self._max_np[0]) if self._device_updates is None else self._device_updates.max
         self._rows[pos:pos + before_wrap].fill_(top)
         if before_wrap < T:  # wrapped
             self._rows[:T - before_wrap].fill_(top)
         self.refresh_after_write(pos, T)
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
-        if isinstance(starts, slice) and self.device.type == "cpu" and host_loops.ENABLED \
-                and not torch.compiler.is_compiling():  # one compiled loop
-            prio = self.priority[starts].numpy()
-            out = np.empty(prio.shape[0])
-            host_loops.masses(prio, valid.numpy(), self.alpha, out)
-            return torch.from_numpy(out)
-        mass = self.priority[starts].to(torch.float64).pow_(self.alpha)
-        return mass if all_valid else mass.mul_(valid)  # invalid starts: zero mass
+        return self.table.masses(self.priority[starts], valid, self.alpha, all_valid)  # invalid starts: zero mass
 
     # ------------------------------------------------------------------ checks
 
     def check_mass(self, name: str, top: float) -> None:
-        """Raise unless ``top**alpha`` summed over every start stays finite in float64."""
-        if top > 0 and self.alpha * math.log(top) + math.log(self.size) >= _LOG_MAX:
-            raise ValueError(f"{name}: priority {top:g} ** alpha {self.alpha:g} over {self.size} "
-                             "starts overflows float64 sampling mass; lower alpha or scale the TD "
-                             "errors")
-
-    def check_update(self, idx: torch.Tensor, td: torch.Tensor, new: torch.Tensor) -> float:
-        """Raise on indices outside ``[0, size)``, non-finite ``|td| + eps`` (``new``), or an
-        overflowing mass; returns the largest new priority (one read-back for device inputs)."""
-        lo, hi = torch.aminmax(idx)
-        top = new.max()  # NaN or inf here iff anywhere
-        if idx.device.type == "cpu":
-            lo, hi, top_value = lo.item(), hi.item(), top.item()
-        else:
-            lo, hi, top_value = torch.stack([lo.double(), hi.double(), top.double()]).tolist()
-        if lo < 0 or hi >= self.size:
-            raise IndexError(f"indices: expected flat start indices in [0, {self.size}), got "
-                             f"{idx[(idx < 0) | (idx >= self.size)][:5].tolist()}")
-        if not math.isfinite(top_value):
-            raise ValueError(f"td_errors: |td| + eps must be finite (float32), got "
-                             f"{td[~torch.isfinite(new.to(td.device))][:5].tolist()}")
-        self.check_mass("td_errors, alpha", top_value)
-        return top_value
+        """Raise unless ``top**alpha`` summed over every start stays finite in float64 (``top`` below
+        :attr:`mass_limit`)."""
+        if top >= self.mass_limit:
+            raise ops.overflow_error(name, top, self.alpha, self.size)
 
     def host_indices(self, arr: np.ndarray) -> np.ndarray:
         """Host integer ``indices`` checked in range and widened to int64."""
         bad = (arr >= self.size) if arr.dtype.kind == "u" else (arr < 0) | (arr >= self.size)
         if bad.any():
-            raise IndexError(f"indices: expected flat start indices in [0, {self.size}), got "
-                             f"{arr[bad][:5].tolist()}")
+            raise ops.priority_error(ops.BAD_INDEX, self.size, arr, None, self.eps, 0.0, self.alpha)
         return arr.astype(np.int64)
 
     def check_priorities(self, where: str, prio, top: float, pos: int, count: int) -> None:
@@ -492,75 +473,56 @@ class PrioritizedSampler(TreeSampler):
         if idx.numel() == 0:
             return
         on_host = idx.device.type == "cpu" and td.device.type == "cpu"
-        if on_host and self.device.type == "cpu" and self.backend == "torch" and host_loops.ENABLED:
-            self._update_compiled(idx, td)
-            return
-        # unsigned and narrow ints: checked and widened on the host
-        if on_host and idx.dtype != torch.int64:
+        if on_host and idx.dtype != torch.int64:  # unsigned and narrow ints: checked and widened on the host
             idx = torch.from_numpy(self.host_indices(idx.numpy()))
-        new = td.to(torch.float32).abs().add_(self.eps)  # where td lives
-        if on_host:  # host inputs are checked where they are: nothing is read back from the device
-            top = self.check_update(idx, td, new)
-        # contiguous: the kernels assume unit stride
-        idx = self._staging.stage(idx, "__upd_idx__", torch.int64)
-        new = self._staging.stage(new, "__upd_td__", torch.float32)
-        if not on_host:  # device inputs: one read-back of (min index, max index, max value)
-            top = self.check_update(idx, td, new)
-        with signals_held():  # all checks passed: write
-            self.update(idx, new, top)
-
-    def _update_compiled(self, idx: torch.Tensor, td: torch.Tensor) -> None:
-        """:meth:`update_priorities` of host inputs into a CPU buffer by the compiled loops
-        (:meth:`write_compiled`); a failed check raises, naming what failed, with nothing written."""
-        if idx.dtype != torch.int64:
-            idx = torch.from_numpy(self.host_indices(idx.numpy()))
-        code, top = self.write_compiled(idx, td)
-        if code:
-            self.check_update(idx, td, td.to(torch.float32).abs().add_(self.eps))  # raises, naming what failed
-            raise ValueError(f"td_errors, alpha: priority {top:g} ** alpha {self.alpha:g} over {self.size} starts "
-                             "overflows float64 sampling mass; lower alpha or scale the TD errors")
-
-    def write_compiled(self, idx: torch.Tensor, td: torch.Tensor) -> tuple[int, float]:
-        """Priorities ``|td| + eps`` of host starts ``idx`` (K,) int64, their masses in every kept tree and
-        ``max_priority``, by the compiled loops, unless a check fails: returns ``(failed checks' bits, 0 when all
-        passed; largest new priority)``, having written nothing unless every check passed. With one tree kept (the
-        usual case) it is one compiled call, which no signal handler can interrupt; else signals are held."""
         td = td.detach()
-        td = td if td.dtype in (torch.float32, torch.float64) else td.to(torch.float32)
-        idx = idx.contiguous()  # the tree kernels assume unit stride
-        prio, i, eps = self.priority.numpy(), idx.numpy(), np.float32(self.eps)
-        if len(self._active) == 1:
-            (kind,) = self._active
-            tree = self._trees[kind]
-            code, top = host_loops.priority_update(prio, i, td.numpy(), eps, self.mass_limit, self.alpha,
-                                                   self._valid[kind].numpy(), tree.tree.numpy(),
-                                                   ops.prefix_tree.offsets_array(tree.offsets), tree.fanout,
-                                                   self._max_box)
-            return code, float(top)
-        with signals_held():  # priorities, trees and max_priority: all written or none
-            code, top = host_loops.priority_write(prio, i, td.numpy(), eps, self.mass_limit)
-            if not code:
-                mass = np.empty(i.shape[0])
-                for kind in self._active:
-                    host_loops.priority_masses(prio, i, self._valid[kind].numpy(), self.alpha, mass)
-                    self._trees[kind].update(idx, torch.from_numpy(mass))
-                self.raise_max_priority(float(top))
-        return code, float(top)
+        if on_host and self.device.type != "cpu":  # checked where they are: nothing is read back from the device
+            _, code, top = ops.priority_checks(idx, td, self.eps, self.mass_limit, self.size)
+            self._raise(int(code), float(top), idx, td)
+            self.write(self._staging.stage(idx, "__upd_idx__", torch.int64),
+                       self._staging.stage(td, "__upd_td__", td.dtype))
+            self.raise_max_priority(float(top))
+            return
+        if not on_host:  # device inputs: one read-back of the write's code
+            idx, td = self._staging.stage(idx, "__upd_idx__", torch.int64), self._staging.stage(td, "__upd_td__",
+                                                                                                td.dtype)
+        self._raise(*self.write(idx, td, read=True), idx, td)
 
-    def refresh_masses(self, idx: torch.Tensor) -> None:
-        """The masses of starts ``idx`` (K,) int64 in every kept tree, from their priorities: device ops only (a
-        captured or traced update holds them). Captured in a CUDA graph, it updates the trees kept now only, so no
-        other tree may be built from then on (:attr:`frozen_kinds`)."""
-        if self.device.type == "cuda" and not torch.compiler.is_compiling() \
-                and torch.cuda.is_current_stream_capturing():
+    def _raise(self, code: int, top: float, idx: torch.Tensor, td: torch.Tensor) -> None:
+        """Raise what a write's nonzero ``code`` names (:func:`gpubuf.ops.priority_error`)."""
+        if code:
+            raise ops.priority_error(code, self.size, idx, td, self.eps, top, self.alpha)
+
+    def write(self, idx: torch.Tensor, td: torch.Tensor, read: bool = False):
+        """Priorities ``|td| + eps`` of starts ``idx`` (K,) int64 (``td`` (K,) real), both contiguous on the device,
+        their masses in every kept tree and ``max_priority``, unless a check fails (nothing written then): the
+        priority write op, with no device read. ``read``: returns ``(code, largest new priority)`` (a read of the
+        device on a GPU). Captured in a CUDA graph, it updates the trees kept now only, so no other tree may be
+        built from then on (:attr:`frozen_kinds`)."""
+        trees, valids, offsets, fanout = self._kept
+        idx, td = idx.contiguous(), td.contiguous()  # the kernels and loops assume unit stride
+        if self.table.capturing():
             self.frozen_kinds = frozenset(self._active)
-        for kind in sorted(self._active):
-            self._trees[kind].update(idx, self.mass(idx, self._valid[kind].index_select(0, idx), False))
+        box = self._max_box if self.device.type == "cpu" else self._device_box()
+        self.table.priority_write(self.priority, trees, valids, offsets, fanout, idx, td, self.eps, self.alpha,
+                                  self.mass_limit, box, self._result)
+        if not read:
+            return None
+        if self._result_np is not None:
+            return int(self._result_np[0]), float(self._result_np[1])
+        code, top = self._result.tolist()
+        if not code:
+            self.raise_max_priority(top)
+        return int(code), top
 
-    def update(self, idx: torch.Tensor, new: torch.Tensor, top: float) -> None:
-        """Priorities of flat starts ``idx`` (K,) int64 = ``new`` (K,) float32 (duplicates keep
-        their largest), whose largest value is ``top``; then the masses of every kept tree."""
-        self.priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
-        self.raise_max_priority(top)
-        for kind in self._active:
-            self._trees[kind].update(idx, self.mass(idx, self._valid[kind][idx], False))
+    def written_code(self) -> torch.Tensor:
+        """() int32 on the device: the code of the last :meth:`write` (0: written), not read back."""
+        return self._result[0].to(torch.int32)
+
+    def _device_box(self) -> torch.Tensor:
+        """(1,) on a GPU: the maximum a write raises (the device updates' own once they exist)."""
+        if self._device_updates is not None:
+            return self._device_updates.max.view(1)
+        if self._scratch_box is None:
+            self._scratch_box = torch.zeros(1, dtype=torch.float32, device=self.device)
+        return self._scratch_box

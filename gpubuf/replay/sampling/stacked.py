@@ -120,8 +120,7 @@ class StackedGather:
     def __init__(self, reader, spec: StackSpec, B: int, with_next_obs: bool):
         config, storage = reader.config, reader.storage
         self.config, self.storage, self.spec, self.B = config, storage, spec, B
-        self.device, self.marks = reader.device, reader.marks()
-        self.env_major = storage.dir is not None
+        self.device, self.marks, self.table = reader.device, reader.marks(), storage.table
         self.pin = storage.device.type == "cpu" and self.device.type == "cuda"
         n, k = config.n_steps, spec.k
         lead = (B, n) if n > 1 else (B,)
@@ -159,8 +158,9 @@ class StackedGather:
     def tables(self, out: dict) -> dict:
         """The Triton copy tables of the stacks and bootstrap stacks of ``out``, uploaded once."""
         n, k = self.config.n_steps, self.spec.k or 1
-        return {"stacks": ops.stack_tables(self._jobs(self.stacks, out), self.B, n, k, self.device),
-                "boots": ops.stack_tables(self._jobs(self.boots, out), self.B, 1, k, self.device)}
+        stack_tables = self.table.stack_tables
+        return {"stacks": stack_tables(self._jobs(self.stacks, out), self.B, n, k, self.device),
+                "boots": stack_tables(self._jobs(self.boots, out), self.B, 1, k, self.device)}
 
     def _jobs(self, jobs: list, out: dict) -> list:
         return [(self.storage.flat[s], out[d], shift) for d, s, shift, _ in jobs]
@@ -172,20 +172,19 @@ class StackedGather:
         n, k, E, M = config.n_steps, spec.k or 1, config.n_envs, config.max_rows
         local = starts.to(storage.device)  # host storage: the starts are read back once
         if tables is not None:
-            ops.frame_stack_fixed(tables["stacks"], local, marks.marks, marks.held, n, k, spec.stride, E, M)
+            self.table.frame_stack_fixed(tables["stacks"], local, marks.marks, marks.held, n, k, spec.stride, E, M)
         else:
-            ops.frame_stack(storage.backend, self._jobs(self.stacks, out), local, marks.marks, marks.held, n, k,
-                            spec.stride, E, M, self.env_major)
+            self.table.frame_stack(self._jobs(self.stacks, out), local, marks.marks, marks.held, n, k, spec.stride,
+                                   E, M)
         if spec.n is None:
             return
         returns = out["returns"]
-        ops.n_step_return(storage.backend, local, self.reward, marks.marks, marks.held, returns, self.gamma, spec.n,
-                          E, M, self.env_major)
+        self.table.n_step_return(local, self.reward, marks.marks, marks.held, returns, self.gamma, spec.n, E, M)
         if tables is not None:
-            ops.frame_stack_fixed(tables["boots"], returns[2], marks.marks, marks.held, 1, k, spec.stride, E, M)
+            self.table.frame_stack_fixed(tables["boots"], returns[2], marks.marks, marks.held, 1, k, spec.stride, E, M)
         else:
-            ops.frame_stack(storage.backend, self._jobs(self.boots, out), returns[2], marks.marks, marks.held, 1,
-                            k, spec.stride, E, M, self.env_major)
+            self.table.frame_stack(self._jobs(self.boots, out), returns[2], marks.marks, marks.held, 1, k,
+                                   spec.stride, E, M)
 
     def assemble(self, out: dict, plain: dict) -> Transition:
         """The batch of :meth:`outputs`' tensors ``out`` and the plain windows ``plain``, on the buffer's device

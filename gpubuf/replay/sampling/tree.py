@@ -10,28 +10,26 @@ its leaves: float rounding cannot accumulate across updates, and a zero leaf is 
 
 import torch
 
-from gpubuf.ops import host_loops
-from gpubuf.ops.device import allocate
-from gpubuf.ops.prefix_tree import offsets_array, tree_sample, tree_update, tree_update_range
+from gpubuf.ops import Backend, allocate
 
 FANOUT = 32
 
 
 class PrefixSumTree:
-    """Wide prefix-sum tree over ``capacity`` leaves on ``device``, zero-filled: ``tree`` is its
-    ``(size,)`` float64 storage, levels leaves-first."""
+    """Wide prefix-sum tree over ``capacity`` leaves on the device of backend ``table``, zero-filled: ``tree`` is
+    its ``(size,)`` float64 storage, levels leaves-first; ``table`` runs its ops."""
 
-    def __init__(self, capacity: int, device: torch.device, backend: str, fanout: int = FANOUT):
+    def __init__(self, capacity: int, table: Backend, fanout: int = FANOUT):
         F = fanout
         sizes = [max(1, -(-capacity // F)) * F]
         while sizes[-1] > F:
             sizes.append(-(-sizes[-1] // F // F) * F)
-        self.capacity, self.fanout, self.device, self.backend = capacity, F, device, backend
+        self.capacity, self.fanout, self.device, self.table = capacity, F, table.device, table
         self.offsets = [0]
         for s in sizes:
             self.offsets.append(self.offsets[-1] + s)
         self.size = self.offsets[-1]
-        self.tree = allocate({"tree": (self.size,)}, {"tree": torch.float64}, device)["tree"]
+        self.tree = allocate({"tree": (self.size,)}, {"tree": torch.float64}, self.device)["tree"]
 
     def leaves(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(K,) float64 masses of leaves ``idx`` (K,) int64 (into ``out`` when given)."""
@@ -48,27 +46,21 @@ class PrefixSumTree:
     def update(self, idx: torch.Tensor, values: torch.Tensor) -> None:
         """Leaves ``idx`` (K,) int64 = ``values`` (K,) float64 (equal values for duplicates), then
         their parents."""
-        tree_update(self.backend, self.tree, self.offsets, self.fanout, idx, values)
+        self.table.tree_update(self.tree, self.offsets, self.fanout, idx, values)
 
     def update_range(self, lo: int, values: torch.Tensor) -> None:
         """Leaves ``[lo, lo + len(values))`` = values, then their (contiguous) parents."""
-        tree_update_range(self.backend, self.tree, self.offsets, self.fanout, lo, values)
+        self.table.tree_update_range(self.tree, self.offsets, self.fanout, int(lo), values)
 
     def sample(self, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) int64 leaves picked by uniforms ``u`` (B,) float64 in [0, 1), in proportion to their
         mass (into ``out`` when given: no allocation, as a captured CUDA graph needs)."""
         if out is None:
             out = torch.empty(u.shape, dtype=torch.int64, device=self.device)
-        tree_sample(self.backend, self.tree, self.offsets, self.fanout, u, out)
+        self.table.tree_sample(self.tree, self.offsets, self.fanout, u, out)
         return out
 
     def sample_masses(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(leaves (B,) int64, their masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 (on the CPU, one
         compiled loop when it can)."""
-        if host_loops.runs(self.backend, self.device):
-            idx, mass = torch.empty(u.shape, dtype=torch.int64), torch.empty(u.shape, dtype=torch.float64)
-            host_loops.tree_sample_masses(self.tree.numpy(), offsets_array(self.offsets), self.fanout,
-                                          u.contiguous().numpy(), idx.numpy(), mass.numpy())
-            return idx, mass
-        idx = self.sample(u)
-        return idx, self.leaves(idx)
+        return self.table.tree_sample_masses(self.tree, self.offsets, self.fanout, u)

@@ -21,7 +21,7 @@ A sample with replacement, ``W`` ranks, ``B`` windows on this rank (three collec
 Bytes per window received: ``window_bytes`` (+ 16 when prioritized), where ``window_bytes`` sums
 ``n_steps * prod(shape) * itemsize`` over the returned leaves (inferred next observations included). Sent per
 call: ``8 * W * (B_max + 1)`` bytes of padded uniforms and 48 bytes to every rank in the first step. Without
-replacement the starts are drawn first, in rounds (see :meth:`ShardedBuffer.sample`), then fetched: 8 bytes sent
+replacement the starts are drawn first, in rounds (see :class:`ShardedBuffer`), then fetched: 8 bytes sent
 per window (its local start), ``window_bytes`` received.
 
 Collectives run on the shard's device with NCCL (split sizes are read back to the host: one sync per exchange)
@@ -45,6 +45,8 @@ from gpubuf._core.copies import refuse_copies
 from gpubuf._core.transition import Transition
 from gpubuf.replay.buffer import TransitionBuffer
 from gpubuf.replay.prioritized import PrioritizedTransitionBuffer
+from gpubuf.replay.sampling.batch import Batch
+from gpubuf.replay.sampling.sample_args import Samples
 from gpubuf.replay.sharded.priorities import PriorityRouter
 from gpubuf.replay.sharded.sampling import ShardSampler
 from gpubuf.replay.sharded.transport import ShardTransport
@@ -78,29 +80,31 @@ def _check_shards(everyone: list[dict]) -> None:
                       stacklevel=3)
 
 
-def _refused(prioritized: bool, out, return_indices, frame_stack, frame_stride, n_step_return,
-             return_generations=False) -> None:
-    """Raise ``ValueError`` naming the first argument of the shared ``sample`` signature that a sharded sample
-    does not offer (windows of ``n_steps`` rows into fresh tensors, global indices of prioritized shards)."""
+def _refusal(prioritized: bool, out, return_indices, frame_stack, frame_stride, n_step_return,
+             return_generations=False) -> ValueError | None:
+    """The ``ValueError`` naming the first sample argument a sharded sample does not offer (windows of ``n_steps``
+    rows into fresh tensors, global indices of prioritized shards), or ``None``."""
     if return_generations is not False:
-        raise ValueError("return_generations: ShardedBuffer.sample does not return generations (its write-backs "
-                         f"are not generation-checked); expected False, got {return_generations!r}")
+        return ValueError("return_generations: ShardedBuffer.sample does not return generations (its write-backs "
+                          f"are not generation-checked); expected False, got {return_generations!r}")
     if out is not None:
-        raise ValueError("out: ShardedBuffer.sample assembles each batch from the exchanged windows into fresh "
-                         f"tensors; expected None, got a {type(out).__name__}")
+        got = "Transition" if isinstance(out, Transition) else type(out).__name__  # a Batch is one
+        return ValueError("out: ShardedBuffer.sample assembles each batch from the exchanged windows into fresh "
+                          f"tensors; expected None, got a {got}")
     if return_indices and not prioritized:
-        raise ValueError("return_indices: ShardedBuffer.sample returns global indices of prioritized shards only "
-                         f"(its shards are uniform); expected None or False, got {return_indices!r}")
+        return ValueError("return_indices: ShardedBuffer.sample returns global indices of prioritized shards only "
+                          f"(its shards are uniform); expected None or False, got {return_indices!r}")
     for name, value, default in (("frame_stack", frame_stack, None), ("frame_stride", frame_stride, 1),
                                  ("n_step_return", n_step_return, None)):
         if value != default:
-            raise ValueError(f"{name}: ShardedBuffer.sample returns windows of n_steps stored rows only; "
-                             f"expected {default}, got {value!r}")
+            return ValueError(f"{name}: ShardedBuffer.sample returns windows of n_steps stored rows only; "
+                              f"expected {default}, got {value!r}")
+    return None
 
 
 @refuse_copies("it is bound to a torch.distributed process group; copy its local buffer (local) and build a "
                "ShardedBuffer from the copy in each rank")
-class ShardedBuffer:
+class ShardedBuffer(Samples):
     """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``: the default
     group). Construction is collective: every rank checks that all shards share class, ``max_size``, ``n_envs``,
     ``n_steps``, leaf shapes and dtypes (and ``alpha``, ``eps``); a mismatch raises ``ValueError`` on every rank
@@ -109,6 +113,23 @@ class ShardedBuffer:
     Collective methods (every rank of the group must call them, in the same order): :meth:`sample`,
     :meth:`update_priorities`, :meth:`num_valid`, :meth:`load`, :meth:`load_state_dict`. Local ones:
     :meth:`insert`, :meth:`state_dict`, :meth:`save`.
+
+    :meth:`sample` is the buffers' own (:mod:`gpubuf.replay.sampling.sample_args`), collective: each rank gets its
+    own :class:`~gpubuf.Batch` drawn from the union of the shards; ``batch_size`` may differ between ranks,
+    ``with_replacement``, ``boundaries`` and the unit's ``next_obs`` must agree. A prioritized batch carries
+    ``weights = (N * P_i)**-beta / max over the batch`` (``N`` and ``P`` global) and global ``indices``, ``rank *
+    max_size + start``; a uniform one no indices. An int ``key`` is mixed with the rank. Not offered (``ValueError``
+    naming the argument on the rank that gave it, ``RuntimeError`` on the others): ``out``, units with frame
+    stacks or n-step returns, generations (write-backs to shards are not generation-checked).
+
+    Without replacement, each rank's batch is exact sequential sampling without replacement from the union:
+    rounds of draws with replacement from the shards' remaining masses (mass less what this rank already drew
+    there), where each owner zeroes, for that requester only, the starts it already drew in its tree, descends
+    and restores them; first appearances are kept (one ``all_gather`` of counts and two ``all_to_all`` per round,
+    usually one or two rounds), then the windows are fetched. A shard's remaining mass is its total less what was
+    drawn there, in float64: when one start's mass exceeds the rest of its shard by about ``2**52`` (priority
+    ratios no TD error produces in practice), that subtraction loses the rest and the shard's share after the big
+    start is drawn is no longer exact; a local buffer has no such limit (its trees sum what remains).
 
     Threads: every method holds the local buffer's lock (collectives too, while they wait for the other ranks),
     so an actor thread may insert into the local buffer while a learner thread runs the collective calls.
@@ -141,6 +162,8 @@ class ShardedBuffer:
         self.local = local
         self._guard = local.guard  # calls hold the local buffer's lock
         self.prioritized = isinstance(local, PrioritizedTransitionBuffer)
+        self.default_with_replacement = not self.prioritized  # sample(): the local buffers' defaults
+        self.default_return_indices = self.prioritized
         self.shard_size = local.max_size
         self._transport = transport
         self._sampling = ShardSampler(local, transport, WindowPacker(local, transport.device))
@@ -175,52 +198,24 @@ class ShardedBuffer:
         """Valid sequence starts over every shard (collective), as the local ``num_valid`` counts them."""
         return self._transport.sum(self.local.num_valid(with_next_obs, boundaries))
 
-    @torch.compiler.disable  # an opaque call under torch.compile, as the local buffers' sample
     @locked
-    def sample(self, key=None, with_replacement: bool | None = None, batch_size: int | None = None,
-               with_next_obs: bool = False, boundaries: str = "allow", *, out: Transition | None = None,
-               return_indices: bool | None = None, frame_stack: int | None = None, frame_stride: int = 1,
-               n_step_return: tuple[int, float] | None = None, return_generations: bool = False):
-        """A batch of ``B`` windows (collective; each rank gets its own) drawn from the union of the shards.
+    def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out, return_indices,
+                frame_stack, frame_stride, n_step_return, return_generations=False):
+        """The sample entry of :class:`~gpubuf.replay.sampling.sample_args.Samples` (defaults resolved): the batch,
+        or ``(batch, global indices)`` with ``return_indices``. What a sharded sample does not offer is refused
+        on the rank that gave it, the others raising ``RuntimeError``."""
+        refusal = _refusal(self.prioritized, out, return_indices, frame_stack, frame_stride, n_step_return,
+                           return_generations)
+        return self._sampling.sample(key, with_replacement, batch_size, with_next_obs, boundaries, return_indices,
+                                     refusal)
 
-        Returns what the local buffer's ``sample`` does: a :class:`Transition` of ``(B, n_steps, ...)`` leaves
-        (``(B, ...)`` when ``n_steps == 1``) when uniform; ``(batch, global_indices (B,) int64)`` when
-        prioritized, with ``PER_weights = (N * P_i)**-beta / max over the batch`` (float32, ``N`` and ``P``
-        global; computed as ``(P_i / min_batch P)**-beta``); ``return_indices=False`` returns a prioritized batch
-        alone. ``with_replacement`` defaults to the local default
-        (uniform: ``True``; prioritized: ``False``) and, like ``with_next_obs``, must agree on every rank;
-        ``batch_size`` may differ. ``key``: ``None`` (the shard's own generator), a ``torch.Generator``, or an
-        int seed, which is mixed with the rank. ``boundaries`` (``"allow"``, ``"mask"``, ``"forbid"``; must agree
-        on every rank) draws the windows the local ``sample`` would, from every shard, and sets
-        ``is_first``/``mask`` as it does; rows of an :class:`~gpubuf.EnvPoolSource` marked ``info["is_last"]``
-        never start a window.
-
-        The rest of the buffers' shared signature is refused (``ValueError`` naming the argument, on the rank
-        that gave it; the others raise ``RuntimeError``) unless left at its default: ``out`` (batches are
-        assembled from the exchanged windows), ``return_indices=True`` with uniform shards (global indices come
-        from prioritized shards only), ``frame_stack``, ``frame_stride`` and ``n_step_return`` (windows of
-        ``n_steps`` stored rows only), ``return_generations`` (write-backs to shards are not generation-checked).
-
-        Without replacement, each rank's batch is exact sequential sampling without replacement from the union:
-        rounds of draws with replacement from the shards' remaining masses (mass less what this rank already
-        drew there), where each owner zeroes, for that requester only, the starts it already drew in its tree,
-        descends and restores them; first appearances are kept (one ``all_gather`` of counts and two
-        ``all_to_all`` per round, usually one or two rounds), then the windows are fetched. A shard's remaining
-        mass is its total less what was drawn there, in float64: when one start's mass exceeds the rest of its
-        shard by about ``2**52`` (priority ratios no TD error produces in practice), that subtraction loses the
-        rest and the shard's share after the big start is drawn is no longer exact; a local buffer has no such
-        limit (its trees sum what remains).
-        """
-        try:
-            _refused(self.prioritized, out, return_indices, frame_stack, frame_stride, n_step_return,
-                     return_generations)
-            refusal = None
-        except ValueError as err:
-            refusal = err
-        if with_replacement is None:
-            with_replacement = not self.prioritized
-        return self._sampling.sample(key, with_replacement, batch_size, with_next_obs, boundaries,
-                                     self.prioritized if return_indices is None else return_indices, refusal)
+    def _sample_batch(self, key, with_replacement: bool, batch_size, boundaries: str, out, unit) -> Batch:
+        """One sample as a :class:`~gpubuf.Batch`: global indices when prioritized, no generations."""
+        with_next_obs, frame_stack, frame_stride, n_step_return = unit.args
+        drawn = self._sample(key, with_replacement, batch_size, with_next_obs, boundaries, out, self.prioritized,
+                             frame_stack, frame_stride, n_step_return)
+        data, indices = drawn if self.prioritized else (drawn, None)
+        return Batch.of(data, indices, None, out)
 
     @torch.compiler.disable
     @locked

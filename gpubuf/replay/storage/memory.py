@@ -45,7 +45,8 @@ class MemoryStorage:
         """Keep ``views`` ``{name: (M, E, *shape)}`` (time-major, as written) of contiguous ``base``
         tensors."""
         M, E = config.max_rows, config.n_envs
-        self.config, self.device, self.backend = config, device, ops.backend_for(device)
+        # what each op call runs: a storage_dir's env-major files gather with the twins
+        self.config, self.device, self.table = config, device, ops.backend_table(device, env_major=self.dir is not None)
         self.data = {leaf.path: views[leaf.name] for leaf in config.leaves}
         # (M*E, D) contiguous
         self.flat = {leaf.path: base[leaf.name].view(M * E, -1) for leaf in config.leaves}
@@ -129,8 +130,7 @@ class MemoryStorage:
         elsewhere): ``[(output path, source rows (M*E, D), shift, output shape, dtype to view the
         words as or None)]``, cached per ``(B, with_next_obs)``. Narrow leaves are gathered in
         their own dtype, wide rows as int words (:func:`gpubuf.ops.gather_word`)."""
-        if device != self.device or self.device.type != "cpu" or self.backend != "torch" \
-                or self.dir is not None:
+        if device != self.device or not self.table.host_gather:
             return None
         jobs = self._host_jobs.get((B, with_next_obs))
         if jobs is None:
@@ -164,8 +164,7 @@ class MemoryStorage:
         """Fill :meth:`outputs`' ``work`` with the windows of flat ``starts`` (B,) on this storage's
         device."""
         config = self.config
-        ops.sequence_gather(self.backend, work, starts, config.n_steps, config.n_envs,
-                            config.max_rows)
+        self.table.window_gather(work, starts, config.n_steps, config.n_envs, config.max_rows)
 
     def outputs(self, B: int, jobs: dict, device, pin: bool = False) -> tuple[dict, list]:
         """``({output path: tensor}, [(stored words, output words (B, n, D), shift)])`` for

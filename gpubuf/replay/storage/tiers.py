@@ -1,25 +1,23 @@
 """Storage tiers of the replay buffers: where the transitions live, apart from where sampling runs.
 
-A buffer samples on its ``device`` (validity masks, prefix-sum trees, priorities). Its storage may
-live there too (the default), in host memory
-(``storage_device="cpu"``: pinned staging carries the sampled windows to a CUDA device), or in
-memory-mapped files of a directory (``storage_dir``, owned by
+A buffer samples on its ``device`` (validity masks, prefix-sum trees, priorities). Its storage may live there too
+(the default), in host memory (``storage_device="cpu"``: pinned staging carries the sampled windows to a CUDA
+device), or in memory-mapped files of a directory (``storage_dir``, owned by
 :class:`gpubuf.replay.storage.directory.StorageDir`), which a later process re-opens. Those files are env-major
-``(E, M, *shape)``: one env's consecutive steps are adjacent, so a sampled window is one contiguous
-read. The buffer writes through a transposed ``(M, E, *shape)`` view and gathers with
-:func:`env_major_gather`; flat starts stay ``step * E + env`` as in every other tier.
+``(E, M, *shape)``: one env's consecutive steps are adjacent, so a sampled window is one contiguous read. The buffer
+writes through a transposed ``(M, E, *shape)`` view and gathers with :func:`env_major_gather`; flat starts stay
+``step * E + env`` as in every other tier.
 
-Reading a mapped file: the kernel reads ahead around every page fault
-(up to ``read_ahead_kb``), which for random windows reads many times the bytes asked for (README,
-Benchmarks: Memory-mapped replay). The leaf mappings are therefore advised ``MADV_RANDOM`` (no
-readahead), and before gathering, every window of a leaf whose window spans at least a page is
-advised ``MADV_WILLNEED``: the kernel then reads all of a batch's windows in parallel instead of one
+Reading a mapped file: the kernel reads ahead around every page fault (up to ``read_ahead_kb``), which for random
+windows reads many times the bytes asked for (README, Benchmarks: Memory-mapped replay). The leaf mappings are
+therefore advised ``MADV_RANDOM`` (no readahead), and before gathering, every window of a leaf whose window spans at
+least a page is advised ``MADV_WILLNEED``: the kernel then reads all of a batch's windows in parallel instead of one
 page fault after another (Linux; elsewhere both are skipped).
 
-The host RAM tier (``storage_device="cpu"``) stays time-major ``(M, E, *shape)`` like device
-storage: in RAM, env-major gathered frame windows somewhat faster but float leaves slower (the
-env-major row index costs a division and a modulo more; README, Benchmarks: Memory-mapped replay),
-and every insert of ``T`` rows scatters into ``E`` places instead of one.
+The host RAM tier (``storage_device="cpu"``) stays time-major ``(M, E, *shape)`` like device storage: in RAM,
+env-major gathered frame windows somewhat faster but float leaves slower (the env-major row index costs a division
+and a modulo more; README, Benchmarks: Memory-mapped replay), and every insert of ``T`` rows scatters into ``E``
+places instead of one.
 """
 
 import mmap
@@ -33,18 +31,17 @@ _MADVISE = MADVISE  # read through this name, so that a test may count the calls
 
 
 def advise(address: int, nbytes: int, advice: int) -> None:
-    """``madvise`` the pages holding bytes ``[address, address + nbytes)`` of a mapping; a hint:
-    where ``madvise`` is missing or refuses, nothing happens."""
+    """``madvise`` the pages holding bytes ``[address, address + nbytes)`` of a mapping; a hint: where ``madvise`` is
+    missing or refuses, nothing happens."""
     if _MADVISE is not None and nbytes > 0:
         lo = address - address % mmap.PAGESIZE
         _MADVISE(lo, address + nbytes - lo, advice)
 
 
 def prefetch_windows(storage: torch.Tensor, first_rows: torch.Tensor, n: int, M: int) -> None:
-    """Ask the kernel to read, in parallel, the windows of ``n`` rows of a mapped env-major
-    ``storage`` (E*M, D) starting at rows ``first_rows`` (B,)
-    (a window that runs past its env's last row ``M - 1`` continues at the env's first). Only for
-    windows of at least a page; smaller leaves read few pages."""
+    """Ask the kernel to read, in parallel, the windows of ``n`` rows of a mapped env-major ``storage`` (E*M, D)
+    starting at rows ``first_rows`` (B,) (a window that runs past its env's last row ``M - 1`` continues at the env's
+    first). Only for windows of at least a page; smaller leaves read few pages."""
     row_bytes = storage.shape[1] * storage.element_size()
     if _MADVISE is None or n * row_bytes < mmap.PAGESIZE:
         return
@@ -58,8 +55,7 @@ def prefetch_windows(storage: torch.Tensor, first_rows: torch.Tensor, n: int, M:
 
 
 def _named_device(name: str, value) -> torch.device:
-    """``value`` resolved as a device; a value that names none raises ``ValueError`` naming
-    ``name``."""
+    """``value`` resolved as a device; a value that names none raises ``ValueError`` naming ``name``."""
     try:
         return resolve_device(value)
     except ValueError:
@@ -67,30 +63,27 @@ def _named_device(name: str, value) -> torch.device:
 
 
 def storage_device_for(device: torch.device, storage_device, storage_dir) -> torch.device:
-    """The device the storage lives on: ``device`` unless ``storage_device`` says ``"cpu"`` or a
-    ``storage_dir`` is given (memory-mapped files are host memory)."""
+    """The device the storage lives on: ``device`` unless ``storage_device`` says ``"cpu"`` or a ``storage_dir`` is
+    given (memory-mapped files are host memory)."""
     if storage_dir is not None:
         if storage_device is not None and str(storage_device) not in ("cpu", "cpu:0"):
-            raise ValueError("storage_device: a storage_dir maps files into host memory; expected "
-                             f"None or 'cpu', got {storage_device!r}")
+            raise ValueError("storage_device: a storage_dir maps files into host memory; expected None or 'cpu', "
+                             f"got {storage_device!r}")
         return torch.device("cpu")
     if storage_device is None:
         return device
     resolved = _named_device("storage_device", storage_device)
     if resolved != device and resolved.type != "cpu":
         raise ValueError(f"storage_device: expected None, 'cpu' or the buffer's device {device}, "
-                         "got "
-                         f"{storage_device!r}")
+                         f"got {storage_device!r}")
     return resolved
 
 
-def env_major_gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int,
-                     prefetch: bool = False) -> None:
-    """For each ``(storage (E*M, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
-    ``(start % E) * M + (start // E + j + shift) % M``, j < n, for flat starts ``step * E + env``
-    (B,): the windows of :func:`gpubuf.ops.sequence.gather_twin` from env-major storage. Host
-    tensors; rows are computed once per distinct shift. ``prefetch``: the storages are file mappings
-    (:func:`prefetch_windows` first)."""
+def env_major_gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int, prefetch: bool = False) -> None:
+    """For each ``(storage (E*M, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows ``(start % E) * M +
+    (start // E + j + shift) % M``, j < n, for flat starts ``step * E + env`` (B,): the windows of
+    :func:`gpubuf.ops.sequence.gather_twin` from env-major storage. Host tensors; rows are computed once per distinct
+    shift. ``prefetch``: the storages are file mappings (:func:`prefetch_windows` first)."""
     B = starts.shape[0]
     if B == 0:
         return
