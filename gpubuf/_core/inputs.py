@@ -339,6 +339,21 @@ def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, td
 
 
+def check_device_updates(indices, td_errors, device: torch.device) -> None:
+    """``ValueError`` naming the argument unless ``indices`` and ``td_errors`` are non-empty tensors on ``device``'s
+    type of one shape, integer and real: what a sync-free priority update checks on the host."""
+    for name, t, integer in (("indices", indices, True), ("td_errors", td_errors, False)):
+        if not isinstance(t, torch.Tensor) or t.device.type != device.type or t.numel() == 0 \
+                or t.is_floating_point() == integer or t.is_complex() or t.dtype == torch.bool:
+            what = "integer" if integer else "real"
+            got = f"{t.dtype} of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
+                else type(t).__name__
+            raise ValueError(f"{name}: expected a non-empty {what} tensor on {device}, got {got}")
+    if indices.shape != td_errors.shape:
+        raise ValueError(f"td_errors: expected the shape of indices {tuple(indices.shape)}, got "
+                         f"{tuple(td_errors.shape)}")
+
+
 def host_indices(indices) -> tuple[np.ndarray, torch.device]:
     """``(int64 host copy, device)`` of integer ``indices`` of any shape (a device tensor is read
     back once); else ``TypeError`` naming ``indices``."""

@@ -13,26 +13,12 @@ from gpubuf._core.inputs import lossless
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import overlaps
 from gpubuf.history.outputs import BIG
-from gpubuf.ops import indexing
+from gpubuf.ops import gather_word, indexing
 
 # the plans (one per (n, head, frames used, keys); a steady loop cycles through max_len heads) hold
 # at most this many index bytes and entries, whatever n callers ask for
 PLAN_BYTES = 32 << 20
 PLAN_ENTRIES = 4096
-
-# index_select runs on these in their own dtype; other dtypes (and rows of 64 bytes or more, which
-# move at memcpy speed as int words) are gathered through word views
-_NATIVE = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
-                     torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-                     torch.complex64, torch.complex128))
-_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
-
-
-def _word(dtype: torch.dtype, row_bytes: int) -> torch.dtype | None:
-    """The int word to gather rows of ``row_bytes`` through, or ``None``: the dtype itself."""
-    if dtype in _NATIVE and row_bytes < 64:
-        return None
-    return next(w for w, size in _WORDS if row_bytes % size == 0)
 
 
 class Lockstep:
@@ -232,7 +218,7 @@ class Lockstep:
                 return None
             block = key in schema.block_keys
             rows = E * (n - 1) * ab if block else E * n
-            word = _word(storage.dtype, D * storage.element_size())
+            word = gather_word(storage.dtype, D * storage.element_size())
             src = storage if word is None else storage.view(word)
             if block not in indices:
                 back = indexing.block_back(n, ab, device) if block else indexing.frame_back(n, k, ab, device)

@@ -19,7 +19,7 @@ bound in its ``__init__``; its samples in ``tests/ops/test_custom_ops.py``.
 """
 
 from gpubuf.kernels import BAD_INDEX, MARK_BOUNDARY, MARK_STOP, MARK_TERM, NOT_FINITE, OVERFLOW
-from gpubuf.kernels.words import as_words
+from gpubuf.kernels.words import as_words, gather_word
 from gpubuf.ops.backends import Backend, backend_table
 from gpubuf.ops.device import (
     BACKENDS,
@@ -40,8 +40,8 @@ from gpubuf.ops.priorities import mass_limit, overflow_error, priority_error
 from gpubuf.ops.sequence import sequence_gather_fixed, sequence_tables
 from gpubuf.ops.stacks import frame_stack_fixed, stack_tables
 
-__all__ = ["BACKENDS", "BAD_INDEX", "LRU", "MARK_BOUNDARY", "MARK_STOP", "MARK_TERM", "NOT_FINITE", "OVERFLOW",
-           "Backend", "allocate", "allocation_failed", "as_words", "backend_for", "backend_table", "capacity",
-           "capture_graph", "check_fits", "frame_stack_fixed", "interpreting", "mass_limit", "memory_error",
-           "overflow_error", "priority_checks", "priority_error", "resolve_device", "sequence_gather_fixed",
-           "sequence_tables", "stack_tables", "triton_runs_on"]
+__all__ = ["BACKENDS", "BAD_INDEX", "Backend", "LRU", "MARK_BOUNDARY", "MARK_STOP", "MARK_TERM", "NOT_FINITE",
+           "OVERFLOW", "allocate", "allocation_failed", "as_words", "backend_for", "backend_table", "capacity",
+           "capture_graph", "check_fits", "frame_stack_fixed", "gather_word", "interpreting", "mass_limit",
+           "memory_error", "overflow_error", "priority_checks", "priority_error", "resolve_device",
+           "sequence_gather_fixed", "sequence_tables", "stack_tables", "triton_runs_on"]

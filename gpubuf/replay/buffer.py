@@ -7,8 +7,9 @@ rows), ``ring`` (:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of pos
 valid starts), ``sampler`` (:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees,
 priorities, draws) and ``reader`` (:class:`~gpubuf.replay.sampling.readers.BatchReader`: the gathers of drawn
 starts), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
-storage. A sample checks its arguments, draws starts (``sampler.draw``), then reads their windows
-(``reader.prepare``'s read); its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
+storage. A sample (:mod:`gpubuf.replay.sampling.eager`) checks its arguments, then runs the stages of its
+configuration's plan (:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their windows,
+weighs them; its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
 
 Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
 ``truncated`` is set; needs one of those leaves):
@@ -30,24 +31,30 @@ never starts a window, and with ``"mask"`` the row after it starts the next epis
 
 Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then
 committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
+
+The parts that follow the rows (``sampler``, ``selector``, ``reader``, the rate limiter's size) are told of every
+row event (:class:`~gpubuf.replay.ring.RowEvents`: rows written, an episode cut, rows loaded) through one list,
+``parts``, in its order; the storage's journal brackets a write (``before_write``, ``after_write``). The doors onto
+held rows live with their jobs: :class:`~gpubuf.replay.feeds.write_backs.WriteBackDoors` (``update_rows``,
+``cut_episodes``), :class:`~gpubuf.replay.provenance.Provenance` (``locate``).
 """
 
-import numpy as np
 import torch
 
 from gpubuf import ops
 from gpubuf._core.concurrency import CallGuard, locked
-from gpubuf._core.inputs import check_bool, generator_for, host_indices, index_array, int_seed
+from gpubuf._core.inputs import int_seed
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import memory_ranges
 from gpubuf._core.transition import Transition
-from gpubuf.replay import provenance
 from gpubuf.replay.buffer_state import BufferState
 from gpubuf.replay.config import BOUNDARIES, ReplayConfig
-from gpubuf.replay.feeds import write_backs
 from gpubuf.replay.feeds.rate_limiter import check_limiter
+from gpubuf.replay.feeds.write_backs import WriteBackDoors
 from gpubuf.replay.feeds.writer_doors import WriterDoors
-from gpubuf.replay.ring import StartRing
+from gpubuf.replay.provenance import Provenance
+from gpubuf.replay.ring import LimiterSize, StartRing
+from gpubuf.replay.sampling.eager import EagerSample
 from gpubuf.replay.sampling.readers import BatchReader
 from gpubuf.replay.sampling.sample_args import Samples
 from gpubuf.replay.sampling.samplers import TreeSampler, UniformSampler
@@ -59,7 +66,7 @@ from gpubuf.replay.storage.memory import MappedStorage, MemoryStorage
 __all__ = ["BOUNDARIES", "Transition", "TransitionBuffer"]
 
 
-class TransitionBuffer(Samples, WriterDoors, BufferState):
+class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Provenance, BufferState):
     """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
 
     Args:
@@ -106,10 +113,6 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
     buffer refuses (use :meth:`save` or ``state_dict``).
     """
 
-    # write-backs the last update_rows / update_priorities call given generations dropped (their rows
-    # were overwritten since the sample); 0 after a call without generations
-    stale_updates = 0
-
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
                  vectorized_env: bool = True, n_steps: int = 1, *, device=None,
                  seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None,
@@ -137,7 +140,8 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
                 self.selector.attach(self)
                 if self.selector.replacement_only:
                     self.default_with_replacement = True
-            self.reader = BatchReader(config, self.storage, self.ring, self.table)
+            self.reader = BatchReader(config, self.storage, self.ring, self.sampler, self.table)
+            self.parts = self._row_parts()
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             self._steady = SteadyInsert(config, self.storage)
             # a host generator draws: one seed, the same starts on every device
@@ -156,18 +160,12 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
             self.rate_limiter.attach(self._guard, self._row_items, config.sample_batch_size)
         self._hub = None  # the writers in other processes (WriterHub), once one was handed out
 
-    def _reopen(self, state: dict | None, since: int) -> None:
-        """Restore a re-opened ``storage_dir``'s flushed ``state`` (``None``: none) into the sampler and the
-        rate limiter (``since``: rows held written after that flush)."""
-        self.sampler.reopen(state, since)
-        if self.selector is not None:
-            self.selector.rows_loaded()
-        if self.rate_limiter is not None:
-            saved = None if state is None else state.get("rate_limiter")
-            if saved is not None:  # every row written after the flush, held still or overwritten since
-                after = max(0, self.ring.total - int(state["total"])) if since else 0
-                saved = {**saved, "inserts": saved["inserts"] + after * self.config.n_envs}
-            self.rate_limiter.load(saved, len(self))
+    def _row_parts(self) -> list:
+        """The parts told of every row event (:class:`~gpubuf.replay.ring.RowEvents`), in the order they are told.
+        Order matters for the rate limiter, last: the size it wakes waiting samples with counts rows every other
+        part has taken in (and, within the sampler, new rows' priorities come before their masses)."""
+        limiter = None if self.rate_limiter is None else LimiterSize(self.rate_limiter, self.ring, self.config.n_envs)
+        return [p for p in (self.sampler, self.selector, self.reader, limiter) if p is not None]
 
     @property
     def _row_items(self) -> int:  # transitions of the smallest insert: one row of every env
@@ -262,99 +260,18 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
             self.storage.before_write(ring.pos, ring.count, ring.total, T)
             pos, before_wrap = ring.write(T, trunc, ends, last)
             self.storage.write(staged, pos, before_wrap, T)
-            self.sampler.rows_written(pos, before_wrap, T)
-            if self.selector is not None:
-                self.selector.rows_written(pos, before_wrap, T)
-            self.sampler.refresh_after_write(pos, T)
-            self.reader.rows_written(pos, before_wrap, T)
-            self.storage.after_write(ring.pos, ring.count, ring.total)
+            for part in self.parts:
+                part.rows_written(pos, before_wrap, T)
+            self.storage.after_write(ring.pos, ring.count, ring.total)  # the journal's commit of the rows
         if steady is None:
             self._steady.learn(transition, given)
-        if self.rate_limiter is not None:
-            self.rate_limiter.set_size(len(self))
         return self
-
-    def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
-                          boundaries: str = "allow") -> tuple[int, int]:
-        """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises (a
-        check the sampling calls run under :attr:`lock`; it takes none itself)."""
-        B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs, boundaries)
-        self._check_draw(kind, B, with_replacement)
-        return B, kind
-
-    def _check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
-        distinct = not with_replacement if self.selector is None else self.selector.distinct(with_replacement)
-        self.sampler.check_draw(kind, B, not distinct)
-        if self.selector is not None:
-            self.selector.check(kind, B, with_replacement)
-
-    @locked
-    def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
-                return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
-        """:meth:`sample` with the buffer's defaults resolved: check, draw, read."""
-        if type(with_next_obs) is not bool:
-            with_next_obs = check_bool("with_next_obs", with_next_obs)
-        if type(with_replacement) is not bool:
-            with_replacement = check_bool("with_replacement", with_replacement)
-        if type(return_indices) is not bool:
-            return_indices = check_bool("return_indices", return_indices)
-        if type(return_generations) is not bool:
-            return_generations = check_bool("return_generations", return_generations)
-        if self._hub is not None:
-            self._hub.collect()
-        reader = self.reader
-        plain = frame_stack is None and n_step_return is None and type(frame_stride) is int and frame_stride == 1
-        spec = None if plain else reader.spec(frame_stack, frame_stride, n_step_return, out)  # steady: no call
-        returns = spec is not None and spec.n is not None
-        if self.rate_limiter is None:
-            B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
-                                             boundaries)
-            return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
-                                       spec, return_indices, return_generations)
-        B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs or returns, boundaries)
-        self.rate_limiter.take("sample", B)  # waits for its turn, letting go of the lock
-        try:
-            self._check_draw(kind, B, with_replacement)  # the rows as they are after the wait
-            return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
-                                       spec, return_indices, return_generations)
-        except BaseException:
-            self.rate_limiter.give_back("sample", B)
-            raise
-
-    def _draw_and_read(self, key, B, kind, with_replacement, with_next_obs, boundaries, out, spec,
-                       return_indices, return_generations):
-        """Draw ``B`` starts of ``kind`` and read their batch (under the lock)."""
-        reader = self.reader
-        g = generator_for(key, self.generator)
-        what = reader.check_memory(B, with_next_obs, spec, with_replacement, out is None)
-        # a failed sample leaves the generator as it was (an int key's is new for this call)
-        rng = g.get_state() if key is None or isinstance(key, torch.Generator) else None
-        try:
-            read = reader.prepare(B, with_next_obs, boundaries, spec, out, self._owned)
-            idx, mass = (self.selector or self.sampler).draw(kind, B, g, with_replacement)
-            batch = read(idx)
-            self.sampler.weigh(batch, mass)
-        except BaseException as err:
-            if rng is not None:
-                g.set_state(rng)
-            if ops.allocation_failed(err):
-                raise ops.memory_error("batch_size", what, err) from None
-            raise
-        if return_generations:
-            return batch, idx, write_backs.generations(self.ring, idx)
-        return (batch, idx) if return_indices else batch
 
     @locked
     def episode_marks(self):
         """The :class:`~gpubuf.replay.sampling.episode_marks.EpisodeMarks` of this buffer (built on first use,
         then kept current by every write)."""
         return self.reader.marks()
-
-    @locked
-    def gather(self, starts, jobs: dict, out=None, boundaries: str = "allow") -> Transition:
-        """The flagged batch of windows of flat ``starts`` (B,) for ``storage.check_out``'s
-        jobs."""
-        return self.reader.windows(starts, jobs, out, boundaries)
 
     @locked
     def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
@@ -374,84 +291,6 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
                             frame_stack=frame_stack, frame_stride=frame_stride,
                             n_step_return=n_step_return, minibatches=minibatches)
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
-    @torch.compiler.disable
-    @locked
-    def update_rows(self, indices, values: dict, *, generations=None):
-        """Write ``values`` ``{name: (B, ...)}`` into the stored ``info`` leaves (say latents a
-        world model computed from the sampled windows) at flat starts ``indices`` (B,); returns
-        ``self``. A leaf's ``(B, *shape)`` values go to the start rows; with ``n_steps > 1``,
-        ``(B, n_steps, *shape)`` values go to every row of the windows. With ``generations`` (from
-        ``sample(..., return_generations=True)``) the starts whose rows were overwritten since the
-        sample are skipped, and :attr:`stale_updates` counts them. Duplicate starts: one of their
-        values is kept. Observations, actions, rewards and flags are not written back.
-
-        Raises (writing nothing) on a name that is not an ``info`` leaf, a misshapen value or one
-        its leaf's dtype cannot hold, non-integer indices or ones outside ``[0, max_size)``
-        (``IndexError``), a rows not held (``IndexError``, without ``generations``), or a closed
-        ``storage_dir`` buffer; on a ``storage_dir`` the values reach the files as the other rows do
-        (made durable by ``flush()``)."""
-        self.storage.check_open()
-        idx = index_array(indices).to(torch.int64)
-        checked = write_backs.row_values(self.config, values, idx.shape[0], self.config.n_steps)
-        write_backs.check_range(self.ring, idx)
-        if generations is None:
-            self.stale_updates = 0
-            self.ring.locate(idx.cpu().numpy())  # IndexError for a row not held
-        else:
-            keep = self._current(idx, generations)
-            idx = idx[keep]
-            checked = {p: (t[keep.to(t.device)], w) for p, (t, w) in checked.items()}
-        if idx.numel():
-            with signals_held():
-                write_backs.write_rows(self.storage, self.ring, idx, checked, self.config.n_steps)
-        return self
-
-    def _current(self, idx: torch.Tensor, generations) -> torch.Tensor:
-        """The mask of flat starts ``idx`` (K,) still holding ``generations``, the others counted
-        into :attr:`stale_updates`."""
-        keep = write_backs.current(self.ring, idx, generations)
-        self.stale_updates = int(keep.numel() - keep.sum())
-        return keep
-
-    # an opaque call under torch.compile: no guards on host state, no recompiles
-    @torch.compiler.disable
-    @locked
-    def cut_episodes(self, envs=None):
-        """End every env's episode (``envs``: a ``(n_envs,)`` bool mask of the envs to end) at its newest row,
-        in place: ``truncated`` is set there (unless that row
-        ends an episode already, a termination say), so no window
-        with ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it
-        (its successor counts as unknown, as after a truncation whose final observation was not kept).
-        What a source without ``info["is_last"]`` rows does when its run is cut (a ``reset()``, the buffer
-        detached). Returns ``self``; an empty buffer is left as it is; ``ValueError`` without a
-        ``truncated`` leaf."""
-        paths = self.config.paths("truncated")
-        if not paths:
-            raise ValueError("cut_episodes: the buffer stores no truncated leaf to mark the cut with")
-        self.storage.check_open()
-        ring = self.ring
-        if ring.count == 0:
-            return self
-        row = (ring.pos - 1) % ring.max_rows
-        cut = ~ring.ends[row]  # a row that already ends an episode (terminated: drawn with discount 0) stays
-        if envs is not None:
-            cut &= np.asarray(envs, bool)
-        if not cut.any():
-            return self
-        mask = torch.from_numpy(cut)
-        with signals_held():
-            for path in paths:
-                t = self.storage.data[path]
-                if self.config.vectorized_env:
-                    t[row][mask.to(t.device)] = True  # (E, ...) view of the row: written through
-                else:
-                    t[row] = True
-            ring.truncate_row(row, cut)
-            self.reader.rows_written(row, 1, 1)
-            self.sampler.refresh_after_write(row, 1)
-        return self
-
     @locked
     def num_unserved(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
         """Valid starts (for :meth:`sample` with this ``with_next_obs`` and ``boundaries``) that the buffer's queue
@@ -461,18 +300,3 @@ class TransitionBuffer(Samples, WriterDoors, BufferState):
         kind = self.config.kind(with_next_obs, boundaries)
         self.sampler.activate(kind)
         return self.selector.unserved(kind)
-
-    @locked
-    def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like
-        ``indices`` on their device: ``row * n_envs + env`` splits into ring ``row`` and ``env``;
-        ``step`` counts the env's rows from the first this buffer wrote (a :meth:`load_state_dict`
-        numbers its rows from 0; with an :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step``
-        shows the env after ``step`` calls of ``step()``). ``IndexError`` for an index outside ``[0,
-        max_size)`` or a row not held. A buffer of ``vectorized_env=False`` holds one stream, which a
-        source with several envs interleaves: ``env`` is each row's stored ``info["env_id"]`` (a
-        source's ``transition_sample(vectorized=False)`` has it), else 0, and ``step`` counts the
-        stream's rows (:mod:`gpubuf.replay.provenance`)."""
-        flat, device = host_indices(indices)
-        return tuple(torch.from_numpy(a).to(device)
-                     for a in provenance.locate(self.config, self.storage, self.ring, flat))

@@ -2,8 +2,9 @@
 
 A base of :class:`~gpubuf.TransitionBuffer`: ``state_dict`` / ``load_state_dict`` (checked whole
 before any write), the constructor arguments its copies are built from, and ``flush`` / ``close``
-of a ``storage_dir``. It works on the buffer's parts (``config``, ``storage``, ``ring``,
-``sampler``, ``reader``, ``generator``), which the buffer builds.
+of a ``storage_dir``, and the re-open of one. It works on the buffer's parts (``config``, ``storage``, ``ring``,
+``sampler``, ``generator``, ``rate_limiter``, ``selector``, and ``parts``: those told that the rows changed), which
+the buffer builds.
 """
 
 import warnings
@@ -43,6 +44,19 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
                 "one buffer at a time may hold; save a checkpoint (buffer.save(path)) or load "
                 "buffer.state_dict() into a new buffer, or close() it and re-open the directory "
                 "where it is needed")
+
+    def _reopen(self, state: dict | None, since: int) -> None:
+        """Restore a re-opened ``storage_dir``'s flushed ``state`` (``None``: none) into the sampler and the
+        rate limiter (``since``: rows held written after that flush)."""
+        self.sampler.reopen(state, since)
+        for part in self.parts:
+            part.rows_loaded(True)
+        if self.rate_limiter is not None:
+            saved = None if state is None else state.get("rate_limiter")
+            if saved is not None:  # every row written after the flush, held still or overwritten since
+                after = max(0, self.ring.total - int(state["total"])) if since else 0
+                saved = {**saved, "inserts": saved["inserts"] + after * self.config.n_envs}
+            self.rate_limiter.load(saved, len(self))
 
     @locked
     def state_dict(self) -> dict:
@@ -93,18 +107,17 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
                 self.sampler.load_state(state, checked, self._owned)
             except BaseException:  # the data is half-read (a read error): forget every row
                 self.ring.restore(0, 0, np.zeros_like(trunc), np.zeros_like(trunc))
-                self.sampler.forget()
-                self.reader.rows_loaded(whole=False)
+                for part in self.parts:
+                    part.rows_loaded(False)
                 raise
             self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends,
                               last=last)
-            self.sampler.forget()  # validity and trees are rebuilt from the rows
-            self.reader.rows_loaded(whole=True)
+            for part in self.parts:  # validity, trees and marks are rebuilt from the rows
+                part.rows_loaded(True)
             self.generator.set_state(rng)
             if self.rate_limiter is not None:
                 self.rate_limiter.load(limits, len(self))
             if self.selector is not None:
-                self.selector.rows_loaded()
                 self.selector.load({} if served is None else {"selector_served": served})
         self.flush()  # a storage_dir now holds the loaded state
 

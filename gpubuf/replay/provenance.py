@@ -11,6 +11,9 @@ interleaves: a row names no env by its place, only by what it stores. A source's
 import numpy as np
 import torch
 
+from gpubuf._core.concurrency import locked
+from gpubuf._core.inputs import host_indices
+
 ENV_ID = ("info", "env_id")  # a flat buffer's leaf naming the env of each row
 INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -31,3 +34,23 @@ def locate(config, storage, ring, flat: np.ndarray) -> tuple[np.ndarray, np.ndar
         ids = storage.data[ENV_ID].index_select(0, rows.to(storage.data[ENV_ID].device))
         env = ids.to(torch.int64).cpu().numpy().reshape(row.shape)
     return env, row, step
+
+
+class Provenance:
+    """Mixed into :class:`~gpubuf.TransitionBuffer`, which provides ``lock``, ``config``, ``storage`` and ``ring``:
+    :meth:`locate`."""
+
+    @locked
+    def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like
+        ``indices`` on their device: ``row * n_envs + env`` splits into ring ``row`` and ``env``;
+        ``step`` counts the env's rows from the first this buffer wrote (a :meth:`load_state_dict`
+        numbers its rows from 0; with an :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step``
+        shows the env after ``step`` calls of ``step()``). ``IndexError`` for an index outside ``[0,
+        max_size)`` or a row not held. A buffer of ``vectorized_env=False`` holds one stream, which a
+        source with several envs interleaves: ``env`` is each row's stored ``info["env_id"]`` (a
+        source's ``transition_sample(vectorized=False)`` has it), else 0, and ``step`` counts the
+        stream's rows (this module)."""
+        flat, device = host_indices(indices)
+        return tuple(torch.from_numpy(a).to(device)
+                     for a in locate(self.config, self.storage, self.ring, flat))

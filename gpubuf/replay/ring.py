@@ -19,6 +19,9 @@ Glossary (shared by the buffers, tiers and ops): ``M`` rows per env; ``E`` envs 
 ``D`` words or elements per row of a leaf; flat start ``row * E + env``; window: the rows a sampled start reads
 (:meth:`StartRing.window`); kind: the two validity bits above; held rows: the ``count`` rows before ``pos``; head
 rows: of ``T`` rows written at ``pos``, those before the wrap (``min(T, M - pos)``).
+
+:class:`RowEvents` is what a buffer tells each part that follows its rows (its sampler, selector, reader, rate
+limiter), through one list of parts.
 """
 
 import os
@@ -26,6 +29,32 @@ import os
 import numpy as np
 
 NEXT_OBS, IN_EPISODE = 1, 2  # validity kind bits
+
+
+class RowEvents:
+    """The events a buffer tells every part in its list of parts, each part in the list's order, once the ring
+    holds the change (here: nothing to do; a part overrides what it follows)."""
+
+    def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
+        """``T`` new rows were written at ``pos``: ``pos .. pos + before_wrap - 1``, then ``0 .. T - before_wrap -
+        1``."""
+
+    def row_cut(self, row: int) -> None:
+        """The episode flags of held row ``row`` changed in place (an episode cut there)."""
+
+    def rows_loaded(self, whole: bool) -> None:
+        """Every row changed at once: a load (``whole``), or the buffer emptied by a load that failed half-way."""
+
+
+class LimiterSize(RowEvents):
+    """A rate limiter as a part: told the size of the buffer (``ring``'s held rows times ``n_envs``) after each
+    write."""
+
+    def __init__(self, limiter, ring: "StartRing", n_envs: int):
+        self.limiter, self.ring, self.n_envs = limiter, ring, n_envs
+
+    def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
+        self.limiter.set_size(self.ring.count * self.n_envs)
 
 
 class StartRing:

@@ -154,7 +154,7 @@ def test_a_draw_without_replacement_that_fails_restores_priorities_and_generator
 def test_a_stacked_gather_that_fails_after_the_draw_restores_the_generator(monkeypatch, where):
     buf = replay(PrioritizedTransitionBuffer)
     before = state(buf)
-    fail_on_call(monkeypatch, stacked_sampling.ops, where, 1)
+    fail_on_call(monkeypatch, buf.storage.table, where, 1)  # the stacks' and returns' ops: the storage's table
     with pytest.raises(MemoryError, match="batch_size: sample"):
         buf.sample(batch_size=6, frame_stack=2, n_step_return=(2, 0.9))
     assert_same(buf, before)
@@ -287,7 +287,7 @@ def test_a_graph_sampler_keeps_its_own_gamma():
     for i in range(20):
         buf.sample(n_step_return=(2, 0.1 + i / 100))  # evicts 0.5 from the shared cache
     out, _ = gs.sample()
-    assert gs._stacked.gamma.item() == 0.5  # noqa: SLF001
+    assert gs._plan.stacks.gamma.item() == 0.5  # noqa: SLF001
     assert set(out.discount.tolist()) <= {0.0, 0.5, 0.25}  # gamma**m after m rewards, 0 after a termination
 
 

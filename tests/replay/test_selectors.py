@@ -161,9 +161,9 @@ def test_selected_windows_read_as_the_buffer_reads_any_start():
         for kw in ({"frame_stack": 3, "n_step_return": (3, 0.9)}, {"with_next_obs": True, "boundaries": "mask"}):
             batch, idx = buf.sample(batch_size=8, return_indices=True, **kw)
             spec = buf.reader.spec(kw.get("frame_stack"), 1, kw.get("n_step_return"), None)
-            read = buf.reader.prepare(8, kw.get("with_next_obs", False), kw.get("boundaries", "allow"), spec, None,
-                                      ())
-            again = read(idx)
+            plan, _ = buf.reader.plan(8, kw.get("with_next_obs", False), kw.get("boundaries", "allow"), spec, True,
+                                      None, ())
+            again = plan.read(idx, plan.outputs())
             for name in ("observation", "reward", "next_observation", "discount", "is_first", "mask"):
                 if getattr(batch, name) is not None:
                     assert torch.equal(getattr(batch, name), getattr(again, name)), name

@@ -7,12 +7,17 @@ re-opened ``storage_dir`` does not share it), grows past every generation handed
 wholesale (a ``load_state_dict``). So a flat start sampled with generation ``g`` still holds what was sampled
 exactly while its generation is ``g``: once the ring overwrote the row (or a load replaced it), it differs.
 Computed from the ring's counters on the indices' device: nothing is stored per row, nothing is read back.
+
+:class:`WriteBackDoors` holds a buffer's doors that write into held rows: :meth:`~WriteBackDoors.update_rows` (the
+write-back of stored latents) and :meth:`~WriteBackDoors.cut_episodes` (an episode end marked at the newest row).
 """
 
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import as_tensor, check_cast
+from gpubuf._core.concurrency import locked
+from gpubuf._core.inputs import as_tensor, check_cast, index_array
+from gpubuf._core.signals import signals_held
 from gpubuf.replay.config import IS_LAST
 
 
@@ -98,3 +103,90 @@ def write_rows(storage, ring, idx: torch.Tensor, values: dict, n_steps: int) -> 
             envs = env[:, None].expand_as(rows)
         key = (rows, envs) if storage.config.vectorized_env else (rows,)
         data.index_put_(key, t.to(device=dev, dtype=data.dtype))
+
+
+class WriteBackDoors:
+    """Mixed into :class:`~gpubuf.TransitionBuffer`, which provides ``lock``, ``config``, ``storage``, ``ring`` and
+    ``parts`` (told of a cut row)."""
+
+    # write-backs the last update_rows / update_priorities call given generations dropped (their rows
+    # were overwritten since the sample); 0 after a call without generations
+    stale_updates = 0
+
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
+    @locked
+    def update_rows(self, indices, values: dict, *, generations=None):
+        """Write ``values`` ``{name: (B, ...)}`` into the stored ``info`` leaves (say latents a
+        world model computed from the sampled windows) at flat starts ``indices`` (B,); returns
+        ``self``. A leaf's ``(B, *shape)`` values go to the start rows; with ``n_steps > 1``,
+        ``(B, n_steps, *shape)`` values go to every row of the windows. With ``generations`` (from
+        ``sample(..., return_generations=True)``) the starts whose rows were overwritten since the
+        sample are skipped, and :attr:`stale_updates` counts them. Duplicate starts: one of their
+        values is kept. Observations, actions, rewards and flags are not written back.
+
+        Raises (writing nothing) on a name that is not an ``info`` leaf, a misshapen value or one
+        its leaf's dtype cannot hold, non-integer indices or ones outside ``[0, max_size)``
+        (``IndexError``), a rows not held (``IndexError``, without ``generations``), or a closed
+        ``storage_dir`` buffer; on a ``storage_dir`` the values reach the files as the other rows do
+        (made durable by ``flush()``)."""
+        self.storage.check_open()
+        idx = index_array(indices).to(torch.int64)
+        checked = row_values(self.config, values, idx.shape[0], self.config.n_steps)
+        check_range(self.ring, idx)
+        if generations is None:
+            self.stale_updates = 0
+            self.ring.locate(idx.cpu().numpy())  # IndexError for a row not held
+        else:
+            keep = self._current(idx, generations)
+            idx = idx[keep]
+            checked = {p: (t[keep.to(t.device)], w) for p, (t, w) in checked.items()}
+        if idx.numel():
+            with signals_held():
+                write_rows(self.storage, self.ring, idx, checked, self.config.n_steps)
+        return self
+
+    def _current(self, idx: torch.Tensor, generations) -> torch.Tensor:
+        """The mask of flat starts ``idx`` (K,) still holding ``generations``, the others counted
+        into :attr:`stale_updates`."""
+        keep = current(self.ring, idx, generations)
+        self.stale_updates = int(keep.numel() - keep.sum())
+        return keep
+
+    # an opaque call under torch.compile: no guards on host state, no recompiles
+    @torch.compiler.disable
+    @locked
+    def cut_episodes(self, envs=None):
+        """End every env's episode (``envs``: a ``(n_envs,)`` bool mask of the envs to end) at its newest row,
+        in place: ``truncated`` is set there (unless that row
+        ends an episode already, a termination say), so no window
+        with ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it
+        (its successor counts as unknown, as after a truncation whose final observation was not kept).
+        What a source without ``info["is_last"]`` rows does when its run is cut (a ``reset()``, the buffer
+        detached). Returns ``self``; an empty buffer is left as it is; ``ValueError`` without a
+        ``truncated`` leaf."""
+        paths = self.config.paths("truncated")
+        if not paths:
+            raise ValueError("cut_episodes: the buffer stores no truncated leaf to mark the cut with")
+        self.storage.check_open()
+        ring = self.ring
+        if ring.count == 0:
+            return self
+        row = (ring.pos - 1) % ring.max_rows
+        cut = ~ring.ends[row]  # a row that already ends an episode (terminated: drawn with discount 0) stays
+        if envs is not None:
+            cut &= np.asarray(envs, bool)
+        if not cut.any():
+            return self
+        mask = torch.from_numpy(cut)
+        with signals_held():
+            for path in paths:
+                t = self.storage.data[path]
+                if self.config.vectorized_env:
+                    t[row][mask.to(t.device)] = True  # (E, ...) view of the row: written through
+                else:
+                    t[row] = True
+            ring.truncate_row(row, cut)
+            for part in self.parts:  # in the buffer's order of parts
+                part.row_cut(row)
+        return self

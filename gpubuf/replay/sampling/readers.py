@@ -1,45 +1,41 @@
-"""BatchReader: how a replay buffer reads the batch of drawn flat starts.
+"""BatchReader: the reads of a replay buffer's samples, and their plans.
 
-A sample runs check -> draw -> read. Before the draw, :meth:`BatchReader.prepare` checks the
-caller's ``out`` and allocates what can fail (a failed allocation draws nothing), and picks one
-read for the call:
-
-- plain windows (and ``next_observation`` one row later), into fresh tensors or the caller's ``out``
-  (:meth:`~gpubuf.replay.storage.memory.MemoryStorage.gather`: the storage's device, then copied to the
-  sampling device);
-- the steady host path: fresh windows of host storage for a CPU buffer, gathered with the torch twin's
-  rows (:meth:`~gpubuf.replay.storage.memory.MemoryStorage.host_jobs`);
-- frame stacks and n-step returns (:class:`~gpubuf.replay.sampling.stacked.StackedGather`, on the storage's
-  device, from the episode marks this reader keeps).
-
-It also estimates what a sample needs in memory and refuses one that cannot fit, before the draw.
+A sample runs check -> draw -> read -> weigh. Before the draw, :meth:`BatchReader.plan` returns the
+:class:`~gpubuf.replay.sampling.plan.SamplePlan` of the call's configuration (batch size, unit, boundaries, the
+caller's ``out``): built once, which checks ``out`` and that the sample fits in memory, then cached (a loop calling
+``sample()`` with the same arguments reuses it; :mod:`gpubuf.replay.sampling.plan` lists the read paths). The
+reader also keeps the episode marks that frame stacks and n-step returns read, built by the first sample that
+needs them and kept current by every write, and estimates what a sample needs in memory, refusing one that cannot
+fit before the draw.
 """
 
-import functools
 import math
 
 import torch
 
 from gpubuf import ops
-from gpubuf._core.transition import Transition, flatten, unflatten
+from gpubuf._core.transition import Transition, flatten
+from gpubuf.replay.ring import RowEvents
 from gpubuf.replay.sampling.episode_marks import EpisodeMarks
-from gpubuf.replay.sampling.stacked import StackedGather, StackSpec
+from gpubuf.replay.sampling.plan import SamplePlan
+from gpubuf.replay.sampling.stacked import StackSpec
 from gpubuf.replay.sampling.tree import FANOUT
 
 
-class BatchReader:
+class BatchReader(RowEvents):
     """The reads of one buffer's samples: its ``config``, ``storage`` and ``ring``
-    (:class:`~gpubuf.replay.ring.StartRing`: the rows held) and the sampling device's backend
-    ``table``; the episode marks, built by the first read that needs them."""
+    (:class:`~gpubuf.replay.ring.StartRing`: the rows held), the ``sampler`` that weighs them and the sampling
+    device's backend ``table``; the episode marks, built by the first read that needs them."""
 
-    def __init__(self, config, storage, ring, table: ops.Backend):
-        self.config, self.storage, self.ring = config, storage, ring
+    def __init__(self, config, storage, ring, sampler, table: ops.Backend):
+        self.config, self.storage, self.ring, self.sampler = config, storage, ring, sampler
         self.device, self.table = table.device, table
+        self._plans = ops.LRU(8)  # (plan, what) per sample configuration
+        self._last_plan = (None, None)  # (key, (plan, what)) of the last sample (a loop asks the same each step)
         self._marks = None  # EpisodeMarks, built by the first sample that needs them
         # sample sizes checked to fit (a call that fits is not estimated again)
         self._fits = ops.LRU(8)
         self._last_fit = (None, None)  # (key, what) of the last check
-        self._last_out = (None, None)  # (key, (jobs, work)) of the last ``out`` (a loop passes the same each step)
 
     # ------------------------------------------------------------------ episode marks
 
@@ -58,6 +54,10 @@ class BatchReader:
         """Keep built marks current after ``T`` rows were written at ``pos``."""
         if self._marks is not None:
             self._marks.rows_written(self.ring, pos, before_wrap, T)
+
+    def row_cut(self, row: int) -> None:
+        """Keep built marks current after an episode was cut at held row ``row``."""
+        self.rows_written(row, 1, 1)
 
     def rows_loaded(self, whole: bool) -> None:
         """Keep built marks current after a load: rebuilt from every row (``whole``), else (the
@@ -79,62 +79,36 @@ class BatchReader:
                              f"{type(out).__name__}")
         return spec
 
-    def prepare(self, B: int, with_next_obs: bool, boundaries: str, spec: StackSpec | None,
-                out: Transition | None, owned: tuple):
-        """The read of one sample: a function of the drawn flat starts ``(B,)`` int64 returning the
-        flagged batch. What can fail on the arguments or allocation fails here, before the draw
-        (``owned``: memory ranges ``out`` must not reach)."""
-        if spec is not None:  # the stacks' outputs, before the draw
-            stacked = StackedGather(self, spec, B, with_next_obs).prepare()
-            return functools.partial(self._flagged, stacked.run, boundaries)
-        jobs = None if out is not None else self.storage.host_jobs(B, with_next_obs, self.device)
-        if jobs is not None:  # the steady host path: fresh outputs in their own dtypes
-            return functools.partial(self._read_host, jobs, B, with_next_obs, boundaries)
-        key = None if out is None else self._out_key(out, B, with_next_obs, owned)
-        if key is not None and self._last_out[0] == key:  # checked last time: its word views too
-            return functools.partial(self._windows_into, self._last_out[1], out, boundaries)
-        jobs = self.storage.check_out(out, self.config.jobs(B, with_next_obs), self.device, owned)
-        if key is not None and self.storage.device == self.device:
-            self._last_out = (key, self.storage.outputs(B, jobs, self.device)[1])
-        return functools.partial(self.windows, jobs=jobs, out=out, boundaries=boundaries)
+    def plan(self, B: int, with_next_obs: bool, boundaries: str, spec: StackSpec | None, with_replacement: bool,
+             out: Transition | None, owned: tuple) -> tuple[SamplePlan, object]:
+        """``(plan, what)`` of one sample: its :class:`~gpubuf.replay.sampling.plan.SamplePlan` and what it needs in
+        memory (:meth:`check_memory`'s phrase), after checking it fits and that ``out`` is usable (``owned``:
+        memory ranges ``out`` must not reach); cached per configuration."""
+        key = (B, with_next_obs, boundaries, spec, with_replacement,
+               None if out is None else self._out_key(out, owned))
+        last = self._last_plan
+        if last[0] == key:  # a steady loop asks the same each step: one compare
+            return last[1]
+        if out is not None and key[-1] is None:  # a leaf that is not a tensor: checked every time
+            return self._build(B, with_next_obs, boundaries, spec, with_replacement, out, owned)
+        made = self._plans.get(key, self._build, B, with_next_obs, boundaries, spec, with_replacement, out, owned)
+        self._last_plan = (key, made)
+        return made
+
+    def _build(self, B, with_next_obs, boundaries, spec, with_replacement, out, owned) -> tuple[SamplePlan, object]:
+        what = self.check_memory(B, with_next_obs, spec, with_replacement, out is None)
+        return SamplePlan(self, B, with_next_obs, boundaries, spec, out, owned), what
 
     @staticmethod
-    def _out_key(out, B: int, with_next_obs: bool, owned: tuple):
-        """What a check of ``out`` depends on: every leaf's identity, address, shape, strides and dtype (its word
-        views keep its memory alive, so an address seen again is the same memory); ``None`` for a non-tensor leaf
-        (checked every time)."""
+    def _out_key(out, owned: tuple):
+        """What a check of ``out`` depends on: every leaf's identity, address, shape, strides and dtype (the plan
+        holds its word views, which keep its memory alive, so an address seen again is the same memory); ``None``
+        for a non-tensor leaf (checked every time)."""
         leaves = flatten(out, "out")
         if not all(isinstance(t, torch.Tensor) for t in leaves.values()):
             return None
-        return (B, with_next_obs, owned, type(out), tuple((p, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype,
-                                                           t.device) for p, t in leaves.items()))
-
-    def _windows_into(self, work: list, out: Transition, boundaries: str, starts: torch.Tensor) -> Transition:
-        """:meth:`windows` into an ``out`` checked before, through the word views kept then."""
-        self.storage.gather_windows(work, starts)
-        return self.config.with_flags(out, boundaries, self.device)
-
-    def _flagged(self, run, boundaries: str, starts: torch.Tensor) -> Transition:
-        return self.config.with_flags(run(starts), boundaries, self.device)
-
-    def _read_host(self, jobs: list, B: int, with_next_obs: bool, boundaries: str,
-                   starts: torch.Tensor) -> Transition:
-        """The storage's host gather of ``jobs``; an allocation failure takes the general path,
-        which raises ``MemoryError`` naming ``batch_size``."""
-        try:
-            result = self.storage.gather_host_jobs(jobs, starts)
-        except RuntimeError:
-            jobs = self.storage.check_out(None, self.config.jobs(B, with_next_obs), self.device, ())
-            result = self.storage.gather(starts, jobs, self.device)
-        return self.config.with_flags(unflatten(result), boundaries, self.device)
-
-    def windows(self, starts: torch.Tensor, jobs: dict, out: Transition | None = None,
-                boundaries: str = "allow") -> Transition:
-        """The flagged batch of windows of flat ``starts`` (B,) for ``storage.check_out``'s ``jobs``
-        (``out``: the caller's tensors they were written into)."""
-        result = self.storage.gather(starts, jobs, self.device)
-        return self.config.with_flags(unflatten(result) if out is None else out, boundaries,
-                                      self.device)
+        return (owned, type(out), tuple((p, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+                                        for p, t in leaves.items()))
 
     # ------------------------------------------------------------------ memory
 

@@ -19,12 +19,13 @@ from gpubuf._core.inputs import finite_float, priority_updates
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import Staging
 from gpubuf._core.state import check_tensor, chunks, copy_into, unaliased
-from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, StartRing
+from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS, RowEvents, StartRing
 from gpubuf.replay.sampling.device_priorities import DevicePriorityUpdates
+from gpubuf.replay.sampling.draws import MassSetAside
 from gpubuf.replay.sampling.tree import FANOUT, PrefixSumTree
 
 
-class TreeSampler:
+class TreeSampler(RowEvents):
     """The shared base of the policies: validity and a prefix-sum tree per kind of a
     :class:`StartRing` (each kind's built on first use), tree descents, exact draws without
     replacement.
@@ -80,7 +81,7 @@ class TreeSampler:
     def kept_changed(self) -> None:
         """The kinds kept current changed (one more was built)."""
 
-    def forget(self) -> None:
+    def rows_loaded(self, whole: bool) -> None:
         """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in
         use now, so tensors handed out earlier (a GraphSampler's tree) stay current."""
         self.ring.forget_validity()
@@ -88,8 +89,12 @@ class TreeSampler:
             self.refresh_rows(kind, 0, self.ring.max_rows)
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
-        """New rows ``pos .. pos+before_wrap-1`` and ``0 .. T-before_wrap-1`` were written (before
-        validity is refreshed)."""
+        """New rows were written at ``pos``: refresh the starts whose windows changed."""
+        self.refresh_after_write(pos, T)
+
+    def row_cut(self, row: int) -> None:
+        """An episode was cut at held row ``row``: refresh the starts whose windows changed."""
+        self.refresh_after_write(row, 1)
 
     def refresh_after_write(self, old_pos: int, T: int) -> None:
         """Refresh the starts whose windows changed after ``T`` rows were written at ``old_pos``."""
@@ -161,16 +166,11 @@ class TreeSampler:
     def descend_excluding(self, kind: int, old: torch.Tensor,
                           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`descend` with the mass of flat starts ``old`` (K,) int64 (distinct) set aside:
-        zeroed for the descent and restored after it, whatever happens (signals held meanwhile)."""
+        zeroed for the descent and restored after it, whatever happens (:class:`MassSetAside`)."""
         tree = self.tree(kind)
-        with signals_held():  # the tree is whole again before any handler runs
-            saved = tree.leaves(old)
-            try:
-                tree.update(old, torch.zeros_like(saved))
-                idx = tree.sample(u)
-                return idx, tree.leaves(idx)
-            finally:
-                tree.update(old, saved)
+        with MassSetAside(tree, old):
+            idx = tree.sample(u)
+            return idx, tree.leaves(idx)
 
     def weigh(self, batch, mass: torch.Tensor | None) -> None:
         """Add the batch's importance weights for drawn masses ``mass`` (B,) (uniform: none)."""
@@ -195,34 +195,33 @@ class TreeSampler:
         return self._draw_without_replacement(tree, B, g)
 
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
-        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping
-        first appearances, with the drawn starts' mass zeroed between rounds and restored at the end
-        (one device read per round; a first round with enough distinct draws touches no mass). The
-        tree is restored whatever happens: an exception restores it, and asynchronous signals
-        (Ctrl-C, alarms) are held until it is whole again, so their handlers never run half-way."""
-        chosen, masses, zeroed = [], [], False
-        need = B
-        with signals_held():
-            try:
-                while True:
-                    draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
-                    uniq, inv = torch.unique(draws, return_inverse=True)
-                    first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
-                        0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
-                    # distinct draws in order of first appearance
-                    new = uniq[torch.argsort(first_seen)][:need]
-                    masses.append(tree.leaves(new))
-                    chosen.append(new)
-                    need -= new.numel()
-                    if need <= 0:
-                        break
-                    zeroed = True  # set first: a restore of leaves not yet zeroed is harmless
-                    tree.update(new,
-                                torch.zeros(new.shape, dtype=torch.float64, device=self.device))
-            finally:
-                if zeroed:  # restore: leaves as before, parents recomputed from them
-                    tree.update(torch.cat(chosen), torch.cat(masses))
+        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping first
+        appearances (:meth:`_distinct_draws`). A first round with enough distinct draws touches no mass; else the
+        drawn starts' mass is set aside between rounds and restored at the end (:class:`MassSetAside`: whatever
+        happens, signals held meanwhile)."""
+        new, mass = self._distinct_draws(tree, B, g)
+        if new.numel() == B:
+            return new, mass
+        chosen, masses, need = [new], [mass], B - new.numel()
+        with MassSetAside(tree) as aside:
+            while need > 0:
+                aside.add(new, mass)
+                new, mass = self._distinct_draws(tree, need, g)
+                chosen.append(new)
+                masses.append(mass)
+                need -= new.numel()
         return torch.cat(chosen), torch.cat(masses)
+
+    def _distinct_draws(self, tree: PrefixSumTree, need: int, g: torch.Generator):
+        """``(starts (K,) int64, their masses (K,) float64)``: the distinct starts of one round of ``max(2 * need,
+        16)`` draws with replacement from ``tree``, in order of first appearance, at most ``need`` of them (one
+        device read)."""
+        draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
+        uniq, inv = torch.unique(draws, return_inverse=True)
+        first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
+            0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
+        new = uniq[torch.argsort(first_seen)][:need]
+        return new, tree.leaves(new)
 
     # ------------------------------------------------------------------ state (uniform: none)
 
@@ -386,11 +385,13 @@ class PrioritizedSampler(TreeSampler):
         return super().tensors() + [self.priority]
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
+        """New rows take the running ``max_priority`` (order matters: before their masses are refreshed)."""
         # the device's copy once device updates exist: no read-back
         top = float(self._max_np[0]) if self._device_updates is None else self._device_updates.max
         self._rows[pos:pos + before_wrap].fill_(top)
         if before_wrap < T:  # wrapped
             self._rows[:T - before_wrap].fill_(top)
+        self.refresh_after_write(pos, T)
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         return self.table.masses(self.priority[starts], valid, self.alpha, all_valid)  # invalid starts: zero mass

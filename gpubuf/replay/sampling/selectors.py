@@ -37,13 +37,14 @@ import weakref
 import numpy as np
 import torch
 
-from gpubuf._core.signals import signals_held
 from gpubuf._core.state import check_tensor, host_tensor
+from gpubuf.replay.ring import RowEvents
+from gpubuf.replay.sampling.draws import MassSetAside, proportional_draw
 
 COMPONENTS = ("uniform", "prioritized", "recency")
 
 
-class Selector:
+class Selector(RowEvents):
     """The base of the selectors: the buffer it is attached to, and its hooks."""
 
     capturable = False  # draws from device state only (a GraphSampler may use it)
@@ -97,7 +98,7 @@ class Selector:
         """Rows were written (ring position now ``buffer.ring.pos``)."""
         self._newest.fill_((self.buffer.ring.pos - 1) % self.buffer.ring.max_rows)
 
-    def rows_loaded(self) -> None:
+    def rows_loaded(self, whole: bool = True) -> None:
         """The rows changed wholesale (a load, a re-open)."""
         self._newest.fill_((self.buffer.ring.pos - 1) % self.buffer.ring.max_rows)
 
@@ -123,16 +124,6 @@ class Selector:
         return (w.unsqueeze(1) * self._valid(kind).view(ring.max_rows, ring.n_envs)).view(-1)
 
 
-def _draw_masses(mass: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(starts (K,), total)``: start ``i`` with probability ``mass_i / total`` per uniform of ``u`` (K,); never a
-    start of zero mass (device only)."""
-    c = torch.cumsum(mass, 0)
-    total = c[-1:]
-    idx = torch.searchsorted(c, u * total, right=True)
-    last = torch.searchsorted(c, total, right=False)  # the last start of positive mass
-    return torch.minimum(idx, last), total
-
-
 class Recency(Selector):
     """Start ``i`` with probability ``(age_i + 1) ** -exponent`` over the valid starts (``exponent > 0``; DreamerV3
     uses 1), with replacement."""
@@ -153,7 +144,7 @@ class Recency(Selector):
 
     def draw_u(self, kind: int, u: torch.Tensor, groups: int = 1):  # independent draws: groups change nothing
         mass = self._recency_mass(kind, self.exponent)
-        idx, total = _draw_masses(mass, u)
+        idx, total = proportional_draw(mass, u)
         return idx, mass[idx] / total
 
     def prob(self, kind: int, idx: torch.Tensor) -> torch.Tensor:
@@ -222,7 +213,7 @@ class Mixture(Selector):
             return self.buffer.sampler.descend(kind, u)[0]
         mass = self._valid(kind).to(torch.float64) if name == "uniform" else \
             self._recency_mass(kind, self.exponent)
-        return _draw_masses(mass, u)[0]
+        return proportional_draw(mass, u)[0]
 
     def prob(self, kind: int, idx: torch.Tensor, n: dict | None = None) -> torch.Tensor:
         """``sum_c (n_c / B) * p_c(idx)`` (``n``: the counts of the batch; ``None``: the fractions)."""
@@ -347,10 +338,10 @@ class Online(_Queue):
         if self.base is not None:
             self.base.rows_written(pos, before_wrap, T)
 
-    def rows_loaded(self) -> None:
-        super().rows_loaded()
+    def rows_loaded(self, whole: bool = True) -> None:
+        super().rows_loaded(whole)
         if self.base is not None:
-            self.base.rows_loaded()
+            self.base.rows_loaded(whole)
 
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
         if self.base is not None:
@@ -385,16 +376,8 @@ class Online(_Queue):
 
 def _distinct_rest(sampler, kind: int, k: int, g: torch.Generator, taken: torch.Tensor) -> tuple:
     """``k`` starts drawn without replacement by ``sampler``, none of them in ``taken``."""
-    tree = sampler.tree(kind)
-    if taken.numel() == 0:
+    with MassSetAside(sampler.tree(kind), taken):
         return sampler.draw(kind, k, g, False)
-    with signals_held():  # the tree is whole again before any handler runs
-        saved = tree.leaves(taken)
-        tree.update(taken, torch.zeros_like(saved))
-        try:
-            return sampler.draw(kind, k, g, False)
-        finally:
-            tree.update(taken, saved)
 
 
 def _number(x) -> bool:

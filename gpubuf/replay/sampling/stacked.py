@@ -4,7 +4,8 @@ stores.
 :class:`StackSpec` holds a sample call's ``frame_stack``, ``frame_stride`` and ``n_step_return``,
 checked against the buffer; :class:`StackedGather` gathers one batch for sampled flat starts:
 observation leaves as stacks, the other leaves as plain windows, and with ``n_step_return`` the
-return, its discount and the bootstrap observation (the rules: :mod:`gpubuf.ops.stacks`).
+return, its discount and the bootstrap observation (the rules: :mod:`gpubuf.ops.stacks`), into the outputs a
+:class:`~gpubuf.replay.sampling.plan.SamplePlan` gives it.
 """
 
 import dataclasses
@@ -15,7 +16,6 @@ import torch
 
 from gpubuf import ops
 from gpubuf._core.transition import Transition, unflatten
-from gpubuf.replay.storage.memory import leaves_of_words, word_views
 
 RETURN_FIELDS = ("reward", "terminated", "truncated")  # replaced by the n-step transition's
 # why a vectorized_env=False buffer has no stacks or returns, and the buffer that has them
@@ -107,28 +107,25 @@ def _int(name: str, value, lo: int, hi: int) -> int:
 
 
 class StackedGather:
-    """The outputs and jobs of one batch of ``B`` flat starts for ``spec``: ``run(starts)`` fills
-    and returns them (a :class:`Transition` of tensors on ``device``).
+    """The stacks and returns of ``B`` flat starts for ``spec``, a read stage of a
+    :class:`~gpubuf.replay.sampling.plan.SamplePlan`: observation leaves as stacks, and with ``n_step_return`` the
+    return, its discount and the bootstrap stacks. :attr:`plain` lists the other leaves' jobs ``(output path, stored
+    path, shift, shape)``, which the plan reads as plain windows.
 
-    ``fixed``: the output tensors are allocated once, by :meth:`prepare`, and refilled by every
-    run (a ``GraphSampler``'s, whose storage is on its device); with Triton the copy tables are
-    uploaded once too. Otherwise :meth:`prepare` allocates the stacks' and returns' outputs of the
-    one run that follows (a sample calls it before drawing, so that a failed allocation draws
-    nothing).
+    It takes its outputs: :meth:`outputs` allocates one set (the plan keeps it when fixed, else allocates one per
+    sample, before the draw), :meth:`tables` uploads the Triton copy tables of a set once, and :meth:`run` fills a
+    set for the drawn starts.
     """
 
-    def __init__(self, reader, spec: StackSpec, B: int, with_next_obs: bool, fixed: bool = False):
+    def __init__(self, reader, spec: StackSpec, B: int, with_next_obs: bool):
         config, storage = reader.config, reader.storage
-        self.config, self.storage, self.table = config, storage, storage.table
-        self.spec, self.B = spec, B
-        self.device, self.fixed = reader.device, fixed
-        self.marks = reader.marks()
-        here = storage.device
-        self.pin = here.type == "cpu" and self.device.type == "cuda"
+        self.config, self.storage, self.spec, self.B = config, storage, spec, B
+        self.device, self.marks, self.table = reader.device, reader.marks(), storage.table
+        self.pin = storage.device.type == "cpu" and self.device.type == "cuda"
         n, k = config.n_steps, spec.k
         lead = (B, n) if n > 1 else (B,)
         by_path = config.by_path
-        plain, self.stacks, self.boots = [], [], []
+        self.plain, self.stacks, self.boots = [], [], []
         # next observations: the following rows' stacks, unless a return says where to bootstrap
         for d, s, shift, shape in config.jobs(B, with_next_obs and spec.n is None):
             if spec.n is not None and s[0] in RETURN_FIELDS:
@@ -136,104 +133,67 @@ class StackedGather:
             if s[0] == "observation" and k is not None:
                 self.stacks.append((d, s, shift, lead + (k,) + by_path[s].shape))
             else:
-                plain.append((d, s, shift, shape))
+                self.plain.append((d, s, shift, shape))
         if spec.n is not None:
             for s in config.paths("observation"):
                 stack = () if k is None else (k,)
-                self.boots.append((("next_observation",) + s[1:], s, 0,
-                                   (B,) + stack + by_path[s].shape))
+                self.boots.append((("next_observation",) + s[1:], s, 0, (B,) + stack + by_path[s].shape))
             (reward,) = config.paths("reward")
             self.reward = storage.flat[reward].view(-1)
             rtype = torch.float64 if by_path[reward].dtype == torch.float64 else torch.float32
             self.return_types = (rtype, rtype, torch.int64, torch.bool, torch.bool)
-            self.gamma = gamma_tensor(spec.gamma, here)  # held: a captured graph reads it
-        self.plain = storage.check_out(None, plain, self.device, ())
-        self.out, self.tables, self._plain_work, self._plain_views = None, None, None, None
+            self.gamma = gamma_tensor(spec.gamma, storage.device)  # held: a captured graph reads it
 
-    def prepare(self) -> "StackedGather":
-        """Allocate the outputs (and, ``fixed`` with Triton, upload the copy tables); returns
-        ``self``."""
-        self.out = self._outputs()
-        if self.fixed and self.table.fixed_tables:
-            self.tables = self._tables()
-        elif self.fixed and self.storage.device == self.device:  # the plain windows' word views, made once
-            _, self._plain_work = self.storage.outputs(self.B, self._plain_jobs(self.out), self.device)
-            self._plain_views = word_views(self.out["plain"], self._plain_work)
-        return self
-
-    def _outputs(self) -> dict:
-        """Fresh output tensors: ``{path: tensor}`` on the storage's device (pinned for a CUDA
-        buffer on host storage), with the returns' under ``"returns"``."""
+    def outputs(self) -> dict:
+        """Fresh output tensors: ``{path: tensor}`` on the storage's device (pinned for a CUDA buffer on host
+        storage), with the returns' under ``"returns"``."""
         here, dtypes = self.storage.device, {leaf.path: leaf.dtype for leaf in self.config.leaves}
         out = {d: torch.empty(shape, dtype=dtypes[s], device=here, pin_memory=self.pin)
                for d, s, _, shape in self.stacks + self.boots}
         if self.spec.n is not None:
             out["returns"] = tuple(torch.empty(self.B, dtype=t, device=here, pin_memory=self.pin)
                                    for t in self.return_types)
-        if self.fixed:
-            out["plain"], _ = self.storage.outputs(self.B, self.plain, self.device)
         return out
 
-    def _tables(self) -> dict:
-        """Copy tables uploaded once, per output group, for the Triton launchers."""
-        storage, n, k = self.storage, self.config.n_steps, self.spec.k or 1
-        _, work = storage.outputs(self.B, self._plain_jobs(self.out), self.device)
-        return {"plain": ops.sequence_tables(work, self.B, n, self.device),
-                "stacks": ops.stack_tables(self._jobs(self.stacks), self.B, n, k, self.device),
-                "boots": ops.stack_tables(self._jobs(self.boots), self.B, 1, k, self.device)}
+    def tables(self, out: dict) -> dict:
+        """The Triton copy tables of the stacks and bootstrap stacks of ``out``, uploaded once."""
+        n, k = self.config.n_steps, self.spec.k or 1
+        stack_tables = self.table.stack_tables
+        return {"stacks": stack_tables(self._jobs(self.stacks, out), self.B, n, k, self.device),
+                "boots": stack_tables(self._jobs(self.boots, out), self.B, 1, k, self.device)}
 
-    def _plain_jobs(self, out: dict) -> dict:
-        """The plain windows' jobs writing into ``out["plain"]``."""
-        return {d: (out["plain"][d], *rest) for d, (_, *rest) in self.plain.items()}
-
-    def _jobs(self, jobs: list, out: dict | None = None) -> list:
-        out = self.out if out is None else out
+    def _jobs(self, jobs: list, out: dict) -> list:
         return [(self.storage.flat[s], out[d], shift) for d, s, shift, _ in jobs]
 
-    def run(self, starts: torch.Tensor) -> Transition:
-        """The batch of flat ``starts`` (B,) int64 on the buffer's device."""
+    def run(self, starts: torch.Tensor, out: dict, tables: dict | None = None) -> None:
+        """Fill ``out`` (:meth:`outputs`) for flat ``starts`` (B,) int64 on the buffer's device (``tables``: those
+        of ``out``, launched instead)."""
         config, spec, storage, marks = self.config, self.spec, self.storage, self.marks
         n, k, E, M = config.n_steps, spec.k or 1, config.n_envs, config.max_rows
-        out = self.out if self.out is not None else self._outputs()
-        if not self.fixed:
-            self.out = None  # the next run gets fresh outputs
-        here = storage.device
-        local = starts.to(here)  # host storage: the starts are read back once
-        if self.tables is not None:
-            ops.sequence_gather_fixed(self.tables["plain"], starts, n, E, M)
-            result = dict(out["plain"])
-            ops.frame_stack_fixed(self.tables["stacks"], local, marks.marks, marks.held, n, k, spec.stride, E, M)
+        local = starts.to(storage.device)  # host storage: the starts are read back once
+        if tables is not None:
+            self.table.frame_stack_fixed(tables["stacks"], local, marks.marks, marks.held, n, k, spec.stride, E, M)
         else:
-            if self._plain_work is not None:
-                storage.gather_windows(self._plain_work, starts)
-                result = dict(out["plain"])
-                if self._plain_views is not None and self.table.tracing():  # views made in the trace
-                    result = leaves_of_words(self._plain_views, self._plain_work)
-            else:
-                result = storage.gather(starts, self._plain_jobs(out) if self.fixed else self.plain, self.device)
             self.table.frame_stack(self._jobs(self.stacks, out), local, marks.marks, marks.held, n, k, spec.stride,
                                    E, M)
-        if spec.n is not None:
-            returns = out["returns"]
-            self.table.n_step_return(local, self.reward, marks.marks, marks.held, returns, self.gamma, spec.n, E,
-                                     M)
-            if self.tables is not None:
-                ops.frame_stack_fixed(self.tables["boots"], returns[2], marks.marks, marks.held, 1, k,
-                                      spec.stride, E, M)
-            else:
-                self.table.frame_stack(self._jobs(self.boots, out), returns[2], marks.marks, marks.held, 1, k,
-                                       spec.stride, E, M)
-        return self.assemble(out, result)
+        if spec.n is None:
+            return
+        returns = out["returns"]
+        self.table.n_step_return(local, self.reward, marks.marks, marks.held, returns, self.gamma, spec.n, E, M)
+        if tables is not None:
+            self.table.frame_stack_fixed(tables["boots"], returns[2], marks.marks, marks.held, 1, k, spec.stride, E, M)
+        else:
+            self.table.frame_stack(self._jobs(self.boots, out), returns[2], marks.marks, marks.held, 1, k,
+                                   spec.stride, E, M)
 
     def assemble(self, out: dict, plain: dict) -> Transition:
-        """The batch of :meth:`_outputs`' tensors ``out`` and the plain windows ``plain``, on the
-        buffer's device (a ``fixed`` gather's tensors themselves)."""
+        """The batch of :meth:`outputs`' tensors ``out`` and the plain windows ``plain``, on the buffer's device
+        (``out``'s tensors themselves when they are there)."""
         result = dict(plain)
         for d, *_ in self.stacks + self.boots:
             result[d] = out[d].to(self.device, non_blocking=True)
         batch = unflatten(result)
         if self.spec.n is not None:
-            ret, disc, _, term, cut = (t.to(self.device, non_blocking=True)
-                                       for t in out["returns"])
+            ret, disc, _, term, cut = (t.to(self.device, non_blocking=True) for t in out["returns"])
             batch.reward, batch.discount, batch.terminated, batch.truncated = ret, disc, term, cut
         return batch

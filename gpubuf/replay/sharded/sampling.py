@@ -10,6 +10,7 @@ import torch
 
 from gpubuf._core.inputs import check_bool, generator_for, int_seed, is_int
 from gpubuf.replay.buffer import BOUNDARIES
+from gpubuf.replay.sampling.draws import proportional_draw
 from gpubuf.replay.sharded.transport import ARG_ERRORS, ShardTransport
 from gpubuf.replay.sharded.windows import WindowPacker, bytes_as
 
@@ -43,9 +44,7 @@ class ShardSampler:
     @staticmethod
     def _owners(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """(k,) int64 shards drawn by uniforms ``u`` (k,) in proportion to ``weights`` (W,) float64 (host)."""
-        cum = weights.cumsum(0).to(u.device)
-        last = int(torch.nonzero(weights > 0).max())  # rounding never sends a draw past the last shard with mass
-        return torch.searchsorted(cum, u * cum[-1], right=True).clamp_max_(last)
+        return proportional_draw(weights.to(u.device), u)[0]
 
     def _uniforms(self, gen: torch.Generator, n: int) -> torch.Tensor:
         return torch.rand(n, dtype=torch.float64, generator=gen, device=gen.device).to(self.transport.device)
@@ -102,7 +101,7 @@ class ShardSampler:
         batch = self.config.with_flags(batch, boundaries, self.local.device)
         if not self.prioritized:
             return batch
-        batch.PER_weights = self.sampler.weights(drawn).to(self.local.device)
+        self.sampler.weigh(batch, drawn.to(self.local.device))  # the plans' weigh stage
         return batch, (owner * self.shard_size + local_idx).to(self.local.device)
 
     def _with_replacement(self, kind, B, width, gen, masses, with_next_obs):

@@ -10,6 +10,7 @@ import math
 import torch
 
 from gpubuf._core.transition import Transition, flatten, unflatten
+from gpubuf.replay.sampling.plan import SamplePlan
 
 
 def bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -37,8 +38,8 @@ class WindowPacker:
         n, parts = idx.shape[0], list(head)
         layout = self.layout(with_next_obs)
         if n:
-            jobs = {d: (None, s, shift, shape) for d, s, shift, shape in self.config.jobs(n, with_next_obs)}
-            windows = flatten(self.local.gather(idx, jobs))
+            plan = SamplePlan(self.local.reader, n, with_next_obs, "allow", None)  # fresh windows of these starts
+            windows = flatten(plan.read(idx))
             parts += [windows[d].reshape(n, math.prod(shape)).view(torch.uint8) for d, _, shape, _ in layout]
         else:
             parts.append(torch.empty((0, sum(leaf[3] for leaf in layout)), dtype=torch.uint8, device=self.device))

@@ -22,7 +22,7 @@ from gpubuf import ops
 from gpubuf._core.signals import signals_held
 from gpubuf._core.staging import Staging, check_disjoint, overlaps
 from gpubuf._core.transition import flatten, leaf_name
-from gpubuf.ops import as_words
+from gpubuf.ops import as_words, gather_word
 from gpubuf.ops.indexing import window_rows
 from gpubuf.replay.config import NOT_IN_NUMPY, ReplayConfig
 from gpubuf.replay.storage import tiers
@@ -129,7 +129,7 @@ class MemoryStorage:
         """The steady-state gather of fresh outputs on the host with the torch twin (``None``
         elsewhere): ``[(output path, source rows (M*E, D), shift, output shape, dtype to view the
         words as or None)]``, cached per ``(B, with_next_obs)``. Narrow leaves are gathered in
-        their own dtype, rows of 256 bytes or more as int words."""
+        their own dtype, wide rows as int words (:func:`gpubuf.ops.gather_word`)."""
         if device != self.device or not self.table.host_gather:
             return None
         jobs = self._host_jobs.get((B, with_next_obs))
@@ -139,9 +139,10 @@ class MemoryStorage:
                 src = self.flat[s]
                 if src.shape[1] == 0:
                     return None
-                wide = src.shape[1] * src.element_size() >= 256
-                jobs.append((d, self.words[s] if wide else src, shift, shape,
-                             dtypes[s] if wide else None))
+                if gather_word(src.dtype, src.shape[1] * src.element_size()) is None:
+                    jobs.append((d, src, shift, shape, None))
+                else:
+                    jobs.append((d, self.words[s], shift, shape, dtypes[s]))
             if len(self._host_jobs) >= 8:
                 self._host_jobs.clear()
             self._host_jobs[(B, with_next_obs)] = jobs
