@@ -33,6 +33,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -43,11 +44,13 @@ FORK_WAIT_S = 10.0  # the longest a fork waits for other threads' calls to end (
 
 class CallGuard:
     """The lock of one object's calls, how deep the holding thread is in them, and, on CUDA, the
-    stream the last call ran on."""
+    stream the last call ran on. ``tracing()`` says whether ``torch.compile`` traces the call (its owner's
+    backend table answers): traced calls run unlocked, as a replayed graph does."""
 
-    __slots__ = ("lock", "depth", "device", "cuda", "stream", "__weakref__")
+    __slots__ = ("lock", "depth", "device", "cuda", "stream", "tracing", "__weakref__")
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tracing: Callable[[], bool]):
+        self.tracing = tracing
         self.lock = threading.RLock()
         self.depth = 0  # calls of the holding thread in progress (only the holder changes it)
         self.device = device
@@ -94,9 +97,9 @@ def _called_by_library(up: int) -> bool:
 # they are (no ``*args``/``**kwargs`` packing: the wrapper runs on every steady-state call)
 _WRAPPER = """
 def {name}({params}):
-    if _compiling():  # traced by torch.compile: the compiled code runs unlocked, as a replayed graph does
-        return method({args})
     guard = self._guard
+    if guard.tracing():  # traced by torch.compile: the compiled code runs unlocked, as a replayed graph does
+        return method({args})
     with guard.lock:
         depth = guard.depth
         try:
@@ -140,7 +143,7 @@ def locked(method):
             text += f"=_default{i}"
         params.append(text)
         args.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
-    scope = {"method": method, "_compiling": torch.compiler.is_compiling, **defaults}
+    scope = {"method": method, **defaults}
     exec(_WRAPPER.format(name=method.__name__, params=", ".join(params), args=", ".join(args)),
          scope)
     return functools.wraps(method)(scope[method.__name__])

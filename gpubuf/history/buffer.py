@@ -68,7 +68,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         self.device = ops.resolve_device(device)
         self.table = ops.backend_table(self.device)  # what each op call runs, decided once
         self.backend = self.table.name
-        self._guard = CallGuard(self.device)
+        self._guard = CallGuard(self.device, self.table.tracing)
         self._ring = Ring(self.n_envs, self.max_len)
         self._schema = Schema(self.n_envs, self.max_len, self.action_block, self.block_keys,
                               self.table)

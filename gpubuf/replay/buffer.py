@@ -126,7 +126,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
             setattr(self, name, getattr(config, name))
         self.device = ops.resolve_device(device)
         self.table = ops.backend_table(self.device)  # what each op call runs, decided once
-        self.backend, self._guard = self.table.name, CallGuard(self.device)
+        self.backend, self._guard = self.table.name, CallGuard(self.device, self.table.tracing)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
         self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs, self._row_items,
                                           config.sample_batch_size)

@@ -1,6 +1,7 @@
 """What every source shares: the action codec, the stager, the caller's extra data and the row writer, set up from an
 env's per-env spaces, and the attached buffers as settable properties."""
 
+from gpubuf import ops
 from gpubuf._core.concurrency import CallGuard, locked
 from gpubuf.sources.actions import ActionCodec
 from gpubuf.sources.extra import ExtraData
@@ -33,7 +34,7 @@ class RowSource:
         self.n_actions = codec.n  # Discrete spaces: actions lie in [0, n)
         self.stager = StepStager(n_envs, obs_key, device=device, action_fill=codec.echo_fill)
         self.device = self.stager.device
-        self._guard = CallGuard(self.device)  # one call at a time (threads)
+        self._guard = CallGuard(self.device, ops.backend_table(self.device).tracing)  # one call at a time (threads)
         self._extra = ExtraData(n_envs, self.device)
         self._info_spec = info_spec
         self._rows = RowWriter(self.stager, codec, self._extra, observation_space, info_spec, single_rows,
