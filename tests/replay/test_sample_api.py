@@ -47,9 +47,9 @@ def quiet(call):
         return call()
 
 
-def deprecated(call, *spelling):
-    """``call()``, asserting one DeprecationWarning from this file naming 0.3.0 and each of ``spelling``."""
-    with pytest.warns(DeprecationWarning) as seen:
+def deprecated(call, *spelling, category=DeprecationWarning):
+    """``call()``, asserting one ``category`` warning from this file naming 0.3.0 and each of ``spelling``."""
+    with pytest.warns(category) as seen:
         got = call()
     assert len(seen) == 1 and seen[0].filename == __file__, [(w.filename, str(w.message)) for w in seen]
     message = str(seen[0].message)
@@ -235,11 +235,21 @@ def test_the_old_positional_order_warns_and_reads_key_first(cls):
     new = buf.sample(key=9, with_replacement=True, batch_size=4, unit=Unit.transition())
     for key in (9, torch.Generator().manual_seed(9)):
         got = deprecated(lambda key=key: buf.sample(key, True, 4, True), "key=, with_replacement=, batch_size=",
-                         "unit=Unit.transition()", "first positional argument is batch_size")
+                         "unit=Unit.transition()", "first positional argument is batch_size", category=FutureWarning)
         old = got if cls is TransitionBuffer else got[0]
         assert type(old) is Transition and same_leaves(old, new)
-    got = deprecated(lambda: buf.sample(0), "pass key= by keyword")
+    got = deprecated(lambda: buf.sample(0), "pass key= by keyword", category=FutureWarning)
     assert same_leaves(got if cls is TransitionBuffer else got[0], buf.sample(key=0, unit=Unit.window()))
+
+
+@pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
+def test_batch_size_and_unit_positionally_are_the_new_form(cls):
+    buf = build(cls)
+    got = quiet(lambda: buf.sample(4, Unit.transition(), key=9))
+    assert type(got) is Batch and len(got.indices) == 4
+    assert same_leaves(got, buf.sample(batch_size=4, unit=Unit.transition(), key=9))
+    with pytest.raises(TypeError, match="multiple values for argument 'batch_size'"):
+        buf.sample(4, Unit.window(), batch_size=4)
 
 
 def test_calls_without_an_old_form_keep_their_0_2_0_results():

@@ -58,8 +58,14 @@ class Samples:
                with_replacement: bool | None = None, boundaries: str = "allow", out: Batch | None = None,
                **legacy_keywords) -> Batch:
         """A :class:`~gpubuf.Batch` of ``batch_size`` starts drawn from the valid ones, each read as ``unit``
-        (:mod:`gpubuf.replay.sampling.sample_args` says every argument; ``legacy``, ``legacy_keywords``: the
-        deprecated 0.2.0 forms, removed in 0.3.0, where ``batch_size`` and ``unit`` become positional)."""
+        (:mod:`gpubuf.replay.sampling.sample_args` says every argument). Positionally, give both:
+        ``sample(256, Unit.window())``; ``legacy``, ``legacy_keywords``: the deprecated 0.2.0 forms, removed in
+        0.3.0 (a lone positional argument is still 0.2.0's ``key``, with a ``FutureWarning``)."""
+        if len(legacy) == 2 and type(legacy[1]) is Unit:  # sample(batch_size, unit): the new form, positionally
+            if batch_size is not None or unit is not None:
+                name = "batch_size" if batch_size is not None else "unit"
+                raise TypeError(f"sample() got multiple values for argument {name!r}")
+            (batch_size, unit), legacy = legacy, ()
         if legacy or legacy_keywords:
             return self._sample(*sample_legacy.arguments(self, legacy, legacy_keywords, batch_size, unit, key,
                                                          with_replacement, boundaries, out))

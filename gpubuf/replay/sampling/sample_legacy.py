@@ -1,6 +1,7 @@
 """The deprecated forms of ``sample`` (0.2.x; removed in 0.3.0): 0.2.0's keywords and positional order, and its
 results that are not a :class:`~gpubuf.Batch`. Each call returns exactly what it returned in 0.2.0 and warns once
-with a ``DeprecationWarning`` naming the new spelling (:mod:`gpubuf.replay.sampling.sample_args` states the rule).
+with a ``DeprecationWarning`` naming the new spelling (:mod:`gpubuf.replay.sampling.sample_args` states the rule);
+positional arguments warn with a ``FutureWarning``, shown by default: from 0.3.0 the first one is ``batch_size``.
 
 ===========================================  ===================================================================
 0.2.0                                        0.3.0
@@ -45,7 +46,7 @@ def arguments(buffer, positional: tuple, keywords: dict, batch_size, unit, key, 
         if type(unit) is not Unit:
             raise TypeError(f"unit: expected a gpubuf.Unit or None, got {unit!r}")
         old.update(zip(UNIT_KEYWORDS, unit.args, strict=True))
-    _warn(_message(buffer, positional, keywords, old, unit))
+    _warn(_message(buffer, positional, keywords, old, unit), FutureWarning if positional else DeprecationWarning)
     if old["with_replacement"] is None:
         old["with_replacement"] = buffer.default_with_replacement
     if old["return_indices"] is None:
@@ -117,5 +118,7 @@ def unnamed_unit(buffer, batch: Batch, out):
     return (data, batch.indices) if buffer.default_return_indices else data
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message, DeprecationWarning, stacklevel=_CALLER)
+def _warn(message: str, category: type[Warning] = DeprecationWarning) -> None:
+    """``message`` as a warning from the caller's line: a ``FutureWarning`` (shown by default) where the same call
+    will mean something else in 0.3.0 (positional arguments), else a ``DeprecationWarning``."""
+    warnings.warn(message, category, stacklevel=_CALLER)
