@@ -262,3 +262,18 @@ def test_calls_without_an_old_form_keep_their_0_2_0_results():
     assert type(quiet(lambda: per.sample(key=1, unit=Unit.window()))) is Batch
     plain = plain_copy(uni.sample(key=1))
     assert deprecated(lambda: uni.sample(key=1, out=plain), "pass a Batch") is plain
+
+
+def test_an_out_of_another_sample_comes_back_as_a_fresh_sample_or_is_refused():
+    uni, per = build(TransitionBuffer, n_steps=2), build(PrioritizedTransitionBuffer, n_steps=2)
+    with pytest.raises(ValueError, match="^out: expected the leaves this sample fills .* got next_observation"):
+        uni.sample(unit=Unit.window(), key=2, out=uni.sample(unit=Unit.transition(), key=1))
+    for out, boundaries in ((per.sample(unit=Unit.window(), key=3), "allow"),  # a prioritized batch's weights
+                            (uni.sample(unit=Unit.window(), key=3, boundaries="mask"), "allow"),  # flags
+                            (uni.sample(unit=Unit.window(), key=3), "mask")):
+        fresh = uni.sample(unit=Unit.window(), key=2, boundaries=boundaries)
+        got = uni.sample(unit=Unit.window(), key=2, boundaries=boundaries, out=out)
+        assert got is out and got.weights is None and dict(got).keys() == dict(fresh).keys()
+        assert same_leaves(got, fresh)
+    got = per.sample(unit=Unit.window(), key=2, out=uni.sample(unit=Unit.window(), key=3))
+    assert torch.equal(got.weights, per.sample(unit=Unit.window(), key=2).weights)

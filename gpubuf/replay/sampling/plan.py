@@ -39,7 +39,7 @@ import operator
 import torch
 
 from gpubuf import ops
-from gpubuf._core.transition import Transition, map_leaves, unflatten
+from gpubuf._core.transition import Transition, flatten, leaf_name, map_leaves, unflatten
 from gpubuf.replay.sampling.stacked import StackedGather, StackSpec
 from gpubuf.replay.storage.memory import leaves_of_words, word_views
 
@@ -79,6 +79,17 @@ class WindowsRead:
         return self.storage.gather(starts, self.jobs, self.device)
 
 
+def _check_no_stale_leaves(out: Transition | None, jobs: dict) -> None:
+    """Refuse an ``out`` holding stored leaves this sample does not fill (a batch of another unit): they would come
+    back with an earlier sample's values."""
+    if out is None:
+        return
+    stale = [leaf_name(path) for path in flatten(out, "out") if path not in jobs]
+    if stale:
+        raise ValueError(f"out: expected the leaves this sample fills (an earlier sample's Batch of the same unit), "
+                         f"got {', '.join(stale)} besides them")
+
+
 class SamplePlan:
     """The plan of ``B`` starts of one unit (``with_next_obs``, ``spec``) and ``boundaries`` of ``reader``'s buffer,
     into fresh outputs, the caller's ``out`` (checked here; ``owned``: memory ranges it must not reach) or
@@ -94,6 +105,7 @@ class SamplePlan:
         self.stacks = None if spec is None else StackedGather(reader, spec, B, with_next_obs)
         plain = config.jobs(B, with_next_obs) if spec is None else self.stacks.plain
         jobs = storage.check_out(out, plain, reader.device, owned)
+        _check_no_stale_leaves(out, jobs)
         fresh = spec is None and out is None and not fixed
         host = storage.host_jobs(B, with_next_obs, self.device) if fresh else None
         self.windows = WindowsRead(reader, B, jobs, fixed or out is not None, fixed, host)
@@ -120,6 +132,8 @@ class SamplePlan:
         if not self.fixed:
             if self.given is not None:
                 batch = self.given
+                for name in FLAGS:  # an earlier sample's flags and weights: this read sets its own, or none
+                    setattr(batch, name, None)
             else:
                 batch = unflatten(plain) if self.stacks is None else self.stacks.assemble(outputs, plain)
             return self.config.with_flags(batch, self.boundaries, self.device)
