@@ -68,11 +68,14 @@ def test_units_are_checked_frozen_hashable_values_that_read_as_their_constructor
         assert eval(repr(unit), {"Unit": Unit}) == unit  # noqa: S307 (the repr is the constructor call)
     with pytest.raises(dataclasses_frozen()):
         Unit.window().next_obs = True
-    for build_unit, name in [(lambda: Unit.frames(0), "frame_stack"), (lambda: Unit.frames(2, 0), "frame_stride"),
-                             (lambda: Unit.frames(2.0), "frame_stack"), (lambda: Unit(frame_stride=2), "frame_stride"),
-                             (lambda: Unit.n_step(0, 0.9), r"n_step_return\[0\]"),
-                             (lambda: Unit.n_step(3, 1.5), r"n_step_return\[1\]"),
-                             (lambda: Unit.n_step(3, float("nan")), r"n_step_return\[1\]"),
+    # each constructor names its own arguments; the fields' names where the fields are given
+    for build_unit, name in [(lambda: Unit.frames(0), "k"), (lambda: Unit.frames(2, 0), "stride"),
+                             (lambda: Unit.frames(2.0), "k"), (lambda: Unit(frame_stride=2), "frame_stride"),
+                             (lambda: Unit.n_step(0, 0.9), "n"), (lambda: Unit.n_step(3, 1.5), "gamma"),
+                             (lambda: Unit.n_step(3, float("nan")), "gamma"),
+                             (lambda: Unit.n_step(3, 0.9, frames=0), "frames"),
+                             (lambda: Unit.n_step(3, 0.9, stride=2), "stride"),
+                             (lambda: Unit(n_step_return=(0, 0.9)), r"n_step_return\[0\]"),
                              (lambda: Unit(n_step_return=3), "n_step_return")]:
         with pytest.raises(ValueError, match=f"^{name}: "):
             build_unit()
@@ -277,3 +280,13 @@ def test_an_out_of_another_sample_comes_back_as_a_fresh_sample_or_is_refused():
         assert same_leaves(got, fresh)
     got = per.sample(unit=Unit.window(), key=2, out=uni.sample(unit=Unit.window(), key=3))
     assert torch.equal(got.weights, per.sample(unit=Unit.window(), key=2).weights)
+
+
+def test_a_batch_refilled_by_out_keeps_its_indices_tensor_current():
+    per = build(PrioritizedTransitionBuffer)
+    batch = per.sample(unit=Unit.transition(), key=1)
+    kept = batch.indices
+    got = per.sample(unit=Unit.transition(), key=2, out=batch)
+    assert got is batch and got.indices is kept
+    assert torch.equal(kept, per.sample(unit=Unit.transition(), key=2).indices)
+

@@ -23,7 +23,7 @@ A start ``s`` (a flat ``row * n_envs + env``) is read as one of four units:
   the newest row held, whose next observation is not stored yet. Other leaves are the start row's. Starts are
   drawn as for ``Unit.transition()``.
 
-A unit checks its own values when built (``ValueError`` naming the field, ``TypeError`` for a flag that is not a
+A unit checks its own values when built (``ValueError`` naming the argument, ``TypeError`` for a flag that is not a
 bool); what depends on the buffer (a stack longer than the ring, returns of a buffer of windows, no observation
 leaf) is checked by the sample. Units are frozen and hashable: build one once and pass it to every call.
 """
@@ -91,13 +91,17 @@ class Unit:
     def frames(cls, k: int, stride: int = 1, next_obs: bool = False) -> "Unit":
         """Observations as stacks of ``k`` frames ``stride`` rows apart (``next_observation`` stacked too with
         ``next_obs``)."""
-        return cls(next_obs, k, stride)
+        return cls(next_obs, positive_int("k", k), positive_int("stride", stride))
 
     @classmethod
     def n_step(cls, n: int, gamma: float, frames: int | None = None, stride: int = 1) -> "Unit":
         """The n-step transition: up to ``n`` rewards discounted by ``gamma`` in ``[0, 1]`` (observations stacked
         as :meth:`frames` with ``frames``)."""
-        return cls(True, frames, stride, (n, gamma))
+        if frames is not None:
+            frames = positive_int("frames", frames)
+        elif stride != 1:
+            raise ValueError(f"stride: needs frames, got stride={stride!r} and frames=None")
+        return cls(True, frames, positive_int("stride", stride), (positive_int("n", n), _gamma("gamma", gamma)))
 
 
 def _n_step_return(value) -> tuple[int, float]:
@@ -105,11 +109,15 @@ def _n_step_return(value) -> tuple[int, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise ValueError(f"n_step_return: expected (n, gamma), got {value!r}")
     n, gamma = value
-    n = positive_int("n_step_return[0]", n)
+    return positive_int("n_step_return[0]", n), _gamma("n_step_return[1]", gamma)
+
+
+def _gamma(name: str, gamma) -> float:
+    """``gamma`` checked as a real number in ``[0, 1]`` (``ValueError`` naming ``name``)."""
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float, np.integer, np.floating)) \
             or math.isnan(float(gamma)) or not 0.0 <= float(gamma) <= 1.0:
-        raise ValueError(f"n_step_return[1]: expected a discount gamma in [0, 1], got {gamma!r}")
-    return n, float(gamma)
+        raise ValueError(f"{name}: expected a discount gamma in [0, 1], got {gamma!r}")
+    return float(gamma)
 
 
 WINDOW = Unit()  # unit=None
