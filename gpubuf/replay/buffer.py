@@ -1,12 +1,14 @@
 """TransitionBuffer: a time-major circular buffer sampled as contiguous n-step windows.
 
-A buffer composes five parts, each behind a small surface and public for companions
-(``ShardedBuffer``, ``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`:
-sizes, leaves and their rules), ``storage`` (:mod:`gpubuf.replay.storage.memory`: device, host or memory-mapped
-rows), ``ring`` (:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and
-valid starts), ``sampler`` (:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees,
-priorities, draws) and ``reader`` (:class:`~gpubuf.replay.sampling.readers.BatchReader`: the gathers of drawn
-starts), plus the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
+A buffer composes these parts, each behind a small surface and public for companions (``ShardedBuffer``,
+``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`: sizes, leaves and their rules),
+``table`` (:func:`gpubuf.ops.backend_table`: what each op call runs, decided once), ``storage``
+(:mod:`gpubuf.replay.storage.memory`: device, host or memory-mapped rows), ``ring``
+(:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and valid starts),
+``sampler`` (:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees, priorities, draws), an
+optional ``selector`` (:mod:`gpubuf.replay.sampling.selectors`), ``reader``
+(:class:`~gpubuf.replay.sampling.readers.BatchReader`: the plans that gather drawn starts), an optional
+``rate_limiter``, and the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
 storage. A sample (:mod:`gpubuf.replay.sampling.eager`) checks its arguments, then runs the stages of its
 configuration's plan (:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their windows,
 weighs them; its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
