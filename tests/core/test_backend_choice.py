@@ -16,8 +16,8 @@ from gpubuf.ops import backend_table, host_loops
 from gpubuf.ops.registry import OPS
 
 ROOT = Path(gpubuf.__file__).parent
-# the packages above the ops: they call the table, never choose
-CALLERS = ("replay", "history", "sources", "torchrl", "apps", "planning")
+# the packages around the ops: they call the table (or are handed its answers), never choose
+CALLERS = ("_core", "replay", "history", "sources", "torchrl", "apps", "planning")
 # names whose use is a choice of implementation: the tracing check, the numba loops, Triton's reach
 DECIDING = {"is_compiling", "host_loops", "triton_runs_on", "interpreting", "backend_for", "route", "numba"}
 BACKEND_NAMES = {"torch", "triton"}
