@@ -116,6 +116,15 @@ class Backend:
         self.stack_tables = stacks.stack_tables if tables else None
         self.frame_stack_fixed = stacks.frame_stack_fixed if tables else None
 
+    def priority_writer(self, priority, trees, valids, offsets, fanout, box, result) -> Callable:
+        """``write(idx, td, eps, alpha, limit)``: :attr:`priority_write` into these persistent tensors (the numba
+        loops get their arrays once: build it again when any of them changes)."""
+        write = functools.partial(priorities.write_into, self.priority_write, priority, trees, valids, offsets,
+                                  fanout, box, result)
+        if not self.host_loops:
+            return write
+        return _traced_else(write, priorities.host_writer(priority, trees, valids, offsets, fanout, box, result))
+
     @property
     def kernels(self) -> bool:
         """Whether Triton kernels run this table's ops (else the torch twins or the numba loops)."""

@@ -16,7 +16,9 @@ launcher and the :class:`~gpubuf.ops.registry.Op`. The importance weights are to
 registered op: ``torch.compile`` traces their twin.
 """
 
+import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -127,6 +129,29 @@ def write_host(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, li
                 host_loops.priority_masses(p, i, valid.numpy(), alpha, mass)
                 host_loops.tree_update(tree.numpy(), off, fanout, i, mass)
             b[0] = max(b[0], top)
+
+
+def host_writer(priority, trees, valids, offsets, fanout, box, result) -> Callable:
+    """``write(idx, td, eps, alpha, limit)``: :func:`write_host` into these persistent host tensors, their arrays
+    made at the first call (eager: it may be built while traced), so that a steady update converts only its inputs."""
+    if len(trees) != 1:
+        return functools.partial(write_into, write_host, priority, trees, valids, offsets, fanout, box, result)
+    held = []  # (priority, valid, tree, offsets, fanout, box, result) as arrays
+
+    def write(idx, td, eps, alpha, limit):
+        if not held:
+            held.extend((priority.numpy(), valids[0].numpy(), trees[0].numpy(), offsets_array(offsets), fanout,
+                         box.numpy(), result.numpy()))
+        p, *arrays = held
+        td = td if td.dtype in (torch.float32, torch.float64) else td.to(torch.float32)
+        host_loops.priority_update(p, idx.numpy(), td.numpy(), np.float32(eps), limit, alpha, *arrays)
+
+    return write
+
+
+def write_into(write, priority, trees, valids, offsets, fanout, box, result, idx, td, eps, alpha, limit) -> None:
+    """``write`` (a priority write in the op's schema order) with the persistent tensors first."""
+    write(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, limit, box, result)
 
 
 def write_cuda(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, limit, box, result) -> None:

@@ -306,12 +306,14 @@ class PrioritizedSampler(TreeSampler):
         self.mass_limit = ops.mass_limit(alpha, self.size)
         self._rows = self.priority.view(ring.max_rows, ring.n_envs)
         self._kept = ([], [], [0], FANOUT)  # the kept trees, their validity masks, their level bounds and fan-out
+        self._make_writer()
         self.check_mass("alpha", 1.0)
 
     def kept_changed(self) -> None:
         kinds = sorted(self._active)
         trees = [self._trees[k] for k in kinds]
         self._kept = ([t.tree for t in trees], [self._valid[k] for k in kinds], trees[0].offsets, trees[0].fanout)
+        self._make_writer()  # for the trees kept now
 
     @property
     def beta(self) -> float:
@@ -379,6 +381,7 @@ class PrioritizedSampler(TreeSampler):
             if self.device.type == "cpu":  # one home for max_priority: the checked writes raise the device's
                 self._max_box = self._device_updates.max.view(1)
                 self._max_np = self._max_box.numpy()
+            self._make_writer()  # the box a write raises moved
         return self._device_updates
 
     def tensors(self) -> list[torch.Tensor]:
@@ -499,13 +502,10 @@ class PrioritizedSampler(TreeSampler):
         priority write op, with no device read. ``read``: returns ``(code, largest new priority)`` (a read of the
         device on a GPU). Captured in a CUDA graph, it updates the trees kept now only, so no other tree may be
         built from then on (:attr:`frozen_kinds`)."""
-        trees, valids, offsets, fanout = self._kept
         idx, td = idx.contiguous(), td.contiguous()  # the kernels and loops assume unit stride
         if self.table.capturing():
             self.frozen_kinds = frozenset(self._active)
-        box = self._max_box if self.device.type == "cpu" else self._device_box()
-        self.table.priority_write(self.priority, trees, valids, offsets, fanout, idx, td, self.eps, self.alpha,
-                                  self.mass_limit, box, self._result)
+        self._writer(idx, td, self.eps, self.alpha, self.mass_limit)
         if not read:
             return None
         if self._result_np is not None:
@@ -518,6 +518,11 @@ class PrioritizedSampler(TreeSampler):
     def written_code(self) -> torch.Tensor:
         """() int32 on the device: the code of the last :meth:`write` (0: written), not read back."""
         return self._result[0].to(torch.int32)
+
+    def _make_writer(self) -> None:
+        """The table's priority writer into the tensors a write updates now (kept trees, the maximum's box)."""
+        box = self._max_box if self.device.type == "cpu" else self._device_box()
+        self._writer = self.table.priority_writer(self.priority, *self._kept, box, self._result)
 
     def _device_box(self) -> torch.Tensor:
         """(1,) on a GPU: the maximum a write raises (the device updates' own once they exist)."""
