@@ -36,10 +36,10 @@ class EagerSample:
         if self.selector is not None:
             self.selector.check(kind, B, with_replacement)
 
-    @locked
-    def _sample(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
-                return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
-        """:meth:`sample` with the buffer's defaults resolved: check, draw, read."""
+    def _sample_held(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
+                     return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
+        """:meth:`sample` with the buffer's defaults resolved, the caller holding the buffer's call lock: check,
+        draw, read."""
         if type(with_next_obs) is not bool:
             with_next_obs = check_bool("with_next_obs", with_next_obs)
         if type(with_replacement) is not bool:
@@ -68,6 +68,8 @@ class EagerSample:
         except BaseException:
             self.rate_limiter.give_back("sample", B)
             raise
+
+    _sample = locked(_sample_held)  # the entry of the deprecated forms, which take the lock here
 
     def _draw_and_read(self, key, B, kind, with_replacement, with_next_obs, boundaries, out, spec,
                        return_indices, return_generations):

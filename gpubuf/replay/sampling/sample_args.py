@@ -37,6 +37,7 @@ old forms.
 
 import torch
 
+from gpubuf._core.concurrency import locked
 from gpubuf.replay.feeds import write_backs
 from gpubuf.replay.sampling import sample_legacy
 from gpubuf.replay.sampling.batch import Batch
@@ -47,7 +48,8 @@ class Samples:
     """Base of the buffers that sample: the shared :meth:`sample`. A subclass implements the entry
     ``_sample(key, with_replacement, batch_size, with_next_obs, boundaries, out, return_indices, frame_stack,
     frame_stride, n_step_return, return_generations)`` (defaults resolved; it returns the batch, ``(batch,
-    indices)`` or ``(batch, indices, generations)``), and :meth:`_sample_batch` where it has no ring."""
+    indices)`` or ``(batch, indices, generations)``) and its body ``_sample_held`` (the call lock held by the caller),
+    or its own :meth:`_sample_batch` where it has no ring."""
 
     default_with_replacement = True  # uniform buffers draw with replacement
     default_return_indices = False  # a call without unit returns the batch alone (0.2.0: prioritized, with indices)
@@ -81,12 +83,11 @@ class Samples:
                             f"Unit.n_step(n, gamma)) or None, got {unit!r}")
         return self._sample_batch(key, with_replacement, batch_size, boundaries, out, unit)
 
+    @locked
     def _sample_batch(self, key, with_replacement: bool, batch_size, boundaries: str, out, unit: Unit) -> Batch:
-        """One sample through :meth:`_sample`, as a :class:`Batch` whose generations are those of the ring at the
-        draw (held under the lock until its position is kept)."""
+        """One sample through ``_sample_held`` (:meth:`_sample`'s body, under the call lock taken here), as a
+        :class:`Batch` whose generations are those of the ring at the draw."""
         with_next_obs, frame_stack, frame_stride, n_step_return = unit.args
-        with self._guard.lock:
-            data, indices = self._sample(key, with_replacement, batch_size, with_next_obs, boundaries, out, True,
-                                         frame_stack, frame_stride, n_step_return, False)
-            drawn_at = write_backs.origin(self.ring)
-        return Batch.of(data, indices, drawn_at, out)
+        data, indices = self._sample_held(key, with_replacement, batch_size, with_next_obs, boundaries, out, True,
+                                          frame_stack, frame_stride, n_step_return, False)
+        return Batch.of(data, indices, write_backs.origin(self.ring), out)
