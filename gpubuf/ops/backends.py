@@ -140,10 +140,9 @@ class Backend:
         """Whether window gathers run the torch twin on host memory (a caller may gather the twin's rows itself)."""
         return self.device.type == "cpu" and not self.kernels and not self.env_major
 
-    @staticmethod
-    def tracing() -> bool:
-        """Whether ``torch.compile`` traces the call asking (a driver builds its views differently then)."""
-        return _compiling()
+    # ``tracing()``: whether ``torch.compile`` traces the call asking (a driver builds its views differently then);
+    # torch's own check itself, no frame of ours (every locked call asks it)
+    tracing = staticmethod(_compiling)
 
     def capturing(self) -> bool:
         """Whether a CUDA graph captures the work on this table's device now."""

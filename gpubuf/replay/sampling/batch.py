@@ -61,7 +61,7 @@ class Batch(Transition):
         becomes one in place; a caller's ``out`` is returned itself when it is a Batch (its ``indices`` tensor
         refilled in place where it has the same shape), else a new Batch holds its tensors (``out`` stays as it
         is)."""
-        held = getattr(out, "indices", None)
+        held = None if out is None else getattr(out, "indices", None)
         if data is out and isinstance(held, torch.Tensor) and isinstance(indices, torch.Tensor) \
                 and held.shape == indices.shape and held.dtype == indices.dtype and held.device == indices.device:
             indices = held.copy_(indices)  # refilled in place as the leaves are: a kept ``batch.indices`` stays current
