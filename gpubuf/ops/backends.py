@@ -97,7 +97,13 @@ class Backend:
         self.tree_update_range = bind(prefix_tree.UPDATE_RANGE)
         self.tree_sample_masses = self._host_or(prefix_tree.sample_masses_host, self._sample_masses)
         write = bind(priorities.WRITE)  # all or nothing: one compiled call, else a chain run with signals held
-        self.priority_write = write if self.host_loops else _traced_else(write, _signals_held(write))
+        if self.host_loops:
+            self.priority_write = write
+        elif device.type == "cpu" and name == "torch":  # host checks, then the writes (signals held inside)
+            self.priority_write = _traced_else(priorities.WRITE.traced, priorities.write_host_checked)
+            self.ran[priorities.WRITE.name] = "host-checked torch"
+        else:
+            self.priority_write = _traced_else(write, _signals_held(write))
         self.masses = self._host_or(priorities.masses_host, priorities.masses_twin)
         self.importance_weights = self._host_or(priorities.weights_host, priorities.weights_twin)
         self.history_append, self.history_gather_frames = bind(history.APPEND), bind(history.GATHER_FRAMES)

@@ -108,11 +108,39 @@ def write_twin(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, li
     result.copy_(torch.stack([code.to(torch.float64), top.to(torch.float64)]))
 
 
+def write_host_checked(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, limit, box, result) -> None:
+    """The CPU implementation without the compiled loops: the checks read on the host (no device there), then the
+    writes only when they pass, with signals held (the twin's branch-free form writes every call)."""
+    if idx.shape[0] == 0:
+        result.zero_()
+        return
+    size = priority.shape[0]
+    new = td.to(torch.float32).abs().add_(eps)
+    top = float(new.max())  # NaN or inf here iff anywhere
+    finite = math.isfinite(top)
+    if not finite:  # the largest finite one, for the message
+        top = float(torch.where(torch.isfinite(new), new, 0.0).max())
+    low, high = torch.aminmax(idx)
+    code = (BAD_INDEX if int(low) < 0 or int(high) >= size else 0) | (0 if finite else NOT_FINITE)
+    if not code and top >= limit:
+        code = OVERFLOW
+    result.numpy()[:] = code, top
+    if code:
+        return
+    with signals_held():  # priorities, trees and the maximum: all written or none
+        priority.scatter_reduce_(0, idx, new, "amax", include_self=False)
+        written = priority.index_select(0, idx)
+        for tree, valid in zip(trees, valids, strict=True):
+            update_twin(tree, offsets, fanout, idx, masses_twin(written, valid.index_select(0, idx), alpha))
+        held = box.numpy()
+        held[0] = max(held[0], top)
+
+
 def write_host(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, limit, box, result) -> None:
-    """The CPU implementation: the compiled host loops when enabled (one call with one tree), else the twin.
-    ``idx`` int64 and ``td`` float32 or float64 (else converted), both contiguous."""
+    """The CPU implementation: the compiled host loops when enabled (one call with one tree), else
+    :func:`write_host_checked`. ``idx`` int64 and ``td`` float32 or float64 (else converted), both contiguous."""
     if not host_loops.ENABLED:
-        write_twin(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, limit, box, result)
+        write_host_checked(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, limit, box, result)
         return
     td = td if td.dtype in (torch.float32, torch.float64) else td.to(torch.float32)
     p, i, t, e, r, b = priority.numpy(), idx.numpy(), td.numpy(), np.float32(eps), result.numpy(), box.numpy()

@@ -10,7 +10,8 @@ from gpubuf.ops import BAD_INDEX, NOT_FINITE, OVERFLOW, backend_table, host_loop
 from gpubuf.replay.sampling.tree import PrefixSumTree
 
 CPU = torch.device("cpu")
-IMPLEMENTATIONS = {"twin": priorities.write_twin, "numba": priorities.write_host, "triton": priorities.write_cuda}
+IMPLEMENTATIONS = {"twin": priorities.write_twin, "numba": priorities.write_host, "triton": priorities.write_cuda,
+                   "host-checked": priorities.write_host_checked}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
@@ -97,7 +98,7 @@ def test_the_limit_is_the_float64_bound_whatever_runs(write):
 def test_the_table_binds_one_write_per_backend(monkeypatch):
     monkeypatch.setattr(host_loops, "ENABLED", False)
     assert backend_table(CPU, "torch").priority_write is not backend_table(CPU, "triton").priority_write
-    assert backend_table(CPU, "torch").implementations()["priority_write"] == "torch twin"
+    assert backend_table(CPU, "torch").implementations()["priority_write"] == "host-checked torch"
 
 
 # ---- importance weights
