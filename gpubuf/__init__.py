@@ -4,19 +4,16 @@ Everything a user needs is a name of this package (``gpubuf.__all__``): the buff
 ``Batch``), the samplers and selectors, writers and the rate limiter, the sources, the planner, episode export and
 :func:`info`.
 
-The package is layered; each layer imports only the ones before it:
-``gpubuf._core`` (input checks, staging, state, checkpoints, signals, locks, copies, host memory, device names,
-``Transition``) <-
-``gpubuf.ops`` (one module per kernel family; the Triton kernels live in ``gpubuf.kernels``) <-
-``gpubuf.replay`` and ``gpubuf.history`` (the buffers) <- ``gpubuf.sources``, ``gpubuf.planning`` and
-``gpubuf.torchrl`` <- ``gpubuf.apps`` (MBRL, demo, CLI, benchmarking, info).
+The package is layered; each layer imports only the ones before it: ``gpubuf._core`` (input checks, staging, state,
+checkpoints, signals, locks, copies, host memory, device names, ``Transition``) <- ``gpubuf.ops`` (one module per kernel
+family; the Triton kernels live in ``gpubuf.kernels``) <- ``gpubuf.replay`` and ``gpubuf.history`` (the buffers) <-
+``gpubuf.sources``, ``gpubuf.planning`` and ``gpubuf.torchrl`` <- ``gpubuf.apps`` (MBRL, demo, CLI, benchmarking, info).
 
-``import gpubuf`` loads the core only: the buffers, their samplers, selectors, writers and storages, the device ops
-and the checkpoints. The rest loads on first use, by name: the sources (``EnvPoolSource``, ``VectorEnvSource``,
-``TensorSource``, ``Step``, ``StepStager``), planning (``Planner``, ``CEMSolver``, ``PlanConfig``), the sharded
-buffer (``ShardedBuffer``), ``export`` and ``info``. The module paths of the flat layout before 0.2.0
-(``gpubuf.envpool``, ``gpubuf.prioritized``, ...) still import, with a ``DeprecationWarning``, until 0.3.0.
-"""
+``import gpubuf`` loads the core only: the buffers, their samplers, selectors, writers and storages, the device ops and
+the checkpoints. The rest loads on first use, by name: the sources (``EnvPoolSource``, ``VectorEnvSource``,
+``TensorSource``, ``Step``, ``StepStager``), planning (``Planner``, ``CEMSolver``, ``PlanConfig``), the sharded buffer
+(``ShardedBuffer``), ``export`` and ``info``. The module paths of the flat layout before 0.2.0 (``gpubuf.envpool``,
+``gpubuf.prioritized``, ...) still import, with a ``DeprecationWarning``, until 0.3.0."""
 
 import importlib
 from importlib.metadata import PackageNotFoundError, version

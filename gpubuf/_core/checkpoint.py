@@ -1,23 +1,18 @@
-"""Streaming, atomic checkpoints of any gpubuf buffer: ``save(buffer, path)`` /
-``load(buffer, path)``.
+"""Streaming, atomic checkpoints of any gpubuf buffer: ``save(buffer, path)`` / ``load(buffer, path)``.
 
-File layout: an 16-byte magic, then each tensor of the buffer's ``state_dict()`` as raw bytes
-(64-byte aligned), then a JSON header (the state with every tensor replaced by
-``{"__tensor__": i}``, and per tensor its dtype, shape, offset, size and CRC-32), then a 40-byte
-footer (header offset, length and CRC-32, magic).
+File layout: an 16-byte magic, then each tensor of the buffer's ``state_dict()`` as raw bytes (64-byte aligned), then a
+JSON header (the state with every tensor replaced by ``{"__tensor__": i}``, and per tensor its dtype, shape, offset,
+size and CRC-32), then a 40-byte footer (header offset, length and CRC-32, magic).
 
-- Saving streams each tensor in chunks of at most ``CHUNK_BYTES`` (16 MiB): CPU storage is written
-  from its own memory (the transposed views of env-major ``storage_dir`` files in row-major copies
-  of whole leading rows), CUDA storage through one pinned host chunk. Extra memory is bounded by one
-  chunk (or one leading row), never a clone of the storage. The file is written beside ``path``
-  under a temporary name, flushed to disk and renamed over ``path`` (atomic on POSIX): a crash
-  mid-save leaves the previous checkpoint intact (and at worst a stale ``<name>.*.partial`` file).
-  The new file gets the mode of the file it replaces, or ``0o666`` less the umask
-  (as ``open`` would create it).
-- Loading checks the whole file first (magic, header CRC, sizes, every tensor's CRC, reading chunk
-  by chunk), then hands the buffer's ``load_state_dict`` a state of file-backed tensors, which
-  validates configuration, keys, shapes, dtypes and counters before its first write and then streams
-  the bytes into storage on any device.
+- Saving streams each tensor in chunks of at most ``CHUNK_BYTES`` (16 MiB): CPU storage is written from its own memory
+  (the transposed views of env-major ``storage_dir`` files in row-major copies of whole leading rows), CUDA storage
+  through one pinned host chunk. Extra memory is bounded by one chunk (or one leading row), never a clone of the
+  storage. The file is written beside ``path`` under a temporary name, flushed to disk and renamed over ``path`` (atomic
+  on POSIX): a crash mid-save leaves the previous checkpoint intact (and at worst a stale ``<name>.*.partial`` file).
+  The new file gets the mode of the file it replaces, or ``0o666`` less the umask (as ``open`` would create it).
+- Loading checks the whole file first (magic, header CRC, sizes, every tensor's CRC, reading chunk by chunk), then hands
+  the buffer's ``load_state_dict`` a state of file-backed tensors, which validates configuration, keys, shapes, dtypes
+  and counters before its first write and then streams the bytes into storage on any device.
 """
 
 import json
@@ -36,8 +31,7 @@ _ALIGN = 64
 
 
 class Checkpointable:
-    """``save(path)`` / ``load(path)`` for a buffer with ``state_dict()`` /
-    ``load_state_dict()``."""
+    """``save(path)`` / ``load(path)`` for a buffer with ``state_dict()`` / ``load_state_dict()``."""
 
     def save(self, path) -> None:
         """Write a checkpoint to ``path`` atomically, streaming storage in bounded chunks
@@ -90,9 +84,8 @@ class FileTensor:
             flat[a:a + n].copy_(host[:n])
 
     def chunks(self, chunk: int = CHUNK_BYTES):
-        """Flat CPU tensors of whole elements, at most ``chunk`` bytes each, in order. They are
-        views of one reused host buffer: each piece is overwritten by the next
-        (copy it to keep it)."""
+        """Flat CPU tensors of whole elements, at most ``chunk`` bytes each, in order. They are views of one reused host
+        buffer: each piece is overwritten by the next (copy it to keep it)."""
         size = torch.empty((), dtype=self.dtype).element_size()
         step = max(size, chunk // size * size)
         host = torch.empty(min(step, self.nbytes), dtype=torch.uint8)
@@ -111,8 +104,7 @@ class FileTensor:
 
 
 def save(buffer, path, chunk: int = CHUNK_BYTES) -> None:
-    """Write ``buffer.state_dict()`` to ``path`` atomically, streaming storage in chunks of
-    ``chunk`` bytes."""
+    """Write ``buffer.state_dict()`` to ``path`` atomically, streaming storage in chunks of ``chunk`` bytes."""
     path = os.fspath(path)
     tensors: list[torch.Tensor] = []
     skeleton = _strip(buffer.state_dict(), tensors)
@@ -151,9 +143,8 @@ def save(buffer, path, chunk: int = CHUNK_BYTES) -> None:
 
 
 def load(buffer, path, chunk: int = CHUNK_BYTES) -> None:
-    """Restore ``buffer`` from a :func:`save` file, onto the buffer's device; nothing is written
-    unless the whole file checks out and its state fits the buffer
-    (``load_state_dict`` validates it)."""
+    """Restore ``buffer`` from a :func:`save` file, onto the buffer's device; nothing is written unless the whole file
+    checks out and its state fits the buffer (``load_state_dict`` validates it)."""
     path = os.fspath(path)
     with open(path, "rb") as f:
         fd = f.fileno()
@@ -162,8 +153,7 @@ def load(buffer, path, chunk: int = CHUNK_BYTES) -> None:
 
 
 def _mode_for(path: str) -> int:
-    """The permission bits of the file at ``path``, or ``0o666`` less the process umask for a new
-    file."""
+    """The permission bits of the file at ``path``, or ``0o666`` less the process umask for a new file."""
     try:
         return os.stat(path).st_mode & 0o777
     except FileNotFoundError:
@@ -173,10 +163,9 @@ def _mode_for(path: str) -> int:
 
 
 def _strip(value, tensors: list):
-    """The state as JSON: every tensor becomes ``{"__tensor__": i}`` (appended to ``tensors``) and
-    every dict ``{"__dict__": [[key, value], ...]}``, so no key of the state
-    (a user's key may be ``"__tensor__"``) can be mistaken for a placeholder, and keys keep their
-    type."""
+    """The state as JSON: every tensor becomes ``{"__tensor__": i}`` (appended to ``tensors``) and every dict
+    ``{"__dict__": [[key, value], ...]}``, so no key of the state (a user's key may be ``"__tensor__"``) can be mistaken
+    for a placeholder, and keys keep their type."""
     if isinstance(value, torch.Tensor):
         tensors.append(value.detach())
         return {"__tensor__": len(tensors) - 1}
@@ -210,8 +199,7 @@ def _write_tensor(f, t: torch.Tensor, chunk: int) -> int:
 
 
 def _read_checked(fd: int, size: int, path: str, chunk: int) -> dict:
-    """The file's state with file-backed tensors, after checking magic, header, bounds and every
-    CRC."""
+    """The file's state with file-backed tensors, after checking magic, header, bounds and every CRC."""
     def fail(why):
         raise CheckpointError(f"{path}: not a complete gpubuf checkpoint ({why})")
 

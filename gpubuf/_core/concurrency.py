@@ -1,30 +1,26 @@
 """One re-entrant lock per buffer: every public call runs whole, between any two others.
 
-An actor thread inserting while a learner thread samples and updates priorities is the usual split of a training
-loop. Each buffer (and what composes one: an env source, a graph sampler, the local side of a sharded buffer) owns a
+An actor thread inserting while a learner thread samples and updates priorities is the usual split of a training loop.
+Each buffer (and what composes one: an env source, a graph sampler, the local side of a sharded buffer) owns a
 :class:`CallGuard`; its public methods are :func:`locked`, so a call sees the buffer as it was before or after each
-other call, never between. The lock is public as ``buffer.lock``: hold it to make several calls one step (``with
-buf.lock: batch = buf.sample(); buf.update_priorities(batch.indices, td)``). It is re-entrant for the library's own
-nested calls; a signal handler runs in the middle of whatever the main thread is doing, so one that calls a buffer
-while the main thread is inside a call of it gets a ``RuntimeError`` (it would otherwise run between that call's
-steps).
+other call, never between. The lock is public as ``buffer.lock``: hold it to make several calls one step
+(``with buf.lock: batch = buf.sample(); buf.update_priorities(batch.indices, td)``). It is re-entrant for the library's
+own nested calls; a signal handler runs in the middle of whatever the main thread is doing, so one that calls a buffer
+while the main thread is inside a call of it gets a ``RuntimeError`` (it would otherwise run between that call's steps).
 
-CUDA streams: calls from threads on different streams are ordered on the device as they were on
-the host. A call on a stream other than the previous call's makes its stream wait for everything
-queued so far on that one (``Stream.wait_stream``), so a sample never reads rows an insert has
-queued but not finished, and an insert never overwrites rows a queued sample still reads. Calls on
-one stream pay nothing for it. A captured CUDA graph replays outside any call: replay it holding
-``buffer.lock`` when other threads use the buffer. Likewise, calls traced by ``torch.compile`` (a
-``GraphSampler``'s) run in the compiled code without the lock: hold ``buffer.lock`` around a compiled
-step that other threads race.
+CUDA streams: calls from threads on different streams are ordered on the device as they were on the host. A call on a
+stream other than the previous call's makes its stream wait for everything queued so far on that one
+(``Stream.wait_stream``), so a sample never reads rows an insert has queued but not finished, and an insert never
+overwrites rows a queued sample still reads. Calls on one stream pay nothing for it. A captured CUDA graph replays
+outside any call: replay it holding ``buffer.lock`` when other threads use the buffer. Likewise, calls traced by
+``torch.compile`` (a ``GraphSampler``'s) run in the compiled code without the lock: hold ``buffer.lock`` around a
+compiled step that other threads race.
 
-Fork: a process forked while another thread is inside a call would inherit a half-made write and
-a lock nobody releases. Before a fork, the forking thread takes every guard's lock, all at once
-(any lock busy: it lets go of the others and waits for that one, so threads holding several locks
-in any order cannot deadlock it), so the child starts between calls; both processes release them
-after the fork. Should a call of another thread outlast ``FORK_WAIT_S``, the fork goes ahead with a
-warning, and the child gets fresh locks.
-"""
+Fork: a process forked while another thread is inside a call would inherit a half-made write and a lock nobody releases.
+Before a fork, the forking thread takes every guard's lock, all at once (any lock busy: it lets go of the others and
+waits for that one, so threads holding several locks in any order cannot deadlock it), so the child starts between
+calls; both processes release them after the fork. Should a call of another thread outlast ``FORK_WAIT_S``, the fork
+goes ahead with a warning, and the child gets fresh locks."""
 
 import functools
 import inspect
@@ -59,9 +55,8 @@ class CallGuard:
         _GUARDS.add(self)
 
     def check_nested(self, name: str, owner) -> None:
-        """Raise unless a call arriving while the holding thread is inside another call of
-        ``owner`` comes from the library itself (a signal handler's call landing mid-call does
-        not)."""
+        """Raise unless a call arriving while the holding thread is inside another call of ``owner`` comes from the
+        library itself (a signal handler's call landing mid-call does not)."""
         if not _called_by_library(3):
             raise RuntimeError(
                 f"{name}: called while this thread is inside another call of this "
@@ -118,10 +113,9 @@ def locked(method):
     """``method`` run holding its object's ``_guard`` (on CUDA, streams ordered), through a
     wrapper with the method's own signature.
 
-    The lock is re-entrant for the library's own nested calls. A call that arrives while the same
-    thread is inside another call of the object from outside the library, which is a signal
-    handler's call landing mid-call, raises ``RuntimeError`` instead of running between the
-    interrupted call's steps."""
+    The lock is re-entrant for the library's own nested calls. A call that arrives while the same thread is inside
+    another call of the object from outside the library, which is a signal handler's call landing mid-call, raises
+    ``RuntimeError`` instead of running between the interrupted call's steps."""
     params, args, defaults = [], [], {}
     star = False
     for i, p in enumerate(inspect.signature(method).parameters.values()):

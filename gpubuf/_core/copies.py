@@ -1,23 +1,18 @@
-"""Copies of a buffer (``copy.copy``, ``copy.deepcopy``, ``pickle``, ``torch.save``), made through
-its state.
+"""Copies of a buffer (``copy.copy``, ``copy.deepcopy``, ``pickle``, ``torch.save``), made through its state.
 
-A buffer's parts share memory (host views of its storage, cached gather plans, staging), and a
-field-by-field copy splits them: such a copy writes into memory its reads never see. So a buffer is
-copied as a user would copy it by hand: a new buffer built with the original's constructor
-arguments, then loaded with its ``state_dict()``. The copy is independent (storage, generator and
-caches of its own) and complete (rows, counters, priorities, ``beta``, RNG state); it is made under
-the original's lock, so another thread's call lands wholly before or after it. ``copy.copy`` gives
-such an independent copy too (a shallow one would share storage with half of its bookkeeping).
-A pickle holds the state as bytes (``torch.save`` of it, made under the lock), so any pickler
-carries it whole: ``multiprocessing`` (spawn and forkserver arguments and queues, whose tensor
-pickling would otherwise share memory that a temporary owns), Ray, ``torch.save``. Making one
-takes the buffer's size in host memory; ``torch.load`` of a pickled buffer needs
+A buffer's parts share memory (host views of its storage, cached gather plans, staging), and a field-by-field copy
+splits them: such a copy writes into memory its reads never see. So a buffer is copied as a user would copy it by hand:
+a new buffer built with the original's constructor arguments, then loaded with its ``state_dict()``. The copy is
+independent (storage, generator and caches of its own) and complete (rows, counters, priorities, ``beta``, RNG state);
+it is made under the original's lock, so another thread's call lands wholly before or after it. ``copy.copy`` gives such
+an independent copy too (a shallow one would share storage with half of its bookkeeping). A pickle holds the state as
+bytes (``torch.save`` of it, made under the lock), so any pickler carries it whole: ``multiprocessing`` (spawn and
+forkserver arguments and queues, whose tensor pickling would otherwise share memory that a temporary owns), Ray,
+``torch.save``. Making one takes the buffer's size in host memory; ``torch.load`` of a pickled buffer needs
 ``weights_only=False``, as for any object.
 
-What cannot be copied this way refuses with ``TypeError`` naming what to use instead: a buffer on
-a ``storage_dir`` (one buffer at a time holds its directory), and objects bound to a live env,
-process group or captured graph.
-"""
+What cannot be copied this way refuses with ``TypeError`` naming what to use instead: a buffer on a ``storage_dir`` (one
+buffer at a time holds its directory), and objects bound to a live env, process group or captured graph."""
 
 import io
 
@@ -41,9 +36,8 @@ COPIED: dict[str, type] = {}  # class name -> class, for every subclass of Copie
 
 
 class CopiedByState:
-    """``__copy__`` / ``__deepcopy__`` / ``__reduce__`` through ``state_dict`` for a buffer with a
-    ``lock``; subclasses say how they are built (:meth:`copy_args`) and why they may not be
-    (:meth:`copy_refusal`)."""
+    """``__copy__`` / ``__deepcopy__`` / ``__reduce__`` through ``state_dict`` for a buffer with a ``lock``; subclasses
+    say how they are built (:meth:`copy_args`) and why they may not be (:meth:`copy_refusal`)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -1,6 +1,5 @@
-"""Device names read once: :func:`parse_device` turns what a user passed as ``device`` into a
-``torch.device`` or raises ``ValueError`` naming it (``gpubuf.ops.resolve_device`` then checks that the
-device is usable here)."""
+"""Device names read once: :func:`parse_device` turns what a user passed as ``device`` into a ``torch.device`` or raises
+``ValueError`` naming it (``gpubuf.ops.resolve_device`` then checks that the device is usable here)."""
 
 import torch
 

@@ -1,9 +1,7 @@
 """Argument validation and conversion shared by every public method.
 
-Inputs may be torch tensors (any device), numpy arrays (any byte order), ``__dlpack__`` arrays or
-numeric scalars. Every function here raises an exception that names the argument, before anything is
-written.
-"""
+Inputs may be torch tensors (any device), numpy arrays (any byte order), ``__dlpack__`` arrays or numeric scalars. Every
+function here raises an exception that names the argument, before anything is written."""
 
 import math
 import numbers
@@ -17,10 +15,8 @@ _PY_SCALARS = (bool, int, float, np.bool_, np.number)
 def as_tensor(value, name: str) -> torch.Tensor:
     """A dense torch view of ``value`` (no copy where possible); numeric scalars become 0-d tensors.
 
-    Non-native byte order (big-endian numpy data) is converted to native order here (a copy). Raises
-    ``TypeError`` naming ``name`` for strings, lists, other non-numeric objects, sparse and meta
-    tensors.
-    """
+    Non-native byte order (big-endian numpy data) is converted to native order here (a copy). Raises ``TypeError``
+    naming ``name`` for strings, lists, other non-numeric objects, sparse and meta tensors."""
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.device.type == "meta" or value.is_nested:
             kind = "nested" if value.is_nested else value.layout
@@ -53,12 +49,10 @@ def as_tensor(value, name: str) -> torch.Tensor:
 
 
 def _python_scalar(value, name: str) -> torch.Tensor:
-    """A Python ``bool`` as bool, ``int`` as int64 and any other real number as float64
-    (0-d tensors).
+    """A Python ``bool`` as bool, ``int`` as int64 and any other real number as float64 (0-d tensors).
 
-    The widest types keep the value exactly, so a later narrowing into the stored dtype is checked
-    on the value (``1e300`` into ``float32`` storage is rejected rather than stored as ``inf``).
-    """
+    The widest types keep the value exactly, so a later narrowing into the stored dtype is checked on the value
+    (``1e300`` into ``float32`` storage is rejected rather than stored as ``inf``)."""
     if isinstance(value, bool):
         return torch.tensor(value)
     if isinstance(value, numbers.Integral):
@@ -69,9 +63,8 @@ def _python_scalar(value, name: str) -> torch.Tensor:
 
 
 def as_flags(value, name: str, shape: tuple) -> np.ndarray:
-    """Host bool flags of exactly ``shape`` from bools or integers 0/1; anything else
-    (floats such as 0.5, other integers, strings) is a ``TypeError``/``ValueError`` naming
-    ``name``."""
+    """Host bool flags of exactly ``shape`` from bools or integers 0/1; anything else (floats such as 0.5, other
+    integers, strings) is a ``TypeError``/``ValueError`` naming ``name``."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
@@ -97,16 +90,14 @@ def check_flags(t: torch.Tensor, name: str) -> None:
 
 
 def positive_int(name: str, value) -> int:
-    """``value`` as an int >= 1, else ``ValueError`` naming ``name``
-    (bools and floats are rejected)."""
+    """``value`` as an int >= 1, else ``ValueError`` naming ``name`` (bools and floats are rejected)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return int(value)
 
 
 def finite_float(name: str, value, low: float = -math.inf, low_open: bool = False) -> float:
-    """``value`` as a finite float ``>= low`` (``> low`` when ``low_open``), else ``ValueError``
-    naming ``name``."""
+    """``value`` as a finite float ``>= low`` (``> low`` when ``low_open``), else ``ValueError`` naming ``name``."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     if ok:
         value = float(value)
@@ -120,8 +111,7 @@ def finite_float(name: str, value, low: float = -math.inf, low_open: bool = Fals
 def as_index_array(ids, name: str, size: int) -> np.ndarray:
     """Host int64 ids in ``[0, size)``; negatives index from the end as in Python.
 
-    Raises ``TypeError`` for non-integer ids and ``IndexError`` for out-of-range ones.
-    """
+    Raises ``TypeError`` for non-integer ids and ``IndexError`` for out-of-range ones."""
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{name}: expected a 1-D sequence of ints, got a {ids.dtype} tensor")
@@ -156,9 +146,8 @@ STORABLE = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, t
 
 
 def check_storable(dtype: torch.dtype, name: str) -> None:
-    """Raise ``TypeError`` naming ``name`` unless buffers can store ``dtype``
-    (the sub-byte, exponent-only and ``fnuz`` float types cannot: they have no sign, no zero or no
-    infinity to keep values by)."""
+    """Raise ``TypeError`` naming ``name`` unless buffers can store ``dtype`` (the sub-byte, exponent-only and ``fnuz``
+    float types cannot: they have no sign, no zero or no infinity to keep values by)."""
     if dtype not in STORABLE:
         raise TypeError(f"{name}: buffers store bool, (u)int8 to 64, float16, bfloat16, float32, float64, "
                         f"float8_e4m3fn, float8_e5m2 and complex values, got {dtype}")
@@ -174,8 +163,7 @@ def _exact_ints(dtype: torch.dtype) -> int:
 
 
 def _float_lossless(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether float ``dst`` has at least the precision, range and smallest normal of float
-    ``src``."""
+    """Whether float ``dst`` has at least the precision, range and smallest normal of float ``src``."""
     a, b = torch.finfo(src), torch.finfo(dst)
     return b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal
 
@@ -187,8 +175,7 @@ def _real(dtype: torch.dtype) -> torch.dtype:
 
 
 def lossless(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether every value of ``src`` is exactly representable in ``dst``
-    (no value check needed)."""
+    """Whether every value of ``src`` is exactly representable in ``dst`` (no value check needed)."""
     if src == dst or src == torch.bool:
         return True
     if src.is_complex:
@@ -211,8 +198,7 @@ def _int_extremes(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _float_overflow(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a finite value (or component) of host float/complex ``t`` exceeds the largest finite
-    ``dtype``."""
+    """Whether a finite value (or component) of host float/complex ``t`` exceeds the largest finite ``dtype``."""
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
     if t.dtype not in (torch.float32, torch.float64):
@@ -228,18 +214,14 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     Other casts are checked on the values when ``t`` is on the host (one pass over the input):
 
     - integer -> narrower integer or bool: every value within the stored type's range;
-    - integer -> float or complex: every ``|value|`` small enough to be exact
-      (``<= 2**24`` for ``float32``);
-    - float -> narrower float (complex -> narrower complex): no finite value (component) larger than
-      the stored type's largest finite value. Rounding to the nearest representable value is
-      accepted, as every float pipeline does (``float64`` rewards stored as ``float32``), and so is
-      a tiny value that rounds to zero; ``nan`` and ``inf`` stay what they are
-      (``inf`` into ``float8_e4m3fn``, which has no infinity, is rejected).
+    - integer -> float or complex: every ``|value|`` small enough to be exact (``<= 2**24`` for ``float32``);
+    - float -> narrower float (complex -> narrower complex): no finite value (component) larger than the stored type's
+      largest finite value. Rounding to the nearest representable value is accepted, as every float pipeline does
+      (``float64`` rewards stored as ``float32``), and so is a tiny value that rounds to zero; ``nan`` and ``inf`` stay
+      what they are (``inf`` into ``float8_e4m3fn``, which has no infinity, is rejected).
 
-    Always rejected: float or complex -> integer or bool, complex -> real, and any cast that is not
-    lossless for a tensor on a GPU (checking it would read the device; cast it yourself with
-    ``.to``).
-    """
+    Always rejected: float or complex -> integer or bool, complex -> real, and any cast that is not lossless for a
+    tensor on a GPU (checking it would read the device; cast it yourself with ``.to``)."""
     src = t.dtype
     if lossless(src, dtype):
         return
@@ -298,9 +280,8 @@ def int_seed(name: str, value) -> int:
 
 
 def generator_for(key, default: torch.Generator) -> torch.Generator:
-    """The generator a sampling ``key`` names: ``None`` -> ``default``, a ``torch.Generator`` as is,
-    an int -> a fresh host generator seeded with it (the same int, the same draws); else
-    ``TypeError`` naming ``key``."""
+    """The generator a sampling ``key`` names: ``None`` -> ``default``, a ``torch.Generator`` as is, an int -> a fresh
+    host generator seeded with it (the same int, the same draws); else ``TypeError`` naming ``key``."""
     if key is None:
         return default
     if isinstance(key, torch.Generator):
@@ -326,9 +307,8 @@ def index_array(indices) -> torch.Tensor:
 
 
 def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices (K,), td_errors (K,))`` as tensors where they live: 1-D integers
-    (:func:`index_array`) and as many real TD errors; else ``TypeError``/``ValueError`` naming the
-    argument."""
+    """``(indices (K,), td_errors (K,))`` as tensors where they live: 1-D integers (:func:`index_array`) and as many
+    real TD errors; else ``TypeError``/``ValueError`` naming the argument."""
     idx = index_array(indices)
     td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors,
                    "td_errors")

@@ -1,17 +1,15 @@
 """Holding asynchronous signals while a buffer commits a write, so that a write is all or nothing.
 
-Python runs a signal handler (``KeyboardInterrupt`` on Ctrl-C, a timeout's ``SIGALRM``) in the main
-thread between any two bytecodes; one arriving between the copies of a commit would leave a write
-half-done. Inside :func:`signals_held` the Python handlers of those signals are swapped for one that
-only records them; on exit the original handlers are put back and each recorded signal is raised
-again, so every original handler runs once, as it would have. A handler that raises does not stop
-the others: the first exception propagates once all have run.
+Python runs a signal handler (``KeyboardInterrupt`` on Ctrl-C, a timeout's ``SIGALRM``) in the main thread between any
+two bytecodes; one arriving between the copies of a commit would leave a write half-done. Inside :func:`signals_held`
+the Python handlers of those signals are swapped for one that only records them; on exit the original handlers are put
+back and each recorded signal is raised again, so every original handler runs once, as it would have. A handler that
+raises does not stop the others: the first exception propagates once all have run.
 
-Putting the handlers back is itself interruptible: ``signal.signal`` first runs the handlers of
-signals already pending, and a handler already put back may raise there (Ctrl-C arriving while the
-handlers are restored). :func:`put_back` therefore retries until every handler is in place, keeping
-what such handlers raised for after the restore; the write was complete by then.
-"""
+Putting the handlers back is itself interruptible: ``signal.signal`` first runs the handlers of signals already pending,
+and a handler already put back may raise there (Ctrl-C arriving while the handlers are restored). :func:`put_back`
+therefore retries until every handler is in place, keeping what such handlers raised for after the restore; the write
+was complete by then."""
 
 import signal
 import threading
@@ -32,9 +30,8 @@ HELD = tuple(int(getattr(signal, name))
 def put_back(handlers: dict) -> list:
     """Install ``{signum: handler}``; returns what the handlers run meanwhile raised, in order.
 
-    Every handler is installed however often a pending signal's handler raises on the way: an
-    interrupted ``signal.signal`` is simply called again (installing a handler twice is harmless).
-    """
+    Every handler is installed however often a pending signal's handler raises on the way: an interrupted
+    ``signal.signal`` is simply called again (installing a handler twice is harmless)."""
     try:  # the common case: nothing pending meanwhile
         for signum, handler in handlers.items():
             _raw.signal(signum, handler)
@@ -99,10 +96,9 @@ class signals_held:  # noqa: N801 - used as a function: ``with signals_held():``
 
 
 def _deliver(pending: list) -> list:
-    """Raise each held signal again (Python runs its original handler at once); returns what the
-    handlers raised. A wakeup fd (``signal.set_wakeup_fd``: asyncio's signal handlers) got its
-    byte when the signal arrived, so it is switched off meanwhile: an event loop wakes once per
-    signal."""
+    """Raise each held signal again (Python runs its original handler at once); returns what the handlers raised. A
+    wakeup fd (``signal.set_wakeup_fd``: asyncio's signal handlers) got its byte when the signal arrived, so it is
+    switched off meanwhile: an event loop wakes once per signal."""
     raised = []
     fd = signal.set_wakeup_fd(-1)
     try:

@@ -1,11 +1,10 @@
 """Host tensors -> device tensors through reusable pinned buffers.
 
-Host data bound for a CUDA buffer goes through :class:`Staging`: a small ring of preallocated pinned
-host buffers per key, each followed by one non-blocking copy into a preallocated device buffer. A
-pinned slot is reused only after the copy that read it has finished (a CUDA event), so callers may
-overwrite their arrays as soon as the call returns and nothing waits on the device in steady state.
-Slots are capped (:data:`SLOT_BYTES`): larger inputs go through in pieces.
-"""
+Host data bound for a CUDA buffer goes through :class:`Staging`: a small ring of preallocated pinned host buffers per
+key, each followed by one non-blocking copy into a preallocated device buffer. A pinned slot is reused only after the
+copy that read it has finished (a CUDA event), so callers may overwrite their arrays as soon as the call returns and
+nothing waits on the device in steady state. Slots are capped (:data:`SLOT_BYTES`): larger inputs go through in
+pieces."""
 
 import bisect
 
@@ -48,9 +47,8 @@ def overlaps(t: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> bool:
 
 
 def check_disjoint(outputs: dict, owned: tuple) -> None:
-    """Raise ``ValueError`` naming the output if a contiguous output tensor overlaps a buffer's
-    storage (byte ranges ``owned``) or another output: writing it would corrupt what is being
-    read."""
+    """Raise ``ValueError`` naming the output if a contiguous output tensor overlaps a buffer's storage (byte ranges
+    ``owned``) or another output: writing it would corrupt what is being read."""
     seen: list[tuple[str, tuple[int, int]]] = []
     for name, t in outputs.items():
         if overlaps(t, owned):
@@ -65,17 +63,14 @@ SLOT_BYTES = 4 << 20  # the most bytes one staging slot holds (pinned and device
 
 
 class Staging:
-    """Moves host tensors onto ``device`` through reusable pinned and device buffers, one copy per
-    key.
+    """Moves host tensors onto ``device`` through reusable pinned and device buffers, one copy per key.
 
-    Each key has a ring of ``slots`` buffers of at most ``slot_bytes`` each (pinned and device): the
-    host waits on a slot's previous copy only when it runs that many calls ahead of the device, and
-    a returned device tensor stays valid for ``slots - 1`` more calls with the same key. A larger
-    input goes in ``slot_bytes`` pieces through the same pinned slots into a fresh device tensor of
-    its own, so staging holds at most ``2 * slots * slot_bytes`` bytes per key whatever the input
-    sizes. Copies and event records run under ``device`` (its current stream), whatever device is
-    current.
-    """
+    Each key has a ring of ``slots`` buffers of at most ``slot_bytes`` each (pinned and device): the host waits on a
+    slot's previous copy only when it runs that many calls ahead of the device, and a returned device tensor stays valid
+    for ``slots - 1`` more calls with the same key. A larger input goes in ``slot_bytes`` pieces through the same pinned
+    slots into a fresh device tensor of its own, so staging holds at most ``2 * slots * slot_bytes`` bytes per key
+    whatever the input sizes. Copies and event records run under ``device`` (its current stream), whatever device is
+    current."""
 
     def __init__(self, device: torch.device, slots: int = 4, slot_bytes: int = SLOT_BYTES):
         self.device = device
@@ -85,8 +80,7 @@ class Staging:
         self._ring: dict[str, list] = {}
 
     def to_device(self, t: torch.Tensor, key: str) -> torch.Tensor:
-        """``t`` on ``self.device``: the tensor itself if already there
-        (callers copy it into storage)."""
+        """``t`` on ``self.device``: the tensor itself if already there (callers copy it into storage)."""
         if t.device == self.device:
             return t
         if self.device.type != "cuda" or t.device.type != "cpu":
@@ -117,8 +111,7 @@ class Staging:
         event.record(torch.cuda.current_stream(self.device))
 
     def _slot(self, key: str, pinned_bytes: int, device_bytes: int) -> list:
-        """The key's next ring slot, its previous copy finished, with buffers of at least these
-        sizes."""
+        """The key's next ring slot, its previous copy finished, with buffers of at least these sizes."""
         entry = self._ring.setdefault(key, [0, [None] * self.slots])
         i = entry[0]
         entry[0] = (i + 1) % self.slots
@@ -149,9 +142,8 @@ class Staging:
         return out
 
     def _in_pieces(self, src: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """(nbytes,) uint8 fresh device tensor = ``src``, copied ``slot_bytes`` at a time through
-        the pinned slots of one key shared by every large input
-        (device halves are not allocated)."""
+        """(nbytes,) uint8 fresh device tensor = ``src``, copied ``slot_bytes`` at a time through the pinned slots of
+        one key shared by every large input (device halves are not allocated)."""
         out = self._device_buffer(nbytes)
         for a in range(0, nbytes, self.slot_bytes):
             b = min(a + self.slot_bytes, nbytes)
@@ -163,15 +155,12 @@ class Staging:
 
     def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype,
               owned: tuple = ()) -> torch.Tensor:
-        """``t`` as a contiguous, 16-byte-aligned ``dtype`` tensor on the device, ready to be copied
-        into storage.
+        """``t`` as a contiguous, 16-byte-aligned ``dtype`` tensor on the device, ready to be copied into storage.
 
-        This is the first phase of every write: any conversion that can fail
-        (device, dtype, layout, a lazy conjugate or negative view) fails here, before the first
-        write, and the error names ``key``. The result never requires grad and never overlaps the
-        byte ``owned`` ranges (:func:`memory_ranges` of a buffer's storage: an input that reads the
-        buffer's own memory is copied first).
-        """
+        This is the first phase of every write: any conversion that can fail (device, dtype, layout, a lazy conjugate or
+        negative view) fails here, before the first write, and the error names ``key``. The result never requires grad
+        and never overlaps the byte ``owned`` ranges (:func:`memory_ranges` of a buffer's storage: an input that reads
+        the buffer's own memory is copied first)."""
         try:
             out = self.to_device(t.detach() if t.requires_grad else t, key)
             if out.dtype != dtype:

@@ -1,11 +1,8 @@
-"""Validation of a buffer's state dict before anything is written, and the helpers that read its
-tensors.
+"""Validation of a buffer's state dict before anything is written, and the helpers that read its tensors.
 
-A state dict holds only tensors and plain Python values (``torch.load(path)`` reads it with its defaults). A state
-read from a checkpoint file may hold file-backed tensors instead (:class:`gpubuf._core.checkpoint.FileTensor`:
-``shape``, ``dtype``, ``read_into(dst)``, ``chunks(nbytes)``), so that loading streams from disk; the helpers here
-accept both.
-"""
+A state dict holds only tensors and plain Python values (``torch.load(path)`` reads it with its defaults). A state read
+from a checkpoint file may hold file-backed tensors instead (:class:`gpubuf._core.checkpoint.FileTensor`: ``shape``,
+``dtype``, ``read_into(dst)``, ``chunks(nbytes)``), so that loading streams from disk; the helpers here accept both."""
 
 from collections.abc import Iterator, Mapping
 
@@ -29,11 +26,10 @@ def copy_into(dst: torch.Tensor, src) -> None:
 
 
 def unaliased(sources: dict, dests: dict, owned: tuple) -> dict:
-    """``sources`` with every in-memory tensor that overlaps a buffer's storage
-    (byte ranges ``owned``, e.g. another key's storage from ``state_dict()``) replaced by a copy, so
-    that copying the sources into ``dests`` in turn cannot read bytes already overwritten. A source
-    that is its own destination (a buffer loading its own ``state_dict()``) and tensors that are not
-    views of the storage stay as they are: no extra memory for a state from a file, another buffer
+    """``sources`` with every in-memory tensor that overlaps a buffer's storage (byte ranges ``owned``, e.g. another
+    key's storage from ``state_dict()``) replaced by a copy, so that copying the sources into ``dests`` in turn cannot
+    read bytes already overwritten. A source that is its own destination (a buffer loading its own ``state_dict()``) and
+    tensors that are not views of the storage stay as they are: no extra memory for a state from a file, another buffer
     or the buffer itself."""
     out = {}
     for key, src in sources.items():
@@ -57,9 +53,8 @@ def host_tensor(x) -> torch.Tensor:
 
 
 def chunks(x, nbytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
-    """Flat pieces of ``x`` in row-major order, of at most ``nbytes`` each
-    (views of contiguous in-memory tensors; copies of whole leading rows of strided ones, at least
-    one row; reads for files)."""
+    """Flat pieces of ``x`` in row-major order, of at most ``nbytes`` each (views of contiguous in-memory tensors;
+    copies of whole leading rows of strided ones, at least one row; reads for files)."""
     # e.g. a transposed view of an env-major file
     if isinstance(x, torch.Tensor) and not x.is_contiguous():
         x = x.detach()
@@ -86,10 +81,9 @@ def _plain(v):
 
 def check_state(state, template: Mapping, config: tuple[str, ...],
                 skip: tuple[str, ...] = ()) -> None:
-    """Raise unless ``state`` has exactly ``template``'s structure
-    (``template`` is the receiving buffer's own state dict): the same buffer type, equal ``config``
-    values, the same keys at every level, and tensors of the same shape and dtype (any device). The
-    contents of entries in ``skip`` are left to the caller. Errors name the key."""
+    """Raise unless ``state`` has exactly ``template``'s structure (``template`` is the receiving buffer's own state
+    dict): the same buffer type, equal ``config`` values, the same keys at every level, and tensors of the same shape
+    and dtype (any device). The contents of entries in ``skip`` are left to the caller. Errors name the key."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state_dict: expected a dict from state_dict() or a checkpoint, got {type(state).__name__}")
     if state.get("buffer") != template["buffer"]:
@@ -121,8 +115,7 @@ def _check_tree(where: str, state, template: Mapping, skip=()) -> None:
 
 
 def _same_kind(got, want) -> bool:
-    """Plain values: bools are not ints; an int may stand for a float; a list may stand for a
-    tuple."""
+    """Plain values: bools are not ints; an int may stand for a float; a list may stand for a tuple."""
     if isinstance(want, bool) or isinstance(got, bool):
         return isinstance(want, bool) and isinstance(got, bool)
     if isinstance(want, float):
@@ -152,8 +145,7 @@ def check_range(where: str, value: int, low: int, high: int) -> int:
 
 
 def check_rng(where: str, value) -> torch.Tensor:
-    """A torch generator state (host uint8 tensor) from ``value``, else ``ValueError`` naming
-    ``where``."""
+    """A torch generator state (host uint8 tensor) from ``value``, else ``ValueError`` naming ``where``."""
     try:
         rng = host_tensor(value)  # a tensor, or a tensor of a checkpoint file
     except (AttributeError, TypeError):

@@ -1,11 +1,9 @@
 """Transition: one batch of transitions, the tree of its nested leaves, and its conversions.
 
-A field may be a tensor (numpy array, ``__dlpack__`` array) or a nested dict of them. The buffers
-see a transition as flat leaves ``{(field, key, ...): leaf}`` (:func:`flatten` / :func:`unflatten`,
-printed by :func:`leaf_name`). The conversions (:func:`to`, :func:`items`, :func:`to_tensordict`,
-:func:`from_tensordict`) are also :class:`Transition`'s methods; ``tensordict`` is an optional
-dependency, imported only when used.
-"""
+A field may be a tensor (numpy array, ``__dlpack__`` array) or a nested dict of them. The buffers see a transition as
+flat leaves ``{(field, key, ...): leaf}`` (:func:`flatten` / :func:`unflatten`, printed by :func:`leaf_name`). The
+conversions (:func:`to`, :func:`items`, :func:`to_tensordict`, :func:`from_tensordict`) are also :class:`Transition`'s
+methods; ``tensordict`` is an optional dependency, imported only when used."""
 
 import dataclasses
 from collections.abc import Iterator, Mapping
@@ -23,21 +21,18 @@ FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_ob
 
 @dataclasses.dataclass
 class Transition:
-    """One batch of transitions; every field may be a tensor, a (nested) dict of tensors, or
-    ``None``.
+    """One batch of transitions; every field may be a tensor, a (nested) dict of tensors, or ``None``.
 
-    ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled
-    from a :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first``, ``mask`` and
-    ``has_transition`` only on batches sampled with ``boundaries="mask"`` or ``"forbid"``;
-    ``discount`` (the factor of the bootstrap value) only on batches sampled with
-    ``n_step_return``. None of the five is ever stored.
+    ``None`` fields (and empty dicts) are not stored. ``PER_weights`` is only set on batches sampled from a
+    :class:`~gpubuf.PrioritizedTransitionBuffer`; ``is_first``, ``mask`` and ``has_transition`` only on batches sampled
+    with ``boundaries="mask"`` or ``"forbid"``; ``discount`` (the factor of the bootstrap value) only on batches sampled
+    with ``n_step_return``. None of the five is ever stored.
 
-    ``has_transition`` (shaped like ``mask``) is False exactly on the rows that hold no transition:
-    an :class:`~gpubuf.EnvPoolSource`'s ``info["is_last"]`` rows, which hold an episode's last
-    observation, the action fill and reward 0 (see
-    :meth:`gpubuf.replay.config.ReplayConfig.with_flags`). A learner of transitions weighs its
-    per-step losses by ``mask & has_transition``; a world model keeps those rows' observations
-    (they stay inside ``mask``)."""
+    ``has_transition`` (shaped like ``mask``) is False exactly on the rows that hold no transition: an
+    :class:`~gpubuf.EnvPoolSource`'s ``info["is_last"]`` rows, which hold an episode's last observation, the action fill
+    and reward 0 (see :meth:`gpubuf.replay.config.ReplayConfig.with_flags`). A learner of transitions weighs its
+    per-step losses by ``mask & has_transition``; a world model keeps those rows' observations (they stay inside
+    ``mask``)."""
 
     observation: Any
     action: Any
@@ -53,9 +48,8 @@ class Transition:
     has_transition: Any = None
 
     def to(self, device, non_blocking: bool = False) -> "Transition":
-        """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy
-        leaves become tensors, ``None`` fields stay ``None``, a leaf already there is not copied.
-        ``self`` is unchanged."""
+        """A new Transition with every leaf (nested dicts included) a tensor on ``device``; numpy leaves become tensors,
+        ``None`` fields stay ``None``, a leaf already there is not copied. ``self`` is unchanged."""
         return to(self, device, non_blocking)
 
     def __iter__(self):
@@ -65,17 +59,15 @@ class Transition:
         return items(self)
 
     def to_tensordict(self, batch_dims: int | None = None):
-        """A ``tensordict.TensorDict`` of the set fields (no copy; nested dicts become nested
-        TensorDicts). ``batch_dims``: leading dims that form its batch size; ``None``: the longest
-        leading shape all leaves share, e.g. ``(B, n_steps)``. Needs the optional ``tensordict``
-        package."""
+        """A ``tensordict.TensorDict`` of the set fields (no copy; nested dicts become nested TensorDicts).
+        ``batch_dims``: leading dims that form its batch size; ``None``: the longest leading shape all leaves share,
+        e.g. ``(B, n_steps)``. Needs the optional ``tensordict`` package."""
         return to_tensordict(self, batch_dims)
 
     @classmethod
     def from_tensordict(cls, td) -> "Transition":
-        """The Transition of a ``TensorDict`` whose keys are Transition fields; missing fields are
-        ``None``, an unknown key raises ``ValueError`` naming it. Needs the optional ``tensordict``
-        package."""
+        """The Transition of a ``TensorDict`` whose keys are Transition fields; missing fields are ``None``, an unknown
+        key raises ``ValueError`` naming it. Needs the optional ``tensordict`` package."""
         return from_tensordict(td)
 
 
@@ -88,9 +80,8 @@ def leaf_name(path: tuple) -> str:
 
 
 def flatten(transition, name: str = "transition") -> dict[tuple, Any]:
-    """``{(field, key, ...): leaf}`` over the stored fields, in field order (``None`` fields and
-    values left out); ``name`` is the argument named when ``transition`` is not a
-    :class:`Transition`."""
+    """``{(field, key, ...): leaf}`` over the stored fields, in field order (``None`` fields and values left out);
+    ``name`` is the argument named when ``transition`` is not a :class:`Transition`."""
     if not isinstance(transition, Transition):
         raise TypeError(f"{name}: expected a gpubuf.Transition, got {type(transition).__name__}")
     leaves: dict[tuple, Any] = {}
@@ -176,13 +167,11 @@ def _map_leaves(value, fn, path: str, keep_none: bool):
 
 
 def to(transition: Transition, device, non_blocking: bool = False) -> Transition:
-    """A new :class:`Transition` with every leaf (nested dicts included) a torch tensor on
-    ``device``.
+    """A new :class:`Transition` with every leaf (nested dicts included) a torch tensor on ``device``.
 
     Numpy arrays and ``__dlpack__`` arrays become tensors; ``None`` fields (and ``None`` values inside dicts) stay
-    ``None``; a leaf already on ``device`` is the same tensor (no copy), as ``Tensor.to`` does. ``transition``
-    itself is unchanged.
-    """
+    ``None``; a leaf already on ``device`` is the same tensor (no copy), as ``Tensor.to`` does. ``transition`` itself is
+    unchanged."""
     _check(transition)
     device = parse_device(device)
     return map_leaves(transition, lambda v, p: as_tensor(v, p).to(device, non_blocking=non_blocking))
@@ -208,11 +197,9 @@ def to_tensordict(transition: Transition, batch_dims: int | None = None):
     """A ``TensorDict`` with one entry per set field (nested dicts become nested TensorDicts;
     ``None`` values inside dicts, which the buffers do not store either, are left out).
 
-    ``batch_dims``: how many leading dims are the batch (``batch_size`` of the TensorDict); they
-    must agree across leaves. ``None``: the longest leading shape all leaves share, e.g. ``(B,
-    n_steps)`` for a sampled batch of windows. The leaves are the transition's tensors (no copy);
-    numpy leaves become tensors.
-    """
+    ``batch_dims``: how many leading dims are the batch (``batch_size`` of the TensorDict); they must agree across
+    leaves. ``None``: the longest leading shape all leaves share, e.g. ``(B, n_steps)`` for a sampled batch of windows.
+    The leaves are the transition's tensors (no copy); numpy leaves become tensors."""
     tensordict = _tensordict()
     leaves: dict[str, torch.Tensor] = {}
     data = {name: _map_leaves(value, lambda v, p: leaves.setdefault(p, as_tensor(v, p)), name,
@@ -244,9 +231,8 @@ def to_tensordict(transition: Transition, batch_dims: int | None = None):
 
 
 def from_tensordict(td) -> Transition:
-    """The :class:`Transition` of a ``TensorDict`` whose keys are Transition fields (nested
-    TensorDicts become dicts). Missing fields are ``None``; an unknown key raises ``ValueError``
-    naming it."""
+    """The :class:`Transition` of a ``TensorDict`` whose keys are Transition fields (nested TensorDicts become dicts).
+    Missing fields are ``None``; an unknown key raises ``ValueError`` naming it."""
     tensordict = _tensordict()
     if not isinstance(td, tensordict.TensorDictBase):
         raise TypeError(f"td: expected a TensorDict, got {type(td).__name__}")

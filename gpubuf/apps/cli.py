@@ -4,8 +4,7 @@ runs here (versions, device, each op's implementation, extras, storage tiers).
 
 The demo itself lives in :mod:`gpubuf.apps.demo` (the learner in :mod:`gpubuf.apps.mbrl`), the benchmarks in
 :mod:`gpubuf.apps.benchmarking`; this module parses and validates the options (before any work), shows the demo's
-progress bar on a terminal (nothing when stderr is a log file), prints the reports and writes the files.
-"""
+progress bar on a terminal (nothing when stderr is a log file), prints the reports and writes the files."""
 
 import argparse
 import json

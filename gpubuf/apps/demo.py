@@ -5,8 +5,7 @@ Tasks with vector observations and discrete actions (``CartPole-v1``, the defaul
 CEM from per-env histories. Other tasks (pixel tasks such as ``Pong-v5``) run :class:`RandomPlanRun`, the timing
 variant: uniform random plans from per-env histories, a PER buffer and a linear TD(0) value learner whose TD errors
 become priorities; it times the buffers and does not learn to act. Either way every buffer call is timed with a
-:class:`Timer` and episode returns are logged against env steps.
-"""
+:class:`Timer` and episode returns are logged against env steps."""
 
 import importlib
 import time
@@ -119,8 +118,7 @@ class RandomPlanRun(EnvLoop):
 
     A :class:`~gpubuf.Planner` with its own history re-plans uniform random actions every 4 steps from 4-frame
     histories; every step goes into a :class:`~gpubuf.PrioritizedTransitionBuffer` (``num_envs * 64`` transitions) that
-    a :class:`ValueLearner` samples 32 transitions from per step.
-    """
+    a :class:`ValueLearner` samples 32 transitions from per step."""
 
     def __init__(self, env, *, device=None, seed: int = 0):
         n_envs = int(env.config["num_envs"])
@@ -158,8 +156,7 @@ def run(env, env_steps: int, *, device=None, seed: int = 0, progress=None, confi
 
     ``progress(log)`` is called after every env batch with the :class:`~gpubuf.apps.mbrl.EpisodeLog`; ``config`` sizes
     the learning agent (``None``: :class:`~gpubuf.apps.mbrl.MBRLConfig`'s defaults) and ``task_cost`` is its known task
-    cost (see :class:`~gpubuf.apps.mbrl.EnsembleDynamics`; :data:`TASK_COSTS` lists the demo's).
-    """
+    cost (see :class:`~gpubuf.apps.mbrl.EnsembleDynamics`; :data:`TASK_COSTS` lists the demo's)."""
     timer = Timer(ops.resolve_device(device))
     timed = TimedEnv(env, timer)
     if learns(env):

@@ -1,10 +1,9 @@
 """What runs here: ``gpubuf info`` and :func:`gpubuf.info`.
 
-One report for a user debugging speed or a GPU failure: the versions gpubuf runs with (Python, gpubuf, torch,
-triton, numba, CUDA and the driver), the device and its compute capability, the backend a buffer built there gets
-and what each of its operations runs (a Triton kernel, a compiled numba loop or the pure-torch twin), which optional
-extras import, and the storage tiers a replay buffer can use there.
-"""
+One report for a user debugging speed or a GPU failure: the versions gpubuf runs with (Python, gpubuf, torch, triton,
+numba, CUDA and the driver), the device and its compute capability, the backend a buffer built there gets and what each
+of its operations runs (a Triton kernel, a compiled numba loop or the pure-torch twin), which optional extras import,
+and the storage tiers a replay buffer can use there."""
 
 import importlib
 import importlib.metadata

@@ -10,8 +10,7 @@ The model predicts the next observation from (observation, action), and the rewa
 observation; the task's equations are never used. Planning minimises minus the predicted reward plus, where the task has
 one, a known cost (PETS assumes the task's cost is known; for CartPole-v1,
 :func:`gpubuf.planning.cartpole.cartpole_cost`): with the reward alone, a planner that sees a few tenths of a second
-ahead balances the pole but lets the cart drift off the track.
-"""
+ahead balances the pole but lets the cart drift off the track."""
 
 import math
 from collections.abc import Callable
@@ -33,8 +32,7 @@ from gpubuf.sources.envpool import EnvPoolSource
 class EnsembleMLP(nn.Module):
     """``members`` independent MLPs evaluated together: ``x (members, ..., sizes[0]) -> (members, ..., sizes[-1])``.
 
-    One batched matmul per layer, SiLU between layers; each member is initialised as ``nn.Linear`` would be.
-    """
+    One batched matmul per layer, SiLU between layers; each member is initialised as ``nn.Linear`` would be."""
 
     def __init__(self, members: int, sizes: list[int]):
         super().__init__()
@@ -68,8 +66,7 @@ class EnsembleDynamics(nn.Module):
 
     Per member, two MLPs: ``step`` maps (normalised observation, one-hot action) to the normalised change of the
     observation; ``outcome`` maps a next observation to the reward and a termination logit. Normalisation statistics are
-    running averages over the training batches (:meth:`observe`).
-    """
+    running averages over the training batches (:meth:`observe`)."""
 
     def __init__(self, obs_dim: int, n_actions: int, members: int = 3, hidden: int = 32,
                  task_cost: Callable | None = None):
@@ -174,8 +171,7 @@ def train_step(buffer: TransitionBuffer, model: EnsembleDynamics, optimizer: tor
     up to a window's first termination, the loss sums: the squared normalised error of each next observation predicted
     open-loop from the window's first observation through its actions; the reward's squared error and the termination's
     cross-entropy, predicted from the true next observations. A prioritized buffer weighs each window by its
-    ``PER_weights`` and gets the window's error back as its priority.
-    """
+    ``PER_weights`` and gets the window's error back as its priority."""
     if not isinstance(buffer, TransitionBuffer):
         raise TypeError(f"buffer: expected a gpubuf TransitionBuffer, got {type(buffer).__name__}")
     if not isinstance(model, EnsembleDynamics):
@@ -231,8 +227,7 @@ class MBRLConfig:
     Sizes are positive ints; ``alpha`` in ``[0, MAX_ALPHA]`` (about 51: beyond, ``eps**alpha`` underflows),
     ``beta >= 0``, ``lr > 0``, all finite; ``receding_horizon <= horizon``, ``num_elites <= num_samples``, and
     ``capacity >= members * batch_size + n_steps - 1`` (one sampled batch of windows, with one env; an
-    :class:`MBRLAgent` over ``E`` envs needs ``capacity >= E * (ceil(members * batch_size / E) + n_steps - 1)``).
-    """
+    :class:`MBRLAgent` over ``E`` envs needs ``capacity >= E * (ceil(members * batch_size / E) + n_steps - 1)``)."""
 
     # the fields, one a line as a dataclass declares them (alike in shape on purpose)
     # replay
@@ -288,8 +283,7 @@ class MBRLConfig:
 class EpisodeLog:
     """Episode returns of ``n_envs`` envs, from each received :class:`~gpubuf.Step`.
 
-    ``episodes``: ``[env steps when it ended, return]`` per finished episode (terminated or truncated), in order.
-    """
+    ``episodes``: ``[env steps when it ended, return]`` per finished episode (terminated or truncated), in order."""
 
     def __init__(self, n_envs: int):
         self.episodes: list[list] = []
@@ -374,8 +368,7 @@ class MBRLAgent(EnvLoop):
     :class:`~gpubuf.EnvPoolSource` that inserts every step into ``buffer``), ``buffer``, ``model``
     (:class:`EnsembleDynamics`), ``optimizer``, ``planner`` (a :class:`~gpubuf.Planner` reading ``history``, with CEM
     through ``model``) and ``log`` (:class:`EpisodeLog`). Planner values in ``[-1, 1]`` become env actions through
-    :func:`to_discrete`.
-    """
+    :func:`to_discrete`."""
 
     def __init__(self, env, config: MBRLConfig = MBRLConfig(), *, task_cost: Callable | None = None, device=None,
                  seed: int = 0):

@@ -13,10 +13,9 @@ shapes), :class:`~gpubuf.history.ring.Ring` (host mirror of heads and counts), :
 (fresh outputs) and, on the torch backend, :class:`~gpubuf.history.lockstep.Lockstep` (the steady-state fast path);
 the checked paths call the ops of :mod:`gpubuf.ops.history` (torch twins or Triton kernels).
 
-Glossary: ``R`` envs selected by a call (``env_ids``); ``D`` elements per entry of a key; slot: a ring position of
-an env (``max_len`` per env); head: the next slot an env writes; count: entries an env holds; ``ab``
-(``action_block``): entries per action block; strided: every ``ab``-th entry.
-"""
+Glossary: ``R`` envs selected by a call (``env_ids``); ``D`` elements per entry of a key; slot: a ring position of an
+env (``max_len`` per env); head: the next slot an env writes; count: entries an env holds; ``ab`` (``action_block``):
+entries per action block; strided: every ``ab``-th entry."""
 
 from collections.abc import Iterable, Mapping
 
@@ -53,11 +52,9 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
     lived ``(n-1)*action_block+1`` steps its frames are left-padded with its oldest strided entry and its blocks with
     zero blocks (synthetic warm-up, as in stable-worldmodel).
 
-    Threads: any number of threads may call any method at once; each call runs whole, between the others
-    (:attr:`lock`; :mod:`gpubuf._core.concurrency`), so a planner thread's ``get`` never mixes two appends.
-    ``copy.deepcopy``, ``pickle`` and ``torch.save`` give an independent, complete buffer
-    (:mod:`gpubuf._core.copies`).
-    """
+    Threads: any number of threads may call any method at once; each call runs whole, between the others (:attr:`lock`;
+    :mod:`gpubuf._core.concurrency`), so a planner thread's ``get`` never mixes two appends. ``copy.deepcopy``,
+    ``pickle`` and ``torch.save`` give an independent, complete buffer (:mod:`gpubuf._core.copies`)."""
 
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys: Iterable[str] = (), *,
                  device=None):
@@ -157,8 +154,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
 
         Row ``j`` goes to env ``env_ids[j]`` (all envs in order if ``None``); an env listed twice gets two entries, in
         row order. Numeric scalars are broadcast (a new key from a Python float takes torch's default float dtype, as
-        ``torch.tensor(1.5)`` does). Every check runs before any write.
-        """
+        ``torch.tensor(1.5)`` does). Every check runs before any write."""
         fast = self._lockstep
         if env_ids is None and fast is not None and fast.append(info_dict):
             return
@@ -208,9 +204,8 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         and returned.
 
         Memory: a get whose outputs (and, on the torch backend, row indices) exceed what the device has in all raises
-        ``MemoryError`` naming ``n`` and the bytes before allocating anything; an allocation that fails raises the
-        same, and the buffer keeps none of that call's memory.
-        """
+        ``MemoryError`` naming ``n`` and the bytes before allocating anything; an allocation that fails raises the same,
+        and the buffer keeps none of that call's memory."""
         if env_ids is None and type(n) is int and self._lockstep is not None:
             got = self._lockstep.get(n, out, keys)
             if got is not None:

@@ -1,10 +1,9 @@
-"""The steady-state fast path of a history buffer on the torch backend (host storage, or any device
-with ``GPUBUF_BACKEND=torch``), in plain torch calls: every env appends and reads together, heads in
-lockstep. An append then copies one contiguous slot block per key; a read runs one ``index_select``
-per key with source rows planned once per ``(n, head, frames used, keys)`` (from
-:mod:`gpubuf.ops.indexing`, as the twins compute them). Any other call, or anything unusual about one,
-returns ``False``/``None`` having written nothing, and the buffer's checked path takes it. The Triton
-backend keeps its own launch paths and never gets here."""
+"""The steady-state fast path of a history buffer on the torch backend (host storage, or any device with
+``GPUBUF_BACKEND=torch``), in plain torch calls: every env appends and reads together, heads in lockstep. An append then
+copies one contiguous slot block per key; a read runs one ``index_select`` per key with source rows planned once per
+``(n, head, frames used, keys)`` (from :mod:`gpubuf.ops.indexing`, as the twins compute them). Any other call, or
+anything unusual about one, returns ``False``/``None`` having written nothing, and the buffer's checked path takes it.
+The Triton backend keeps its own launch paths and never gets here."""
 
 import numpy as np
 import torch
@@ -48,10 +47,9 @@ class Lockstep:
 
     def accept(self, info_dict, values: dict) -> None:
         """Remember what an all-env append just accepted, as :meth:`append` compares it: per key
-        ``(key, type, dtype, shape[, device, requires_grad, layout])``, with the storage's
-        slot-major view each key writes; nothing unless every value is a plain numpy array or
-        dense tensor of rows ``(n_envs, *entry)`` whose cast into storage is lossless (others take
-        the checked path every time)."""
+        ``(key, type, dtype, shape[, device, requires_grad, layout])``, with the storage's slot-major view each key
+        writes; nothing unless every value is a plain numpy array or dense tensor of rows ``(n_envs, *entry)`` whose
+        cast into storage is lossless (others take the checked path every time)."""
         self._sig = None
         if type(info_dict) is not dict:
             return

@@ -14,8 +14,7 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # noqa: SLF001
 
 
 class Outputs:
-    """Output tensors on ``device``; on the host, the memory of each key's last :data:`SPARES`
-    large outputs."""
+    """Output tensors on ``device``; on the host, the memory of each key's last :data:`SPARES` large outputs."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -23,10 +22,9 @@ class Outputs:
         self._spare: dict[str, list[torch.UntypedStorage]] = {}
 
     def fresh(self, key: str, shape, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-        """A new output tensor. A large host one reuses the memory of one of this key's last two
-        large outputs once nothing else holds it (no tensor, view, numpy array or DLPack capsule:
-        its storage's only reference is this one's, and it is not shared with another process);
-        else it is fresh memory advised into huge pages."""
+        """A new output tensor. A large host one reuses the memory of one of this key's last two large outputs once
+        nothing else holds it (no tensor, view, numpy array or DLPack capsule: its storage's only reference is this
+        one's, and it is not shared with another process); else it is fresh memory advised into huge pages."""
         if nbytes < BIG or not self.host:
             return torch.empty(shape, dtype=dtype, device=self.device)
         spares = self._spare.setdefault(key, [])

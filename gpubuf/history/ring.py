@@ -66,8 +66,7 @@ class Ring:
         return dst_rows, keep, heads, counts
 
     def restore(self, heads: np.ndarray, counts: np.ndarray) -> None:
-        """Set the mirror to ``heads`` and ``counts`` (kept as given: pass arrays no one else
-        writes)."""
+        """Set the mirror to ``heads`` and ``counts`` (kept as given: pass arrays no one else writes)."""
         self.heads, self.counts = heads, counts
         self.lockstep_at = None
 

@@ -40,9 +40,8 @@ def _new_storage_dtype(value, t: torch.Tensor) -> torch.dtype:
 
 
 class Schema:
-    """Per key: the entry shape ``shapes[key]`` and the storage ``data[key]``
-    ``(max_len * n_envs, D)`` (``D`` elements per entry); ``owned``: the storage's byte ranges; ``table``: the
-    device's backend table."""
+    """Per key: the entry shape ``shapes[key]`` and the storage ``data[key]`` ``(max_len * n_envs, D)`` (``D`` elements
+    per entry); ``owned``: the storage's byte ranges; ``table``: the device's backend table."""
 
     def __init__(self, n_envs: int, max_len: int, action_block: int, block_keys: tuple, table):
         self.n_envs, self.max_len, self.action_block = n_envs, max_len, action_block
@@ -143,8 +142,7 @@ class Schema:
         return wanted
 
     def output_shapes(self, rows: int, n: int) -> dict[str, tuple]:
-        """Per key, the shape a read of ``n`` frames of ``rows`` rows returns (block keys: none
-        when ``n == 1``)."""
+        """Per key, the shape a read of ``n`` frames of ``rows`` rows returns (block keys: none when ``n == 1``)."""
         if self._shape_cache[0] == (rows, n):
             return self._shape_cache[1]
         shapes = {}
@@ -195,9 +193,8 @@ class Schema:
         return what, out + idx
 
     def check_out(self, out: dict, shapes: dict) -> None:
-        """Raise ``ValueError`` naming the key unless ``out`` holds, per key of ``shapes``, a
-        contiguous tensor of that shape and the storage's dtype on the device, none overlapping
-        another or the storage."""
+        """Raise ``ValueError`` naming the key unless ``out`` holds, per key of ``shapes``, a contiguous tensor of that
+        shape and the storage's dtype on the device, none overlapping another or the storage."""
         for key, shape in shapes.items():
             t = out.get(key) if isinstance(out, Mapping) else None
             if not isinstance(t, torch.Tensor):

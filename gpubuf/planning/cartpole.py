@@ -6,8 +6,7 @@ CARTPOLE = dict(gravity=9.8, masscart=1.0, masspole=0.1, length=0.5, force_mag=1
 
 
 def cartpole_dynamics(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-    """CartPole-v1's Euler step: ``state (N, 4)``, ``action (N, 1)`` (push right when ``> 0``) ->
-    ``(N, 4)``."""
+    """CartPole-v1's Euler step: ``state (N, 4)``, ``action (N, 1)`` (push right when ``> 0``) -> ``(N, 4)``."""
     c = CARTPOLE
     x, x_dot, theta, theta_dot = state.unbind(-1)
     force = torch.where(action[:, 0] > 0, c["force_mag"], -c["force_mag"])

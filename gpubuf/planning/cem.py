@@ -10,8 +10,7 @@ from gpubuf._core.inputs import as_tensor, finite_float, positive_int
 
 
 class CEMSolver:
-    """Cross-entropy method over a user model: sample action sequences, keep the elites, refit,
-    repeat.
+    """Cross-entropy method over a user model: sample action sequences, keep the elites, refit, repeat.
 
     Args:
         dynamics: ``dynamics(state (N, ...), action (N, action_dim)) -> next state (N, ...)``.
@@ -21,41 +20,31 @@ class CEMSolver:
         horizon, action_dim: the plan's shape per env (``action_dim`` includes any action block).
             Leave them ``None`` under a :class:`Planner`, which hands them over through ``init``;
             they are needed only to call the solver without ``init``.
-        terminated: ``terminated(next_state (N, ...)) -> (N,) bool``, or ``None`` (nothing
-            terminates). The step into a terminal state still pays its cost; nothing after it does
-            (the return is frozen).
-        terminal_cost: ``terminal_cost(last_state (N, ...)) -> (N,)``, or ``None``: the cost of
-            where a rollout ends (e.g. minus a learned value), added with weight
-            ``discount**horizon`` to rollouts that did not terminate.
+        terminated: ``terminated(next_state (N, ...)) -> (N,) bool``, or ``None`` (nothing terminates). The step into a
+            terminal state still pays its cost; nothing after it does (the return is frozen).
+        terminal_cost: ``terminal_cost(last_state (N, ...)) -> (N,)``, or ``None``: the cost of where a rollout ends
+            (e.g. minus a learned value), added with weight ``discount**horizon`` to rollouts that did not terminate.
         discount: factor in ``(0, 1]`` on each later step's cost.
-        encode: ``encode(history) -> state (R, ...)``; default: the last frame of
-            ``history[state_key]``.
+        encode: ``encode(history) -> state (R, ...)``; default: the last frame of ``history[state_key]``.
         num_samples, num_elites, iterations: CEM sizes.
-        init_std, low, high: initial spread and action bounds; the default mean is
-            ``(low + high) / 2``.
-        seed: seed of the solver's generator (an int in ``[0, 2**64)``); one generator per device,
-            created on first use. Its draws are not rolled back when a model call raises: a retried
-            solve samples anew.
+        init_std, low, high: initial spread and action bounds; the default mean is ``(low + high) / 2``.
+        seed: seed of the solver's generator (an int in ``[0, 2**64)``); one generator per device, created on first use.
+            Its draws are not rolled back when a model call raises: a retried solve samples anew.
 
-    ``solver(history, env_ids, init=None) -> (R, horizon, action_dim)``: the elites' mean after the
-    last iteration. ``init (R, horizon, action_dim)`` is the first iteration's mean (warm start),
-    NaN entries taking the default mean; the spread always starts at ``init_std``. All envs and
-    samples are rolled out together, one batched model call per horizon step, under
-    ``torch.no_grad()``.
+    ``solver(history, env_ids, init=None) -> (R, horizon, action_dim)``: the elites' mean after the last iteration.
+    ``init (R, horizon, action_dim)`` is the first iteration's mean (warm start), NaN entries taking the default mean;
+    the spread always starts at ``init_std``. All envs and samples are rolled out together, one batched model call per
+    horizon step, under ``torch.no_grad()``.
 
-    Non-finite rollouts rank last. A rollout is non-finite when its return is
-    (NaN or inf, from the model or from an overflowing sum) or when any of its model states is: the
-    encoded state, or a ``dynamics`` output up to and including the step into a terminal state
-    (states after termination are never used), even if the cost maps that state to a finite number
-    (a threshold, ``nan_to_num``, an action-only cost). An env's elites are its ``num_elites``
-    lowest finite rollouts, or all of its finite ones when fewer are finite. When every candidate of
-    an env is non-finite in some iteration, the call raises ``ValueError`` naming those envs and the
-    model output that first went non-finite (``encode``, ``dynamics``, ``cost``, ``terminal_cost``):
-    nothing is planned through NaN. The states are checked on the device into a per-rollout flag
-    (per step: ``isfinite`` over the state, a per-row ``all``, one ``(N,)`` AND, plus a NOT and an
-    OR with ``terminated``), folded into the returns, so the call still reads back one ``(R,)``
-    flag.
-    """
+    Non-finite rollouts rank last. A rollout is non-finite when its return is (NaN or inf, from the model or from an
+    overflowing sum) or when any of its model states is: the encoded state, or a ``dynamics`` output up to and including
+    the step into a terminal state (states after termination are never used), even if the cost maps that state to a
+    finite number (a threshold, ``nan_to_num``, an action-only cost). An env's elites are its ``num_elites`` lowest
+    finite rollouts, or all of its finite ones when fewer are finite. When every candidate of an env is non-finite in
+    some iteration, the call raises ``ValueError`` naming those envs and the model output that first went non-finite
+    (``encode``, ``dynamics``, ``cost``, ``terminal_cost``): nothing is planned through NaN. The states are checked on
+    the device into a per-rollout flag (per step: ``isfinite`` over the state, a per-row ``all``, one ``(N,)`` AND, plus
+    a NOT and an OR with ``terminated``), folded into the returns, so the call still reads back one ``(R,)`` flag."""
 
     def __init__(self, dynamics: Callable, cost: Callable, horizon: int | None = None,
                  action_dim: int | None = None,
@@ -134,9 +123,8 @@ class CEMSolver:
 
     def _non_finite_message(self, state: torch.Tensor, actions: torch.Tensor, failed: torch.Tensor,
                             env_ids) -> str:
-        """Names the model output that first went non-finite for the envs with no finite return:
-        their last iteration's candidates ``actions (R, N, H, A)`` are rolled out again from
-        ``state (R, ...)``, checking each output."""
+        """Names the model output that first went non-finite for the envs with no finite return: their last iteration's
+        candidates ``actions (R, N, H, A)`` are rolled out again from ``state (R, ...)``, checking each output."""
         rows = torch.nonzero(failed).flatten()
         R, N, H, A = actions.shape
         ids = np.asarray(env_ids).reshape(-1)
@@ -173,8 +161,7 @@ class CEMSolver:
                 f"candidate returns of envs {envs} is non-finite; nothing to plan with")
 
     def _initial_mean(self, R: int, init, device) -> torch.Tensor:
-        """``(R, H, A)``: ``init`` with NaN replaced by the default mean, or the default mean
-        everywhere."""
+        """``(R, H, A)``: ``init`` with NaN replaced by the default mean, or the default mean everywhere."""
         middle = (self.low + self.high) / 2
         if init is None:
             if self.horizon is None or self.action_dim is None:
@@ -200,9 +187,8 @@ class CEMSolver:
         return cost
 
     def _returns(self, s: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        """``(N,)`` discounted cost of each rollout of ``actions (N, H, A)`` from ``s (N, ...)``,
-        frozen at termination, plus the discounted terminal cost of the rollouts still alive at the
-        end."""
+        """``(N,)`` discounted cost of each rollout of ``actions (N, H, A)`` from ``s (N, ...)``, frozen at termination,
+        plus the discounted terminal cost of the rollouts still alive at the end."""
         N, H = actions.shape[:2]
         total = torch.zeros(N, device=s.device)
         alive = None if self.terminated is None else torch.ones(N, dtype=torch.bool,

@@ -1,12 +1,10 @@
 """Receding-horizon control for batched MPC: per-env action queues on the device, re-planned per env.
 
-:class:`Planner` reads per-env histories from a :class:`~gpubuf.HistoryBuffer` (its own, or one it is given) and
-keeps, for every env, a queue of env actions and its last plan. Each :meth:`Planner.act` flushes the queues (and an
-owned history) of envs on a reset frame, appends the step to an owned history, asks the solver for a new plan only
-for the envs whose queue ran empty, and pops one action per env. Solvers that take an ``init`` argument are
-warm-started from each env's previous plan shifted by the executed steps (:class:`~gpubuf.planning.cem.CEMSolver` is
-one such solver).
-"""
+:class:`Planner` reads per-env histories from a :class:`~gpubuf.HistoryBuffer` (its own, or one it is given) and keeps,
+for every env, a queue of env actions and its last plan. Each :meth:`Planner.act` flushes the queues (and an owned
+history) of envs on a reset frame, appends the step to an owned history, asks the solver for a new plan only for the
+envs whose queue ran empty, and pops one action per env. Solvers that take an ``init`` argument are warm-started from
+each env's previous plan shifted by the executed steps (:class:`~gpubuf.planning.cem.CEMSolver` is one such solver)."""
 
 import inspect
 from collections.abc import Callable
@@ -28,8 +26,7 @@ class PlanConfig:
     horizon: planned steps per solve; each step is a macro-action of ``action_block`` env actions.
     receding_horizon: planned steps executed before re-planning (``<= horizon``).
     action_block: env steps per planned step (the history's stride).
-    history_len: strided frames of history handed to the solver.
-    """
+    history_len: strided frames of history handed to the solver."""
 
     horizon: int
     receding_horizon: int
@@ -83,8 +80,7 @@ class Planner:
             ``config.history_steps`` entries per env. ``None``: the planner builds and appends its own.
 
     Queues are ``(n_envs, receding_horizon * action_block, action_dim)`` on the device; how many actions each env has
-    left lives on the host, so choosing who re-plans never reads the device.
-    """
+    left lives on the host, so choosing who re-plans never reads the device."""
 
     def __init__(self, config: PlanConfig, solver: Callable, n_envs: int, action_dim: int, *, device=None,
                  history: HistoryBuffer | None = None):
@@ -139,9 +135,8 @@ class Planner:
         frames: those envs' queues and plans (and owned histories) are flushed first. Planned actions are queued as
         ``float32`` (a ``float64`` plan is rounded to it) and must be finite there. If anything fails (bad input, the
         solver raising or returning a wrong shape or non-finite actions), the planner and its owned history are left
-        exactly as they were before the call (a failed first call fixes no key, shape or dtype of the history), so
-        the same step, or another one, can be retried.
-        """
+        exactly as they were before the call (a failed first call fixes no key, shape or dtype of the history), so the
+        same step, or another one, can be retried."""
         if self.owns_history and info is None:
             raise ValueError("info: expected the step's info dict (this planner appends each step to its own "
                              "history), got None")

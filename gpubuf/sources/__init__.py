@@ -5,5 +5,4 @@
 (what every source shares) and the parts behind it: :mod:`gpubuf.sources.rows` (the row convention),
 :mod:`gpubuf.sources.staging` (env outputs -> device tensors), :mod:`gpubuf.sources.actions` (the action codec),
 :mod:`gpubuf.sources.extra` (the caller's per-step data) and :mod:`gpubuf.sources.layout` (the leaves of the rows).
-:mod:`gpubuf.sources.wrappers`: gymnasium wrappers whose stacks live in a HistoryBuffer.
-"""
+:mod:`gpubuf.sources.wrappers`: gymnasium wrappers whose stacks live in a HistoryBuffer."""

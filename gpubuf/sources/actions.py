@@ -2,8 +2,7 @@
 
 :func:`action_fill` and :func:`check_action_fill` decide what such a row stores (in the action dtype) and echoes
 (float32, in the history); :class:`ActionCodec` turns the actions a caller sends into the ``(R, *shape)`` host array the
-env executes (checked, clipped to a ``Box``) and its float32 echo ``(R, A)``.
-"""
+env executes (checked, clipped to a ``Box``) and its float32 echo ``(R, A)``."""
 
 import numpy as np
 import torch
@@ -103,8 +102,7 @@ class ActionCodec:
         fill: the ``action_fill`` argument (:func:`check_action_fill`).
 
     Attributes: ``dtype`` (numpy) and ``shape`` of one env's action, ``n`` (``Discrete``; else ``None``), ``fill`` (the
-    stored fill) and ``echo_fill`` (its float32 echo).
-    """
+    stored fill) and ``echo_fill`` (its float32 echo)."""
 
     def __init__(self, space, n_envs: int, fill=None):
         self.dtype = np.dtype(space.dtype)

@@ -5,8 +5,7 @@
 (flushing envs on their reset frame) and insert transitions into a ``TransitionBuffer``, by the row convention of
 :mod:`gpubuf.sources.rows`. Imports are absolute, so this module (``gpubuf.sources.envpool``) never shadows the
 ``envpool`` package. ``Step``, ``StepStager`` (:mod:`gpubuf.sources.staging`), ``action_fill`` and ``check_action_fill``
-(:mod:`gpubuf.sources.actions`) are importable from here too.
-"""
+(:mod:`gpubuf.sources.actions`) are importable from here too."""
 
 import numpy as np
 
@@ -77,8 +76,7 @@ class EnvPoolSource(RowSource):
     ``src.send(actions, step.env_ids); step = src.recv()``.
 
     Threads: one call at a time runs (a lock of the source's own; the buffers keep theirs), so an actor thread may step
-    the source while learner threads sample its buffers. Copies and pickles are refused (the env cannot be copied).
-    """
+    the source while learner threads sample its buffers. Copies and pickles are refused (the env cannot be copied)."""
 
     def __init__(self, env, *, obs_key: str = "observation", device=None, history=None, transitions=None,
                  info_keys=(), action_fill=None):

@@ -23,8 +23,7 @@ class ExtraData:
     """The extra data last sent to each of ``n_envs`` envs: ``{name: (n_envs, *shape)}`` device tensors.
 
     ``spec``: ``{name: (per-env shape, torch dtype)}`` of the attached transitions buffer's extra ``info`` leaves (empty
-    without one). Envs sent nothing since :meth:`attach` hold :func:`~gpubuf.sources.actions.action_fill`.
-    """
+    without one). Envs sent nothing since :meth:`attach` hold :func:`~gpubuf.sources.actions.action_fill`."""
 
     def __init__(self, n_envs: int, device: torch.device):
         self.n_envs, self.device = n_envs, device

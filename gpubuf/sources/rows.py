@@ -48,8 +48,7 @@ written (or the buffer detached) ends each episode at its newest row, marked ``t
 Extra per-step data (:class:`~gpubuf.sources.extra.ExtraData`) is stored as ``info[name]`` in the row of the step it was
 sent with (as sent, on ``is_last`` rows too; the fill on the rows a reset adds). Rows whose action the env ignored
 (reset frames, and the soft reset after a life loss) echo the fill in ``step.info["action"]`` and in the history; with
-``vectorized=False`` they are no transitions and are skipped.
-"""
+``vectorized=False`` they are no transitions and are skipped."""
 
 import numpy as np
 import torch
@@ -208,12 +207,11 @@ class RowWriter:
     def receive_ends_in_step(self, obs, reward, terminated, truncated, sent: np.ndarray, infos: dict, final,
                              final_infos: dict) -> Step:
         """Stage and write a step of every env in order whose ended envs (``terminated | truncated``, host bool
-        ``(n_envs,)``) returned their reset frame in ``obs`` and their final observation in ``final``
-        ``(ended, *obs)``, ``final_infos`` ``{key: (ended, ...)}`` the info reported with it: the final observations
-        are received first (the step's reward and flags), then every env's row of this step (the ended envs' reset
-        frames, reward 0). A vectorized buffer gets the rows of :meth:`receive_resets_in_step` (the final
-        observations are appended to the history only, where the reset frames flush them). Returns the second
-        batch."""
+        ``(n_envs,)``) returned their reset frame in ``obs`` and their final observation in ``final`` ``(ended, *obs)``,
+        ``final_infos`` ``{key: (ended, ...)}`` the info reported with it: the final observations are received first
+        (the step's reward and flags), then every env's row of this step (the ended envs' reset frames, reward 0). A
+        vectorized buffer gets the rows of :meth:`receive_resets_in_step` (the final observations are appended to the
+        history only, where the reset frames flush them). Returns the second batch."""
         ended = terminated | truncated
         vectorized = self.transitions is not None and self.transitions.vectorized_env
         if np.count_nonzero(ended):

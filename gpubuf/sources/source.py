@@ -80,8 +80,7 @@ class RowSource:
         that ends an episode: its buffer ends episodes at ``terminated | truncated`` rows). ``vectorized=False`` (build
         the buffer with ``vectorized_env=False``): leaves ``(1, ...)`` with an explicit ``next_observation`` and
         ``info["env_id"]`` (int64, the env of the transition: the buffer's ``locate`` reports it); each received row is
-        one transition and reset frames are skipped. Either way ``info`` holds the ``info_keys`` fields
-        and ``extra``: ``{name: example}``, one env's value of each extra leaf (its shape and dtype; e.g.
-        ``np.float32(0)`` for a log-probability), which every ``send``/``step`` must then pass.
-        """
+        one transition and reset frames are skipped. Either way ``info`` holds the ``info_keys`` fields and ``extra``:
+        ``{name: example}``, one env's value of each extra leaf (its shape and dtype; e.g. ``np.float32(0)`` for a
+        log-probability), which every ``send``/``step`` must then pass."""
         return self._rows.transition_sample(vectorized, extra)

@@ -5,8 +5,7 @@ simulator) into the stacked-info layout on the device: the observation ``(R, 1, 
 ``(R, 1, A)`` float32 with a fill (NaN unless chosen) on rows whose action the env ignored (reset frames, and with an
 :class:`~gpubuf.EnvPoolSource` the step after a life loss of ``episodic_life=True``), ``reward`` ``(R, 1)`` float32,
 ``terminated``/``truncated`` ``(R, 1)`` bool. Host arrays go through pinned staging; device arrays are used in place (no
-host round trip, no copy).
-"""
+host round trip, no copy)."""
 
 import functools
 from dataclasses import dataclass
@@ -26,8 +25,7 @@ class Step:
 
     ``info`` tensors are valid until the next step: device inputs are passed through without a copy and host inputs
     bound for CUDA sit in the stager's reusable pinned/device staging. The buffers copy what they store. ``env_ids``
-    ``(R,)`` int64 and ``first`` ``(R,)`` bool (reset frames) live on the host, where the env already put them.
-    """
+    ``(R,)`` int64 and ``first`` ``(R,)`` bool (reset frames) live on the host, where the env already put them."""
 
     info: dict
     env_ids: np.ndarray
@@ -46,8 +44,7 @@ class StepStager:
             ``TypeError``/``ValueError`` naming it.
 
     Host arrays bound for CUDA go through preallocated pinned staging (one non-blocking copy per key); arrays already on
-    the device are used as they are. Shapes are fixed by the first call.
-    """
+    the device are used as they are. Shapes are fixed by the first call."""
 
     def __init__(self, n_envs: int, obs_key: str = "observation", *, device=None, action_fill: float = float("nan")):
         self.action_fill = echo_fill(action_fill)

@@ -19,12 +19,11 @@ MuJoCo Playground, Brax, gymnax): the observation they return for that env is al
 Observations stay where they come (a CUDA tensor is staged in place, no copy); the episode-end flags, rewards, actions
 and info fields are read to the host once per step (one device synchronisation per step on CUDA), where the history's
 resets and the buffers' episode bookkeeping live. Values are stored as the simulator gives them, cast to the buffers'
-dtypes only where no value changes (``docs/dtypes.md``: bool or integer observations into a float space, bool or
-integer rewards into float32, info fields into their example's dtype, float64 rounded into float32); a cast that would
-change a value (1.7 or NaN into an integer field, 300 into ``uint8``) raises ``TypeError`` naming the argument before
-anything is written. NaN observations and rewards are stored as they are (a diverged simulator's output is the caller's
-to filter), while non-finite actions are refused.
-"""
+dtypes only where no value changes (``docs/dtypes.md``: bool or integer observations into a float space, bool or integer
+rewards into float32, info fields into their example's dtype, float64 rounded into float32); a cast that would change a
+value (1.7 or NaN into an integer field, 300 into ``uint8``) raises ``TypeError`` naming the argument before anything is
+written. NaN observations and rewards are stored as they are (a diverged simulator's output is the caller's to filter),
+while non-finite actions are refused."""
 
 import numpy as np
 import torch

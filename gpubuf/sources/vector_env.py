@@ -22,8 +22,7 @@ rows, the reset frame in the env's next row, and ends episodes at ``terminated |
 is not stored (``last`` holds it with ``SAME_STEP``), so a truncated episode's last transition has no stored successor
 and is never drawn with ``with_next_obs`` nor bootstrapped by an n-step return or stack (one transition per truncated
 episode is not learned from; a terminated one keeps discount 0). With ``NEXT_STEP`` a vectorized buffer holds EnvPool's
-rows, the final observation as an ``info["is_last"]`` row.
-"""
+rows, the final observation as an ``info["is_last"]`` row."""
 
 import warnings
 
@@ -82,8 +81,7 @@ class VectorEnvSource(RowSource):
     ``step = src.reset(seed=0); step = src.step(actions)``; :attr:`last` holds the env's own outputs of the last call
     (``(obs, reward, terminated, truncated, info)``; ``(obs, info)`` after a reset), for episode statistics.
 
-    Threads: one call at a time runs; copies and pickles are refused (the env cannot be copied).
-    """
+    Threads: one call at a time runs; copies and pickles are refused (the env cannot be copied)."""
 
     def __init__(self, env, *, obs_key: str = "observation", device=None, history=None, transitions=None,
                  info_keys=None, action_fill=None):

@@ -1,8 +1,7 @@
 """Gymnasium wrappers: action repeat, and frame stacking in ``info`` held in a device HistoryBuffer.
 
 Both accept a single ``gymnasium.Env`` or a ``gymnasium.vector.VectorEnv`` and return the matching wrapper
-(``ActionRepeatWrapper(vec_env, 4)`` is a :class:`VectorActionRepeatWrapper`). Needs gymnasium.
-"""
+(``ActionRepeatWrapper(vec_env, 4)`` is a :class:`VectorActionRepeatWrapper`). Needs gymnasium."""
 
 import gymnasium as gym
 import numpy as np
@@ -39,8 +38,7 @@ class VectorActionRepeatWrapper(VectorWrapper):
 
     The sub-envs are wrapped in place with :class:`ActionRepeatWrapper`, so an env that finished is not stepped again in
     that call and the vector env's own autoreset sees the final step. An ``AsyncVectorEnv`` runs its envs in other
-    processes: wrap each env in its ``env_fns`` instead.
-    """
+    processes: wrap each env in its ``env_fns`` instead."""
 
     def __init__(self, env: VectorEnv, repeat: int = 1):
         self.repeat = positive_int("repeat", repeat)
@@ -56,8 +54,7 @@ class FrameStackInfoWrapper(gym.Wrapper):
     """Replace ``info[key]`` with its last ``num_stack`` frames ``(num_stack, ...)``, oldest first.
 
     Frames live in a :class:`~gpubuf.HistoryBuffer` on ``device``; the stack is a torch tensor there. Until
-    ``num_stack`` frames exist it is left-padded with the episode's first frame; ``reset`` restarts it.
-    """
+    ``num_stack`` frames exist it is left-padded with the episode's first frame; ``reset`` restarts it."""
 
     def __new__(cls, env, num_stack: int = 4, key: str = "pixels", *, device=None):
         if isinstance(env, VectorEnv):
@@ -90,8 +87,7 @@ class VectorFrameStackInfoWrapper(VectorWrapper):
     """Frame stacking for a vector env: ``info[key]`` ``(num_envs, ...)`` -> ``(num_envs, num_stack, ...)``.
 
     An env that auto-resets starts a fresh stack from its reset frame (``NEXT_STEP``: the step after its episode ended;
-    ``SAME_STEP``: the step it ended). ``reset(options={"reset_mask": m})`` restarts only the masked envs.
-    """
+    ``SAME_STEP``: the step it ended). ``reset(options={"reset_mask": m})`` restarts only the masked envs."""
 
     def __init__(self, env: VectorEnv, num_stack: int = 4, key: str = "pixels", *, device=None):
         super().__init__(env)

@@ -10,8 +10,7 @@
 - ``ReplayStorage``: a torchrl ``TensorStorage`` whose rows live on the sampling device, in host memory or in a
   ``storage_dir`` (gpubuf's memory-mapped files with their row journal) (:mod:`gpubuf.torchrl.storage`).
 
-Importing this package imports torchrl; ``import gpubuf`` does not.
-"""
+Importing this package imports torchrl; ``import gpubuf`` does not."""
 
 from gpubuf.torchrl.prioritized import PrioritizedSampler
 from gpubuf.torchrl.prioritized_slices import PrioritizedSliceSampler

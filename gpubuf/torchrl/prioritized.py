@@ -14,8 +14,7 @@ Both answer a draw's query over the filled rows without reading the leaves, and 
 once. A refused update (an index outside the capacity: ``IndexError``; a negative, NaN or infinite priority, or one
 whose leaf overflows ``dtype``: ``ValueError``) changes nothing, torchrl's maximum priority included.
 
-So it runs without torchrl's compiled extension, which torchrl's own trees need, and on the storage's device.
-"""
+So it runs without torchrl's compiled extension, which torchrl's own trees need, and on the storage's device."""
 
 import json
 import math
@@ -36,8 +35,7 @@ _DTYPES = {torch.float32: torch.float32, torch.FloatType: torch.float32,  # the 
 
 
 def _index(index, device: torch.device, capacity: int) -> tuple[torch.Tensor, int]:
-    """``(leaves (K,) int64, 1 + the highest)``; ``IndexError`` (before any write) for one outside
-    ``[0, capacity)``."""
+    """``(leaves (K,) int64, 1 + the highest)``; ``IndexError`` (before any write) for one outside ``[0, capacity)``."""
     idx = torch.as_tensor(index, dtype=torch.long, device=device).reshape(-1)
     if not idx.numel():
         return idx, 0
@@ -176,10 +174,9 @@ class SumTree(_Leaves):
 class MinTree(_Leaves):
     """torchrl's min segment tree interface (``[index]``, ``query``) over leaves that are ``inf`` until written.
 
-    On the host the minimum of every leaf is kept between writes (a write only lowers it, unless it raises the
-    leaf that held it), so the query a draw makes, over every written leaf, reads none; when a write raised it, the
-    next query takes the minima of the blocks of 1024 leaves written since the last one, and the minimum of those.
-    """
+    On the host the minimum of every leaf is kept between writes (a write only lowers it, unless it raises the leaf that
+    held it), so the query a draw makes, over every written leaf, reads none; when a write raised it, the next query
+    takes the minima of the blocks of 1024 leaves written since the last one, and the minimum of those."""
 
     UNWRITTEN = torch.inf
 
@@ -300,7 +297,6 @@ class GpubufTrees:
 
 
 class PrioritizedSampler(GpubufTrees, _TorchRLPrioritizedSampler):
-    """torchrl's ``PrioritizedSampler`` (same arguments: ``max_capacity``, ``alpha``, ``beta``, ``eps``,
-    ``dtype`` float32/float64, ``reduction``, ``max_priority_within_buffer``, ``device``) drawing from gpubuf's
-    prefix-sum tree. The trees live on ``device`` (default: a CUDA storage's device once it is seen, else the
-    CPU)."""
+    """torchrl's ``PrioritizedSampler`` (same arguments: ``max_capacity``, ``alpha``, ``beta``, ``eps``, ``dtype``
+    float32/float64, ``reduction``, ``max_priority_within_buffer``, ``device``) drawing from gpubuf's prefix-sum tree.
+    The trees live on ``device`` (default: a CUDA storage's device once it is seen, else the CPU)."""

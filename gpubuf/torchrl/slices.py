@@ -14,8 +14,7 @@ the common path (a one-dimensional tensor storage of a ``TensorDict`` on the hos
   (torchrl gathers every key of every sampled row for them).
 
 Everything else (``span``, ``pad_output``, ``strict_length=False`` with an episode shorter than the slice,
-``fragmented``, storages of more than one dimension, ``ListStorage``, GPU boundary search) runs torchrl's own code.
-"""
+``fragmented``, storages of more than one dimension, ``ListStorage``, GPU boundary search) runs torchrl's own code."""
 
 import weakref
 
@@ -31,10 +30,9 @@ def boundaries(signal: np.ndarray, ids: bool, at_capacity: bool, cursor) -> tupl
     """``(start, stop, length)`` (each (K,) int64) of the episodes in the first ``T = len(signal)`` rows of a
     storage, ordered by their last row (an episode wrapping past row ``T - 1`` comes first).
 
-    ``signal`` (T,): episode ids (``ids``: a row ends its episode where the next row's id differs) or end flags.
-    Until ``at_capacity`` row ``T - 1`` ends an episode; once full, the ``cursor`` row (the last written) does, the
-    ids of rows ``T - 1`` and ``0`` decide whether an episode wraps, and a storage without any end gets one at
-    ``T - 1``."""
+    ``signal`` (T,): episode ids (``ids``: a row ends its episode where the next row's id differs) or end flags. Until
+    ``at_capacity`` row ``T - 1`` ends an episode; once full, the ``cursor`` row (the last written) does, the ids of
+    rows ``T - 1`` and ``0`` decide whether an episode wraps, and a storage without any end gets one at ``T - 1``."""
     T = signal.shape[0]
     if ids:
         end = np.empty(T, dtype=bool)

@@ -8,27 +8,25 @@ write from that row's keys, shapes and dtypes, in one of three places:
 - **host memory** (``storage_device="cpu"`` with a CUDA ``device``): rows stay in host RAM (asked for huge pages),
   and each draw is gathered on the host into pinned memory and sent to ``device`` with one non-blocking copy per
   key, so the GPU holds only the batches;
-- **a ``storage_dir``**: gpubuf's memory-mapped files, allocated on disk at creation, with its row journal. Rows
-  are written through a redo record: a block of at most 4096 rows is staged in the directory first, then armed,
-  copied into place and committed, so a process killed at any instant (``SIGKILL`` mid-``extend`` included)
-  leaves every row whole: a re-open finishes an armed copy, and rows whose block was not armed were never
-  touched. ``ReplayStorage(max_size, storage_dir=path)`` re-opens a directory with its rows (a buffer made on it
-  goes on writing after the newest row), and ``flush()`` writes it back to disk. One process writes it: the one
-  that opened it (a forked child is refused, ``RuntimeError``); a second opener is refused while the first holds
-  it.
+- **a ``storage_dir``**: gpubuf's memory-mapped files, allocated on disk at creation, with its row journal. Rows are
+  written through a redo record: a block of at most 4096 rows is staged in the directory first, then armed, copied into
+  place and committed, so a process killed at any instant (``SIGKILL`` mid-``extend`` included) leaves every row whole:
+  a re-open finishes an armed copy, and rows whose block was not armed were never touched.
+  ``ReplayStorage(max_size, storage_dir=path)`` re-opens a directory with its rows (a buffer made on it goes on writing
+  after the newest row), and ``flush()`` writes it back to disk. One process writes it: the one that opened it (a forked
+  child is refused, ``RuntimeError``); a second opener is refused while the first holds it.
 
 Every tier stores a later row's leaves in the dtypes of the first, cast only where no value changes (as every gpubuf
 buffer, ``docs/dtypes.md``): a lossy cast raises ``TypeError`` naming the key before any row is written, and torchrl's
 round-robin writer is put back.
 
-A ``storage_dir`` takes rows at the ring's head only (the rows torchrl's ``RoundRobinWriter`` writes; an extend of
-more than ``max_size`` rows keeps its last ``max_size``): rewriting rows in place (``rb[index] = ...``,
-``write_at``) raises ``ValueError`` with nothing written, and so do rows without every stored key (a staged
-block is written whole). A write refused, or failing before its first block is in place, changes no row, and
-torchrl's round-robin writer, which moved its cursor before the storage wrote, is put back at the head. An
-interrupt (``KeyboardInterrupt``) between the blocks of an extend of more than 4096 rows keeps the blocks already
-in place (whole rows, held; the writer goes on after them) without the sampler's marks for them.
-"""
+A ``storage_dir`` takes rows at the ring's head only (the rows torchrl's ``RoundRobinWriter`` writes; an extend of more
+than ``max_size`` rows keeps its last ``max_size``): rewriting rows in place (``rb[index] = ...``, ``write_at``) raises
+``ValueError`` with nothing written, and so do rows without every stored key (a staged block is written whole). A write
+refused, or failing before its first block is in place, changes no row, and torchrl's round-robin writer, which moved
+its cursor before the storage wrote, is put back at the head. An interrupt (``KeyboardInterrupt``) between the blocks of
+an extend of more than 4096 rows keeps the blocks already in place (whole rows, held; the writer goes on after them)
+without the sampler's marks for them."""
 
 import json
 import weakref

@@ -1,7 +1,6 @@
 """HistoryBuffer ``append`` and ``get(3)`` vs a per-env deque baseline vs the copy floor.
 
-Per step and env: pixels (1, 64, 64, 3) uint8 and action (1, 2) float32; action_block 5, max_len 11.
-"""
+Per step and env: pixels (1, 64, 64, 3) uint8 and action (1, 2) float32; action_block 5, max_len 11."""
 
 import collections
 
@@ -17,8 +16,7 @@ PIX, ACT = (1, 64, 64, 3), (1, 2)
 
 
 class DequeHistory:
-    """stable-worldmodel's HistoryBuffer semantics: a Python deque of per-env slices (views) per
-    env."""
+    """stable-worldmodel's HistoryBuffer semantics: a Python deque of per-env slices (views) per env."""
 
     def __init__(self, n_envs: int, max_len: int, action_block: int, block_keys):
         self.n_envs, self.ab, self.block_keys = n_envs, action_block, tuple(block_keys)
@@ -53,8 +51,7 @@ class DequeHistory:
 
 
 def run(n_envs: int, device: torch.device, repeats: int, peers: Peers) -> list[dict]:
-    """Rows for ops ``get(3)`` (gpubuf, gpubuf with ``out=``, deque, floor) and ``append`` at
-    ``n_envs``."""
+    """Rows for ops ``get(3)`` (gpubuf, gpubuf with ``out=``, deque, floor) and ``append`` at ``n_envs``."""
     rng = np.random.default_rng(0)
     info = {"pixels": rng.integers(0, 255, (n_envs, *PIX), dtype=np.uint8),
             "action": rng.standard_normal((n_envs, *ACT)).astype(np.float32)}

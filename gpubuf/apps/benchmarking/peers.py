@@ -16,8 +16,7 @@ PEERS = {
 
 
 class Peers:
-    """Builds the wanted peers that import; records the others
-    (``missing``: install hint, ``failed``: error)."""
+    """Builds the wanted peers that import; records the others (``missing``: install hint, ``failed``: error)."""
 
     def __init__(self, wanted):
         self.wanted = set(wanted)
@@ -25,8 +24,7 @@ class Peers:
         self.failed: dict[str, str] = {}
 
     def build(self, name: str, factory: Callable):
-        """``factory()`` when ``name`` is wanted and importable, else None
-        (and the reason is recorded)."""
+        """``factory()`` when ``name`` is wanted and importable, else None (and the reason is recorded)."""
         modules, hint = PEERS[name]
         if name not in self.wanted or name in self.failed:
             return None

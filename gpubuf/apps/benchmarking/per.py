@@ -1,11 +1,8 @@
-"""Prioritized replay: insert, sample (importance weights) and update ``batch`` transitions on a
-full buffer.
+"""Prioritized replay: insert, sample (importance weights) and update ``batch`` transitions on a full buffer.
 
-A transition: obs float32[17], action float32[6], reward float32, terminated, truncated. Peers:
-cpprb PrioritizedReplayBuffer, torchrl PrioritizedReplayBuffer (LazyTensorStorage), flashbax
-prioritised flat buffer, jaxnasium PrioritizedTransitionBuffer. Each contender is a dict op ->
-zero-argument callable.
-"""
+A transition: obs float32[17], action float32[6], reward float32, terminated, truncated. Peers: cpprb
+PrioritizedReplayBuffer, torchrl PrioritizedReplayBuffer (LazyTensorStorage), flashbax prioritised flat buffer,
+jaxnasium PrioritizedTransitionBuffer. Each contender is a dict op -> zero-argument callable."""
 
 import numpy as np
 import torch
@@ -42,12 +39,10 @@ def jax_block(x):
 
 
 def jax_contender(state, insert_fn, sample_fn, update_fn, batch, n: int, index_of) -> dict:
-    """insert / sample / update of a functional JAX buffer: each call replaces ``state`` and blocks
-    until ready.
+    """insert / sample / update of a functional JAX buffer: each call replaces ``state`` and blocks until ready.
 
     ``insert_fn(state, batch)``, ``sample_fn(state, key)``, ``update_fn(state, indices, priorities)`` are jitted;
-    ``batch`` holds ``n`` transitions; ``index_of(sample)`` -> the sampled indices the next update re-prioritises.
-    """
+    ``batch`` holds ``n`` transitions; ``index_of(sample)`` -> the sampled indices the next update re-prioritises."""
     import jax
 
     box = {"state": state, "key": jax.random.PRNGKey(0)}
@@ -202,12 +197,9 @@ PEER_BUILDERS = {"cpprb": cpprb_per, "torchrl": torchrl_per, "flashbax": flashba
 
 def run(log2_capacity: int, batch: int, device: torch.device, repeats: int,
         peers: Peers) -> list[dict]:
-    """Rows for insert / sample / update of ``batch`` transitions on a full buffer of
-    ``2**log2_capacity``.
+    """Rows for insert / sample / update of ``batch`` transitions on a full buffer of ``2**log2_capacity``.
 
-    Each op interleaves every contender (blocks of 5 timed calls) plus the copy floor of its output
-    bytes.
-    """
+    Each op interleaves every contender (blocks of 5 timed calls) plus the copy floor of its output bytes."""
     rng = np.random.default_rng(0)
     fill, batch_d = data(2**log2_capacity, rng), data(batch, rng)
     contenders = {"gpubuf": gpubuf_per(fill, batch_d, device)}

@@ -1,9 +1,7 @@
 """A bench result -> markdown tables, a PNG chart (log-scale grouped bars) and JSON, side by side.
 
 A result is ``{"machine", "versions", "settings", "missing", "failed", "rows"}``; rows as in
-:mod:`gpubuf.apps.benchmarking`. "gpubuf speedup" is a contender's median over gpubuf's on the same case
-and op.
-"""
+:mod:`gpubuf.apps.benchmarking`. "gpubuf speedup" is a contender's median over gpubuf's on the same case and op."""
 
 import importlib.util
 import json
@@ -17,8 +15,7 @@ SUITES = {"history": "HistoryBuffer: per step and env pixels (1, 64, 64, 3) uint
 
 
 def speedups(rows: list[dict]) -> list[float | None]:
-    """Per row: its median / gpubuf's median on the same suite, case and op
-    (None for gpubuf itself)."""
+    """Per row: its median / gpubuf's median on the same suite, case and op (None for gpubuf itself)."""
     base = {(r["suite"], r["case"], r["op"]): r["us"] for r in rows if r["impl"] == "gpubuf"}
     return [None if r["impl"] == "gpubuf" else r["us"] / base[r["suite"], r["case"], r["op"]]
             for r in rows]
@@ -56,8 +53,7 @@ def markdown(result: dict, chart: str | None = None) -> str:
 
 
 def write_chart(rows: list[dict], path: str) -> None:
-    """One PNG: per suite, grouped bars of median us per call (log scale), one bar per contender per
-    op."""
+    """One PNG: per suite, grouped bars of median us per call (log scale), one bar per contender per op."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -95,8 +91,7 @@ def write_json(result: dict, path: str) -> None:
 def write(result: dict, md_path: str) -> tuple[str, str | None, str]:
     """Writes ``md_path``, the chart and the JSON beside it (same stem); returns the three paths.
 
-    Without matplotlib (a source tree on a bare machine) there is no chart: its path is None.
-    """
+    Without matplotlib (a source tree on a bare machine) there is no chart: its path is None."""
     stem = os.path.splitext(md_path)[0]
     png = stem + ".png" if importlib.util.find_spec("matplotlib") else None
     js = stem + ".json"

@@ -1,9 +1,7 @@
-"""Sequence replay: sample 32 windows of 16 steps of 64x64x3 uint8 frames from ``envs`` envs x
-``steps`` steps.
+"""Sequence replay: sample 32 windows of 16 steps of 64x64x3 uint8 frames from ``envs`` envs x ``steps`` steps.
 
-Peers: torchrl SliceSampler on LazyTensorStorage, flashbax trajectory buffer, jaxnasium
-TransitionBuffer. Each contender is a zero-argument callable that samples one batch of windows.
-"""
+Peers: torchrl SliceSampler on LazyTensorStorage, flashbax trajectory buffer, jaxnasium TransitionBuffer. Each contender
+is a zero-argument callable that samples one batch of windows."""
 
 import numpy as np
 import torch
@@ -108,8 +106,7 @@ PEER_BUILDERS = {"torchrl": torchrl_seq, "flashbax": flashbax_seq, "jaxnasium": 
 
 
 def run(envs: int, steps: int, device: torch.device, repeats: int, peers: Peers) -> list[dict]:
-    """Rows for sampling 32x16-step windows (interleaved, blocks of 5 timed calls) plus the copy
-    floor."""
+    """Rows for sampling 32x16-step windows (interleaved, blocks of 5 timed calls) plus the copy floor."""
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, size=(steps, envs, H, W, C), dtype=np.uint8)
     fns = gpubuf_seq(frames, device)

@@ -1,5 +1,4 @@
-"""Runs the chosen suites at default (the README's recorded tables) or quick sizes; returns one
-result dict."""
+"""Runs the chosen suites at default (the README's recorded tables) or quick sizes; returns one result dict."""
 
 import os
 import sys
@@ -17,8 +16,7 @@ SUITE_NAMES = ("history", "replay")
 
 @dataclass
 class Sizes:
-    """n_envs: history runs; log2_sizes, batch: PER capacities and batch; seq_envs x seq_steps:
-    sequence frames."""
+    """n_envs: history runs; log2_sizes, batch: PER capacities and batch; seq_envs x seq_steps: sequence frames."""
 
     n_envs: tuple[int, ...] = (16, 256, 1024)
     log2_sizes: tuple[int, ...] = (17, 20, 22)
@@ -42,8 +40,7 @@ def progress(rows: list[dict]) -> None:
 
 
 def run(suites, sizes: Sizes, device: torch.device, threads: int = 1, peers=tuple(PEERS)) -> dict:
-    """The result of :mod:`gpubuf.apps.benchmarking.report`: rows of every suite, machine, versions,
-    missing peers."""
+    """The result of :mod:`gpubuf.apps.benchmarking.report`: rows of every suite, machine, versions, missing peers."""
     if threads == 1:  # before the JAX peers import jax
         os.environ.setdefault("XLA_FLAGS",
                               "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")

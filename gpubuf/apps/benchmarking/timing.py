@@ -1,11 +1,9 @@
-"""The one timing helper of every benchmark
-(``gpubuf bench``, ``benchmarks/*.py``, the demo's timers).
+"""The one timing helper of every benchmark (``gpubuf bench``, ``benchmarks/*.py``, the demo's timers).
 
 Contenders run in the same process, interleaved in rotating order, and are reported as medians per call. A clock is
 ``start() -> stop``, ``stop() -> microseconds`` (or anything a benchmark wants per sample): :func:`wall_clock` (host
 wall time, the device synced around the call) or :func:`cuda_event_clock` (device time between two CUDA events).
-:func:`interleaved` collects the samples, :func:`median_us` their medians.
-"""
+:func:`interleaved` collects the samples, :func:`median_us` their medians."""
 
 import os
 import platform
@@ -26,9 +24,8 @@ def syncer(device: torch.device) -> Callable[[], None]:
 
 
 def wall_clock(sync: torch.device | str | Callable[[], None] | None = None) -> Clock:
-    """Host wall time of what runs between ``start()`` and ``stop()``, in microseconds, with
-    ``sync`` (a device's :func:`syncer`, or a function) called before the start and before the
-    stop."""
+    """Host wall time of what runs between ``start()`` and ``stop()``, in microseconds, with ``sync`` (a device's
+    :func:`syncer`, or a function) called before the start and before the stop."""
     sync = (lambda: None) if sync is None else sync if callable(sync) else syncer(sync)
 
     def start():
@@ -64,14 +61,11 @@ def cuda_event_clock() -> Clock:
 def interleaved(fns: dict, repeats: int, clock: Clock, block: int = 1, *, skip: int = 1,
                 calls: int = 1,
                 warmup: int = 1) -> dict[object, list]:
-    """Name -> the samples of ``fns[name]``, each what ``clock`` reads over ``calls`` consecutive
-    calls.
+    """Name -> the samples of ``fns[name]``, each what ``clock`` reads over ``calls`` consecutive calls.
 
-    First ``warmup`` untimed calls of each fn (compiles, builds caches). Then ``repeats`` rounds;
-    every round runs each fn in an order rotated by one per round: ``skip`` untimed calls
-    (what a previous contender left in the caches or spinning, XLA's thread pools, does not land on
-    the next one), then ``block`` samples.
-    """
+    First ``warmup`` untimed calls of each fn (compiles, builds caches). Then ``repeats`` rounds; every round runs each
+    fn in an order rotated by one per round: ``skip`` untimed calls (what a previous contender left in the caches or
+    spinning, XLA's thread pools, does not land on the next one), then ``block`` samples."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
