@@ -69,15 +69,13 @@ class FileTensor:
                 self._read(part.view(-1).view(torch.uint8).numpy(), a * row)
                 dst[a:a + part.shape[0]].copy_(part)
             return
-        flat = (dst.view(-1).view(torch.uint8) if dst.numel()
-                else dst.new_empty(0, dtype=torch.uint8))
+        flat = dst.view(-1).view(torch.uint8) if dst.numel() else dst.new_empty(0, dtype=torch.uint8)
         if dst.device.type == "cpu":
             view = flat.numpy()
             for a in range(0, self.nbytes, chunk):
                 self._read(view[a:a + chunk], a)
             return
-        host = torch.empty(min(chunk, self.nbytes), dtype=torch.uint8,
-                           pin_memory=torch.cuda.is_available())
+        host = torch.empty(min(chunk, self.nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         for a in range(0, self.nbytes, chunk):
             n = min(chunk, self.nbytes - a)
             self._read(host[:n].numpy(), a)
@@ -132,8 +130,7 @@ def save(buffer, path, chunk: int = CHUNK_BYTES) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         if isinstance(err, OSError) and err.filename is None:  # a write error names no file
-            raise OSError(err.errno, f"checkpoint: cannot write {path!r} ({err.strerror})",
-                          path) from err
+            raise OSError(err.errno, f"checkpoint: cannot write {path!r} ({err.strerror})", path) from err
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:

@@ -138,8 +138,7 @@ def locked(method):
         params.append(text)
         args.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
     scope = {"method": method, **defaults}
-    exec(_WRAPPER.format(name=method.__name__, params=", ".join(params), args=", ".join(args)),
-         scope)
+    exec(_WRAPPER.format(name=method.__name__, params=", ".join(params), args=", ".join(args)), scope)
     return functools.wraps(method)(scope[method.__name__])
 
 
@@ -187,5 +186,4 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                        after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

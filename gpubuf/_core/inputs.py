@@ -33,8 +33,7 @@ def as_tensor(value, name: str) -> torch.Tensor:
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
         return torch.from_numpy(value if value.flags.c_contiguous else np.ascontiguousarray(value))
-    if isinstance(value, _PY_SCALARS) or (isinstance(value, numbers.Number)
-                                          and not isinstance(value, complex)):
+    if isinstance(value, _PY_SCALARS) or (isinstance(value, numbers.Number) and not isinstance(value, complex)):
         if isinstance(value, np.generic):
             return as_tensor(np.asarray(value), name)
         return _python_scalar(value, name)
@@ -226,8 +225,7 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     if lossless(src, dtype):
         return
     why = None
-    if (src.is_floating_point or src.is_complex) and not (dtype.is_floating_point
-                                                          or dtype.is_complex):
+    if (src.is_floating_point or src.is_complex) and not (dtype.is_floating_point or dtype.is_complex):
         why = f"{'complex' if src.is_complex else 'float'} into an integer dtype"
     elif src.is_complex and not dtype.is_complex:
         why = "complex into a real dtype"
@@ -237,10 +235,8 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     elif t.numel():
         if src.is_floating_point or src.is_complex:  # float -> narrower float
             big = torch.finfo(_real(dtype)).max
-            why = (f"a finite value exceeds the largest {dtype} ({big:g})"
-                   if _float_overflow(t, dtype) else None)
-            if (why is None and dtype == torch.float8_e4m3fn
-                    and bool(torch.isinf(t.to(torch.float32)).any())):
+            why = f"a finite value exceeds the largest {dtype} ({big:g})" if _float_overflow(t, dtype) else None
+            if why is None and dtype == torch.float8_e4m3fn and bool(torch.isinf(t.to(torch.float32)).any()):
                 why = f"{dtype} has no infinity (it would store {big:g})"
         else:
             vmin, vmax = _int_extremes(t)
@@ -248,8 +244,7 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
                 lo, hi = -_exact_ints(_real(dtype)), _exact_ints(_real(dtype))
             else:  # integer -> narrower integer
                 lo, hi = _int_range(dtype)
-            why = (None if lo <= vmin and vmax <= hi
-                   else f"values [{vmin}, {vmax}] do not fit [{lo}, {hi}] exactly")
+            why = None if lo <= vmin and vmax <= hi else f"values [{vmin}, {vmax}] do not fit [{lo}, {hi}] exactly"
     if why:
         raise TypeError(f"{name}: cannot store {src} in the stored dtype {dtype} without changing values ({why})")
 
@@ -296,12 +291,10 @@ def generator_for(key, default: torch.Generator) -> torch.Generator:
 def index_array(indices) -> torch.Tensor:
     """1-D integer ``indices`` as a tensor where they live (an empty list reads as int64); else
     ``TypeError`` naming ``indices``."""
-    idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices,
-                    "indices")
+    idx = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple)) else indices, "indices")
     if idx.dim() == 1 and idx.numel() == 0:
         idx = idx.to(torch.int64)  # an empty list reads as float64
-    if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex \
-            or idx.dtype == torch.bool:
+    if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
         raise TypeError(f"indices: expected a 1-D integer array, got {idx.dtype} of shape {tuple(idx.shape)}")
     return idx
 
@@ -310,10 +303,8 @@ def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices (K,), td_errors (K,))`` as tensors where they live: 1-D integers (:func:`index_array`) and as many
     real TD errors; else ``TypeError``/``ValueError`` naming the argument."""
     idx = index_array(indices)
-    td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors,
-                   "td_errors")
-    if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex \
-            or td.dtype == torch.bool:
+    td = as_tensor(np.asarray(td_errors) if isinstance(td_errors, (list, tuple)) else td_errors, "td_errors")
+    if td.dim() != 1 or td.shape[0] != idx.shape[0] or td.dtype.is_complex or td.dtype == torch.bool:
         raise ValueError(f"td_errors: expected a real 1-D array of {idx.shape[0]} values (one per "
                          f"index), got {td.dtype} of shape {tuple(td.shape)}")
     return idx, td
@@ -337,8 +328,7 @@ def check_device_updates(indices, td_errors, device: torch.device) -> None:
 def host_indices(indices) -> tuple[np.ndarray, torch.device]:
     """``(int64 host copy, device)`` of integer ``indices`` of any shape (a device tensor is read
     back once); else ``TypeError`` naming ``indices``."""
-    t = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple, int)) else indices,
-                  "indices")
+    t = as_tensor(np.asarray(indices) if isinstance(indices, (list, tuple, int)) else indices, "indices")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"indices: expected integer flat starts, got {t.dtype}")
     return t.detach().cpu().numpy().astype(np.int64), t.device

@@ -153,8 +153,7 @@ class Staging:
             self._record(event)
         return out
 
-    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype,
-              owned: tuple = ()) -> torch.Tensor:
+    def stage(self, t: torch.Tensor, key: str, dtype: torch.dtype, owned: tuple = ()) -> torch.Tensor:
         """``t`` as a contiguous, 16-byte-aligned ``dtype`` tensor on the device, ready to be copied into storage.
 
         This is the first phase of every write: any conversion that can fail (device, dtype, layout, a lazy conjugate or
@@ -170,8 +169,7 @@ class Staging:
             out = out.contiguous()
             # a converted input is fresh memory; one passed through as it is may be the buffer's own
             same = out.data_ptr() == t.data_ptr()
-            if (out.storage_offset() * out.element_size() % 16
-                    or (owned and same and overlaps(out, owned))):
+            if out.storage_offset() * out.element_size() % 16 or (owned and same and overlaps(out, owned)):
                 out = out.clone()
             return out
         except (RuntimeError, NotImplementedError, TypeError) as err:

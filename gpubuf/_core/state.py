@@ -79,8 +79,7 @@ def _plain(v):
     return v
 
 
-def check_state(state, template: Mapping, config: tuple[str, ...],
-                skip: tuple[str, ...] = ()) -> None:
+def check_state(state, template: Mapping, config: tuple[str, ...], skip: tuple[str, ...] = ()) -> None:
     """Raise unless ``state`` has exactly ``template``'s structure (``template`` is the receiving buffer's own state
     dict): the same buffer type, equal ``config`` values, the same keys at every level, and tensors of the same shape
     and dtype (any device). The contents of entries in ``skip`` are left to the caller. Errors name the key."""

@@ -216,8 +216,7 @@ def to_tensordict(transition: Transition, batch_dims: int | None = None):
             batch.append(dims[0])
         batch = batch[: min(len(s) for s in shapes)]
     else:
-        if isinstance(batch_dims, bool) or not isinstance(batch_dims, (int, np.integer)) \
-                or batch_dims < 0:
+        if isinstance(batch_dims, bool) or not isinstance(batch_dims, (int, np.integer)) or batch_dims < 0:
             raise ValueError(f"batch_dims: expected an int >= 0 or None, got {batch_dims!r}")
         batch_dims = int(batch_dims)
         batch = None

@@ -87,8 +87,7 @@ class EnsembleDynamics(nn.Module):
         self.register_buffer("seen", torch.zeros((), dtype=torch.long))
 
     @torch.no_grad()
-    def observe(self, obs: torch.Tensor, next_obs: torch.Tensor, reward: torch.Tensor,
-                momentum: float = 0.01) -> None:
+    def observe(self, obs: torch.Tensor, next_obs: torch.Tensor, reward: torch.Tensor, momentum: float = 0.01) -> None:
         """Move the normalisation statistics towards those of ``obs``/``next_obs`` ``(..., obs_dim)`` and
         ``reward (...)`` (the first call sets them). A constant reward gets a std of ``1e-6``: predicted exactly."""
         delta = (next_obs - obs).reshape(-1, self.obs_dim)

@@ -67,8 +67,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         self.backend = self.table.name
         self._guard = CallGuard(self.device, self.table.tracing)
         self._ring = Ring(self.n_envs, self.max_len)
-        self._schema = Schema(self.n_envs, self.max_len, self.action_block, self.block_keys,
-                              self.table)
+        self._schema = Schema(self.n_envs, self.max_len, self.action_block, self.block_keys, self.table)
         self._staging = Staging(self.device)
         self._outputs = Outputs(self.device)
         # the Triton kernels keep their own launch paths: no fast path where they run
@@ -192,8 +191,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
-    def get(self, n: int, env_ids=None, out: dict | None = None,
-            keys=None) -> dict[str, torch.Tensor] | None:
+    def get(self, n: int, env_ids=None, out: dict | None = None, keys=None) -> dict[str, torch.Tensor] | None:
         """The last ``n`` strided entries per selected env, oldest first; ``None`` if ``n <= 0`` or one is empty.
 
         Regular keys: ``(rows, n)`` for per-env shape ``()``, else ``(rows, n*T, ...)``. Block keys: ``(rows, n-1,

@@ -58,8 +58,7 @@ class Lockstep:
             t, storage = values[key], self._schema.data[key]
             if type(v) is np.ndarray and v.dtype.isnative:
                 sig.append((key, np.ndarray, v.dtype, v.shape))
-            elif (type(v) is torch.Tensor and not v.requires_grad and not v.is_nested
-                  and v.layout == torch.strided):
+            elif type(v) is torch.Tensor and not v.requires_grad and not v.is_nested and v.layout == torch.strided:
                 sig.append((key, torch.Tensor, v.dtype, v.shape, v.device, False, v.layout))
             else:
                 return

@@ -201,8 +201,7 @@ class Schema:
                 raise ValueError(f"out[{key!r}]: expected a tensor of shape {shape}, got "
                                  f"{type(t).__name__}")
             dtype = self.data[key].dtype
-            if (tuple(t.shape) != shape or t.dtype != dtype or t.device != self.device
-                    or not t.is_contiguous()):
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != self.device or not t.is_contiguous():
                 raise ValueError(
                     f"out[{key!r}]: expected a contiguous {dtype} tensor of shape {shape} on "
                     f"{self.device}, "
@@ -237,12 +236,10 @@ class Schema:
             t = data[key]
             want = (rows, int(np.prod(shape)))
             dtype = getattr(t, "dtype", None)
-            check_tensor(f"state_dict['data'][{key!r}]", t, want,
-                         dtype if isinstance(dtype, torch.dtype) else None)
+            check_tensor(f"state_dict['data'][{key!r}]", t, want, dtype if isinstance(dtype, torch.dtype) else None)
         for key in shapes:
             if data[key].dtype not in STORABLE:
                 raise ValueError(f"state_dict['data'][{key!r}]: buffers cannot store "
                                  f"{data[key].dtype}")
-        self.check_block_dtypes({k: data[k].dtype for k in shapes}, "state_dict['data']",
-                                ValueError)
+        self.check_block_dtypes({k: data[k].dtype for k in shapes}, "state_dict['data']", ValueError)
         return shapes

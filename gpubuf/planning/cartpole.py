@@ -13,12 +13,10 @@ def cartpole_dynamics(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor
     total_mass, pml = c["masscart"] + c["masspole"], c["masspole"] * c["length"]
     cos, sin = torch.cos(theta), torch.sin(theta)
     temp = (force + pml * theta_dot**2 * sin) / total_mass
-    theta_acc = (c["gravity"] * sin - cos * temp) / (
-        c["length"] * (4.0 / 3.0 - c["masspole"] * cos**2 / total_mass))
+    theta_acc = (c["gravity"] * sin - cos * temp) / (c["length"] * (4.0 / 3.0 - c["masspole"] * cos**2 / total_mass))
     x_acc = temp - pml * theta_acc * cos / total_mass
     tau = c["tau"]
-    return torch.stack([x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot,
-                        theta_dot + tau * theta_acc], -1)
+    return torch.stack([x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot, theta_dot + tau * theta_acc], -1)
 
 
 def cartpole_cost(state: torch.Tensor, action: torch.Tensor) -> torch.Tensor:

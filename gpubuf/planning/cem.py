@@ -79,8 +79,7 @@ class CEMSolver:
         self.encode = encode or (lambda history: history[state_key][:, -1])
         # the history keys a solve reads (a Planner fetches only these); None: a custom encode
         self.history_keys = (state_key,) if encode is None else None
-        if isinstance(seed, bool) or not isinstance(seed,
-                                                    (int, np.integer)) or not 0 <= seed < 2**64:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
             raise ValueError(f"seed: expected an int in [0, 2**64), got {seed!r}")
         self.seed = int(seed)
         self._gen: dict[torch.device, torch.Generator] = {}
@@ -101,8 +100,7 @@ class CEMSolver:
             noise = torch.randn(R, N, H, A, generator=gen, device=state.device)
             # (R, N, H, A)
             actions = (mean[:, None] + std[:, None] * noise).clamp(self.low, self.high)
-            total = self._returns(state.repeat_interleave(N, dim=0),
-                                  actions.view(R * N, H, A)).view(R, N)
+            total = self._returns(state.repeat_interleave(N, dim=0), actions.view(R * N, H, A)).view(R, N)
             finite = total.isfinite()
             # (R, K)
             elite = torch.where(finite, total, torch.inf).topk(K, dim=1, largest=False).indices
@@ -121,8 +119,7 @@ class CEMSolver:
             raise ValueError(self._non_finite_message(state, actions, failed, env_ids))
         return mean
 
-    def _non_finite_message(self, state: torch.Tensor, actions: torch.Tensor, failed: torch.Tensor,
-                            env_ids) -> str:
+    def _non_finite_message(self, state: torch.Tensor, actions: torch.Tensor, failed: torch.Tensor, env_ids) -> str:
         """Names the model output that first went non-finite for the envs with no finite return: their last iteration's
         candidates ``actions (R, N, H, A)`` are rolled out again from ``state (R, ...)``, checking each output."""
         rows = torch.nonzero(failed).flatten()
@@ -191,8 +188,7 @@ class CEMSolver:
         plus the discounted terminal cost of the rollouts still alive at the end."""
         N, H = actions.shape[:2]
         total = torch.zeros(N, device=s.device)
-        alive = None if self.terminated is None else torch.ones(N, dtype=torch.bool,
-                                                                device=s.device)
+        alive = None if self.terminated is None else torch.ones(N, dtype=torch.bool, device=s.device)
         # (N,): every model state so far (up to termination) finite; no read-back here
         sane = _finite_rows(s)
         weight = 1.0

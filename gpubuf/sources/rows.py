@@ -253,8 +253,7 @@ class RowWriter:
     def _stage(self, obs, reward, terminated, truncated, ids, first, sent, infos, ignored) -> Step:
         """Stage a batch (the action echo of the ``ignored`` rows: the fill) and append it to the history, flushing the
         envs whose row is a reset frame (``first``)."""
-        step = self.stager.stage(obs, self.codec.echo(sent), reward, terminated, truncated, ids, first, infos,
-                                 ignored)
+        step = self.stager.stage(obs, self.codec.echo(sent), reward, terminated, truncated, ids, first, infos, ignored)
         if self.history is not None:
             if np.count_nonzero(first):
                 self.history.reset(ids[first])

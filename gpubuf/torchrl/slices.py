@@ -132,8 +132,7 @@ class SliceSampler(NumpyBoundaries, _TorchRLSliceSampler):
                                    f"{lengths.min()} - {lengths.max()} / required={seq})).")
             start, lengths = start[~short], lengths[~short]
         elif not isinstance(rows, TensorDictBase):
-            return self._sample_slices(lengths, start, stop, seq, num, storage_length=storage.shape[0],
-                                       storage=storage)
+            return self._sample_slices(lengths, start, stop, seq, num, storage_length=storage.shape[0], storage=storage)
         traj = torch.randint(lengths.shape[0], (num,), device=lengths.device, generator=self._rng)
         rel = (torch.rand(num, device=lengths.device, generator=self._rng) * (lengths[traj] - seq + 1)).floor()
         first = start[traj, 0] + rel.to(start.dtype)

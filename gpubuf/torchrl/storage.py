@@ -330,8 +330,7 @@ class ReplayStorage(TensorStorage):
     def load_state_dict(self, state_dict):
         """torchrl's ``load_state_dict``, the rows copied into this storage's tier (a ``storage_dir`` commits an
         empty ring first, so a process killed half-way re-opens empty)."""
-        rows = TensorDict().load_state_dict(state_dict["_storage"], strict=False) if state_dict["initialized"] \
-            else None
+        rows = TensorDict().load_state_dict(state_dict["_storage"], strict=False) if state_dict["initialized"] else None
         self._load_rows(rows, state_dict["_len"])
 
     def _load_rows(self, rows, length: int) -> None:

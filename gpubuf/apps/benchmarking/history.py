@@ -38,11 +38,9 @@ class DequeHistory:
                 if key in self.block_keys:
                     if n == 1:
                         continue
-                    blocks = [np.zeros(self.ab * entries[0][key].size,
-                                       entries[0][key].dtype)] * (n - k)
+                    blocks = [np.zeros(self.ab * entries[0][key].size, entries[0][key].dtype)] * (n - k)
                     for a, b in zip(idx[:-1], idx[1:], strict=True):
-                        blocks.append(np.concatenate([entries[p][key].ravel()
-                                                      for p in range(a + 1, b + 1)]))
+                        blocks.append(np.concatenate([entries[p][key].ravel() for p in range(a + 1, b + 1)]))
                     out[key].append(np.nan_to_num(np.stack(blocks), nan=0.0))
                 else:
                     frames = [entries[idx[0]][key]] * (n - k) + [entries[p][key] for p in idx]

@@ -58,8 +58,7 @@ def jax_contender(state, insert_fn, sample_fn, update_fn, batch, n: int, index_o
 
     def update():
         box["key"], k = jax.random.split(box["key"])
-        box["state"] = jax_block(update_fn(box["state"], box["idx"],
-                                           jax.random.uniform(k, (n,)) * 2 + 1e-6))
+        box["state"] = jax_block(update_fn(box["state"], box["idx"], jax.random.uniform(k, (n,)) * 2 + 1e-6))
 
     sample()
     return {"insert": insert, "sample": sample, "update": update}
@@ -129,8 +128,7 @@ def torchrl_per(fill: dict, batch: dict) -> dict:
                                  batch_size=B)
 
     def td(d):
-        return TensorDict({k: torch.from_numpy(v) for k, v in d.items()},
-                          batch_size=[len(d["rew"])])
+        return TensorDict({k: torch.from_numpy(v) for k, v in d.items()}, batch_size=[len(d["rew"])])
 
     for c in chunks(fill):
         rb.extend(td(c))
@@ -191,12 +189,10 @@ def jaxnasium_per(fill: dict, batch: dict) -> dict:
     return jax_contender(buf, ins, smp, upd, tr(batch), B, lambda out: out.PER_index)
 
 
-PEER_BUILDERS = {"cpprb": cpprb_per, "torchrl": torchrl_per, "flashbax": flashbax_per,
-                 "jaxnasium": jaxnasium_per}
+PEER_BUILDERS = {"cpprb": cpprb_per, "torchrl": torchrl_per, "flashbax": flashbax_per, "jaxnasium": jaxnasium_per}
 
 
-def run(log2_capacity: int, batch: int, device: torch.device, repeats: int,
-        peers: Peers) -> list[dict]:
+def run(log2_capacity: int, batch: int, device: torch.device, repeats: int, peers: Peers) -> list[dict]:
     """Rows for insert / sample / update of ``batch`` transitions on a full buffer of ``2**log2_capacity``.
 
     Each op interleaves every contender (blocks of 5 timed calls) plus the copy floor of its output bytes."""
@@ -213,8 +209,7 @@ def run(log2_capacity: int, batch: int, device: torch.device, repeats: int,
     for op in ("insert", "sample", "update"):
         fns = {name: c[op] for name, c in contenders.items()}
         if op == "sample":
-            fns = {"gpubuf": fns.pop("gpubuf"),
-                   "gpubuf (no replacement)": contenders["gpubuf"]["sample_norepl"]} | fns
+            fns = {"gpubuf": fns.pop("gpubuf"), "gpubuf (no replacement)": contenders["gpubuf"]["sample_norepl"]} | fns
         fns["copy floor"] = lambda: dst.copy_(src)
         med = median_us(fns, repeats, 5, syncer(device))
         rows += [{"suite": "replay", "case": f"PER N=2**{log2_capacity}", "op": f"{op} {batch}",

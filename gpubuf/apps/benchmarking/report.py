@@ -17,8 +17,7 @@ SUITES = {"history": "HistoryBuffer: per step and env pixels (1, 64, 64, 3) uint
 def speedups(rows: list[dict]) -> list[float | None]:
     """Per row: its median / gpubuf's median on the same suite, case and op (None for gpubuf itself)."""
     base = {(r["suite"], r["case"], r["op"]): r["us"] for r in rows if r["impl"] == "gpubuf"}
-    return [None if r["impl"] == "gpubuf" else r["us"] / base[r["suite"], r["case"], r["op"]]
-            for r in rows]
+    return [None if r["impl"] == "gpubuf" else r["us"] / base[r["suite"], r["case"], r["op"]] for r in rows]
 
 
 def markdown(result: dict, chart: str | None = None) -> str:
@@ -33,8 +32,7 @@ def markdown(result: dict, chart: str | None = None) -> str:
              f"{s['history_repeats']} repeats (history) and {s['replay_repeats']} repeats of 5 calls (replay); "
              "gpubuf speedup = the contender's median / gpubuf's (above 1: gpubuf is faster)"]
     if result["missing"]:
-        lines.append("- not installed: " + ", ".join(f"{k} ({v})"
-                                                     for k, v in result["missing"].items()))
+        lines.append("- not installed: " + ", ".join(f"{k} ({v})" for k, v in result["missing"].items()))
     for name, why in result["failed"].items():
         lines.append(f"- failed: {name}: {why}")
     ratio = speedups(result["rows"])
@@ -75,8 +73,7 @@ def write_chart(rows: list[dict], path: str) -> None:
         ax.legend(handles=[Patch(color=colors[n], label=n)
                            for n in dict.fromkeys(r["impl"] for r in sub)],
                   fontsize=8, ncols=4)
-        ax.set_xticks(range(len(groups)),
-                      ["\n".join(wrap(case, 16) + wrap(op, 16)) for case, op in groups], fontsize=8)
+        ax.set_xticks(range(len(groups)), ["\n".join(wrap(case, 16) + wrap(op, 16)) for case, op in groups], fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("median us per call (log)")
         ax.set_title(f"gpubuf bench: {suite}")

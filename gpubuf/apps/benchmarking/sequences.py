@@ -30,8 +30,7 @@ def gpubuf_seq(frames: np.ndarray, device: torch.device) -> dict:
         buf.insert(tr(frames[s:s + CHUNK]))
     gen = torch.Generator(device=device).manual_seed(0)
     out = buf.sample(key=gen)
-    return {"gpubuf": lambda: buf.sample(key=gen),
-            "gpubuf (out=)": lambda: buf.sample(key=gen, out=out)}
+    return {"gpubuf": lambda: buf.sample(key=gen), "gpubuf (out=)": lambda: buf.sample(key=gen, out=out)}
 
 
 def torchrl_seq(frames: np.ndarray):
@@ -64,8 +63,7 @@ def flashbax_seq(frames: np.ndarray):
     add = jax.jit(buf.add, donate_argnums=0)
     for s in range(0, steps, CHUNK):
         f = np.ascontiguousarray(frames[s:s + CHUNK].transpose(1, 0, 2, 3, 4))  # (E, T, ...)
-        state = add(state, {"obs": jnp.asarray(f),
-                            "reward": jnp.zeros((envs, f.shape[1]), jnp.float32)})
+        state = add(state, {"obs": jnp.asarray(f), "reward": jnp.zeros((envs, f.shape[1]), jnp.float32)})
     return keyed_sampler(jax.jit(buf.sample), state)
 
 
@@ -92,8 +90,7 @@ def jaxnasium_seq(frames: np.ndarray):
 
     def tr(f):
         z = jnp.zeros((f.shape[0], envs))
-        return JT(observation=jnp.asarray(f), action=z, reward=z, terminated=z.astype(bool),
-                  truncated=z.astype(bool))
+        return JT(observation=jnp.asarray(f), action=z, reward=z, terminated=z.astype(bool), truncated=z.astype(bool))
 
     buf = JB(envs * steps, SB, tr(frames[:1]), vectorized_env=True, n_steps=SL)
     ins = jax.jit(lambda b, t: b.insert(t))

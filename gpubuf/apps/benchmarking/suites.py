@@ -27,23 +27,20 @@ class Sizes:
     replay_repeats: int = 20
 
 
-QUICK = Sizes(n_envs=(16, 64), log2_sizes=(12, 16), seq_envs=8, seq_steps=64, history_repeats=5,
-              replay_repeats=3)
+QUICK = Sizes(n_envs=(16, 64), log2_sizes=(12, 16), seq_envs=8, seq_steps=64, history_repeats=5, replay_repeats=3)
 
 
 def progress(rows: list[dict]) -> None:
     """One stderr line per case and op: each contender's median."""
     for key in dict.fromkeys((r["suite"], r["case"], r["op"]) for r in rows):
-        cells = ", ".join(f"{r['impl']} {r['us']:.0f}us" for r in rows
-                          if (r["suite"], r["case"], r["op"]) == key)
+        cells = ", ".join(f"{r['impl']} {r['us']:.0f}us" for r in rows if (r["suite"], r["case"], r["op"]) == key)
         print(f"{' '.join(key)}: {cells}", file=sys.stderr, flush=True)
 
 
 def run(suites, sizes: Sizes, device: torch.device, threads: int = 1, peers=tuple(PEERS)) -> dict:
     """The result of :mod:`gpubuf.apps.benchmarking.report`: rows of every suite, machine, versions, missing peers."""
     if threads == 1:  # before the JAX peers import jax
-        os.environ.setdefault("XLA_FLAGS",
-                              "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+        os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the JAX peers run on the host, as the others do
     torch.set_num_threads(threads)
     found = Peers(peers)

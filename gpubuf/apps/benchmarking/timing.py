@@ -88,8 +88,7 @@ def median_us(fns: dict, repeats: int, block: int = 1, sync: Callable[[], None] 
     """Name -> median microseconds per call of ``fns[name]``, timed by :func:`interleaved` with
     ``clock`` (default: :func:`wall_clock` synced by ``sync``). The defaults time every repeat as
     ``block + 1`` consecutive calls, the first untimed, after one untimed call of each fn."""
-    samples = interleaved(fns, repeats, clock or wall_clock(sync), block, skip=skip, calls=calls,
-                          warmup=warmup)
+    samples = interleaved(fns, repeats, clock or wall_clock(sync), block, skip=skip, calls=calls, warmup=warmup)
     return {k: statistics.median(v) / calls for k, v in samples.items()}
 
 
