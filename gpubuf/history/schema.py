@@ -22,8 +22,7 @@ BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, tor
 def block_key_names(block_keys) -> tuple[str, ...]:
     """``block_keys`` as a tuple of names; a bare string or a non-``str`` entry is a ``TypeError``."""
     if isinstance(block_keys, (str, bytes)) or not isinstance(block_keys, Iterable):
-        raise TypeError("block_keys: expected an iterable of key names such as ('action',), "
-                        f"got {block_keys!r}")
+        raise TypeError(f"block_keys: expected an iterable of key names such as ('action',), got {block_keys!r}")
     names = tuple(block_keys)
     for key in names:
         if not isinstance(key, str):
@@ -97,8 +96,7 @@ class Schema:
             raise TypeError(f"info_dict: keys must be str, got {key!r}")
         t = as_tensor(value, key)
         if t.dim() > 0 and t.shape[0] != R:
-            raise ValueError(f"{key}: expected a leading env dim of {R} rows, got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"{key}: expected a leading env dim of {R} rows, got shape {tuple(t.shape)}")
         return t
 
     def _check_against_spec(self, key: str, t: torch.Tensor) -> None:
@@ -125,8 +123,7 @@ class Schema:
         if keys is None:
             return None
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
-            raise TypeError("keys: expected an iterable of key names such as ('pixels',), got "
-                            f"{keys!r:.80}")
+            raise TypeError(f"keys: expected an iterable of key names such as ('pixels',), got {keys!r:.80}")
         try:
             names = list(keys)
         except Exception as err:  # noqa: BLE001 - an iterable that fails while iterated
@@ -198,8 +195,7 @@ class Schema:
         for key, shape in shapes.items():
             t = out.get(key) if isinstance(out, Mapping) else None
             if not isinstance(t, torch.Tensor):
-                raise ValueError(f"out[{key!r}]: expected a tensor of shape {shape}, got "
-                                 f"{type(t).__name__}")
+                raise ValueError(f"out[{key!r}]: expected a tensor of shape {shape}, got {type(t).__name__}")
             dtype = self.data[key].dtype
             if tuple(t.shape) != shape or t.dtype != dtype or t.device != self.device or not t.is_contiguous():
                 raise ValueError(
@@ -220,8 +216,7 @@ class Schema:
         if not all(isinstance(k, str) for k in shapes):
             raise ValueError(f"state_dict['shapes']: expected str keys, got {list(shapes)!r:.120}")
         if not all(isinstance(s, (tuple, list)) for s in shapes.values()):
-            raise ValueError("state_dict['shapes']: expected a shape tuple per key, got "
-                             f"{shapes!r:.120}")
+            raise ValueError(f"state_dict['shapes']: expected a shape tuple per key, got {shapes!r:.120}")
         shapes = {k: tuple(s) for k, s in shapes.items()}
         if self.shapes:
             if shapes != self.shapes:
@@ -239,7 +234,6 @@ class Schema:
             check_tensor(f"state_dict['data'][{key!r}]", t, want, dtype if isinstance(dtype, torch.dtype) else None)
         for key in shapes:
             if data[key].dtype not in STORABLE:
-                raise ValueError(f"state_dict['data'][{key!r}]: buffers cannot store "
-                                 f"{data[key].dtype}")
+                raise ValueError(f"state_dict['data'][{key!r}]: buffers cannot store {data[key].dtype}")
         self.check_block_dtypes({k: data[k].dtype for k in shapes}, "state_dict['data']", ValueError)
         return shapes

@@ -67,8 +67,7 @@ class CEMSolver:
         self.num_elites = positive_int("num_elites", num_elites)
         self.iterations = positive_int("iterations", iterations)
         if self.num_elites > self.num_samples:
-            raise ValueError(f"num_elites: expected <= num_samples ({self.num_samples}), got "
-                             f"{self.num_elites}")
+            raise ValueError(f"num_elites: expected <= num_samples ({self.num_samples}), got {self.num_elites}")
         self.discount = finite_float("discount", discount, 0.0, low_open=True)
         if self.discount > 1:
             raise ValueError(f"discount: expected a number in (0, 1], got {discount!r}")
@@ -168,12 +167,10 @@ class CEMSolver:
             return torch.full((R, self.horizon, self.action_dim), middle, device=device)
         init = as_tensor(init, "init")
         if init.dim() != 3 or init.shape[0] != R or not init.dtype.is_floating_point:
-            raise ValueError(f"init: expected float (R={R}, horizon, action_dim), got {init.dtype} "
-                             f"{tuple(init.shape)}")
+            raise ValueError(f"init: expected float (R={R}, horizon, action_dim), got {init.dtype} {tuple(init.shape)}")
         for name, got in (("horizon", init.shape[1]), ("action_dim", init.shape[2])):
             if getattr(self, name) not in (None, got):
-                raise ValueError(f"init: expected {name} {getattr(self, name)} (the solver's), got "
-                                 f"{got}")
+                raise ValueError(f"init: expected {name} {getattr(self, name)} (the solver's), got {got}")
         init = init.to(device, torch.float32)
         return torch.where(init.isnan(), middle, init)
 

@@ -63,10 +63,8 @@ class EnvPoolSource(RowSource):
             echo (e.g. ``0`` keeps ``F.one_hot`` valid on those rows), else ``ValueError`` naming ``action_fill`` before
             anything is built (:func:`~gpubuf.sources.actions.check_action_fill`).
 
-    Rows are written by the row convention of :mod:`gpubuf.sources.rows`: with a vectorized buffer (sync only) one time
-    row of every env per step, the step after an episode's end (or a life loss) holding its last observation as an
-    ``info["is_last"]`` row (the fill, reward 0, ``truncated`` set); with ``vectorized_env=False`` (sync or async) one
-    transition per received row but reset frames.
+    Rows follow :mod:`gpubuf.sources.rows`: a vectorized buffer (sync only) gets one time row of every env per step,
+    with ``vectorized_env=False`` (sync or async) one transition per received row but reset frames.
 
     Extra per-step data: build the buffer from ``transition_sample(extra={name: example})`` and pass
     ``extra={name: (R, ...)}`` with every ``send``/``step``; each value is stored as ``info[name]`` in the row of the

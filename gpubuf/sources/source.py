@@ -17,12 +17,7 @@ class RowSource:
         n_envs: the envs stepped.
         action_space, observation_space: one env's spaces (``dtype``, ``shape``; ``Discrete``'s ``n``; ``Box`` bounds).
         obs_key, device, action_fill: as the subclass documents them.
-        info_spec: ``{key: (per-env shape, numpy dtype)}`` of the env info fields stored with each row.
-        single_rows: why the rows may arrive for some envs at a time (``""``: never): a vectorized transitions buffer
-            is then refused, naming this reason.
-        has_final_obs: the env hands over each episode's final observation (:class:`~gpubuf.sources.rows.RowWriter`).
-        ends_in_step: the env resets inside the step that ends an episode (its vectorized buffers hold no
-            ``info["is_last"]``).
+        info_spec, single_rows, has_final_obs, ends_in_step: as :class:`~gpubuf.sources.rows.RowWriter` takes them.
     """
 
     def __init__(self, n_envs: int, action_space, observation_space, *, obs_key: str, device, action_fill,

@@ -6,12 +6,9 @@ when it has one the final observation of each episode that ended) and writes the
 MuJoCo Playground, Brax, gymnax): the observation they return for that env is already the next episode's reset frame.
 
 - A vectorized buffer (build it from :meth:`transition_sample`), with or without final observations: one row per env
-  per step without ``info["is_last"]``, episodes ending at ``terminated | truncated`` rows (a final observation is
-  stored nowhere: appended to the history, it is flushed with its episode by the reset frame in the same call, so no
-  ``get()`` returns it). What that costs: a truncated last transition's successor is not stored, so it is never drawn
-  with ``with_next_obs``, and no n-step return or frame stack reaches past it; a terminated one is drawn with discount 0
-  (its ``next_observation`` is the next episode's first frame, which no target uses; a world model should mask it with
-  ``terminated``).
+  per step without ``info["is_last"]``, episodes ending at ``terminated | truncated`` rows, a final observation stored
+  nowhere (what that costs: :mod:`gpubuf.sources.rows`; a terminated row's ``next_observation`` is the next episode's
+  first frame, which a world model should mask with ``terminated``).
 - A buffer with ``vectorized_env=False`` (``final_obs=True`` only): the final observation is written as that env's row,
   then the reset frame (as :class:`~gpubuf.VectorEnvSource` does for gymnasium's SAME_STEP mode), every transition with
   its real successor.

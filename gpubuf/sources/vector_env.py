@@ -15,14 +15,9 @@ vectorized implementation) and writes its rows by the row convention of :mod:`gp
   the step, and writes the same rows as for ``SAME_STEP``.
 
 So in the two same-step modes an episode end yields two rows of one env in one step (its final observation and its reset
-frame). A buffer with ``vectorized_env=False`` gets both: each transition with its own ``next_observation``, the final
-observation included. A vectorized buffer stores one time row of every env per step: it gets each env's step as one row
-(observation before, executed action, the env's reward, ``terminated`` and ``truncated``) without ``info["is_last"]``
-rows, the reset frame in the env's next row, and ends episodes at ``terminated | truncated`` rows; the final observation
-is not stored (``last`` holds it with ``SAME_STEP``), so a truncated episode's last transition has no stored successor
-and is never drawn with ``with_next_obs`` nor bootstrapped by an n-step return or stack (one transition per truncated
-episode is not learned from; a terminated one keeps discount 0). With ``NEXT_STEP`` a vectorized buffer holds EnvPool's
-rows, the final observation as an ``info["is_last"]`` row."""
+frame): a buffer with ``vectorized_env=False`` gets both; a vectorized buffer gets one row per env per step without
+``info["is_last"]`` rows and does not store the final observation (``last`` holds it with ``SAME_STEP``; what that
+costs: :mod:`gpubuf.sources.rows`). With ``NEXT_STEP`` a vectorized buffer holds EnvPool's rows."""
 
 import warnings
 
@@ -71,12 +66,8 @@ class VectorEnvSource(RowSource):
         action_fill: the action stored on every row whose action the env ignored (reset frames), as for
             :class:`~gpubuf.EnvPoolSource` (default: NaN for float actions, -1 for signed integer ones).
 
-    Rows (the module docstring has the autoreset modes): with a vectorized buffer one time row of every env per step
-    (``NEXT_STEP``: the step after an episode's end holds its last observation as an ``info["is_last"]`` row, with the
-    fill, reward 0, ``truncated`` set; the same-step modes: no such rows, episodes end at ``terminated | truncated``
-    rows); with ``vectorized_env=False`` one transition per step of each env, with its
-    ``next_observation`` (the final observation at an episode end). Actions outside a ``Box`` are clipped to it before
-    they are sent, so the buffers store what the env executed.
+    Rows per autoreset mode: the module docstring. Actions outside a ``Box`` are clipped to it before they are sent, so
+    the buffers store what the env executed.
 
     ``step = src.reset(seed=0); step = src.step(actions)``; :attr:`last` holds the env's own outputs of the last call
     (``(obs, reward, terminated, truncated, info)``; ``(obs, info)`` after a reset), for episode statistics.
