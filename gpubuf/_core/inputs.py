@@ -137,10 +137,8 @@ def env_ids_or_all(env_ids, all_ids: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- value-preserving casts
 
-STORABLE = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8,
-            torch.int16, torch.int32,
-            torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
-            torch.float8_e4m3fn,
+STORABLE = (torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32,
+            torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
             torch.float8_e5m2, torch.complex32, torch.complex64, torch.complex128)
 
 

@@ -13,9 +13,8 @@ from gpubuf._core.inputs import STORABLE, as_tensor, check_cast, check_storable
 from gpubuf._core.staging import check_disjoint, memory_ranges
 from gpubuf._core.state import check_tensor
 
-BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
-                torch.int8, torch.int16,
-                # what action blocks may hold (NaN/inf are cleaned per dtype)
+# what action blocks may hold (NaN/inf are cleaned per dtype)
+BLOCK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
                 torch.int32, torch.int64, torch.bool)
 
 
@@ -110,9 +109,8 @@ class Schema:
     def check_block_dtypes(self, dtypes: dict, where: str, exc: type = TypeError) -> None:
         for key in self.block_keys:
             if key in dtypes and dtypes[key] not in BLOCK_DTYPES:
-                raise exc(f"{where}[{key!r}]: a block key holds real floats (16 to 64 bits), "
-                          "uint8, signed "
-                                f"ints or bool, got {dtypes[key]}")
+                raise exc(f"{where}[{key!r}]: a block key holds real floats (16 to 64 bits), uint8, signed ints or "
+                          f"bool, got {dtypes[key]}")
 
     # ------------------------------------------------------------------ reads
 

@@ -146,14 +146,11 @@ class CEMSolver:
                 and not bool((self.terminal_cost(s).isfinite() | ~alive).all())):
             where = "terminal_cost", self.terminal_cost, "the cost of the last state"
         if where is None:
-            return (f"cost: expected a finite return for at least one of the {N} candidates of "
-                    "every env, got only "
-                    f"NaN/inf returns for envs {envs} (each output was finite when rolled out "
-                    "again: the discounted "
-                    f"sum overflows, or the model is random)")
+            return (f"cost: expected a finite return for at least one of the {N} candidates of every env, got only "
+                    f"NaN/inf returns for envs {envs} (each output was finite when rolled out again: the discounted "
+                    "sum overflows, or the model is random)")
         name, fn, what = where
-        return (f"{name}: expected finite values, got NaN/inf in {what} from {_name(fn)}, so every "
-                f"one of the {N} "
+        return (f"{name}: expected finite values, got NaN/inf in {what} from {_name(fn)}, so every one of the {N} "
                 f"candidate returns of envs {envs} is non-finite; nothing to plan with")
 
     def _initial_mean(self, R: int, init, device) -> torch.Tensor:
@@ -161,8 +158,7 @@ class CEMSolver:
         middle = (self.low + self.high) / 2
         if init is None:
             if self.horizon is None or self.action_dim is None:
-                raise ValueError("horizon: a CEMSolver called without init (outside a Planner) "
-                                 "needs horizon= and "
+                raise ValueError("horizon: a CEMSolver called without init (outside a Planner) needs horizon= and "
                                  "action_dim=")
             return torch.full((R, self.horizon, self.action_dim), middle, device=device)
         init = as_tensor(init, "init")
@@ -200,8 +196,7 @@ class CEMSolver:
             if alive is not None:
                 done = self.terminated(s)
                 if tuple(done.shape) != (N,) or done.dtype != torch.bool:
-                    raise ValueError(f"terminated: expected a bool tensor of shape ({N},), got "
-                                     f"{done.dtype} "
+                    raise ValueError(f"terminated: expected a bool tensor of shape ({N},), got {done.dtype} "
                                      f"{tuple(done.shape)}")
                 alive = alive & ~done
             weight *= self.discount
