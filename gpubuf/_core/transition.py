@@ -6,6 +6,7 @@ conversions (:func:`to`, :func:`items`, :func:`to_tensordict`, :func:`from_tenso
 methods; ``tensordict`` is an optional dependency, imported only when used."""
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from gpubuf._core.devices import parse_device
-from gpubuf._core.inputs import as_tensor
+from gpubuf._core.inputs import as_tensor, is_int
 
 _ARRAYS = (torch.Tensor, np.ndarray)
 FIELDS = ("observation", "action", "reward", "terminated", "truncated", "next_observation", "info")
@@ -82,8 +83,7 @@ def leaf_name(path: tuple) -> str:
 def flatten(transition, name: str = "transition") -> dict[tuple, Any]:
     """``{(field, key, ...): leaf}`` over the stored fields, in field order (``None`` fields and values left out);
     ``name`` is the argument named when ``transition`` is not a :class:`Transition`."""
-    if not isinstance(transition, Transition):
-        raise TypeError(f"{name}: expected a gpubuf.Transition, got {type(transition).__name__}")
+    _check(transition, name)
     leaves: dict[tuple, Any] = {}
 
     def walk(path, value):
@@ -127,10 +127,9 @@ def unflatten(leaves: dict[tuple, torch.Tensor]) -> Transition:
 ALL_FIELDS = FIELDS + ("PER_weights", "is_first", "mask", "has_transition", "discount")
 
 
-def _check(transition) -> Transition:
+def _check(transition, name: str = "transition") -> None:
     if not isinstance(transition, Transition):
-        raise TypeError(f"transition: expected a gpubuf.Transition, got {type(transition).__name__}")
-    return transition
+        raise TypeError(f"{name}: expected a gpubuf.Transition, got {type(transition).__name__}")
 
 
 def _is_set(value) -> bool:
@@ -139,10 +138,7 @@ def _is_set(value) -> bool:
 
 
 def items(transition: Transition) -> Iterator[tuple[str, Any]]:
-    """``(field, value)`` pairs of the fields that are set (not ``None``, not an empty dict), in
-    field order: ``observation, action, reward, terminated, truncated, next_observation, info,
-    PER_weights, is_first, mask, has_transition, discount``. So ``dict(transition)`` holds exactly
-    the fields a buffer stores, plus those sampling sets."""
+    """``(field, value)`` pairs of the set fields, in the order of ``ALL_FIELDS`` (:meth:`Transition.__iter__`)."""
     _check(transition)
     for name in ALL_FIELDS:
         value = getattr(transition, name)
@@ -167,11 +163,7 @@ def _map_leaves(value, fn, path: str, keep_none: bool):
 
 
 def to(transition: Transition, device, non_blocking: bool = False) -> Transition:
-    """A new :class:`Transition` with every leaf (nested dicts included) a torch tensor on ``device``.
-
-    Numpy arrays and ``__dlpack__`` arrays become tensors; ``None`` fields (and ``None`` values inside dicts) stay
-    ``None``; a leaf already on ``device`` is the same tensor (no copy), as ``Tensor.to`` does. ``transition`` itself is
-    unchanged."""
+    """:meth:`Transition.to`; ``__dlpack__`` leaves become tensors too; ``None`` values inside dicts stay ``None``."""
     _check(transition)
     device = parse_device(device)
     return map_leaves(transition, lambda v, p: as_tensor(v, p).to(device, non_blocking=non_blocking))
@@ -208,15 +200,10 @@ def to_tensordict(transition: Transition, batch_dims: int | None = None):
     if not leaves:
         raise ValueError("transition: expected at least one field that is set, got none")
     if batch_dims is None:
-        shapes = [tuple(t.shape) for t in leaves.values()]
-        batch = []
-        for dims in zip(*shapes, strict=False):
-            if len(set(dims)) != 1:
-                break
-            batch.append(dims[0])
-        batch = batch[: min(len(s) for s in shapes)]
+        shapes = zip(*(t.shape for t in leaves.values()), strict=False)  # stops at the shortest shape
+        batch = [dims[0] for dims in itertools.takewhile(lambda dims: len(set(dims)) == 1, shapes)]
     else:
-        if isinstance(batch_dims, bool) or not isinstance(batch_dims, (int, np.integer)) or batch_dims < 0:
+        if not is_int(batch_dims) or batch_dims < 0:
             raise ValueError(f"batch_dims: expected an int >= 0 or None, got {batch_dims!r}")
         batch_dims = int(batch_dims)
         batch = None

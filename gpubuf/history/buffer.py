@@ -54,7 +54,8 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
 
     Threads: any number of threads may call any method at once; each call runs whole, between the others (:attr:`lock`;
     :mod:`gpubuf._core.concurrency`), so a planner thread's ``get`` never mixes two appends. ``copy.deepcopy``,
-    ``pickle`` and ``torch.save`` give an independent, complete buffer (:mod:`gpubuf._core.copies`)."""
+    ``pickle`` and ``torch.save`` give an independent, complete buffer (:mod:`gpubuf._core.copies`). ``reset``,
+    ``append`` and ``get`` are opaque calls under ``torch.compile``: no guards on host state, no recompiles."""
 
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys: Iterable[str] = (), *,
                  device=None):
@@ -89,8 +90,7 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
 
     def copy_args(self) -> dict:
         """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into."""
-        return {"n_envs": self.n_envs, "max_len": self.max_len, "action_block": self.action_block,
-                "block_keys": self.block_keys, "device": str(self.device)}
+        return {**{name: getattr(self, name) for name in self._CONFIG}, "device": str(self.device)}
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -107,7 +107,6 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         """Strided frames available per env: ``(L-1)//action_block + 1``, or 0 for an empty env."""
         return self._ring.num_strided(env_ids_or_all(env_ids, self._ring.all_ids), self.action_block).tolist()
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def reset(self, env_ids=None) -> None:
@@ -145,7 +144,6 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
 
     # ------------------------------------------------------------------ append
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def append(self, info_dict: Mapping, env_ids=None) -> None:
@@ -188,7 +186,6 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
 
     # ------------------------------------------------------------------ get
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def get(self, n: int, env_ids=None, out: dict | None = None, keys=None) -> dict[str, torch.Tensor] | None:
@@ -259,18 +256,10 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         """Configuration, data and counters: tensors and plain Python values only (``torch.load`` reads it with its
         defaults). Data tensors are the storage itself, not copies (as ``nn.Module.state_dict``): save or clone them
         before the buffer changes."""
-        return {
-            "buffer": type(self).__name__,
-            "version": 1,
-            "n_envs": self.n_envs,
-            "max_len": self.max_len,
-            "action_block": self.action_block,
-            "block_keys": self.block_keys,
-            "shapes": dict(self._schema.shapes),
-            "data": dict(self._schema.data),
-            "counts": torch.from_numpy(self._ring.counts.copy()),
-            "heads": torch.from_numpy(self._ring.heads.copy()),
-        }
+        return {"buffer": type(self).__name__, "version": 1, **{name: getattr(self, name) for name in self._CONFIG},
+                "shapes": dict(self._schema.shapes), "data": dict(self._schema.data),
+                "counts": torch.from_numpy(self._ring.counts.copy()),
+                "heads": torch.from_numpy(self._ring.heads.copy())}
 
     @locked
     def load_state_dict(self, state) -> None:
