@@ -265,13 +265,9 @@ class GpubufTrees:
             file = MemoryMappedTensor.empty((self._max_capacity,), dtype=torch.float64,
                                             filename=path / f"{name}.memmap")
             file.copy_(tree.leaves.cpu())
-        value, index = self._max_priority
-
-        def plain(x):
-            return None if x is None else float(x)
-
         meta = {"_alpha": float(self._alpha), "_beta": float(self._beta), "_eps": float(self._eps),
-                "_max_priority": [plain(value), plain(index)], "_max_capacity": float(self._max_capacity),
+                "_max_priority": [None if x is None else float(x) for x in self._max_priority],
+                "_max_capacity": float(self._max_capacity),
                 "_schema_version": self._STATE_SCHEMA_VERSION}
         (path / "sampler_metadata.json").write_text(json.dumps(meta))
 
