@@ -93,12 +93,9 @@ class EnsembleDynamics(nn.Module):
         delta = (next_obs - obs).reshape(-1, self.obs_dim)
         obs, reward = obs.reshape(-1, self.obs_dim), reward.reshape(-1, 1)
         m = 1.0 if int(self.seen) == 0 else momentum
-        for stat, value in ((self.obs_mean, obs.mean(0)),
-                            (self.obs_std, obs.std(0, correction=0) + 1e-6),
-                            (self.delta_mean, delta.mean(0)),
-                            (self.delta_std, delta.std(0, correction=0) + 1e-6),
-                            (self.reward_mean, reward.mean(0)),
-                            (self.reward_std, reward.std(0, correction=0) + 1e-6)):
+        for stat, value in ((self.obs_mean, obs.mean(0)), (self.obs_std, obs.std(0, correction=0) + 1e-6),
+                            (self.delta_mean, delta.mean(0)), (self.delta_std, delta.std(0, correction=0) + 1e-6),
+                            (self.reward_mean, reward.mean(0)), (self.reward_std, reward.std(0, correction=0) + 1e-6)):
             stat.lerp_(value, m)
         self.seen += 1
 

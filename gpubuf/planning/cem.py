@@ -46,14 +46,11 @@ class CEMSolver:
     the device into a per-rollout flag (per step: ``isfinite`` over the state, a per-row ``all``, one ``(N,)`` AND, plus
     a NOT and an OR with ``terminated``), folded into the returns, so the call still reads back one ``(R,)`` flag."""
 
-    def __init__(self, dynamics: Callable, cost: Callable, horizon: int | None = None,
-                 action_dim: int | None = None,
-                 *, terminated: Callable | None = None, terminal_cost: Callable | None = None,
-                 discount: float = 1.0,
-                 encode: Callable | None = None,
-                 state_key: str = "observation", num_samples: int = 64, num_elites: int = 8,
-                 iterations: int = 3,
-                 init_std: float = 1.0, low: float = -1.0, high: float = 1.0, seed: int = 0):
+    def __init__(self, dynamics: Callable, cost: Callable, horizon: int | None = None, action_dim: int | None = None, *,
+                 terminated: Callable | None = None, terminal_cost: Callable | None = None, discount: float = 1.0,
+                 encode: Callable | None = None, state_key: str = "observation", num_samples: int = 64,
+                 num_elites: int = 8, iterations: int = 3, init_std: float = 1.0, low: float = -1.0, high: float = 1.0,
+                 seed: int = 0):
         for name, fn in (("dynamics", dynamics), ("cost", cost), ("terminated", terminated),
                          ("terminal_cost", terminal_cost), ("encode", encode)):
             required = name in ("dynamics", "cost")

@@ -267,8 +267,7 @@ class GpubufTrees:
             file.copy_(tree.leaves.cpu())
         meta = {"_alpha": float(self._alpha), "_beta": float(self._beta), "_eps": float(self._eps),
                 "_max_priority": [None if x is None else float(x) for x in self._max_priority],
-                "_max_capacity": float(self._max_capacity),
-                "_schema_version": self._STATE_SCHEMA_VERSION}
+                "_max_capacity": float(self._max_capacity), "_schema_version": self._STATE_SCHEMA_VERSION}
         (path / "sampler_metadata.json").write_text(json.dumps(meta))
 
     def loads(self, path) -> None:

@@ -20,8 +20,7 @@ ROW_BYTES = (OBS + ACT + 1) * 4 + 2
 def data(n: int, rng: np.random.Generator) -> dict:
     """n transitions: obs (n, 17), act (n, 6), rew (n,), term (n,), trunc (n,)."""
     return {"obs": rng.standard_normal((n, OBS), dtype=np.float32),
-            "act": rng.standard_normal((n, ACT), dtype=np.float32),
-            "rew": rng.standard_normal(n, dtype=np.float32),
+            "act": rng.standard_normal((n, ACT), dtype=np.float32), "rew": rng.standard_normal(n, dtype=np.float32),
             "term": np.zeros(n, bool), "trunc": np.zeros(n, bool)}
 
 
@@ -66,8 +65,7 @@ def jax_contender(state, insert_fn, sample_fn, update_fn, batch, n: int, index_o
 
 def gpubuf_per(fill: dict, batch: dict, device: torch.device) -> dict:
     def tr(d):
-        return Transition(observation=d["obs"], action=d["act"], reward=d["rew"],
-                          terminated=d["term"],
+        return Transition(observation=d["obs"], action=d["act"], reward=d["rew"], terminated=d["term"],
                           truncated=d["trunc"])
 
     B = len(batch["rew"])
@@ -86,11 +84,8 @@ def gpubuf_per(fill: dict, batch: dict, device: torch.device) -> dict:
         return out
 
     sample()
-    return {"insert": lambda: buf.insert(batch_t), "sample": sample,
-            "sample_norepl": lambda: sample(False),
-            "update": lambda: buf.update_priorities(state["idx"],
-                                                    torch.rand(B, generator=rng,
-                                                               device=device) * 2)}
+    return {"insert": lambda: buf.insert(batch_t), "sample": sample, "sample_norepl": lambda: sample(False),
+            "update": lambda: buf.update_priorities(state["idx"], torch.rand(B, generator=rng, device=device) * 2)}
 
 
 def cpprb_per(fill: dict, batch: dict) -> dict:
@@ -123,8 +118,7 @@ def torchrl_per(fill: dict, batch: dict) -> dict:
     from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer
 
     B = len(batch["rew"])
-    rb = PrioritizedReplayBuffer(alpha=0.6, beta=0.4, eps=1e-6,
-                                 storage=LazyTensorStorage(len(fill["rew"])),
+    rb = PrioritizedReplayBuffer(alpha=0.6, beta=0.4, eps=1e-6, storage=LazyTensorStorage(len(fill["rew"])),
                                  batch_size=B)
 
     def td(d):
@@ -143,8 +137,7 @@ def torchrl_per(fill: dict, batch: dict) -> dict:
 
     sample()
     return {"insert": lambda: rb.extend(batch_td), "sample": sample,
-            "update": lambda: rb.update_priority(state["idx"],
-                                                 torch.rand(B, generator=g) * 2 + 1e-6)}
+            "update": lambda: rb.update_priority(state["idx"], torch.rand(B, generator=g) * 2 + 1e-6)}
 
 
 def flashbax_per(fill: dict, batch: dict) -> dict:
@@ -153,17 +146,14 @@ def flashbax_per(fill: dict, batch: dict) -> dict:
     import jax.numpy as jnp
 
     B = len(batch["rew"])
-    buf = fbx.make_prioritised_flat_buffer(max_length=len(fill["rew"]), min_length=B,
-                                           sample_batch_size=B,
-                                           add_sequences=True, add_batch_size=None,
-                                           priority_exponent=0.6)
+    buf = fbx.make_prioritised_flat_buffer(max_length=len(fill["rew"]), min_length=B, sample_batch_size=B,
+                                           add_sequences=True, add_batch_size=None, priority_exponent=0.6)
     state = buf.init({k: jnp.asarray(v[0]) for k, v in batch.items()})
     add, sample_fn = jax.jit(buf.add, donate_argnums=0), jax.jit(buf.sample)
     set_priorities = jax.jit(buf.set_priorities, donate_argnums=0)
     for c in chunks(fill):
         state = add(state, {k: jnp.asarray(v) for k, v in c.items()})
-    return jax_contender(state, add, sample_fn, set_priorities,
-                         {k: jnp.asarray(v) for k, v in batch.items()}, B,
+    return jax_contender(state, add, sample_fn, set_priorities, {k: jnp.asarray(v) for k, v in batch.items()}, B,
                          lambda out: out.indices)
 
 
@@ -174,8 +164,7 @@ def jaxnasium_per(fill: dict, batch: dict) -> dict:
     from jaxnasium.algorithms.core import Transition as JT
 
     def tr(d):
-        return JT(observation=jnp.asarray(d["obs"]), action=jnp.asarray(d["act"]),
-                  reward=jnp.asarray(d["rew"]),
+        return JT(observation=jnp.asarray(d["obs"]), action=jnp.asarray(d["act"]), reward=jnp.asarray(d["rew"]),
                   terminated=jnp.asarray(d["term"]), truncated=jnp.asarray(d["trunc"]))
 
     B = len(batch["rew"])

@@ -40,8 +40,7 @@ def markdown(result: dict, chart: str | None = None) -> str:
         rows = [(r, x) for r, x in zip(result["rows"], ratio, strict=True) if r["suite"] == suite]
         if not rows:
             continue
-        lines += ["", f"## {suite}", "", title, "",
-                  "| case | op | impl | median us | gpubuf speedup |",
+        lines += ["", f"## {suite}", "", title, "", "| case | op | impl | median us | gpubuf speedup |",
                   "|---|---|---|---:|---:|"]
         lines += [f"| {r['case']} | {r['op']} | {r['impl']} | {r['us']:.1f} | {'-' if x is None else f'{x:.2f}x'} |"
                   for r, x in rows]

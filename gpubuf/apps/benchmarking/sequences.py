@@ -21,8 +21,7 @@ def gpubuf_seq(frames: np.ndarray, device: torch.device) -> dict:
 
     def tr(f):
         T = f.shape[0]
-        return Transition(observation=f, action=np.zeros((T, envs), np.float32),
-                          reward=np.zeros((T, envs), np.float32),
+        return Transition(observation=f, action=np.zeros((T, envs), np.float32), reward=np.zeros((T, envs), np.float32),
                           terminated=np.zeros((T, envs), bool), truncated=np.zeros((T, envs), bool))
 
     buf = TransitionBuffer(envs * steps, SB, tr(frames[:1]), n_steps=SL, device=device, seed=0)
@@ -40,8 +39,7 @@ def torchrl_seq(frames: np.ndarray):
 
     steps, envs = frames.shape[:2]
     n = envs * steps
-    rb = ReplayBuffer(storage=LazyTensorStorage(n),
-                      sampler=SliceSampler(num_slices=SB, traj_key="episode"),
+    rb = ReplayBuffer(storage=LazyTensorStorage(n), sampler=SliceSampler(num_slices=SB, traj_key="episode"),
                       batch_size=SB * SL)
     # each env's steps contiguous
     env_major = torch.from_numpy(frames).transpose(0, 1).reshape(n, H, W, C)
@@ -56,8 +54,7 @@ def flashbax_seq(frames: np.ndarray):
     import jax.numpy as jnp
 
     steps, envs = frames.shape[:2]
-    buf = fbx.make_trajectory_buffer(add_batch_size=envs, sample_batch_size=SB,
-                                     sample_sequence_length=SL, period=1,
+    buf = fbx.make_trajectory_buffer(add_batch_size=envs, sample_batch_size=SB, sample_sequence_length=SL, period=1,
                                      min_length_time_axis=SL, max_length_time_axis=steps)
     state = buf.init({"obs": jnp.zeros((H, W, C), jnp.uint8), "reward": jnp.zeros((), jnp.float32)})
     add = jax.jit(buf.add, donate_argnums=0)

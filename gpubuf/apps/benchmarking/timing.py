@@ -58,8 +58,7 @@ def cuda_event_clock() -> Clock:
     return start
 
 
-def interleaved(fns: dict, repeats: int, clock: Clock, block: int = 1, *, skip: int = 1,
-                calls: int = 1,
+def interleaved(fns: dict, repeats: int, clock: Clock, block: int = 1, *, skip: int = 1, calls: int = 1,
                 warmup: int = 1) -> dict[object, list]:
     """Name -> the samples of ``fns[name]``, each what ``clock`` reads over ``calls`` consecutive calls.
 
@@ -95,8 +94,7 @@ def median_us(fns: dict, repeats: int, block: int = 1, sync: Callable[[], None] 
 def machine(device: torch.device) -> dict:
     """Where the numbers come from: platform, CPU count, torch threads, device name."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count(),
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "device": str(device), "device_name": name}
 
 
