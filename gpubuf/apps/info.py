@@ -5,14 +5,13 @@ numba, CUDA and the driver), the device and its compute capability, the backend 
 of its operations runs (a Triton kernel, a compiled numba loop or the pure-torch twin), which optional extras import,
 and the storage tiers a replay buffer can use there."""
 
-import importlib
-import importlib.metadata
 import importlib.util
 import os
 import platform
 
 import torch
 
+from gpubuf.apps.benchmarking.timing import versions as installed_versions
 from gpubuf.ops import backend_table, resolve_device
 
 # extra -> the packages it brings (an extra imports when every one of them does)
@@ -32,18 +31,11 @@ class Report(dict):
         return "\n".join(lines)
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def versions() -> dict:
     """Python, gpubuf, torch, triton, numba (None where not installed), CUDA (torch's build) and the driver."""
-    return {"python": platform.python_version(), "gpubuf": _version("gpubuf"), "torch": torch.__version__,
-            "triton": _version("triton"), "numba": _version("numba"), "cuda": torch.version.cuda,
-            "driver": _nvidia_driver()}
+    found = installed_versions(("gpubuf", "triton", "numba"))
+    return {"python": platform.python_version(), "gpubuf": found["gpubuf"], "torch": torch.__version__,
+            "triton": found["triton"], "numba": found["numba"], "cuda": torch.version.cuda, "driver": _nvidia_driver()}
 
 
 def _nvidia_driver() -> str | None:
