@@ -34,8 +34,7 @@ def unaliased(sources: dict, dests: dict, owned: tuple) -> dict:
     out = {}
     for key, src in sources.items():
         dst = dests[key]
-        same = (isinstance(src, torch.Tensor) and src.data_ptr() == dst.data_ptr()
-                and src.shape == dst.shape
+        same = (isinstance(src, torch.Tensor) and src.data_ptr() == dst.data_ptr() and src.shape == dst.shape
                 and src.stride() == dst.stride() and src.dtype == dst.dtype)
         if isinstance(src, torch.Tensor) and not same and overlaps(src, owned):
             src = src.detach().clone()

@@ -27,7 +27,7 @@ import torch
 
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
-from gpubuf._core.inputs import as_tensor, check_cast
+from gpubuf._core.inputs import as_tensor, check_cast, positive_int
 from gpubuf.sources.actions import check_action_space
 from gpubuf.sources.layout import exact_info, example_info_spec
 from gpubuf.sources.source import RowSource
@@ -67,8 +67,7 @@ class TensorSource(RowSource):
 
     def __init__(self, n_envs: int, observation_space, action_space, *, final_obs: bool, obs_key: str = "observation",
                  device=None, history=None, transitions=None, info_keys=None, action_fill=None):
-        if isinstance(n_envs, bool) or not isinstance(n_envs, (int, np.integer)) or n_envs < 1:
-            raise ValueError(f"n_envs: expected a positive int, got {n_envs!r}")
+        n_envs = positive_int("n_envs", n_envs)
         if not isinstance(final_obs, bool):
             raise TypeError(f"final_obs: expected True or False, got {final_obs!r}")
         for name, space in (("observation_space", observation_space), ("action_space", action_space)):
