@@ -46,9 +46,7 @@ class ExtraData:
     def check(self, extra, R: int) -> dict:
         """``extra`` ``{name: (R, *shape)}`` checked against :attr:`spec`: ``{name: device tensor}`` in the leaf's
         dtype."""
-        spec = self.spec
-        if extra is None:
-            extra = {}
+        spec, extra = self.spec, {} if extra is None else extra
         if not isinstance(extra, Mapping):
             raise TypeError(f"extra: expected a dict of per-env arrays, got {type(extra).__name__}")
         if extra.keys() != spec.keys():

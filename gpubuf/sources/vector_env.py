@@ -52,12 +52,8 @@ class VectorEnvSource(RowSource):
     Args:
         env: a gymnasium 1.x ``VectorEnv`` (``gymnasium.make_vec(...)``, ``SyncVectorEnv``, ``AsyncVectorEnv``) with an
             array observation space (``Box``, ``Discrete``, ``MultiBinary``, ``MultiDiscrete``).
-        obs_key: info key of the observation (``"pixels"`` suits image envs).
-        device: output device; ``None`` -> ``cuda`` when available, else ``cpu``.
-        history: a :class:`~gpubuf.HistoryBuffer` with ``n_envs == env.num_envs``: each row is appended to its env's
-            history, after flushing envs whose row is a reset frame.
-        transitions: a ``TransitionBuffer`` built from :meth:`transition_sample`; checked against the source's rows
-            here, or when set later as the :attr:`transitions` attribute (also mid-run).
+        obs_key, device, history, transitions: as for :class:`~gpubuf.EnvPoolSource` (a ``history`` over
+            ``env.num_envs`` envs).
         info_keys: ``{name: example}``: fields of the env's ``info`` to store, each with one env's example value (its
             shape and dtype), e.g. ``{"x_position": np.float64(0)}``; appended to the history under their own names
             and stored in the transitions as ``info[name]``, the value the env reported with the row's observation (0
