@@ -119,14 +119,11 @@ def locked(method):
     params, args, defaults = [], [], {}
     star = False
     for i, p in enumerate(inspect.signature(method).parameters.values()):
-        if p.kind is p.VAR_POSITIONAL:
-            params.append(f"*{p.name}")
-            args.append(f"*{p.name}")
-            star = True
-            continue
-        if p.kind is p.VAR_KEYWORD:
-            params.append(f"**{p.name}")
-            args.append(f"**{p.name}")
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            packed = ("*" if p.kind is p.VAR_POSITIONAL else "**") + p.name
+            params.append(packed)
+            args.append(packed)
+            star = star or p.kind is p.VAR_POSITIONAL
             continue
         if p.kind is p.KEYWORD_ONLY and not star:
             params.append("*")

@@ -123,16 +123,14 @@ class SliceSampler(NumpyBoundaries, _TorchRLSliceSampler):
         seq, num = self._adjusted_batch_size(batch_size)
         rows = storage[:]
         short = lengths < seq
-        if bool(short.any()):
-            if not self.strict_length or not isinstance(rows, TensorDictBase):  # ragged slices: torchrl's own path
-                return self._sample_slices(lengths, start, stop, seq, num, storage_length=storage.shape[0],
-                                           storage=storage)
+        ragged = bool(short.any())
+        if (ragged and not self.strict_length) or not isinstance(rows, TensorDictBase):  # torchrl's own path
+            return self._sample_slices(lengths, start, stop, seq, num, storage_length=storage.shape[0], storage=storage)
+        if ragged:
             if bool(short.all()):
                 raise RuntimeError(f"Did not find a single trajectory with sufficient length (length range: "
                                    f"{lengths.min()} - {lengths.max()} / required={seq})).")
             start, lengths = start[~short], lengths[~short]
-        elif not isinstance(rows, TensorDictBase):
-            return self._sample_slices(lengths, start, stop, seq, num, storage_length=storage.shape[0], storage=storage)
         traj = torch.randint(lengths.shape[0], (num,), device=lengths.device, generator=self._rng)
         rel = (torch.rand(num, device=lengths.device, generator=self._rng) * (lengths[traj] - seq + 1)).floor()
         first = start[traj, 0] + rel.to(start.dtype)
