@@ -220,13 +220,10 @@ def summary_table(r: dict, env_id: str) -> str:
          if r["episodes"] else "no episode ended"),
         ("env step (send+recv) median us", f"{m['env']:.0f}"),
         ("EnvPoolSource.step median us", f"{m['source step']:.0f}  (env + staging + history append + insert)"),
-        ("history append median us", f"{m['append']:.0f}"),
-        ("replay insert median us", f"{m['insert']:.0f}"),
-        ("history get median us", f"{m['get']:.0f}"),
-        ("replay sample median us", f"{m['sample']:.0f}"),
-        ("priority update median us", f"{m['update']:.0f}"),
-        ("learner update median us", f"{m['train']:.0f}"),
-        ("Planner.act median us", f"{m['plan']:.0f}"),
+        *((f"{call} median us", f"{m[key]:.0f}") for call, key in (
+            ("history append", "append"), ("replay insert", "insert"), ("history get", "get"),
+            ("replay sample", "sample"), ("priority update", "update"), ("learner update", "train"),
+            ("Planner.act", "plan"))),
         ("buffers / env time", f"{100 * r['buffers_over_env']:.1f} %"),
         ("sizes", f"obs {tuple(sizes['obs_shape'])}, history {sizes['history_bytes']:,} B, replay "
                   f"{sizes['replay_capacity']} transitions {sizes['replay_bytes']:,} B, batch {sizes['batch_size']} "

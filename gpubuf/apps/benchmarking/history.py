@@ -62,13 +62,9 @@ def run(n_envs: int, device: torch.device, repeats: int, peers: Peers) -> list[d
     out = buf.get(N)
     nbytes = {"get": sum(t.numel() * t.element_size() for t in out.values()),
               "append": sum(v.nbytes for v in host_info.values())}
-    floors = {op: (torch.empty(b, dtype=torch.uint8, device=device),
-                   torch.empty(b, dtype=torch.uint8, device=device))
-              for op, b in nbytes.items()}
-    cases = {
-        "get": {"gpubuf": lambda: buf.get(N), "gpubuf (out=)": lambda: buf.get(N, out=out)},
-        "append": {"gpubuf": lambda: buf.append(info)},
-    }
+    floors = {op: [torch.empty(b, dtype=torch.uint8, device=device) for _ in range(2)] for op, b in nbytes.items()}
+    cases = {"get": {"gpubuf": lambda: buf.get(N), "gpubuf (out=)": lambda: buf.get(N, out=out)},
+             "append": {"gpubuf": lambda: buf.append(info)}}
 
     def make_deque():
         deque = DequeHistory(n_envs, MAX_LEN, AB, ("action",))

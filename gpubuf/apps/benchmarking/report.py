@@ -69,8 +69,7 @@ def write_chart(rows: list[dict], path: str) -> None:
             width = 0.8 / len(bars)
             for j, r in enumerate(bars):
                 ax.bar(x - 0.4 + (j + 0.5) * width, r["us"], width, color=colors[r["impl"]])
-        ax.legend(handles=[Patch(color=colors[n], label=n)
-                           for n in dict.fromkeys(r["impl"] for r in sub)],
+        ax.legend(handles=[Patch(color=colors[n], label=n) for n in dict.fromkeys(r["impl"] for r in sub)],
                   fontsize=8, ncols=4)
         ax.set_xticks(range(len(groups)), ["\n".join(wrap(case, 16) + wrap(op, 16)) for case, op in groups], fontsize=8)
         ax.set_yscale("log")
