@@ -121,8 +121,7 @@ class StepStager:
 
     def _checked(self, raw: dict, R: int) -> dict:
         """Every check, then the staged info; remembers the call's layout for :meth:`_fast`."""
-        values = {}
-        checks = {}
+        values, checks = {}, {}
         for key, value in raw.items():
             t = as_tensor(value, key)
             if t.dim() == 0 or t.shape[0] != R:

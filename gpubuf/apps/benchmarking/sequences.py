@@ -113,6 +113,5 @@ def run(envs: int, steps: int, device: torch.device, repeats: int, peers: Peers)
     dst = torch.empty_like(src)
     fns["copy floor"] = lambda: dst.copy_(src)
     med = median_us(fns, repeats, 5, syncer(device))
-    return [{"suite": "replay", "case": f"seq {envs} envs x {steps} steps",
-             "op": f"sample {SB}x{SL} frames",
+    return [{"suite": "replay", "case": f"seq {envs} envs x {steps} steps", "op": f"sample {SB}x{SL} frames",
              "impl": name, "us": us, "bytes": nbytes} for name, us in med.items()]

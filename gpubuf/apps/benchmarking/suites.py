@@ -30,11 +30,12 @@ class Sizes:
 QUICK = Sizes(n_envs=(16, 64), log2_sizes=(12, 16), seq_envs=8, seq_steps=64, history_repeats=5, replay_repeats=3)
 
 
-def progress(rows: list[dict]) -> None:
-    """One stderr line per case and op: each contender's median."""
+def progress(rows: list[dict]) -> list[dict]:
+    """One stderr line per case and op: each contender's median; returns ``rows``."""
     for key in dict.fromkeys((r["suite"], r["case"], r["op"]) for r in rows):
         cells = ", ".join(f"{r['impl']} {r['us']:.0f}us" for r in rows if (r["suite"], r["case"], r["op"]) == key)
         print(f"{' '.join(key)}: {cells}", file=sys.stderr, flush=True)
+    return rows
 
 
 def run(suites, sizes: Sizes, device: torch.device, threads: int = 1, peers=tuple(PEERS)) -> dict:
@@ -47,20 +48,13 @@ def run(suites, sizes: Sizes, device: torch.device, threads: int = 1, peers=tupl
     rows = []
     if "history" in suites:
         for n in sizes.n_envs:
-            new = history.run(n, device, sizes.history_repeats, found)
-            progress(new)
-            rows += new
+            rows += progress(history.run(n, device, sizes.history_repeats, found))
     if "replay" in suites:
         for lg in sizes.log2_sizes:
-            new = per.run(lg, sizes.batch, device, sizes.replay_repeats, found)
-            progress(new)
-            rows += new
-        new = sequences.run(sizes.seq_envs, sizes.seq_steps, device, sizes.replay_repeats, found)
-        progress(new)
-        rows += new
+            rows += progress(per.run(lg, sizes.batch, device, sizes.replay_repeats, found))
+        rows += progress(sequences.run(sizes.seq_envs, sizes.seq_steps, device, sizes.replay_repeats, found))
     return {"machine": machine(device),
             "settings": asdict(sizes) | {"suites": list(suites), "threads": threads},
             "versions": {"gpubuf": gpubuf.__version__}
-            | versions(["torch", "numpy", "cpprb", "torchrl", "tensordict", "flashbax", "jax",
-                        "jaxnasium"]),
+            | versions(["torch", "numpy", "cpprb", "torchrl", "tensordict", "flashbax", "jax", "jaxnasium"]),
             "missing": found.missing, "failed": found.failed, "rows": rows}
