@@ -21,10 +21,8 @@ try:
 except ImportError:  # pragma: no cover - other Python implementations
     _raw = signal
 
-HELD = tuple(int(getattr(signal, name))
-             for name in ("SIGINT", "SIGTERM", "SIGALRM", "SIGVTALRM", "SIGPROF",
-                          "SIGHUP", "SIGUSR1", "SIGUSR2")
-             if hasattr(signal, name))
+HELD = tuple(int(getattr(signal, name)) for name in ("SIGINT", "SIGTERM", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGHUP",
+                                                    "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 
 
 def put_back(handlers: dict) -> list:

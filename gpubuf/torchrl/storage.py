@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import TensorStorage
+from torchrl.data.replay_buffers.writers import RoundRobinWriter, Writer
 
 from gpubuf._core.devices import parse_device
 from gpubuf._core.host_memory import advise_huge
@@ -213,8 +214,6 @@ class ReplayStorage(TensorStorage):
         super().attach(buffer)
         if self._dir is None or not self._ring[2]:
             return
-        from torchrl.data.replay_buffers.writers import RoundRobinWriter, Writer
-
         writer = getattr(buffer, "_writer", None) or getattr(buffer, "_init_writer", None)
         if writer is None or not isinstance(writer, Writer):  # torchrl's default, or a factory: made now
             writer = RoundRobinWriter() if writer is None else writer()
@@ -223,8 +222,6 @@ class ReplayStorage(TensorStorage):
 
     def _place(self, writer) -> None:
         """A torchrl round-robin writer at the ring's head, its write count the rows ever written."""
-        from torchrl.data.replay_buffers.writers import RoundRobinWriter
-
         if isinstance(writer, RoundRobinWriter):
             writer._cursor, writer._write_count = self._ring[0], self._ring[2]  # noqa: SLF001
 
@@ -291,8 +288,6 @@ class ReplayStorage(TensorStorage):
         """torchrl's round-robin writers moved their cursor before a write that raised: put them back at the head (a
         ``storage_dir``'s; else, for a writer whose cursor is just past the rows of ``cursor``, the first of them,
         its write count less their number)."""
-        from torchrl.data.replay_buffers.writers import RoundRobinWriter
-
         for buffer in self._attached_entities:
             writer = getattr(buffer, "_writer", None)
             if getattr(writer, "_storage", None) is not self:
