@@ -42,9 +42,8 @@ def as_tensor(value, name: str) -> torch.Tensor:
             return torch.from_dlpack(value)
         except (RuntimeError, TypeError, BufferError) as err:
             raise TypeError(f"{name}: could not read the __dlpack__ array ({err})") from err
-    raise TypeError(
-        f"{name}: expected a torch tensor, numpy array, __dlpack__ array or numeric scalar, got {type(value).__name__}"
-    )
+    raise TypeError(f"{name}: expected a torch tensor, numpy array, __dlpack__ array or numeric scalar, got "
+                    f"{type(value).__name__}")
 
 
 def _python_scalar(value, name: str) -> torch.Tensor:

@@ -76,10 +76,8 @@ class Schema:
             missing = [k for k in self.shapes if k not in values]
             extra = [k for k in values if k not in self.shapes]
             if missing or extra:
-                raise ValueError(
-                    f"info_dict: keys are fixed by the first append {list(self.shapes)}; "
-                    f"missing {missing}, unexpected {extra}"
-                )
+                raise ValueError(f"info_dict: keys are fixed by the first append {list(self.shapes)}; "
+                                 f"missing {missing}, unexpected {extra}")
             for key, t in values.items():
                 self._check_against_spec(key, t)
             return values, None
@@ -196,11 +194,8 @@ class Schema:
                 raise ValueError(f"out[{key!r}]: expected a tensor of shape {shape}, got {type(t).__name__}")
             dtype = self.data[key].dtype
             if tuple(t.shape) != shape or t.dtype != dtype or t.device != self.device or not t.is_contiguous():
-                raise ValueError(
-                    f"out[{key!r}]: expected a contiguous {dtype} tensor of shape {shape} on "
-                    f"{self.device}, "
-                    f"got {t.dtype} {tuple(t.shape)} on {t.device}"
-                )
+                raise ValueError(f"out[{key!r}]: expected a contiguous {dtype} tensor of shape {shape} on "
+                                 f"{self.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
         check_disjoint({f"out[{k!r}]": out[k] for k in shapes}, self.owned)
 
     # ------------------------------------------------------------------ state
