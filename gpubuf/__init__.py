@@ -40,13 +40,11 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from gpubuf.sources.vector_env import VectorEnvSource
 
 # public name -> the module that defines it, imported on first access
-_LAZY = {
-    "CEMSolver": "gpubuf.planning", "PlanConfig": "gpubuf.planning", "Planner": "gpubuf.planning",
-    "EnvPoolSource": "gpubuf.sources.envpool", "Step": "gpubuf.sources.envpool",
-    "StepStager": "gpubuf.sources.envpool", "ShardedBuffer": "gpubuf.replay.sharded.buffer",
-    "VectorEnvSource": "gpubuf.sources.vector_env", "TensorSource": "gpubuf.sources.tensors",
-    "info": "gpubuf.apps.info",
-}
+_LAZY = {"CEMSolver": "gpubuf.planning", "PlanConfig": "gpubuf.planning", "Planner": "gpubuf.planning",
+         "EnvPoolSource": "gpubuf.sources.envpool", "Step": "gpubuf.sources.envpool",
+         "StepStager": "gpubuf.sources.envpool", "ShardedBuffer": "gpubuf.replay.sharded.buffer",
+         "VectorEnvSource": "gpubuf.sources.vector_env", "TensorSource": "gpubuf.sources.tensors",
+         "info": "gpubuf.apps.info"}
 # public modules: ``gpubuf.export`` (episodes out as Minari datasets and HDF5 files), and the subpackages reachable
 # as attributes after ``import gpubuf`` alone
 _LAZY_MODULES = {"export": "gpubuf.replay.feeds.export",
@@ -54,12 +52,10 @@ _LAZY_MODULES = {"export": "gpubuf.replay.feeds.export",
 
 _deprecated.install()
 
-__all__ = [
-    "Batch", "CEMSolver", "CheckpointError", "EnvPoolSource", "Fifo", "GraphSampler", "HistoryBuffer", "Lifo",
-    "Mixture", "Online", "PlanConfig", "Planner", "PrioritizedTransitionBuffer", "RateLimiter", "Recency",
-    "ReplayWriter", "RowsWaiting", "ShardedBuffer", "Step", "StepStager", "TensorSource", "Transition",
-    "TransitionBuffer", "Unit", "VectorEnvSource", "WriterDied", "export", "info",
-]
+__all__ = ["Batch", "CEMSolver", "CheckpointError", "EnvPoolSource", "Fifo", "GraphSampler", "HistoryBuffer", "Lifo",
+           "Mixture", "Online", "PlanConfig", "Planner", "PrioritizedTransitionBuffer", "RateLimiter", "Recency",
+           "ReplayWriter", "RowsWaiting", "ShardedBuffer", "Step", "StepStager", "TensorSource", "Transition",
+           "TransitionBuffer", "Unit", "VectorEnvSource", "WriterDied", "export", "info"]
 try:
     __version__ = version("gpubuf")
 except PackageNotFoundError:  # imported from a source tree that was never installed

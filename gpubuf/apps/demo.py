@@ -176,19 +176,16 @@ def run(env, env_steps: int, *, device=None, seed: int = 0, progress=None, confi
     wall = time.perf_counter() - t0
     names = ("env", "source step", "append", "insert", "get", "sample", "update", "train", "plan")
     buffers = sum(timer.total_s(k) for k in ("append", "insert", "get", "sample", "update"))
-    return {
-        "mode": mode, "device": str(loop.source.device), "num_envs": loop.source.n_envs,
-        "async": loop.source.is_async, "env_steps": log.env_steps, "wall_s": wall,
-        "env_steps_per_s": log.env_steps / wall, "episodes": log.episodes,
-        "last10_mean": log.last_mean(10), "reward_threshold": env.spec.reward_threshold,
-        "solved_at": None if env.spec.reward_threshold is None else log.solved_at(env.spec.reward_threshold),
-        "median_us": {k: timer.median_us(k) for k in names},
-        "total_s": {k: timer.total_s(k) for k in names},
-        "buffers_over_env": buffers / max(timer.total_s("env"), 1e-12),
-        "sizes": {"obs_shape": list(env.observation_space.shape), "history_bytes": history.nbytes,
-                  "replay_capacity": loop.buffer.max_size, "replay_bytes": loop.buffer.nbytes,
-                  "batch_size": loop.buffer.sample_batch_size, "n_steps": loop.buffer.n_steps},
-    }
+    return {"mode": mode, "device": str(loop.source.device), "num_envs": loop.source.n_envs,
+            "async": loop.source.is_async, "env_steps": log.env_steps, "wall_s": wall,
+            "env_steps_per_s": log.env_steps / wall, "episodes": log.episodes,
+            "last10_mean": log.last_mean(10), "reward_threshold": env.spec.reward_threshold,
+            "solved_at": None if env.spec.reward_threshold is None else log.solved_at(env.spec.reward_threshold),
+            "median_us": {k: timer.median_us(k) for k in names}, "total_s": {k: timer.total_s(k) for k in names},
+            "buffers_over_env": buffers / max(timer.total_s("env"), 1e-12),
+            "sizes": {"obs_shape": list(env.observation_space.shape), "history_bytes": history.nbytes,
+                      "replay_capacity": loop.buffer.max_size, "replay_bytes": loop.buffer.nbytes,
+                      "batch_size": loop.buffer.sample_batch_size, "n_steps": loop.buffer.n_steps}}
 
 
 # ------------------------------------------------------------------ report

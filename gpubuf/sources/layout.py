@@ -39,8 +39,7 @@ def transition_sample(obs_space, action_zeros, info_spec: dict, lead: tuple, ext
     return Transition(
         observation=obs, action=torch.from_numpy(action_zeros(lead)), reward=torch.zeros(lead, dtype=torch.float32),
         terminated=torch.zeros(lead, dtype=torch.bool), truncated=torch.zeros(lead, dtype=torch.bool),
-        next_observation=None if vectorized else obs.clone(), info=info,
-    )
+        next_observation=None if vectorized else obs.clone(), info=info)
 
 
 def buffer_leaves(tb) -> dict:
