@@ -128,9 +128,7 @@ def check_args(parser, args):
             require(module, use)
         except ImportError as err:
             parser.demo.error(str(err))
-
     parser = parser.demo
-
     if args.env not in envpool.list_all_envs():
         parser.error(f"--env: unknown EnvPool task {args.env!r} (envpool.list_all_envs() lists them)")
     if args.num_envs < 1 or (args.async_ and args.num_envs < 2):

@@ -224,8 +224,7 @@ def summary_table(r: dict, env_id: str) -> str:
         ("buffers / env time", f"{100 * r['buffers_over_env']:.1f} %"),
         ("sizes", f"obs {tuple(sizes['obs_shape'])}, history {sizes['history_bytes']:,} B, replay "
                   f"{sizes['replay_capacity']} transitions {sizes['replay_bytes']:,} B, batch {sizes['batch_size']} "
-                  f"x {sizes['n_steps']} steps"),
-    ]
+                  f"x {sizes['n_steps']} steps")]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += ["", "learning curve:  env steps  episodes ended  their mean return  last-10 mean"]
