@@ -60,9 +60,10 @@ class Transition:
         return items(self)
 
     def to_tensordict(self, batch_dims: int | None = None):
-        """A ``tensordict.TensorDict`` of the set fields (no copy; nested dicts become nested TensorDicts).
-        ``batch_dims``: leading dims that form its batch size; ``None``: the longest leading shape all leaves share,
-        e.g. ``(B, n_steps)``. Needs the optional ``tensordict`` package."""
+        """A ``tensordict.TensorDict`` of the set fields (no copy; numpy leaves become tensors; nested dicts become
+        nested TensorDicts, ``None`` values inside them left out). ``batch_dims``: leading dims that form its batch
+        size, the same across leaves; ``None``: the longest leading shape all leaves share, e.g. ``(B, n_steps)``.
+        Needs the optional ``tensordict`` package."""
         return to_tensordict(self, batch_dims)
 
     @classmethod
@@ -186,16 +187,11 @@ def _tensordict():
 
 
 def to_tensordict(transition: Transition, batch_dims: int | None = None):
-    """A ``TensorDict`` with one entry per set field (nested dicts become nested TensorDicts;
-    ``None`` values inside dicts, which the buffers do not store either, are left out).
-
-    ``batch_dims``: how many leading dims are the batch (``batch_size`` of the TensorDict); they must agree across
-    leaves. ``None``: the longest leading shape all leaves share, e.g. ``(B, n_steps)`` for a sampled batch of windows.
-    The leaves are the transition's tensors (no copy); numpy leaves become tensors."""
+    """:meth:`Transition.to_tensordict` (``ValueError`` for a transition without a set field, or leaves that do not
+    share ``batch_dims`` leading dims)."""
     tensordict = _tensordict()
     leaves: dict[str, torch.Tensor] = {}
-    data = {name: _map_leaves(value, lambda v, p: leaves.setdefault(p, as_tensor(v, p)), name,
-                              keep_none=False)
+    data = {name: _map_leaves(value, lambda v, p: leaves.setdefault(p, as_tensor(v, p)), name, keep_none=False)
             for name, value in items(transition)}
     if not leaves:
         raise ValueError("transition: expected at least one field that is set, got none")
@@ -217,8 +213,7 @@ def to_tensordict(transition: Transition, batch_dims: int | None = None):
 
 
 def from_tensordict(td) -> Transition:
-    """The :class:`Transition` of a ``TensorDict`` whose keys are Transition fields (nested TensorDicts become dicts).
-    Missing fields are ``None``; an unknown key raises ``ValueError`` naming it."""
+    """:meth:`Transition.from_tensordict` (nested TensorDicts become dicts)."""
     tensordict = _tensordict()
     if not isinstance(td, tensordict.TensorDictBase):
         raise TypeError(f"td: expected a TensorDict, got {type(td).__name__}")

@@ -34,3 +34,8 @@ class Peers:
             self.failed[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
             traceback.print_exc(limit=1, file=sys.stderr)
             return None
+
+    def build_all(self, builders: dict, *args) -> dict:
+        """``{name: builders[name](*args)}`` for each peer :meth:`build` builds."""
+        built = {name: self.build(name, lambda make=make: make(*args)) for name, make in builders.items()}
+        return {name: contender for name, contender in built.items() if contender is not None}

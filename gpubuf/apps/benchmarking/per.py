@@ -187,11 +187,7 @@ def run(log2_capacity: int, batch: int, device: torch.device, repeats: int, peer
     Each op interleaves every contender (blocks of 5 timed calls) plus the copy floor of its output bytes."""
     rng = np.random.default_rng(0)
     fill, batch_d = data(2**log2_capacity, rng), data(batch, rng)
-    contenders = {"gpubuf": gpubuf_per(fill, batch_d, device)}
-    for name, make in PEER_BUILDERS.items():
-        built = peers.build(name, lambda make=make: make(fill, batch_d))
-        if built is not None:
-            contenders[name] = built
+    contenders = {"gpubuf": gpubuf_per(fill, batch_d, device)} | peers.build_all(PEER_BUILDERS, fill, batch_d)
     src = torch.zeros(batch, ROW_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     rows = []

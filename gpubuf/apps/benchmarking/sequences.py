@@ -103,11 +103,7 @@ def run(envs: int, steps: int, device: torch.device, repeats: int, peers: Peers)
     """Rows for sampling 32x16-step windows (interleaved, blocks of 5 timed calls) plus the copy floor."""
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, size=(steps, envs, H, W, C), dtype=np.uint8)
-    fns = gpubuf_seq(frames, device)
-    for name, make in PEER_BUILDERS.items():
-        built = peers.build(name, lambda make=make: make(frames))
-        if built is not None:
-            fns[name] = built
+    fns = gpubuf_seq(frames, device) | peers.build_all(PEER_BUILDERS, frames)
     nbytes = SB * SL * H * W * C
     src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
