@@ -246,16 +246,15 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
     def _insert(self, transition: Transition):
         """:meth:`insert` once its turn came (under the lock)."""
-        staged = steady = self._steady.match(transition, self._owned)
-        if steady is not None:  # the last accepted signature: numpy arrays of the stored layout
-            self.storage.check_open()
-            T = next(iter(staged.values())).shape[0]
-            trunc, ends, last = self._steady.row_flags(staged, T)
+        staged = self._steady.match(transition, self._owned)
+        steady = staged is not None  # the last accepted signature: numpy arrays of the stored layout
+        if steady:
+            values, T = staged, next(iter(staged.values())).shape[0]
         else:
             values, given, T = self.config.rows(transition)
-            self.storage.check_open()
-            trunc, ends, last = self.config.row_flags(values, T)
-            # phase 1: any conversion error happens here
+        self.storage.check_open()
+        trunc, ends, last = self.config.row_flags(values, T)
+        if not steady:  # phase 1: any conversion error happens here
             staged = self.storage.stage(values, given, self._owned)
         ring = self.ring
         with signals_held():  # phase 2: commit
@@ -265,7 +264,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
             for part in self.parts:
                 part.rows_written(pos, before_wrap, T)
             self.storage.after_write(ring.pos, ring.count, ring.total)  # the journal's commit of the rows
-        if steady is None:
+        if not steady:
             self._steady.learn(transition, given)
         return self
 

@@ -216,9 +216,9 @@ class ReplayConfig:
         return values, given, T
 
     def row_flags(self, leaves: dict, T: int, *, raw: bool = False) -> tuple:
-        """(T, E) host bool ``(cut, episode ends, no transition)`` of ``T`` rows of ``leaves`` (each None
-        without its leaves; a device leaf is read back). ``cut``: the rows whose transition needs a successor
-        it does not have, ``truncated`` and not ``terminated`` (a row both terminated and truncated is a
+        """(T, E) host bool ``(cut, episode ends, no transition)`` of ``T`` rows of ``leaves`` (tensors or numpy
+        arrays; each None without its leaves; a device leaf is read back). ``cut``: the rows whose transition needs
+        a successor it does not have, ``truncated`` and not ``terminated`` (a row both terminated and truncated is a
         termination: discount 0, no successor read); ``raw``: every ``truncated`` row."""
         trunc, ends, last = self.flag_paths
         rows = {p: self._set_rows(leaves[p], T) for p in dict.fromkeys(ends + last)}  # one pass
@@ -252,17 +252,18 @@ class ReplayConfig:
                              "state_dict['data']")
         return stored, ends, last
 
-    def _set_rows(self, t: torch.Tensor, T: int) -> np.ndarray:
-        """(T, E) host bool: whether leaf ``t`` (T, E, ...) is nonzero anywhere in each row (maybe
-        a view of a (T, E) bool host leaf: callers copy what they keep)."""
-        t = t.detach()
-        if t.device.type == "cpu" and t.dtype not in NOT_IN_NUMPY:
-            a = t.numpy()  # host flags: numpy, a few microseconds
-            if a.dtype == np.bool_ and a.size == T * self.n_envs:
-                return a.reshape(T, self.n_envs)
-            a = a.reshape(T, self.n_envs, -1)
-            return a.any(2) if a.dtype == np.bool_ else (a != 0).any(2)
-        return (t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy()
+    def _set_rows(self, t: torch.Tensor | np.ndarray, T: int) -> np.ndarray:
+        """(T, E) host bool: whether leaf ``t`` (T, E, ...), a tensor or a numpy array, is nonzero anywhere in each
+        row (maybe a view of a (T, E) bool host leaf: callers copy what they keep)."""
+        if type(t) is not np.ndarray:
+            t = t.detach()
+            if t.device.type != "cpu" or t.dtype in NOT_IN_NUMPY:
+                return (t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy()
+            t = t.numpy()  # host flags: numpy, a few microseconds
+        if t.dtype == np.bool_ and t.size == T * self.n_envs:
+            return t.reshape(T, self.n_envs)
+        t = t.reshape(T, self.n_envs, -1)
+        return t.any(2) if t.dtype == np.bool_ else (t != 0).any(2)
 
     def kind(self, with_next_obs: bool, boundaries: str = "allow") -> int:
         """The validity kind that ``with_next_obs`` (a bool: ``TypeError`` otherwise) and ``boundaries`` sample

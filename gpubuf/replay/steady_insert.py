@@ -13,7 +13,6 @@ import bisect
 import numpy as np
 
 from gpubuf._core.transition import FIELDS, Transition
-from gpubuf.replay.config import any_rows, cut_rows
 
 
 def _signature(value):
@@ -33,7 +32,6 @@ class SteadyInsert:
     """The last accepted insert signature of one buffer (host storage only)."""
 
     def __init__(self, config, storage):
-        self.config = config
         self.paths = [leaf.path for leaf in config.leaves]
         self.dtypes = {p: storage.host[p].dtype for p in storage.host}
         self.enabled = storage.device.type == "cpu" and len(self.dtypes) == len(self.paths)
@@ -73,19 +71,3 @@ class SteadyInsert:
                 return None
             arrays[p] = a
         return arrays
-
-    def row_flags(self, arrays: dict, T: int) -> tuple:
-        """(T, E) host bool ``(cut, episode ends, no transition)`` of the rows (None without
-        their leaves), as :meth:`~gpubuf.replay.config.ReplayConfig.row_flags` computes them."""
-        E = self.config.n_envs
-
-        def rows(p):
-            a = arrays[p]
-            if a.dtype == np.bool_ and a.size == T * E:
-                return a.reshape(T, E)
-            return (a.reshape(T, E, -1) != 0).any(2)
-
-        trunc, ends, last = self.config.flag_paths
-        flags = {p: rows(p) for p in dict.fromkeys(ends + last)}
-        return cut_rows(flags, trunc, self.config.term_paths), any_rows(flags, ends), any_rows(flags, last)
-

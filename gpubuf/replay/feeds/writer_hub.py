@@ -26,6 +26,7 @@ import weakref
 import numpy as np
 import torch
 
+from gpubuf._core.inputs import positive_int
 from gpubuf._core.transition import unflatten
 from gpubuf.replay.feeds.process_writers import CLOSED, OWNER_ENDED, RETIRED, ReplayWriter, RowsWaiting, WriterDied
 
@@ -50,7 +51,7 @@ class WriterHub:
     def add(self, envs, rows: int) -> ReplayWriter:
         buffer, config = self.buffer, self.buffer.config
         envs = self._lanes(envs)
-        rows = min(64, config.max_rows) if rows is None else _positive_int("rows", rows)
+        rows = min(64, config.max_rows) if rows is None else positive_int("rows", rows)
         if rows > config.max_rows:
             raise ValueError(f"rows: expected at most the buffer's {config.max_rows} rows per env, got {rows}")
         for lanes, writers in self.groups.items():
@@ -257,12 +258,6 @@ def _most(n: int, fits) -> int:
 
 def _cat(tensors: list, dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
 
 
 def _show(envs: range) -> str:

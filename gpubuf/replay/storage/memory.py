@@ -94,10 +94,9 @@ class MemoryStorage:
         ``out``."""
         if out is None:
             return {d: (None, s, shift, shape) for d, s, shift, shape in jobs}
-        given, result, dtypes = flatten(out, "out"), {}, {leaf.path: leaf.dtype
-                                                          for leaf in self.config.leaves}
+        given, result, by_path = flatten(out, "out"), {}, self.config.by_path
         for d, s, shift, shape in jobs:
-            t, dtype = given.get(d), dtypes[s]
+            t, dtype = given.get(d), by_path[s].dtype
             if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
                     or t.device != device or not t.is_contiguous()):
                 got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
@@ -134,7 +133,7 @@ class MemoryStorage:
             return None
         jobs = self._host_jobs.get((B, with_next_obs))
         if jobs is None:
-            jobs, dtypes = [], {leaf.path: leaf.dtype for leaf in self.config.leaves}
+            jobs = []
             for d, s, shift, shape in self.config.jobs(B, with_next_obs):
                 src = self.flat[s]
                 if src.shape[1] == 0:
@@ -142,7 +141,7 @@ class MemoryStorage:
                 if gather_word(src.dtype, src.shape[1] * src.element_size()) is None:
                     jobs.append((d, src, shift, shape, None))
                 else:
-                    jobs.append((d, self.words[s], shift, shape, dtypes[s]))
+                    jobs.append((d, self.words[s], shift, shape, self.config.by_path[s].dtype))
             if len(self._host_jobs) >= 8:
                 self._host_jobs.clear()
             self._host_jobs[(B, with_next_obs)] = jobs
@@ -170,12 +169,11 @@ class MemoryStorage:
         """``({output path: tensor}, [(stored words, output words (B, n, D), shift)])`` for
         ``jobs``: the given output tensors, or fresh ones on ``device`` (``pin``: in pinned host
         memory)."""
-        n, result, work = self.config.n_steps, {}, []
-        dtypes = {leaf.path: leaf.dtype for leaf in self.config.leaves}
+        n, result, work, by_path = self.config.n_steps, {}, [], self.config.by_path
         for d, (dst, s, shift, shape) in jobs.items():
             src = self.words[s]
             if dst is None and src.shape[1] == 0:  # zero-width leaf: nothing to gather
-                result[d] = torch.empty(shape, dtype=dtypes[s], device=device)
+                result[d] = torch.empty(shape, dtype=by_path[s].dtype, device=device)
                 continue
             if dst is None:
                 try:
@@ -185,7 +183,7 @@ class MemoryStorage:
                     raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} "
                                       f"for {leaf_name(d)}, which cannot be allocated on {device} "
                                       f"({str(err).splitlines()[0]})") from None
-                dst = words.view(torch.uint8).view(dtypes[s]).view(shape)
+                dst = words.view(torch.uint8).view(by_path[s].dtype).view(shape)
             else:  # a caller's tensor may sit at any offset: both sides get a word type they share
                 flat = self.flat[s]
                 src, words = as_words(flat, dst.view(B * n, flat.shape[1]))
