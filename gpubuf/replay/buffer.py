@@ -1,44 +1,43 @@
 """TransitionBuffer: a time-major circular buffer sampled as contiguous n-step windows.
 
 A buffer composes these parts, each behind a small surface and public for companions (``ShardedBuffer``,
-``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`: sizes, leaves and their rules),
-``table`` (:func:`gpubuf.ops.backend_table`: what each op call runs, decided once), ``storage``
+``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`: sizes, leaves and their rules), ``table``
+(:func:`gpubuf.ops.backend_table`: what each op call runs, decided once), ``storage``
 (:mod:`gpubuf.replay.storage.memory`: device, host or memory-mapped rows), ``ring``
-(:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and valid starts),
-``sampler`` (:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees, priorities, draws), an
-optional ``selector`` (:mod:`gpubuf.replay.sampling.selectors`), ``reader``
-(:class:`~gpubuf.replay.sampling.readers.BatchReader`: the plans that gather drawn starts), an optional
-``rate_limiter``, and the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
-storage. A sample (:mod:`gpubuf.replay.sampling.eager`) checks its arguments, then runs the stages of its
-configuration's plan (:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their windows,
-weighs them; its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
+(:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and valid starts), ``sampler``
+(:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees, priorities, draws), an optional ``selector``
+(:mod:`gpubuf.replay.sampling.selectors`), ``reader`` (:class:`~gpubuf.replay.sampling.readers.BatchReader`: the plans
+that gather drawn starts), an optional ``rate_limiter``, and the host ``generator`` that draws. A flat start is ``row *
+n_envs + env`` in every storage. A sample (:mod:`gpubuf.replay.sampling.eager`) checks its arguments, then runs the
+stages of its configuration's plan (:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their
+windows, weighs them; its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
 
-Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
-``truncated`` is set; needs one of those leaves):
+Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or ``truncated`` is set;
+needs one of those leaves):
 
 - ``"allow"`` (default): windows run on into the next episode, unmarked;
-- ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and ``mask``
-  ``(B, n_steps)`` bool: ``is_first[:, j]`` is set where row ``j - 1`` ended an episode (and at
-  ``j = 0``), ``mask[:, j]`` while no earlier row of the window ended one;
-- ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are
-  drawn; the batch carries ``is_first`` and ``mask`` too (first step only, and all set).
+- ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and ``mask`` ``(B, n_steps)`` bool:
+  ``is_first[:, j]`` is set where row ``j - 1`` ended an episode (and at ``j = 0``), ``mask[:, j]`` while no earlier row
+  of the window ended one;
+- ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are drawn; the batch
+  carries ``is_first`` and ``mask`` too (first step only, and all set).
 
-Both also carry ``has_transition``, False exactly on ``info["is_last"]`` rows: they hold an
-episode's last observation (inside ``mask``, as world models need it) but no transition (the
-action fill, reward 0), so a learner of transitions selects ``mask & has_transition``.
+Both also carry ``has_transition``, False exactly on ``info["is_last"]`` rows: they hold an episode's last observation
+(inside ``mask``, as world models need it) but no transition (the action fill, reward 0), so a learner of transitions
+selects ``mask & has_transition``.
 
 With ``n_steps == 1`` the flags are ``(B,)`` and all set. An ``info["is_last"]`` row (an
-:class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation and no transition)
-never starts a window, and with ``"mask"`` the row after it starts the next episode.
+:class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation and no transition) never starts a window, and
+with ``"mask"`` the row after it starts the next episode.
 
-Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then
-committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
+Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then committed with copies
+that cannot fail on staged data, with Ctrl-C and timer signals held.
 
-The parts that follow the rows (``sampler``, ``selector``, ``reader``, the rate limiter's size) are told of every
-row event (:class:`~gpubuf.replay.ring.RowEvents`: rows written, an episode cut, rows loaded) through one list,
-``parts``, in its order; the storage's journal brackets a write (``before_write``, ``after_write``). The doors onto
-held rows live with their jobs: :class:`~gpubuf.replay.feeds.write_backs.WriteBackDoors` (``update_rows``,
-``cut_episodes``), :class:`~gpubuf.replay.provenance.Provenance` (``locate``).
+The parts that follow the rows (``sampler``, ``selector``, ``reader``, the rate limiter's size) are told of every row
+event (:class:`~gpubuf.replay.ring.RowEvents`: rows written, an episode cut, rows loaded) through one list, ``parts``,
+in its order; the storage's journal brackets a write (``before_write``, ``after_write``). The doors onto held rows live
+with their jobs: :class:`~gpubuf.replay.feeds.write_backs.WriteBackDoors` (``update_rows``, ``cut_episodes``),
+:class:`~gpubuf.replay.provenance.Provenance` (``locate``).
 """
 
 import torch
@@ -104,15 +103,13 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
             ``Mixture`` of uniform, prioritized and recency, ``Fifo``/``Lifo`` queues, DreamerV3's ``Online``
             queue; one per buffer). ``None``: the buffer's own draw.
 
-    Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the
-    capacity. Without replacement the draw is exact sequential sampling without replacement
-    (:mod:`gpubuf.replay.sampling.samplers`).
+    Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the capacity. Without
+    replacement the draw is exact sequential sampling without replacement (:mod:`gpubuf.replay.sampling.samplers`).
 
-    Threads: any number of threads may call any method at once; each call runs whole, between the
-    others (:attr:`lock`, re-entrant; on CUDA, calls from different streams are ordered on the
-    device as on the host: :mod:`gpubuf._core.concurrency`). ``copy.deepcopy``, ``pickle`` and
-    ``torch.save`` give an independent, complete buffer (:mod:`gpubuf._core.copies`); a ``storage_dir``
-    buffer refuses (use :meth:`save` or ``state_dict``).
+    Threads: any number of threads may call any method at once; each call runs whole, between the others (:attr:`lock`,
+    re-entrant; on CUDA, calls from different streams are ordered on the device as on the host:
+    :mod:`gpubuf._core.concurrency`). ``copy.deepcopy``, ``pickle`` and ``torch.save`` give an independent, complete
+    buffer (:mod:`gpubuf._core.copies`); a ``storage_dir`` buffer refuses (use :meth:`save` or ``state_dict``).
     """
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
@@ -181,9 +178,8 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
     @property
     def lock(self):
-        """The re-entrant lock every call holds: hold it to make several calls one step, as
-        another thread sees them (``with buf.lock: ...``), or around the replay of a captured
-        graph that samples this buffer."""
+        """The re-entrant lock every call holds: hold it to make several calls one step, as another thread sees them
+        (``with buf.lock: ...``), or around the replay of a captured graph that samples this buffer."""
         return self._guard.lock
 
     @property
@@ -213,30 +209,26 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
     @locked
     def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
-        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and
-        ``boundaries``."""
+        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and ``boundaries``."""
         return self.sampler.count_valid(self.config.kind(with_next_obs, boundaries))
 
     @locked
     def sampling_mass(self, with_next_obs: bool = False, boundaries: str = "allow") -> torch.Tensor:
-        """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample`:
-        0 when invalid, 1 when valid (uniform), ``priority**alpha`` (prioritized). A read-only
-        diagnostic."""
+        """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample`: 0 when invalid, 1
+        when valid (uniform), ``priority**alpha`` (prioritized). A read-only diagnostic."""
         return self.sampler.sampling_mass(self.config.kind(with_next_obs, boundaries))
 
     # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def insert(self, transition: Transition):
-        """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
-        Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
-        shapes and value-preserving dtypes of ``data_sample`` (:func:`gpubuf._core.inputs.check_cast`);
-        nothing is written on any error (a ``storage_dir`` buffer in a process other than the one
-        that opened it, a fork, raises ``RuntimeError`` naming both pids). Device
-        ``truncated``/``terminated`` are read back. Host
-        storage: an insert of numpy arrays with the signature of the last one accepted takes the
-        steady-state path (:mod:`gpubuf.replay.steady_insert`). With a :attr:`rate_limiter` the call first
-        waits for its turn having let go of the buffer's lock (``TimeoutError`` after the limiter's
+        """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``. Leaves ``(T, E, ...)``
+        (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves, shapes and value-preserving dtypes of
+        ``data_sample`` (:func:`gpubuf._core.inputs.check_cast`); nothing is written on any error (a ``storage_dir``
+        buffer in a process other than the one that opened it, a fork, raises ``RuntimeError`` naming both pids). Device
+        ``truncated``/``terminated`` are read back. Host storage: an insert of numpy arrays with the signature of the
+        last one accepted takes the steady-state path (:mod:`gpubuf.replay.steady_insert`). With a :attr:`rate_limiter`
+        the call first waits for its turn having let go of the buffer's lock (``TimeoutError`` after the limiter's
         ``timeout``); an insert that then fails gives its count back."""
         limiter = self.rate_limiter
         n = None if limiter is None else self.config.items_in(transition)
@@ -279,13 +271,11 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
                       boundaries="allow", *, frame_stack: int | None = None,
                       frame_stride: int = 1, n_step_return: tuple[int, float] | None = None,
                       minibatches: int = 1):
-        """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with
-        device-side random numbers and no host sync, for capture in a CUDA graph or a
-        ``torch.compile(fullgraph=True)`` learner step (``boundaries``: ``"allow"`` or
-        ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the device default,
-        the only one a compiled step can hold; ``frame_stack``, ``frame_stride``,
-        ``n_step_return``: as in :meth:`sample`; ``minibatches=K``: one draw of ``K`` minibatches of
-        ``batch_size``, leaves ``(K, B, ...)``)."""
+        """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with device-side random
+        numbers and no host sync, for capture in a CUDA graph or a ``torch.compile(fullgraph=True)`` learner step
+        (``boundaries``: ``"allow"`` or ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the device
+        default, the only one a compiled step can hold; ``frame_stack``, ``frame_stride``, ``n_step_return``: as in
+        :meth:`sample`; ``minibatches=K``: one draw of ``K`` minibatches of ``batch_size``, leaves ``(K, B, ...)``)."""
         from gpubuf.replay.sampling.graph_sampler import GraphSampler
 
         return GraphSampler(self, batch_size, with_next_obs, generator, boundaries,

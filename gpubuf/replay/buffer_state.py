@@ -1,10 +1,9 @@
 """BufferState: what a replay buffer saves, loads, copies and writes back to its ``storage_dir``.
 
-A base of :class:`~gpubuf.TransitionBuffer`: ``state_dict`` / ``load_state_dict`` (checked whole
-before any write), the constructor arguments its copies are built from, and ``flush`` / ``close``
-of a ``storage_dir``, and the re-open of one. It works on the buffer's parts (``config``, ``storage``, ``ring``,
-``sampler``, ``generator``, ``rate_limiter``, ``selector``, and ``parts``: those told that the rows changed), which
-the buffer builds.
+A base of :class:`~gpubuf.TransitionBuffer`: ``state_dict`` / ``load_state_dict`` (checked whole before any write), the
+constructor arguments its copies are built from, and ``flush`` / ``close`` of a ``storage_dir``, and the re-open of one.
+It works on the buffer's parts (``config``, ``storage``, ``ring``, ``sampler``, ``generator``, ``rate_limiter``,
+``selector``, and ``parts``: those told that the rows changed), which the buffer builds.
 """
 
 import warnings
@@ -60,9 +59,8 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
 
     @locked
     def state_dict(self) -> dict:
-        """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG
-        state and the sampler's own entries: tensors and plain values only; with a rate limiter,
-        its counts (``"rate_limiter"``)."""
+        """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG state and the sampler's
+        own entries: tensors and plain values only; with a rate limiter, its counts (``"rate_limiter"``)."""
         state = self.config.as_dict()
         state.update(shapes={leaf.name: leaf.shape for leaf in self.config.leaves},
                      data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves},
@@ -77,12 +75,11 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
 
     @locked
     def load_state_dict(self, state) -> None:
-        """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch
-        raises naming the key and changes nothing. Should reading the data fail after validation
-        (an I/O error), the buffer is emptied rather than left half-loaded. A rate limiter takes the
-        state's counts (a state without them: as many inserts as transitions held, and samples that
-        put the ratio in the middle of its band); a limiter's counts in the state of a buffer without
-        one are ignored."""
+        """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch raises naming the key
+        and changes nothing. Should reading the data fail after validation (an I/O error), the buffer is emptied rather
+        than left half-loaded. A rate limiter takes the state's counts (a state without them: as many inserts as
+        transitions held, and samples that put the ratio in the middle of its band); a limiter's counts in the state of
+        a buffer without one are ignored."""
         limits = state.get("rate_limiter") if isinstance(state, dict) else None
         served = state.get("selector_served") if isinstance(state, dict) else None
         if isinstance(state, dict):  # optional entries, taken apart from the checked ones
@@ -123,29 +120,27 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
 
     @locked
     def flush(self):
-        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``,
-        ``beta`` when prioritized) beside the files and write every file back to disk, so that a
-        later process re-opens this buffer as it is now. Without one: nothing to do. Returns
-        ``self``."""
+        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``, ``beta`` when
+        prioritized) beside the files and write every file back to disk, so that a later process re-opens this buffer as
+        it is now. Without one: nothing to do. Returns ``self``."""
         limiter = {} if self.rate_limiter is None else {"rate_limiter": self.rate_limiter.state()}
         self.storage.flush(self.ring, {"rng": self.generator.get_state(), **self.sampler.flushed(), **limiter})
         return self
 
     @locked
     def close(self) -> None:
-        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
-        still be sampled, no longer written); closing twice is harmless. ``with
-        TransitionBuffer(...) as buf:`` closes on exit. Without one, or in a forked child of the
-        process that opened the directory (which keeps its lock): nothing to do. Rows that writers in other
-        processes published are committed first (as far as the rate limiter lets them in); a ``RowsWaiting``
-        warning names any left in their queues.
+        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can still be sampled,
+        no longer written); closing twice is harmless. ``with TransitionBuffer(...) as buf:`` closes on exit. Without
+        one, or in a forked child of the process that opened the directory (which keeps its lock): nothing to do. Rows
+        that writers in other processes published are committed first (as far as the rate limiter lets them in); a
+        ``RowsWaiting`` warning names any left in their queues.
 
-        The directory is released whatever fails on the way. A deferred priority update that failed its checks
-        and was not raised yet (``update_priorities(..., deferred=True)``, a ``GraphSampler``'s) is raised
-        after the release and the flush (which keeps the priorities as they are: the failed update wrote
-        nothing), so it is never silent and re-opening the directory works; any other error of the flush is
-        raised with the directory released too. A ``with`` block whose body raised closes the same way but
-        lets the body's exception through, with the close's own error as a warning."""
+        The directory is released whatever fails on the way. A deferred priority update that failed its checks and was
+        not raised yet (``update_priorities(..., deferred=True)``, a ``GraphSampler``'s) is raised after the release and
+        the flush (which keeps the priorities as they are: the failed update wrote nothing), so it is never silent and
+        re-opening the directory works; any other error of the flush is raised with the directory released too. A
+        ``with`` block whose body raised closes the same way but lets the body's exception through, with the close's own
+        error as a warning."""
         if self.storage.closed:
             return
         hub, pending = getattr(self, "_hub", None), None

@@ -1,21 +1,18 @@
 """ReplayConfig: the frozen, validated configuration of a replay buffer and what its leaves imply.
 
-One object answers every "does this agree?" question: ``state_dict`` checks, a ``storage_dir``
-re-open and the agreement of a sharded buffer's shards all compare its fields. Besides the checks of
-the constructor's arguments it holds the per-leaf rules the buffer applies to every call: an
-insert's rows, their episode flags, the validity kind a sample draws from, and the windows a sample
-returns.
+One object answers every "does this agree?" question: ``state_dict`` checks, a ``storage_dir`` re-open and the agreement
+of a sharded buffer's shards all compare its fields. Besides the checks of the constructor's arguments it holds the
+per-leaf rules the buffer applies to every call: an insert's rows, their episode flags, the validity kind a sample draws
+from, and the windows a sample returns.
 
 Glossary (the replay modules use these names with one meaning each):
 
-- ``E``: envs (axis 1 of a vectorized insert; 1 when not vectorized); ``M``: rows per env
-  (``max_rows``); ``T``: rows per env of one insert; ``B``: windows of one sample; ``n``: rows per
-  window (``n_steps``);
+- ``E``: envs (axis 1 of a vectorized insert; 1 when not vectorized); ``M``: rows per env (``max_rows``); ``T``: rows
+  per env of one insert; ``B``: windows of one sample; ``n``: rows per window (``n_steps``);
 - *leaf*: one tensor of a :class:`~gpubuf.Transition`, named by its *path* ``(field, key, ...)``;
-- *flat start*: ``row * E + env``, the index of a window's first row, also the index of its
-  priority;
-- *kind*: a validity kind (:mod:`gpubuf.replay.ring`): which starts may begin a window for one
-  ``with_next_obs`` and ``boundaries``;
+- *flat start*: ``row * E + env``, the index of a window's first row, also the index of its priority;
+- *kind*: a validity kind (:mod:`gpubuf.replay.ring`): which starts may begin a window for one ``with_next_obs`` and
+  ``boundaries``;
 - *job*: one returned leaf of a sample: ``(output path, stored path, row shift, output shape)``.
 """
 
@@ -57,8 +54,7 @@ def cut_rows(rows: dict, trunc: list, term: list) -> np.ndarray | None:
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``) and
-    ``dtype``."""
+    """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``) and ``dtype``."""
 
     path: tuple
     name: str
@@ -87,8 +83,7 @@ class ReplayConfig:
     @classmethod
     def build(cls, buffer: str, max_size, sample_batch_size, data_sample: Transition,
               vectorized_env: bool, n_steps, extra: tuple = ()) -> "ReplayConfig":
-        """Check the constructor's arguments (``ValueError`` naming the argument) and derive ``E``
-        and ``M``."""
+        """Check the constructor's arguments (``ValueError`` naming the argument) and derive ``E`` and ``M``."""
         max_size = positive_int("max_size", max_size)
         sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
         n_steps = positive_int("n_steps", n_steps)
@@ -167,8 +162,7 @@ class ReplayConfig:
         return kinds + tuple(k | IN_EPISODE for k in kinds) if self.flag_paths[1] else kinds
 
     def as_dict(self, *, batch: bool = True) -> dict:
-        """Plain values to compare: type, version, sizes and ``extra`` (``batch``: with
-        ``sample_batch_size``)."""
+        """Plain values to compare: type, version, sizes and ``extra`` (``batch``: with ``sample_batch_size``)."""
         fields = {name: getattr(self, name) for name in self.STATE_FIELDS
                   if batch or name != "sample_batch_size"}
         return {"buffer": self.buffer, "version": 1, **fields, **dict(self.extra)}
@@ -184,9 +178,8 @@ class ReplayConfig:
         return T * (self.n_envs if self.vectorized_env else 1)
 
     def rows(self, transition) -> tuple[dict, dict, int]:
-        """``(tensors, inputs, T)`` of an insert: every leaf as a tensor and as given, after
-        checking the key set, shapes ``(T, E, ...)`` and value-preserving casts
-        (``ValueError``/``TypeError`` naming the leaf)."""
+        """``(tensors, inputs, T)`` of an insert: every leaf as a tensor and as given, after checking the key set,
+        shapes ``(T, E, ...)`` and value-preserving casts (``ValueError``/``TypeError`` naming the leaf)."""
         given = flatten(transition)
         by_path = self.by_path
         if given.keys() != by_path.keys():
@@ -235,9 +228,8 @@ class ReplayConfig:
         return pos, count, check_rng("state_dict['rng']", state["rng"]), self.state_flags(state)
 
     def state_flags(self, state: dict) -> tuple:
-        """(M, E) host bool ``(truncated, episode ends, no transition)`` of a state dict's rows
-        (ends and no transition None without their leaves), checking that its ``trunc`` matches its
-        ``truncated`` rows."""
+        """(M, E) host bool ``(truncated, episode ends, no transition)`` of a state dict's rows (ends and no transition
+        None without their leaves), checking that its ``trunc`` matches its ``truncated`` rows."""
         trunc = host_tensor(state["trunc"]).numpy().copy()
         paths = set(sum(self.flag_paths, []))
         flags = {leaf.path: host_tensor(state["data"][leaf.name]) for leaf in self.leaves
@@ -266,8 +258,7 @@ class ReplayConfig:
         return t.any(2) if t.dtype == np.bool_ else (t != 0).any(2)
 
     def kind(self, with_next_obs: bool, boundaries: str = "allow") -> int:
-        """The validity kind that ``with_next_obs`` (a bool: ``TypeError`` otherwise) and ``boundaries`` sample
-        from."""
+        """The validity kind that ``with_next_obs`` (a bool: ``TypeError`` otherwise) and ``boundaries`` sample from."""
         if type(with_next_obs) is not bool:
             with_next_obs = check_bool("with_next_obs", with_next_obs)
         if boundaries not in BOUNDARIES:
@@ -283,8 +274,7 @@ class ReplayConfig:
         return kind
 
     def batch_size(self, batch_size) -> int:
-        """``batch_size`` (``None``: the default) checked: a positive int whose windows fit int32
-        row indices."""
+        """``batch_size`` (``None``: the default) checked: a positive int whose windows fit int32 row indices."""
         B = self.sample_batch_size if batch_size is None else batch_size
         if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
             raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
@@ -304,21 +294,15 @@ class ReplayConfig:
                 for d, s, shift in pairs]
 
     def with_flags(self, batch: Transition, boundaries: str, device) -> Transition:
-        """``batch`` with ``is_first``, ``mask`` and ``has_transition`` (B, n_steps) bool (``(B,)``
-        when ``n_steps == 1``) from its sampled rows, unless ``boundaries == "allow"``.
-
-        ``is_first`` and ``mask`` follow the episode ends (``info["is_last"]`` rows when stored: an
-        episode ends after the row holding its last observation, so that row stays inside its
-        episode's ``mask``). ``has_transition`` is False exactly on the rows that hold no
-        transition, the ``info["is_last"]`` rows (an :class:`~gpubuf.EnvPoolSource`'s row after an
-        episode's last transition, or after a life loss: the last observation, the action fill and
-        reward 0), and True everywhere else, so also everywhere in a buffer that stores no such
-        leaf. It is a flag of its own, not folded into ``mask``, because a world model needs those
-        rows inside the episode (the last observation is the next-observation target of the
-        episode's last transition) while a learner of transitions must drop them: its per-step
-        losses are weighed by ``mask & has_transition``. With ``n_steps == 1`` it is all set (such a
-        row never starts a window); ``"forbid"`` windows may end on one (their last row). A batch
-        refilled in place (a ``GraphSampler``'s) keeps it current with :meth:`refresh_flags`."""
+        """``batch`` with ``is_first``, ``mask`` and ``has_transition`` (B, n_steps) bool (``(B,)`` when ``n_steps
+        == 1``) from its sampled rows, unless ``boundaries == "allow"`` (their meaning: :mod:`gpubuf.replay.buffer`).
+        ``is_first`` and ``mask`` follow the episode ends (``info["is_last"]`` rows when stored: an episode ends
+        after the row holding its last observation, so that row stays inside its episode's ``mask``);
+        ``has_transition`` is False exactly on the ``info["is_last"]`` rows (True everywhere in a buffer without
+        that leaf), a flag of its own because a world model needs those rows inside the episode while a learner of
+        transitions drops them. With ``n_steps == 1`` it is all set (such a row never starts a window);
+        ``"forbid"`` windows may end on one (their last row). A batch refilled in place (a ``GraphSampler``'s)
+        keeps it current with :meth:`refresh_flags`."""
         if boundaries == "allow":
             return batch
         leaves = flatten(batch, "out")
@@ -347,11 +331,10 @@ class ReplayConfig:
         return batch
 
     def refresh_flags(self, batch: Transition) -> None:
-        """Recompute, in place, ``batch.has_transition`` of a batch :meth:`with_flags` flagged whose
-        rows were refilled since (a ``GraphSampler``'s fixed outputs after each gather): from its
-        ``info["is_last"]`` rows, without allocating for a ``(B, n_steps)`` bool leaf (the
-        source's), so a captured CUDA graph may hold it. Nothing to do for an unflagged batch, for
-        ``n_steps == 1`` or without that leaf (the flag is constant then)."""
+        """Recompute, in place, ``batch.has_transition`` of a batch :meth:`with_flags` flagged whose rows were refilled
+        since (a ``GraphSampler``'s fixed outputs after each gather): from its ``info["is_last"]`` rows, without
+        allocating for a ``(B, n_steps)`` bool leaf (the source's), so a captured CUDA graph may hold it. Nothing to do
+        for an unflagged batch, for ``n_steps == 1`` or without that leaf (the flag is constant then)."""
         has = batch.has_transition
         if has is None or self.n_steps == 1 or IS_LAST not in self.by_path:
             return

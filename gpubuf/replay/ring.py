@@ -10,18 +10,13 @@ truncated), and, per validity kind, which starts may begin a window. A kind is t
   the window never crosses into the next episode.
 
 Every kind's windows lie inside the written rows and never cross the write seam, and never start at a row that holds
-no transition (an env source's row holding an episode's last observation, ``info["is_last"]``).
-
-Everything here is numpy on the host: the replay buffer turns the validity it computes into device masks and
-sampling mass.
+no transition (an env source's row holding an episode's last observation, ``info["is_last"]``). The buffer turns
+the validity computed here into device masks and sampling mass.
 
 Glossary (shared by the buffers, tiers and ops): ``M`` rows per env; ``E`` envs (only ever the number of envs);
 ``D`` words or elements per row of a leaf; flat start ``row * E + env``; window: the rows a sampled start reads
 (:meth:`StartRing.window`); kind: the two validity bits above; held rows: the ``count`` rows before ``pos``; head
 rows: of ``T`` rows written at ``pos``, those before the wrap (``min(T, M - pos)``).
-
-:class:`RowEvents` is what a buffer tells each part that follows its rows (its sampler, selector, reader, rate
-limiter), through one list of parts.
 """
 
 import os
@@ -32,8 +27,8 @@ NEXT_OBS, IN_EPISODE = 1, 2  # validity kind bits
 
 
 class RowEvents:
-    """The events a buffer tells every part in its list of parts, each part in the list's order, once the ring
-    holds the change (here: nothing to do; a part overrides what it follows)."""
+    """The events a buffer tells every part that follows its rows (sampler, selector, reader, rate limiter), each part
+    in its list's order, once the ring holds the change (here: nothing to do; a part overrides what it follows)."""
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
         """``T`` new rows were written at ``pos``: ``pos .. pos + before_wrap - 1``, then ``0 .. T - before_wrap -

@@ -27,11 +27,10 @@ import numpy as np
 
 
 def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
-    """Every whole episode ``buffer`` holds, env by env, oldest first: ``{"env", "first_step", "observations"
-    (T + 1, ...), "actions" (T, ...), "rewards" (T,), "terminations" (T,), "truncations" (T,), "infos" {name:
-    (T + 1, ...)}}`` numpy arrays (an ``info`` leaf's value on each observation's row; with stored next
-    observations, the last one repeats the last transition's). ``ValueError`` naming ``buffer`` for a buffer
-    that keeps no final observations."""
+    """Every whole episode ``buffer`` holds, env by env, oldest first: ``{"env", "first_step", "observations" (T + 1,
+    ...), "actions" (T, ...), "rewards" (T,), "terminations" (T,), "truncations" (T,), "infos" {name: (T + 1, ...)}}``
+    numpy arrays (an ``info`` leaf's value on each observation's row; with stored next observations, the last one
+    repeats the last transition's). ``ValueError`` naming ``buffer`` for a buffer that keeps no final observations."""
     state, data = _exported_data(buffer, first_is_reset)
     is_last = data.get("info['is_last']")
     M, count, pos = data["observation"].shape[0], state["count"], state["pos"]

@@ -63,10 +63,9 @@ def check_range(ring, idx: torch.Tensor) -> None:
 
 
 def row_values(config, values, B: int, n_steps: int) -> dict:
-    """``{path: (tensor, windows)}`` of ``values`` ``{name: (B, ...)}`` checked against the buffer's ``info``
-    leaves (not ``is_last``): a leaf's ``(B, *shape)`` values go to the start rows, ``(B, n_steps, *shape)`` ones
-    (``n_steps > 1``) to every row of the windows (``windows`` True). ``ValueError``/``TypeError`` naming
-    ``values``."""
+    """``{path: (tensor, windows)}`` of ``values`` ``{name: (B, ...)}`` checked against the buffer's ``info`` leaves
+    (not ``is_last``): a leaf's ``(B, *shape)`` values go to the start rows, ``(B, n_steps, *shape)`` ones (``n_steps >
+    1``) to every row of the windows (``windows`` True). ``ValueError``/``TypeError`` naming ``values``."""
     allowed = sorted(leaf.path[1] for leaf in config.leaves
                      if leaf.path[0] == "info" and len(leaf.path) == 2 and leaf.path != IS_LAST)
     if not isinstance(values, dict) or not values:
@@ -117,19 +116,17 @@ class WriteBackDoors:
     @torch.compiler.disable
     @locked
     def update_rows(self, indices, values: dict, *, generations=None):
-        """Write ``values`` ``{name: (B, ...)}`` into the stored ``info`` leaves (say latents a
-        world model computed from the sampled windows) at flat starts ``indices`` (B,); returns
-        ``self``. A leaf's ``(B, *shape)`` values go to the start rows; with ``n_steps > 1``,
-        ``(B, n_steps, *shape)`` values go to every row of the windows. With ``generations`` (from
-        ``sample(..., return_generations=True)``) the starts whose rows were overwritten since the
-        sample are skipped, and :attr:`stale_updates` counts them. Duplicate starts: one of their
-        values is kept. Observations, actions, rewards and flags are not written back.
+        """Write ``values`` ``{name: (B, ...)}`` into the stored ``info`` leaves (say latents a world model computed
+        from the sampled windows) at flat starts ``indices`` (B,); returns ``self``. A leaf's ``(B, *shape)`` values go
+        to the start rows; with ``n_steps > 1``, ``(B, n_steps, *shape)`` values go to every row of the windows. With
+        ``generations`` (from ``sample(..., return_generations=True)``) the starts whose rows were overwritten since the
+        sample are skipped, and :attr:`stale_updates` counts them. Duplicate starts: one of their values is kept.
+        Observations, actions, rewards and flags are not written back.
 
-        Raises (writing nothing) on a name that is not an ``info`` leaf, a misshapen value or one
-        its leaf's dtype cannot hold, non-integer indices or ones outside ``[0, max_size)``
-        (``IndexError``), a rows not held (``IndexError``, without ``generations``), or a closed
-        ``storage_dir`` buffer; on a ``storage_dir`` the values reach the files as the other rows do
-        (made durable by ``flush()``)."""
+        Raises (writing nothing) on a name that is not an ``info`` leaf, a misshapen value or one its leaf's dtype
+        cannot hold, non-integer indices or ones outside ``[0, max_size)`` (``IndexError``), a rows not held
+        (``IndexError``, without ``generations``), or a closed ``storage_dir`` buffer; on a ``storage_dir`` the values
+        reach the files as the other rows do (made durable by ``flush()``)."""
         self.storage.check_open()
         idx = index_array(indices).to(torch.int64)
         checked = row_values(self.config, values, idx.shape[0], self.config.n_steps)
@@ -157,14 +154,12 @@ class WriteBackDoors:
     @torch.compiler.disable
     @locked
     def cut_episodes(self, envs=None):
-        """End every env's episode (``envs``: a ``(n_envs,)`` bool mask of the envs to end) at its newest row,
-        in place: ``truncated`` is set there (unless that row
-        ends an episode already, a termination say), so no window
-        with ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it
-        (its successor counts as unknown, as after a truncation whose final observation was not kept).
-        What a source without ``info["is_last"]`` rows does when its run is cut (a ``reset()``, the buffer
-        detached). Returns ``self``; an empty buffer is left as it is; ``ValueError`` without a
-        ``truncated`` leaf."""
+        """End every env's episode (``envs``: a ``(n_envs,)`` bool mask of the envs to end) at its newest row, in place:
+        ``truncated`` is set there (unless that row ends an episode already, a termination say), so no window with
+        ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it (its successor
+        counts as unknown, as after a truncation whose final observation was not kept). What a source without
+        ``info["is_last"]`` rows does when its run is cut (a ``reset()``, the buffer detached). Returns ``self``; an
+        empty buffer is left as it is; ``ValueError`` without a ``truncated`` leaf."""
         paths = self.config.paths("truncated")
         if not paths:
             raise ValueError("cut_episodes: the buffer stores no truncated leaf to mark the cut with")

@@ -105,34 +105,33 @@ def _refusal(prioritized: bool, out, return_indices, frame_stack, frame_stride, 
 @refuse_copies("it is bound to a torch.distributed process group; copy its local buffer (local) and build a "
                "ShardedBuffer from the copy in each rank")
 class ShardedBuffer(Samples):
-    """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``: the default
-    group). Construction is collective: every rank checks that all shards share class, ``max_size``, ``n_envs``,
-    ``n_steps``, leaf shapes and dtypes (and ``alpha``, ``eps``); a mismatch raises ``ValueError`` on every rank
-    naming the field.
+    """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``: the default group).
+    Construction is collective: every rank checks that all shards share class, ``max_size``, ``n_envs``, ``n_steps``,
+    leaf shapes and dtypes (and ``alpha``, ``eps``); a mismatch raises ``ValueError`` on every rank naming the field.
 
     Collective methods (every rank of the group must call them, in the same order): :meth:`sample`,
-    :meth:`update_priorities`, :meth:`num_valid`, :meth:`load`, :meth:`load_state_dict`. Local ones:
-    :meth:`insert`, :meth:`state_dict`, :meth:`save`.
+    :meth:`update_priorities`, :meth:`num_valid`, :meth:`load`, :meth:`load_state_dict`. Local ones: :meth:`insert`,
+    :meth:`state_dict`, :meth:`save`.
 
-    :meth:`sample` is the buffers' own (:mod:`gpubuf.replay.sampling.sample_args`), collective: each rank gets its
-    own :class:`~gpubuf.Batch` drawn from the union of the shards; ``batch_size`` may differ between ranks,
-    ``with_replacement``, ``boundaries`` and the unit's ``next_obs`` must agree. A prioritized batch carries
-    ``weights = (N * P_i)**-beta / max over the batch`` (``N`` and ``P`` global) and global ``indices``, ``rank *
-    max_size + start``; a uniform one no indices. An int ``key`` is mixed with the rank. Not offered (``ValueError``
-    naming the argument on the rank that gave it, ``RuntimeError`` on the others): ``out``, units with frame
-    stacks or n-step returns, generations (write-backs to shards are not generation-checked).
+    :meth:`sample` is the buffers' own (:mod:`gpubuf.replay.sampling.sample_args`), collective: each rank gets its own
+    :class:`~gpubuf.Batch` drawn from the union of the shards; ``batch_size`` may differ between ranks,
+    ``with_replacement``, ``boundaries`` and the unit's ``next_obs`` must agree. A prioritized batch carries ``weights =
+    (N * P_i)**-beta / max over the batch`` (``N`` and ``P`` global) and global ``indices``, ``rank * max_size +
+    start``; a uniform one no indices. An int ``key`` is mixed with the rank. Not offered (``ValueError`` naming the
+    argument on the rank that gave it, ``RuntimeError`` on the others): ``out``, units with frame stacks or n-step
+    returns, generations (write-backs to shards are not generation-checked).
 
-    Without replacement, each rank's batch is exact sequential sampling without replacement from the union:
-    rounds of draws with replacement from the shards' remaining masses (mass less what this rank already drew
-    there), where each owner zeroes, for that requester only, the starts it already drew in its tree, descends
-    and restores them; first appearances are kept (one ``all_gather`` of counts and two ``all_to_all`` per round,
-    usually one or two rounds), then the windows are fetched. A shard's remaining mass is its total less what was
-    drawn there, in float64: when one start's mass exceeds the rest of its shard by about ``2**52`` (priority
-    ratios no TD error produces in practice), that subtraction loses the rest and the shard's share after the big
-    start is drawn is no longer exact; a local buffer has no such limit (its trees sum what remains).
+    Without replacement, each rank's batch is exact sequential sampling without replacement from the union: rounds of
+    draws with replacement from the shards' remaining masses (mass less what this rank already drew there), where each
+    owner zeroes, for that requester only, the starts it already drew in its tree, descends and restores them; first
+    appearances are kept (one ``all_gather`` of counts and two ``all_to_all`` per round, usually one or two rounds),
+    then the windows are fetched. A shard's remaining mass is its total less what was drawn there, in float64: when one
+    start's mass exceeds the rest of its shard by about ``2**52`` (priority ratios no TD error produces in practice),
+    that subtraction loses the rest and the shard's share after the big start is drawn is no longer exact; a local
+    buffer has no such limit (its trees sum what remains).
 
-    Threads: every method holds the local buffer's lock (collectives too, while they wait for the other ranks),
-    so an actor thread may insert into the local buffer while a learner thread runs the collective calls.
+    Threads: every method holds the local buffer's lock (collectives too, while they wait for the other ranks), so an
+    actor thread may insert into the local buffer while a learner thread runs the collective calls.
     """
 
     def __init__(self, local: TransitionBuffer, group=None):

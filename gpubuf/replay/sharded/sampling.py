@@ -1,9 +1,6 @@
 """Sampling from the union of the shards: each request's shard drawn from the global masses, its start drawn by
-the owner's own tree with the requester's uniforms (:mod:`gpubuf.replay.sharded.buffer` describes the exchanges).
-
-Start ``j`` of the shard on group rank ``r`` has the global index ``r * S + j``, ``S`` the start slots of one
-shard.
-"""
+the owner's own tree with the requester's uniforms (:mod:`gpubuf.replay.sharded.buffer` describes the exchanges
+and the global indices)."""
 
 import numpy as np
 import torch
@@ -68,21 +65,17 @@ class ShardSampler:
     def _draw(self, B, kind, which, error, gen, with_replacement, with_next_obs, boundaries):
         """:meth:`sample` once its arguments are read (``which``: the index of ``boundaries``)."""
         t = self.transport
-        mass = torch.zeros(1, dtype=torch.float64, device=t.device)
-        if error is None:
-            mass = self._shard_mass(kind)
+        mass = self._shard_mass(kind) if error is None else torch.zeros(1, dtype=torch.float64, device=t.device)
         head = torch.tensor([self.sampler.count_valid(kind) if error is None else 0, B, bool(with_replacement),
                              bool(with_next_obs), error is not None, which], dtype=torch.float64, device=t.device)
         info = t.all_gather(torch.cat([mass, head])).cpu()
         masses, counts, sizes = info[:, 0], info[:, 1].long(), info[:, 2].long().tolist()
         t.fail("sample", torch.nonzero(info[:, 5]).view(-1).tolist(), error)
-        for col, name in ((3, "with_replacement"), (4, "with_next_obs")):
+        for col, name, show in ((3, "with_replacement", bool), (4, "with_next_obs", bool),
+                                (6, "boundaries", lambda v: BOUNDARIES[int(v)])):
             if not bool((info[:, col] == info[0, col]).all()):
                 raise ValueError(f"{name}: must agree on every rank of the group, got "
-                                 f"{[bool(v) for v in info[:, col]]} by rank")
-        if not bool((info[:, 6] == info[0, 6]).all()):
-            raise ValueError("boundaries: must agree on every rank of the group, got "
-                             f"{[BOUNDARIES[int(v)] for v in info[:, 6]]} by rank")
+                                 f"{[show(v) for v in info[:, col]]} by rank")
         N = int(counts.sum())
         if N == 0:
             raise ValueError("sample: no valid sequence start in any shard yet")

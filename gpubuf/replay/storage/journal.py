@@ -1,8 +1,7 @@
-"""The row journal of a ``storage_dir`` (``counters.bin``): twelve int64,
-``[active slot, dirty, slot 0 (position, rows held, rows ever written, flushes), slot 1 (likewise), boot id
-(2 words)]``. A commit writes the inactive slot, then flips ``active`` with one aligned 8-byte store, so a
-process killed at any instant leaves one whole slot; ``dirty`` and the boot id tell an operating-system crash
-with unflushed writes (:mod:`gpubuf.replay.storage.directory`)."""
+"""The row journal of a ``storage_dir`` (``counters.bin``): twelve int64, ``[active slot, dirty, slot 0 (position, rows
+held, rows ever written, flushes), slot 1 (likewise), boot id (2 words)]``. A commit writes the inactive slot, then
+flips ``active`` with one aligned 8-byte store, so a process killed at any instant leaves one whole slot; ``dirty`` and
+the boot id tell an operating-system crash with unflushed writes (:mod:`gpubuf.replay.storage.directory`)."""
 
 import uuid
 from pathlib import Path

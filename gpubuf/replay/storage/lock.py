@@ -17,9 +17,7 @@ _HELD_LOCKS: "weakref.WeakSet[DirLock]" = weakref.WeakSet()
 
 
 def _close_inherited_locks() -> None:
-    """In a forked child: close the child's copies of the lock descriptors. The owner's ``flock`` stays (it
-    belongs to the open file the owner still holds); the child no longer keeps it alive after the owner closes,
-    nor conflicts with its own later open of the directory."""
+    """In a forked child: close the child's copies of the lock descriptors (module docstring)."""
     for lock in list(_HELD_LOCKS):
         with contextlib.suppress(OSError, ValueError):
             lock.file.close()

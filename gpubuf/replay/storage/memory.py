@@ -1,18 +1,16 @@
 """Where a replay buffer's transitions live: one storage object, chosen once at construction.
 
-Every storage has the same small surface: :meth:`~MemoryStorage.stage` (check and convert an
-insert's leaves, before anything is written), :meth:`~MemoryStorage.write` (commit staged rows at a
-ring position), :meth:`~MemoryStorage.gather` (the windows of sampled starts, on the sampling
-device), and the journal hooks a buffer calls around its writes, flushes and loads (no-ops but for
-files).
+Every storage has the same small surface: :meth:`~MemoryStorage.stage` (check and convert an insert's leaves, before
+anything is written), :meth:`~MemoryStorage.write` (commit staged rows at a ring position),
+:meth:`~MemoryStorage.gather` (the windows of sampled starts, on the sampling device), and the journal hooks a buffer
+calls around its writes, flushes and loads (no-ops but for files).
 
-- :class:`MemoryStorage`: time-major ``(M, E, *shape)`` tensors on the sampling device, or in host
-  memory (``storage_device="cpu"``: windows are gathered on the host into pinned memory and copied
-  over with non-blocking copies). Host RAM keeps the time-major layout: there env-major rows gather
-  large frames only a little faster, small leaves slower, and scatter every insert over the envs.
+- :class:`MemoryStorage`: time-major ``(M, E, *shape)`` tensors on the sampling device, or in host memory
+  (``storage_device="cpu"``: windows are gathered on the host into pinned memory and copied over with non-blocking
+  copies; time-major there too: :mod:`gpubuf.replay.storage.tiers` says why).
 - :class:`MappedStorage`: env-major ``(E, M, *shape)`` files of a ``storage_dir``
-  (:class:`~gpubuf.replay.storage.directory.StorageDir`: allocation, lock, row journal), written through
-  transposed ``(M, E, *shape)`` views and gathered with :func:`gpubuf.replay.storage.tiers.env_major_gather`.
+  (:class:`~gpubuf.replay.storage.directory.StorageDir`: allocation, lock, row journal), written through transposed
+  ``(M, E, *shape)`` views and gathered with :func:`gpubuf.replay.storage.tiers.env_major_gather`.
 """
 
 import numpy as np
@@ -42,8 +40,7 @@ class MemoryStorage:
         self._bind(config, device, base, base)
 
     def _bind(self, config: ReplayConfig, device: torch.device, views: dict, base: dict) -> None:
-        """Keep ``views`` ``{name: (M, E, *shape)}`` (time-major, as written) of contiguous ``base``
-        tensors."""
+        """Keep ``views`` ``{name: (M, E, *shape)}`` (time-major, as written) of contiguous ``base`` tensors."""
         M, E = config.max_rows, config.n_envs
         # what each op call runs: a storage_dir's env-major files gather with the twins
         self.config, self.device, self.table = config, device, ops.backend_table(device, env_major=self.dir is not None)
@@ -63,9 +60,8 @@ class MemoryStorage:
         return list(self.data.values())
 
     def stage(self, values: dict, given: dict, owned: tuple) -> dict:
-        """Each leaf of an insert converted for storage (where any conversion fails, before any
-        write): a numpy array for a same-dtype host input into host storage, else a staged
-        tensor."""
+        """Each leaf of an insert converted for storage (where any conversion fails, before any write): a numpy array
+        for a same-dtype host input into host storage, else a staged tensor."""
         staged = {}
         for leaf in self.config.leaves:
             t = values[leaf.path]
@@ -77,8 +73,7 @@ class MemoryStorage:
         return staged
 
     def write(self, staged: dict, pos: int, before_wrap: int, T: int) -> None:
-        """Rows ``pos .. pos + before_wrap - 1`` and ``0 .. T - before_wrap - 1`` = the staged
-        rows."""
+        """Rows ``pos .. pos + before_wrap - 1`` and ``0 .. T - before_wrap - 1`` = the staged rows."""
         for p, src in staged.items():
             dst = self.host[p] if isinstance(src, np.ndarray) else self.data[p]
             if before_wrap == T:
@@ -90,8 +85,7 @@ class MemoryStorage:
     # ------------------------------------------------------------------ windows
 
     def check_out(self, out, jobs: list, device, owned: tuple) -> dict:
-        """``{output path: (tensor or None, stored path, shift, shape)}``, checking a caller's
-        ``out``."""
+        """``{output path: (tensor or None, stored path, shift, shape)}``, checking a caller's ``out``."""
         if out is None:
             return {d: (None, s, shift, shape) for d, s, shift, shape in jobs}
         given, result, by_path = flatten(out, "out"), {}, self.config.by_path
@@ -160,15 +154,13 @@ class MemoryStorage:
         return result
 
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
-        """Fill :meth:`outputs`' ``work`` with the windows of flat ``starts`` (B,) on this storage's
-        device."""
+        """Fill :meth:`outputs`' ``work`` with the windows of flat ``starts`` (B,) on this storage's device."""
         config = self.config
         self.table.window_gather(work, starts, config.n_steps, config.n_envs, config.max_rows)
 
     def outputs(self, B: int, jobs: dict, device, pin: bool = False) -> tuple[dict, list]:
-        """``({output path: tensor}, [(stored words, output words (B, n, D), shift)])`` for
-        ``jobs``: the given output tensors, or fresh ones on ``device`` (``pin``: in pinned host
-        memory)."""
+        """``({output path: tensor}, [(stored words, output words (B, n, D), shift)])`` for ``jobs``: the given output
+        tensors, or fresh ones on ``device`` (``pin``: in pinned host memory)."""
         n, result, work, by_path = self.config.n_steps, {}, [], self.config.by_path
         for d, (dst, s, shift, shape) in jobs.items():
             src = self.words[s]
@@ -216,23 +208,17 @@ class MemoryStorage:
         """Release what lets this storage be written (a ``storage_dir``'s lock)."""
 
     def reopen(self, ring, reopen, generator: torch.Generator) -> bool:
-        """Restore what a re-opened directory holds into ``ring``, the sampler (``reopen(flushed state or
-        None, rows held written after it)``) and ``generator``;
-        returns whether its flushed state was saved by a flush cut short (the buffer then completes
-        it). Nothing to re-open here."""
+        """Restore what a re-opened directory holds into ``ring``, the sampler (``reopen(flushed state or None, rows
+        held written after it)``) and ``generator``; returns whether its flushed state was saved by a flush cut short
+        (the buffer then completes it). Nothing to re-open here."""
         return False
 
 
 class MappedStorage(MemoryStorage):
-    """Env-major ``(E, M, *shape)`` files of the ``storage_dir`` ``path`` (re-opened when it holds
-    this configuration; ``reopened`` says so), host memory written through time-major views.
-
-    One process writes: the one that opened the directory. In another (a child forked after the
-    buffer was made, which inherits the mapping and the lock), :meth:`check_open`, which every write
-    passes first (insert, load, flush, priority and beta updates), raises ``RuntimeError`` naming
-    the directory and both pids, and :attr:`closed` is true, so the buffer's ``close()`` does
-    nothing there (the owner's lock and files untouched). Sampling there reads the shared mapping.
-    """
+    """Env-major ``(E, M, *shape)`` files of the ``storage_dir`` ``path`` (re-opened when it holds this
+    configuration; ``reopened`` says so), host memory written through time-major views. Every write (insert,
+    load, flush, priority and beta updates) passes :meth:`check_open` first, which refuses a process other than
+    the one that opened the directory; there :attr:`closed` is true (:mod:`gpubuf.replay.storage.directory`)."""
 
     def __init__(self, config: ReplayConfig, path):
         M, E = config.max_rows, config.n_envs
