@@ -27,8 +27,7 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         its copies are built from)."""
         c = self.config
         lead = (1, c.n_envs) if c.vectorized_env else (1,)
-        sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype)
-                            for leaf in c.leaves})
+        sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype) for leaf in c.leaves})
         limiter = self.rate_limiter
         return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size,
                 "data_sample": sample, "vectorized_env": c.vectorized_env, "n_steps": c.n_steps,
@@ -107,8 +106,7 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
                 for part in self.parts:
                     part.rows_loaded(False)
                 raise
-            self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends,
-                              last=last)
+            self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends, last=last)
             for part in self.parts:  # validity, trees and marks are rebuilt from the rows
                 part.rows_loaded(True)
             self.generator.set_state(rng)

@@ -77,8 +77,7 @@ class ReplayConfig:
     leaves: tuple[Leaf, ...]
     extra: tuple[tuple[str, Any], ...] = ()
 
-    STATE_FIELDS = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs",
-                    "max_rows")
+    STATE_FIELDS = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs", "max_rows")
 
     @classmethod
     def build(cls, buffer: str, max_size, sample_batch_size, data_sample: Transition,
@@ -88,8 +87,7 @@ class ReplayConfig:
         sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
         n_steps = positive_int("n_steps", n_steps)
         vectorized_env = check_bool("vectorized_env", vectorized_env)
-        samples = {p: as_tensor(v, leaf_name(p))
-                   for p, v in flatten(data_sample, "data_sample").items()}
+        samples = {p: as_tensor(v, leaf_name(p)) for p, v in flatten(data_sample, "data_sample").items()}
         if not samples:
             raise ValueError("data_sample: expected at least one non-None field")
         lead = 2 if vectorized_env else 1
@@ -123,10 +121,8 @@ class ReplayConfig:
         if sample_batch_size > most:
             raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got "
                              f"{sample_batch_size}")
-        leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), t.dtype)
-                       for p, t in samples.items())
-        return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves,
-                   tuple(extra))
+        leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), t.dtype) for p, t in samples.items())
+        return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves, tuple(extra))
 
     # ------------------------------------------------------------------ what the leaves imply
 
@@ -163,8 +159,7 @@ class ReplayConfig:
 
     def as_dict(self, *, batch: bool = True) -> dict:
         """Plain values to compare: type, version, sizes and ``extra`` (``batch``: with ``sample_batch_size``)."""
-        fields = {name: getattr(self, name) for name in self.STATE_FIELDS
-                  if batch or name != "sample_batch_size"}
+        fields = {name: getattr(self, name) for name in self.STATE_FIELDS if batch or name != "sample_batch_size"}
         return {"buffer": self.buffer, "version": 1, **fields, **dict(self.extra)}
 
     def items_in(self, transition) -> int | None:
@@ -215,8 +210,7 @@ class ReplayConfig:
         termination: discount 0, no successor read); ``raw``: every ``truncated`` row."""
         trunc, ends, last = self.flag_paths
         rows = {p: self._set_rows(leaves[p], T) for p in dict.fromkeys(ends + last)}  # one pass
-        return cut_rows(rows, trunc, [] if raw else self.term_paths), any_rows(rows, ends), \
-            any_rows(rows, last)
+        return cut_rows(rows, trunc, [] if raw else self.term_paths), any_rows(rows, ends), any_rows(rows, last)
 
     def check_state(self, state, template: dict) -> tuple:
         """``(pos, count, rng, row flags)`` of a ``state_dict`` checked against this configuration
@@ -232,8 +226,7 @@ class ReplayConfig:
         None without their leaves), checking that its ``trunc`` matches its ``truncated`` rows."""
         trunc = host_tensor(state["trunc"]).numpy().copy()
         paths = set(sum(self.flag_paths, []))
-        flags = {leaf.path: host_tensor(state["data"][leaf.name]) for leaf in self.leaves
-                 if leaf.path in paths}
+        flags = {leaf.path: host_tensor(state["data"][leaf.name]) for leaf in self.leaves if leaf.path in paths}
         stored, ends, last = self.row_flags(flags, self.max_rows)
         if stored is None:
             stored = np.zeros_like(trunc)

@@ -44,5 +44,4 @@ class Provenance:
         several envs interleaves: ``env`` is each row's stored ``info["env_id"]`` (a source's
         ``transition_sample(vectorized=False)`` has it), else 0, and ``step`` counts the stream's rows (this module)."""
         flat, device = host_indices(indices)
-        return tuple(torch.from_numpy(a).to(device)
-                     for a in locate(self.config, self.storage, self.ring, flat))
+        return tuple(torch.from_numpy(a).to(device) for a in locate(self.config, self.storage, self.ring, flat))

@@ -48,8 +48,7 @@ class RateLimiter:
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float,
                  timeout: float | None = None):
         self.samples_per_insert = _positive("samples_per_insert", samples_per_insert)
-        if _flag(min_size_to_sample) or not isinstance(min_size_to_sample, Integral) \
-                or min_size_to_sample < 1:
+        if _flag(min_size_to_sample) or not isinstance(min_size_to_sample, Integral) or min_size_to_sample < 1:
             raise ValueError(f"min_size_to_sample: expected an int >= 1, got {min_size_to_sample!r}")
         self.min_size_to_sample = int(min_size_to_sample)
         for name, v in (("min_diff", min_diff), ("max_diff", max_diff)):
@@ -60,8 +59,7 @@ class RateLimiter:
             raise ValueError(f"min_diff, max_diff: expected max_diff - min_diff >= {gap:g} "
                              f"(2 * max(1, samples_per_insert)), got {min_diff!r} and {max_diff!r}")
         self.min_diff, self.max_diff = float(min_diff), float(max_diff)
-        if timeout is not None and (_flag(timeout) or not isinstance(timeout, Real)
-                                    or not timeout >= 0):
+        if timeout is not None and (_flag(timeout) or not isinstance(timeout, Real) or not timeout >= 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         self.timeout = timeout if timeout is None or type(timeout) in (int, float) else float(timeout)
         self.inserts = self.samples = 0

@@ -51,8 +51,7 @@ class MemoryStorage:
         self.words = {p: as_words(t)[0] for p, t in self.flat.items()}
         # host storage as numpy views: a same-dtype host array is written by one numpy slice
         # assignment
-        self.host = {p: t.numpy() for p, t in self.data.items()
-                     if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
+        self.host = {p: t.numpy() for p, t in self.data.items() if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
         self.staging = Staging(device)
         self._host_jobs: dict = {}  # (B, with_next_obs) -> host_jobs
 
@@ -93,8 +92,7 @@ class MemoryStorage:
             t, dtype = given.get(d), by_path[s].dtype
             if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
                     or t.device != device or not t.is_contiguous()):
-                got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
-                       else type(t).__name__)
+                got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__)
                 raise ValueError(f"out.{leaf_name(d)}: expected a contiguous {dtype} tensor of "
                                  f"shape {shape} on {device}, got {got}")
             result[d] = (t, s, shift, shape)
@@ -169,8 +167,7 @@ class MemoryStorage:
                 continue
             if dst is None:
                 try:
-                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device,
-                                        pin_memory=pin)
+                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device, pin_memory=pin)
                 except (RuntimeError, torch.OutOfMemoryError) as err:
                     raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} "
                                       f"for {leaf_name(d)}, which cannot be allocated on {device} "
@@ -232,8 +229,7 @@ class MappedStorage(MemoryStorage):
 
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
         config = self.config
-        tiers.env_major_gather(work, starts, config.n_steps, config.n_envs, config.max_rows,
-                               prefetch=True)
+        tiers.env_major_gather(work, starts, config.n_steps, config.n_envs, config.max_rows, prefetch=True)
 
     @property
     def closed(self) -> bool:  # closed, or (a forked child) open in another process
@@ -269,8 +265,7 @@ class MappedStorage(MemoryStorage):
         pos, count, total, flushes = self.dir.opened_counters(M)
         trunc, ends, last = self.config.row_flags({p: self.data[p] for p in paths}, M)
         zeros = np.zeros((M, self.config.n_envs), dtype=bool)
-        ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends,
-                     total, last)
+        ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total, last)
         ahead = self.dir.restore_flushed(ring, flushes, reopen, generator)
         self.dir.claim()
         return ahead
