@@ -108,8 +108,7 @@ class ReplayConfig:
                 raise ValueError("data_sample: every leaf needs the same env axis (axis 1) >= 1, "
                                  f"got { {leaf_name(p): e for p, e in envs.items()} }")
         if max_size < E:
-            raise ValueError(f"max_size: expected at least one row per env ({E} envs), got "
-                             f"{max_size}")
+            raise ValueError(f"max_size: expected at least one row per env ({E} envs), got {max_size}")
         if max_size % E:
             warnings.warn(f"max_size: {max_size} is not divisible by {E} envs; rounded down to "
                           f"{max_size // E * E}",
@@ -119,8 +118,7 @@ class ReplayConfig:
             raise ValueError(f"n_steps: expected 1 <= n_steps <= {M} rows per env, got {n_steps}")
         most = E * (M - n_steps + 1)
         if sample_batch_size > most:
-            raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got "
-                             f"{sample_batch_size}")
+            raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got {sample_batch_size}")
         leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), t.dtype) for p, t in samples.items())
         return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves, tuple(extra))
 
@@ -189,18 +187,15 @@ class ReplayConfig:
             leaf = by_path[p]
             t, want = as_tensor(v, leaf.name), env + leaf.shape
             if t.dim() != len(want) + 1 or t.shape[1:] != want:
-                raise ValueError(f"{leaf.name}: expected shape (T, {', '.join(map(str, want))}), "
-                                 f"got {tuple(t.shape)}")
+                raise ValueError(f"{leaf.name}: expected shape (T, {', '.join(map(str, want))}), got {tuple(t.shape)}")
             if T is None:
                 T = t.shape[0]
             elif t.shape[0] != T:
-                raise ValueError(f"{leaf.name}: expected T = {T} rows like the other leaves, got "
-                                 f"{t.shape[0]}")
+                raise ValueError(f"{leaf.name}: expected T = {T} rows like the other leaves, got {t.shape[0]}")
             check_cast(t, leaf.dtype, leaf.name)
             values[p] = t
         if not 1 <= T <= self.max_rows:
-            raise ValueError(f"transition: expected 1 <= T <= {self.max_rows} rows per insert, got "
-                             f"T = {T}")
+            raise ValueError(f"transition: expected 1 <= T <= {self.max_rows} rows per insert, got T = {T}")
         return values, given, T
 
     def row_flags(self, leaves: dict, T: int, *, raw: bool = False) -> tuple:
@@ -233,8 +228,7 @@ class ReplayConfig:
         # earlier releases counted the rows both terminated and truncated in `trunc` too
         if not np.array_equal(trunc, stored) and \
                 not np.array_equal(trunc, self.row_flags(flags, self.max_rows, raw=True)[0]):
-            raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of "
-                             "state_dict['data']")
+            raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         return stored, ends, last
 
     def _set_rows(self, t: torch.Tensor | np.ndarray, T: int) -> np.ndarray:
@@ -262,8 +256,7 @@ class ReplayConfig:
         kind = (0 if (not with_next_obs or self.stores_next_obs) else NEXT_OBS) | \
             (IN_EPISODE if boundaries == "forbid" else 0)
         if kind not in self.kinds:
-            raise ValueError("with_next_obs: the buffer stores neither next_observation nor "
-                             "observation")
+            raise ValueError("with_next_obs: the buffer stores neither next_observation nor observation")
         return kind
 
     def batch_size(self, batch_size) -> int:

@@ -56,8 +56,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         self.eps = finite_float("eps", eps, 0.0, low_open=True)
         eps32 = float(np.float32(self.eps))
         if eps32 < _F32_TINY:
-            raise ValueError(f"eps: expected at least {_F32_TINY:g} (priorities are float32), got "
-                             f"{eps!r}")
+            raise ValueError(f"eps: expected at least {_F32_TINY:g} (priorities are float32), got {eps!r}")
         if self.alpha * math.log(eps32) < _LOG_TINY:
             raise ValueError(f"eps, alpha: eps**alpha = {eps32:g}**{self.alpha:g} underflows "
                              "float64, so a start with a zero TD error could never be drawn; raise "

@@ -80,8 +80,7 @@ def row_values(config, values, B: int, n_steps: int) -> dict:
         t = as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value, f"values[{name!r}]")
         shapes = [(B, *leaf.shape)] + ([(B, n_steps, *leaf.shape)] if n_steps > 1 else [])
         if tuple(t.shape) not in shapes:
-            raise ValueError(f"values[{name!r}]: expected shape {' or '.join(map(str, shapes))}, got "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"values[{name!r}]: expected shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
         check_cast(t, leaf.dtype, f"values[{name!r}]")
         out[leaf.path] = (t, t.dim() > len(shapes[0]))
     return out

@@ -241,8 +241,7 @@ class WriterHub:
                         "of those lanes publish as many)")
                 again = (f"; hand its lanes to a new writer: buffer.writer(envs={_show(w.envs)})"
                          if w.envs is not None else "")
-                raise WriterDied(f"{w}: its process {pid} exited or was killed; {left}; rows in flight are "
-                                 f"lost{again}")
+                raise WriterDied(f"{w}: its process {pid} exited or was killed; {left}; rows in flight are lost{again}")
 
 
 def _most(n: int, fits) -> int:

@@ -242,8 +242,7 @@ class MappedStorage(MemoryStorage):
         d = self.dir
         d.check_writer()
         if d.lock.file.closed:
-            raise ValueError(f"storage_dir: {str(d.path)!r} was closed; open a new buffer "
-                             "on it to write")
+            raise ValueError(f"storage_dir: {str(d.path)!r} was closed; open a new buffer on it to write")
 
     def before_write(self, pos: int, count: int, total: int, T: int) -> None:
         # held rows about to go: forgotten
