@@ -112,14 +112,12 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
     buffer (:mod:`gpubuf._core.copies`); a ``storage_dir`` buffer refuses (use :meth:`save` or ``state_dict``).
     """
 
-    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
-                 vectorized_env: bool = True, n_steps: int = 1, *, device=None,
-                 seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None,
-                 selector=None):
+    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
+                 n_steps: int = 1, *, device=None, seed: int | None = None, storage_device=None, storage_dir=None,
+                 rate_limiter=None, selector=None):
         seed = None if seed is None else int_seed("seed", seed)
-        self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size,
-                                                  data_sample, vectorized_env, n_steps,
-                                                  self._config_extra())
+        self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size, data_sample,
+                                                  vectorized_env, n_steps, self._config_extra())
         self._init_storage = (storage_device, storage_dir)  # as given, for copies
         for name in ReplayConfig.STATE_FIELDS:
             setattr(self, name, getattr(config, name))
@@ -267,10 +265,9 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         return self.reader.marks()
 
     @locked
-    def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
-                      boundaries="allow", *, frame_stack: int | None = None,
-                      frame_stride: int = 1, n_step_return: tuple[int, float] | None = None,
-                      minibatches: int = 1):
+    def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None, boundaries="allow", *,
+                      frame_stack: int | None = None, frame_stride: int = 1,
+                      n_step_return: tuple[int, float] | None = None, minibatches: int = 1):
         """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with device-side random
         numbers and no host sync, for capture in a CUDA graph or a ``torch.compile(fullgraph=True)`` learner step
         (``boundaries``: ``"allow"`` or ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the device
@@ -278,9 +275,8 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         :meth:`sample`; ``minibatches=K``: one draw of ``K`` minibatches of ``batch_size``, leaves ``(K, B, ...)``)."""
         from gpubuf.replay.sampling.graph_sampler import GraphSampler
 
-        return GraphSampler(self, batch_size, with_next_obs, generator, boundaries,
-                            frame_stack=frame_stack, frame_stride=frame_stride,
-                            n_step_return=n_step_return, minibatches=minibatches)
+        return GraphSampler(self, batch_size, with_next_obs, generator, boundaries, frame_stack=frame_stack,
+                            frame_stride=frame_stride, n_step_return=n_step_return, minibatches=minibatches)
 
     @locked
     def num_unserved(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:

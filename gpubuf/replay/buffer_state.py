@@ -29,10 +29,9 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         lead = (1, c.n_envs) if c.vectorized_env else (1,)
         sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype) for leaf in c.leaves})
         limiter = self.rate_limiter
-        return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size,
-                "data_sample": sample, "vectorized_env": c.vectorized_env, "n_steps": c.n_steps,
-                "device": str(self.device), "storage_device": self._init_storage[0],
-                "rate_limiter": None if limiter is None else limiter.fresh(),
+        return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size, "data_sample": sample,
+                "vectorized_env": c.vectorized_env, "n_steps": c.n_steps, "device": str(self.device),
+                "storage_device": self._init_storage[0], "rate_limiter": None if limiter is None else limiter.fresh(),
                 "selector": None if self.selector is None else self.selector.fresh(), **dict(c.extra)}
 
     def copy_refusal(self) -> str | None:
@@ -62,9 +61,8 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         own entries: tensors and plain values only; with a rate limiter, its counts (``"rate_limiter"``)."""
         state = self.config.as_dict()
         state.update(shapes={leaf.name: leaf.shape for leaf in self.config.leaves},
-                     data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves},
-                     pos=self.ring.pos, count=self.ring.count,
-                     trunc=torch.from_numpy(self.ring.trunc.copy()),
+                     data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves}, pos=self.ring.pos,
+                     count=self.ring.count, trunc=torch.from_numpy(self.ring.trunc.copy()),
                      rng=self.generator.get_state(), **self.sampler.state())
         if self.selector is not None:
             state.update(self.selector.state())

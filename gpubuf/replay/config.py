@@ -276,8 +276,7 @@ class ReplayConfig:
         pairs = [(leaf.path, leaf.path, 0) for leaf in self.leaves]
         pairs += [(("next_observation",) + p[1:], p, 1) for p in shifted]
         by_path = self.by_path
-        return [(d, s, shift, ((B, n) if n > 1 else (B,)) + by_path[s].shape)
-                for d, s, shift in pairs]
+        return [(d, s, shift, ((B, n) if n > 1 else (B,)) + by_path[s].shape) for d, s, shift in pairs]
 
     def with_flags(self, batch: Transition, boundaries: str, device) -> Transition:
         """``batch`` with ``is_first``, ``mask`` and ``has_transition`` (B, n_steps) bool (``(B,)`` when ``n_steps
@@ -307,8 +306,7 @@ class ReplayConfig:
                 batch.is_first[:, 1:] = False
             return batch
         done = torch.zeros(B, n, dtype=torch.bool, device=device)
-        # an env source's rows: an episode ends after its `is_last` row (which holds its last
-        # observation)
+        # an env source's rows: an episode ends after its `is_last` row (which holds its last observation)
         for p in [IS_LAST] if IS_LAST in leaves else ends:
             done |= (leaves[p] != 0).reshape(B, n, -1).any(2)
         ended = done[:, :-1]  # (B, n-1): row j ended an episode

@@ -47,10 +47,9 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     default_return_indices = True  # sample() without a unit: 0.2.0's (batch, flat_indices), until 0.3.0
     sampler: PrioritizedSampler
 
-    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
-                 vectorized_env: bool = True, n_steps: int = 1, alpha: float = 0.6,
-                 beta: float = 0.4, eps: float = 1e-6, *, device=None, seed: int | None = None,
-                 storage_device=None, storage_dir=None, rate_limiter=None, selector=None):
+    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
+                 n_steps: int = 1, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *, device=None,
+                 seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None, selector=None):
         self.alpha = finite_float("alpha", alpha, 0.0)
         self._initial_beta = finite_float("beta", beta, 0.0)
         self.eps = finite_float("eps", eps, 0.0, low_open=True)

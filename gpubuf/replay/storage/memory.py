@@ -49,8 +49,7 @@ class MemoryStorage:
         self.flat = {leaf.path: base[leaf.name].view(M * E, -1) for leaf in config.leaves}
         # windows are gathered as int words
         self.words = {p: as_words(t)[0] for p, t in self.flat.items()}
-        # host storage as numpy views: a same-dtype host array is written by one numpy slice
-        # assignment
+        # host storage as numpy views: a same-dtype host array is written by one numpy slice assignment
         self.host = {p: t.numpy() for p, t in self.data.items() if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
         self.staging = Staging(device)
         self._host_jobs: dict = {}  # (B, with_next_obs) -> host_jobs
@@ -107,8 +106,7 @@ class MemoryStorage:
             result, work = self.outputs(B, jobs, device)
             self.gather_windows(work, starts)
             return result
-        # host storage: gather on the host (into pinned memory for CUDA), then one non-blocking copy
-        # per leaf
+        # host storage: gather on the host (into pinned memory for CUDA), then one non-blocking copy per leaf
         host, work = self.outputs(B, {d: (None, *rest) for d, (_, *rest) in jobs.items()},
                                   self.device, pin=device.type == "cuda")
         self.gather_windows(work, starts.to(self.device))
