@@ -71,37 +71,32 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
     """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
 
     Args:
-        max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows, so
-            the buffer holds ``M * E`` (a remainder of ``max_size`` is not used).
+        max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows, so the buffer holds ``M *
+            E`` (a remainder of ``max_size`` is not used).
         sample_batch_size: default number of windows per :meth:`sample`.
-        data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when
-            ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and
-            dtypes.
-        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch
-            on sampling.
-        n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else
-            ``(B, n_steps, ...)``.
-        device: sampling device (validity, prefix-sum trees, priorities, returned batches);
-            ``None`` -> ``cuda`` when available, else ``cpu``.
-        seed: an int in ``[-2**63, 2**64)`` seeding the buffer's own generator (used when
-            :meth:`sample` gets ``key=None``); ``None`` seeds it from the OS.
-        storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host
-            memory: a CUDA buffer then gathers sampled windows on the host, reading the starts back
-            once per sample, and moves them to the device through pinned memory with non-blocking
-            copies).
-        storage_dir: a directory of memory-mapped files (one per leaf, env-major ``(E, M,
-            *shape)``). If it holds a buffer of this configuration (a mismatch raises, naming the
-            field), that buffer is re-opened: rows and counts as of its last insert, and what its
-            last :meth:`flush` saved (sampling RNG; priorities, rows inserted after that flush at
-            ``max_priority``). The buffer holds the directory's lock until :meth:`close`; files are
-            allocated up front; a process killed at any instant re-opens to a state the buffer has
-            been in (:mod:`gpubuf.replay.storage.directory` for the guarantee).
-        rate_limiter: a :class:`~gpubuf.RateLimiter` (one per buffer): :meth:`insert` and
-            :meth:`sample` wait for their turn (threads; holding no lock while they wait), its counts
-            ride along in ``state_dict`` and a ``storage_dir``'s flushes. ``None``: no limit.
+        data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when ``vectorized_env`` (``E``
+            = size of axis 1), else ``(T, ...)``; fixes keys, shapes and dtypes.
+        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch on sampling.
+        n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else ``(B, n_steps, ...)``.
+        device: sampling device (validity, prefix-sum trees, priorities, returned batches); ``None`` -> ``cuda`` when
+            available, else ``cpu``.
+        seed: an int in ``[-2**63, 2**64)`` seeding the buffer's own generator (used when :meth:`sample` gets
+            ``key=None``); ``None`` seeds it from the OS.
+        storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host memory: a CUDA buffer
+            then gathers sampled windows on the host, reading the starts back once per sample, and moves them to the
+            device through pinned memory with non-blocking copies).
+        storage_dir: a directory of memory-mapped files (one per leaf, env-major ``(E, M, *shape)``). If it holds a
+            buffer of this configuration (a mismatch raises, naming the field), that buffer is re-opened: rows and
+            counts as of its last insert, and what its last :meth:`flush` saved (sampling RNG; priorities, rows inserted
+            after that flush at ``max_priority``). The buffer holds the directory's lock until :meth:`close`; files are
+            allocated up front; a process killed at any instant re-opens to a state the buffer has been in
+            (:mod:`gpubuf.replay.storage.directory` for the guarantee).
+        rate_limiter: a :class:`~gpubuf.RateLimiter` (one per buffer): :meth:`insert` and :meth:`sample` wait for their
+            turn (threads; holding no lock while they wait), its counts ride along in ``state_dict`` and a
+            ``storage_dir``'s flushes. ``None``: no limit.
         selector: which valid starts :meth:`sample` draws (:mod:`gpubuf.replay.sampling.selectors`: ``Recency``,
-            ``Mixture`` of uniform, prioritized and recency, ``Fifo``/``Lifo`` queues, DreamerV3's ``Online``
-            queue; one per buffer). ``None``: the buffer's own draw.
+            ``Mixture`` of uniform, prioritized and recency, ``Fifo``/``Lifo`` queues, DreamerV3's ``Online`` queue; one
+            per buffer). ``None``: the buffer's own draw.
 
     Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the capacity. Without
     replacement the draw is exact sequential sampling without replacement (:mod:`gpubuf.replay.sampling.samplers`).

@@ -178,9 +178,8 @@ class ReplayConfig:
         if given.keys() != by_path.keys():
             missing = [leaf.name for leaf in self.leaves if leaf.path not in given]
             extra = [leaf_name(p) for p in given if p not in by_path]
-            raise ValueError("transition: leaves are fixed by data_sample "
-                             f"{[leaf.name for leaf in self.leaves]}; missing {missing}, "
-                             f"unexpected {extra}")
+            raise ValueError(f"transition: leaves are fixed by data_sample {[leaf.name for leaf in self.leaves]}; "
+                             f"missing {missing}, unexpected {extra}")
         values, T = {}, None
         env = (self.n_envs,) if self.vectorized_env else ()
         for p, v in given.items():

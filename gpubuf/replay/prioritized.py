@@ -57,9 +57,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         if eps32 < _F32_TINY:
             raise ValueError(f"eps: expected at least {_F32_TINY:g} (priorities are float32), got {eps!r}")
         if self.alpha * math.log(eps32) < _LOG_TINY:
-            raise ValueError(f"eps, alpha: eps**alpha = {eps32:g}**{self.alpha:g} underflows "
-                             "float64, so a start with a zero TD error could never be drawn; raise "
-                             "eps or lower alpha")
+            raise ValueError(f"eps, alpha: eps**alpha = {eps32:g}**{self.alpha:g} underflows float64, so a start "
+                             "with a zero TD error could never be drawn; raise eps or lower alpha")
         super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps,
                          device=device, seed=seed, storage_device=storage_device,
                          storage_dir=storage_dir, rate_limiter=rate_limiter, selector=selector)

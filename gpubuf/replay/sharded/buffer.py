@@ -24,13 +24,8 @@ call: ``8 * W * (B_max + 1)`` bytes of padded uniforms and 48 bytes to every ran
 replacement the starts are drawn first, in rounds (see :class:`ShardedBuffer`), then fetched: 8 bytes sent
 per window (its local start), ``window_bytes`` received.
 
-Collectives run on the shard's device with NCCL (split sizes are read back to the host: one sync per exchange)
-and on CPU tensors with gloo (a CUDA shard then stages through the host). Both backends implement
-``all_to_all_single`` with variable splits.
-
-The parts: :mod:`~gpubuf.replay.sharded.transport` (the collectives), :mod:`~gpubuf.replay.sharded.windows` (windows
-as bytes), :mod:`~gpubuf.replay.sharded.sampling` (the draws) and :mod:`~gpubuf.replay.sharded.priorities` (priority
-updates).
+Collectives run on the shard's device with NCCL and on CPU tensors with gloo
+(:mod:`~gpubuf.replay.sharded.transport`); both implement ``all_to_all_single`` with variable splits.
 """
 
 import hashlib

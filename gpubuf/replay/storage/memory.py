@@ -167,9 +167,8 @@ class MemoryStorage:
                 try:
                     words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device, pin_memory=pin)
                 except (RuntimeError, torch.OutOfMemoryError) as err:
-                    raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} "
-                                      f"for {leaf_name(d)}, which cannot be allocated on {device} "
-                                      f"({str(err).splitlines()[0]})") from None
+                    raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} for {leaf_name(d)}, "
+                                      f"which cannot be allocated on {device} ({str(err).splitlines()[0]})") from None
                 dst = words.view(torch.uint8).view(by_path[s].dtype).view(shape)
             else:  # a caller's tensor may sit at any offset: both sides get a word type they share
                 flat = self.flat[s]
