@@ -211,7 +211,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         when valid (uniform), ``priority**alpha`` (prioritized). A read-only diagnostic."""
         return self.sampler.sampling_mass(self.config.kind(with_next_obs, boundaries))
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
+    # an opaque call under torch.compile (so are the other writes): no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def insert(self, transition: Transition):

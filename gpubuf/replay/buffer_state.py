@@ -23,8 +23,7 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
     """State, copies and ``storage_dir`` write-back of a replay buffer."""
 
     def copy_args(self) -> dict:
-        """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into (what
-        its copies are built from)."""
+        """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into (its copies')."""
         c = self.config
         lead = (1, c.n_envs) if c.vectorized_env else (1,)
         sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype) for leaf in c.leaves})
@@ -77,13 +76,12 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         than left half-loaded. A rate limiter takes the state's counts (a state without them: as many inserts as
         transitions held, and samples that put the ratio in the middle of its band); a limiter's counts in the state of
         a buffer without one are ignored."""
-        limits = state.get("rate_limiter") if isinstance(state, dict) else None
-        served = state.get("selector_served") if isinstance(state, dict) else None
-        if isinstance(state, dict):  # optional entries, taken apart from the checked ones
-            state = {k: v for k, v in state.items() if k not in ("rate_limiter", "selector_served")}
-        template = self.state_dict()
-        template.pop("rate_limiter", None)
-        template.pop("selector_served", None)
+        optional = ("rate_limiter", "selector_served")  # taken apart from the checked entries
+        limits = served = None
+        if isinstance(state, dict):
+            limits, served = state.get("rate_limiter"), state.get("selector_served")
+            state = {k: v for k, v in state.items() if k not in optional}
+        template = {k: v for k, v in self.state_dict().items() if k not in optional}
         if self.selector is not None:
             self.selector.check_state(served)
             if served is not None:  # read now (a checkpoint's file-backed tensor): no I/O once writing began
@@ -160,11 +158,10 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         return self
 
     def __exit__(self, kind, error, trace) -> None:  # ``with`` closes a storage_dir buffer
-        if kind is None:
-            self.close()
-            return
         try:  # the body's own exception goes on; the close's is a warning
             self.close()
         except Exception as err:  # noqa: BLE001 (reported, not swallowed)
+            if kind is None:
+                raise
             warnings.warn(f"close() on leaving the with block that raised {kind.__name__}: "
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)

@@ -74,7 +74,6 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         """The running maximum priority."""
         return self.sampler.max_priority
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def update_priorities(self, indices, td_errors, *, generations=None, deferred: bool = False):

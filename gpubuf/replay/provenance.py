@@ -13,8 +13,7 @@ INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def stored_env(config) -> bool:
-    """Whether ``config`` is a flat buffer's that stores each row's env: an integer ``info["env_id"]``, one value per
-    row."""
+    """Whether ``config`` is a flat buffer's that stores each row's env: an integer ``info["env_id"]`` per row."""
     leaf = config.by_path.get(ENV_ID)
     return not config.vectorized_env and leaf is not None and leaf.shape == () and leaf.dtype in INTEGERS
 
@@ -31,8 +30,7 @@ def locate(config, storage, ring, flat: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 class Provenance:
-    """Mixed into :class:`~gpubuf.TransitionBuffer`, which provides ``lock``, ``config``, ``storage`` and ``ring``:
-    :meth:`locate`."""
+    """Mixed into :class:`~gpubuf.TransitionBuffer` (``lock``, ``config``, ``storage``, ``ring``): :meth:`locate`."""
 
     @locked
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -42,8 +42,7 @@ class RowEvents:
 
 
 class LimiterSize(RowEvents):
-    """A rate limiter as a part: told the size of the buffer (``ring``'s held rows times ``n_envs``) after each
-    write."""
+    """A rate limiter as a part: told the buffer's size (``ring``'s held rows times ``n_envs``) after each write."""
 
     def __init__(self, limiter, ring: "StartRing", n_envs: int):
         self.limiter, self.ring, self.n_envs = limiter, ring, n_envs
@@ -103,8 +102,7 @@ class StartRing:
         return pos, head_rows
 
     def truncate_row(self, row: int, envs: np.ndarray) -> None:
-        """Mark ``row`` truncated and ending an episode for the ``envs`` (E,) bool (validity is refreshed by the
-        caller)."""
+        """Mark ``row`` truncated and ending an episode for the ``envs`` (E,) bool (the caller refreshes validity)."""
         for flags, name in ((self.trunc, "n_trunc"), (self.ends, "n_ends")):
             before = int(np.count_nonzero(flags[row]))
             flags[row] |= envs
@@ -154,8 +152,7 @@ class StartRing:
         return ok if E == 1 else np.repeat(ok, E)
 
     def refresh(self, kind: int, r0: int, r1: int) -> tuple[np.ndarray, int]:
-        """Recompute the validity of rows ``[r0, r1)`` for ``kind``; returns it ((r1 - r0) * E,) and how many of those
-        starts are valid."""
+        """Recompute the validity of rows ``[r0, r1)`` for ``kind``; returns it ((r1 - r0) * E,) and its valid count."""
         ok = self.validity(r0, r1, kind)
         valid = self.valid[kind].reshape(-1)  # (M*E,) view
         lo, hi = r0 * self.n_envs, r1 * self.n_envs

@@ -38,8 +38,7 @@ class SteadyInsert:
         self.sig = None
 
     def learn(self, transition: Transition, given: dict) -> None:
-        """Keep ``transition``'s signature after it passed the checked path, when every leaf was
-        given as a numpy array of the stored dtype."""
+        """Keep ``transition``'s signature once checked, if every leaf was a numpy array of the stored dtype."""
         if self.enabled and all(type(given[p]) is np.ndarray and given[p].dtype == self.dtypes[p] for p in self.paths):
             sig = tuple(_signature(getattr(transition, f)) for f in FIELDS)
             self.sig = None if False in sig else sig

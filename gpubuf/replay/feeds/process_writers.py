@@ -22,7 +22,6 @@ commits what the rate limiter allows, so a limiter holds actors back too); ``ins
 """
 
 import dataclasses
-import math
 import multiprocessing.context
 import os
 import time
@@ -50,8 +49,7 @@ class RowsWaiting(RuntimeWarning):
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet joined, counts as dead); ``pid`` 0:
-    not started yet, alive."""
+    """Whether process ``pid`` runs (a zombie, exited but not joined, is dead); ``pid`` 0: not started yet, alive."""
     if pid <= 0 or pid == os.getpid():
         return True
     try:
@@ -68,15 +66,12 @@ def process_alive(pid: int) -> bool:
 
 
 class ReplayWriter:
-    """An actor's handle on a buffer owned by another process (made by ``buffer.writer``).
+    """An actor's handle on a buffer owned by another process (made by ``buffer.writer(envs, rows)``: ``rows`` is the
+    queue's length in rows per env, the most an insert may hold, with at most :attr:`max_insert`).
 
-    Args of ``buffer.writer``: ``envs`` (a vectorized buffer: ``range(a, b)`` of its env lanes, or
-    ``None`` for all; not vectorized: ``None``), ``rows`` (the queue's length in rows per env; an insert
-    may hold at most that many, and at most :attr:`max_insert`).
-
-    Pass it to the actor as an argument of a ``torch.multiprocessing`` process (or use it in a forked
-    child or a thread): one process writes through it. A plain ``pickle``/``copy`` of it holds no
-    shared memory and refuses to write.
+    Pass it to the actor as an argument of a ``torch.multiprocessing`` process (or use it in a forked child or a
+    thread): one process writes through it. A plain ``pickle``/``copy`` of it holds no shared memory and refuses to
+    write.
     """
 
     def __init__(self, config: ReplayConfig, envs: range | None, rows: int, device: torch.device,
@@ -107,7 +102,7 @@ class ReplayWriter:
         then ``TimeoutError``); nothing is published on any error."""
         self._check_writer()
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
-                                    or not timeout >= 0 or math.isnan(timeout)):
+                                    or not timeout >= 0):  # NaN included
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         values, _, T = self.config.rows(transition)
         if T > self.max_insert:

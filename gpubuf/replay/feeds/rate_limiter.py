@@ -172,8 +172,7 @@ class RateLimiter:
             self._count(what, n)
 
     def _wait(self, left: float | None) -> None:
-        """Wait on the condition, the buffer's lock let go of (the calls of the thread that takes it meanwhile start
-        from depth 0)."""
+        """Wait on the condition, the buffer's lock let go of (a thread taking it meanwhile starts from depth 0)."""
         guard = self._guard
         depth = None if guard is None else guard.depth
         if guard is not None:

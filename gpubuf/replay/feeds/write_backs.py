@@ -27,8 +27,7 @@ def generations(ring, idx: torch.Tensor) -> torch.Tensor:
 
 
 def origin(ring) -> tuple[int, int, int, int, int]:
-    """What the generations of the rows held depend on, now: ``(n_envs, max_rows, pos, count, base + total)``
-    (host ints, no device work)."""
+    """What held rows' generations depend on now: ``(n_envs, max_rows, pos, count, base + total)`` (host ints)."""
     return ring.n_envs, ring.max_rows, ring.pos, ring.count, ring.base + ring.total
 
 
@@ -111,7 +110,6 @@ class WriteBackDoors:
     # were overwritten since the sample); 0 after a call without generations
     stale_updates = 0
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def update_rows(self, indices, values: dict, *, generations=None):
@@ -143,13 +141,11 @@ class WriteBackDoors:
         return self
 
     def _current(self, idx: torch.Tensor, generations) -> torch.Tensor:
-        """The mask of flat starts ``idx`` (K,) still holding ``generations``, the others counted
-        into :attr:`stale_updates`."""
+        """Mask of flat starts ``idx`` (K,) still holding ``generations`` (the others: :attr:`stale_updates`)."""
         keep = current(self.ring, idx, generations)
         self.stale_updates = int(keep.numel() - keep.sum())
         return keep
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def cut_episodes(self, envs=None):

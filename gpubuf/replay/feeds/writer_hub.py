@@ -180,8 +180,7 @@ class WriterHub:
             w.consumed(k)
 
     def _drop_finished(self) -> None:
-        """Forget drained writers that ended, keeping each lane group's last (its lanes' owner of record) and the
-        dead ones not reported yet."""
+        """Forget drained ended writers, but each lane group's last (its owner of record) and unreported dead ones."""
         for lanes, writers in self.groups.items():
             last = writers[-1:] if lanes is not None else []
             keep = [w for w in writers[:len(writers) - len(last)]

@@ -1,11 +1,8 @@
 """ShardedBuffer: one replay buffer sharded over the ranks of a ``torch.distributed`` process group.
 
-Every rank holds one shard, its own :class:`~gpubuf.TransitionBuffer` or :class:`~gpubuf.PrioritizedTransitionBuffer`
-built with the same configuration (checked collectively at construction). Inserts stay local.
-:meth:`ShardedBuffer.sample` is collective: every rank receives its own batch, drawn from the union of the shards
-with the exact global probabilities (uniform over every valid start of every shard, or ``p**alpha / global sum``).
-Start ``j`` of the shard on group rank ``r`` has the global index ``r * S + j``, ``S`` = ``max_size`` (the start
-slots of one shard).
+Every rank holds one shard (:class:`ShardedBuffer` for the API). Inserts stay local; a sample draws from the union of
+the shards with the exact global probabilities (uniform over every valid start of every shard, or ``p**alpha / global
+sum``). Start ``j`` of the shard on group rank ``r`` has the global index ``r * S + j``, ``S`` = ``max_size``.
 
 A sample with replacement, ``W`` ranks, ``B`` windows on this rank (three collectives):
 

@@ -13,8 +13,7 @@ from gpubuf.replay.sharded.windows import WindowPacker, bytes_as
 
 
 class ShardSampler:
-    """Draws each rank's batch over ``transport``'s group from the shards ``local`` (this rank's), whose
-    windows ``packer`` moves."""
+    """Draws each rank's batch from the shards of ``transport``'s group (``local``: this rank's)."""
 
     def __init__(self, local, transport: ShardTransport, packer: WindowPacker):
         self.local, self.transport, self.packer = local, transport, packer
@@ -98,8 +97,7 @@ class ShardSampler:
         return batch, (owner * self.shard_size + local_idx).to(self.local.device)
 
     def _with_replacement(self, kind, B, width, gen, masses, with_next_obs):
-        """Uniforms to the owners (one padded exchange to ``width``, the largest batch), window rows (with start
-        and mass) back."""
+        """Uniforms to the owners (one exchange padded to ``width``, the largest batch); rows back."""
         u = self._uniforms(gen, 2 * B)
         owner = self._owners(masses, u[:B])
         got, route = self.transport.route(owner, u[B:], width=width)

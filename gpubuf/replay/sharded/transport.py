@@ -82,8 +82,7 @@ class ShardTransport:
 
     @staticmethod
     def fail(call: str, bad_ranks: list[int], error: Exception | None, what: str = "the arguments") -> None:
-        """Raise on every rank when any rank's ``what`` failed: the rank's own error, else a RuntimeError naming
-        the ranks that failed."""
+        """Raise on every rank once any rank's ``what`` failed: its own error, else a RuntimeError naming them."""
         if error is not None:
             raise error
         if bad_ranks:

@@ -47,8 +47,7 @@ class Journal:
 
     @staticmethod
     def fresh(counters=(0, 0, 0)) -> np.ndarray:
-        """The words of a clean journal whose slot 0 holds ``(position, rows held, rows ever written)``, no flush
-        counted, under this boot."""
+        """The words of a clean journal under this boot: slot 0 holds ``(position, rows held, rows ever written)``."""
         words = np.zeros(WORDS, dtype=np.int64)
         words[_SLOTS[0]:_SLOTS[0] + 3] = counters
         words[_BOOT:_BOOT + 2] = boot_id()
@@ -67,8 +66,7 @@ class Journal:
         return tuple(int(v) for v in self.words[a:a + 4])
 
     def commit(self, pos: int, count: int, total: int, flushes: int | None = None) -> None:
-        """Write the inactive slot (``flushes``: default, unchanged), then make it the active one (one aligned
-        8-byte store)."""
+        """Write the inactive slot (``flushes``: default, unchanged), then make it active (one aligned 8-byte store)."""
         if flushes is None:
             flushes = self.read()[3]
         spare = 1 - int(self.words[_ACTIVE])

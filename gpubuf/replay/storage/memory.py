@@ -45,10 +45,8 @@ class MemoryStorage:
         # what each op call runs: a storage_dir's env-major files gather with the twins
         self.config, self.device, self.table = config, device, ops.backend_table(device, env_major=self.dir is not None)
         self.data = {leaf.path: views[leaf.name] for leaf in config.leaves}
-        # (M*E, D) contiguous
-        self.flat = {leaf.path: base[leaf.name].view(M * E, -1) for leaf in config.leaves}
-        # windows are gathered as int words
-        self.words = {p: as_words(t)[0] for p, t in self.flat.items()}
+        self.flat = {leaf.path: base[leaf.name].view(M * E, -1) for leaf in config.leaves}  # (M*E, D) contiguous
+        self.words = {p: as_words(t)[0] for p, t in self.flat.items()}  # windows are gathered as int words
         # host storage as numpy views: a same-dtype host array is written by one numpy slice assignment
         self.host = {p: t.numpy() for p, t in self.data.items() if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
         self.staging = Staging(device)
