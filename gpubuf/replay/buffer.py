@@ -120,8 +120,8 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         self.table = ops.backend_table(self.device)  # what each op call runs, decided once
         self.backend, self._guard = self.table.name, CallGuard(self.device, self.table.tracing)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
-        self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs, self._row_items,
-                                          config.sample_batch_size)
+        row = config.n_envs if config.vectorized_env else 1  # transitions of the smallest insert: one row of all envs
+        self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs, row, config.sample_batch_size)
         self.selector = check_selector(selector)
         self.storage = MemoryStorage(config, self.storage_device) if storage_dir is None else \
             MappedStorage(config, storage_dir)
@@ -149,7 +149,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
                 self.storage.dir.close()
             raise
         if self.rate_limiter is not None:
-            self.rate_limiter.attach(self._guard, self._row_items, config.sample_batch_size)
+            self.rate_limiter.attach(self._guard, row, config.sample_batch_size)
         self._hub = None  # the writers in other processes (WriterHub), once one was handed out
 
     def _row_parts(self) -> list:
@@ -158,10 +158,6 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         part has taken in (and, within the sampler, new rows' priorities come before their masses)."""
         limiter = None if self.rate_limiter is None else LimiterSize(self.rate_limiter, self.ring, self.config.n_envs)
         return [p for p in (self.sampler, self.selector, self.reader, limiter) if p is not None]
-
-    @property
-    def _row_items(self) -> int:  # transitions of the smallest insert: one row of every env
-        return self.config.n_envs if self.config.vectorized_env else 1
 
     def _config_extra(self) -> tuple:  # hook: the subclass's own configuration fields
         return ()

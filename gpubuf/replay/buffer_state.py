@@ -8,7 +8,6 @@ It works on the buffer's parts (``config``, ``storage``, ``ring``, ``sampler``, 
 
 import warnings
 
-import numpy as np
 import torch
 
 from gpubuf._core import checkpoint
@@ -98,11 +97,11 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
                     copy_into(t, sources[name])
                 self.sampler.load_state(state, checked, self._owned)
             except BaseException:  # the data is half-read (a read error): forget every row
-                self.ring.restore(0, 0, np.zeros_like(trunc), np.zeros_like(trunc))
+                self.ring.restore(0, 0)
                 for part in self.parts:
                     part.rows_loaded(False)
                 raise
-            self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends, last=last)
+            self.ring.restore(pos, count, trunc, ends, last=last)
             for part in self.parts:  # validity, trees and marks are rebuilt from the rows
                 part.rows_loaded(True)
             self.generator.set_state(rng)

@@ -46,8 +46,7 @@ def any_rows(rows: dict, paths: list) -> np.ndarray | None:
 
 
 def cut_rows(rows: dict, trunc: list, term: list) -> np.ndarray | None:
-    """(T, E) bool: rows set in a ``trunc`` leaf and in no ``term`` leaf (a termination needs no successor);
-    None without ``trunc`` leaves."""
+    """(T, E) bool: rows set in a ``trunc`` leaf and in no ``term`` leaf; None without ``trunc`` leaves."""
     cut, done = any_rows(rows, trunc), any_rows(rows, term)
     return cut if cut is None or done is None else cut & ~done
 

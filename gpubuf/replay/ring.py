@@ -163,8 +163,7 @@ class StartRing:
 
     def one_range(self, kind: int) -> bool:
         """Whether the valid starts of ``kind`` are every env's start in one ring range of rows: always for kind 0;
-        with ``NEXT_OBS`` while no truncation is stored, with ``IN_EPISODE`` while no episode end is (or windows are
-        single rows)."""
+        with ``NEXT_OBS`` while no truncation is stored, with ``IN_EPISODE`` while no episode end is (or n = 1)."""
         return self.n_last == 0 and (not kind & NEXT_OBS or self.n_trunc == 0) and \
             (not kind & IN_EPISODE or self.n_ends == 0 or self.n_steps == 1)
 
@@ -202,16 +201,15 @@ class StartRing:
             self.valid[kind][:] = False
             self.n_valid[kind] = 0
 
-    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray, total: int | None = None,
-                last: np.ndarray | None = None) -> None:
-        """Set the write position, row count, truncation flags, episode ends, (default: ``count``) rows ever written
-        and rows holding no transition (default: none); the flags are copied; validity is forgotten, and every
+    def restore(self, pos: int, count: int, trunc: np.ndarray | None = None, ends: np.ndarray | None = None,
+                total: int | None = None, last: np.ndarray | None = None) -> None:
+        """Set the write position, row count, (M, E) truncation flags, episode ends, (default: ``count``) rows ever
+        written and rows holding no transition (flags default: none; copied); validity is forgotten, and every
         generation handed out before is stale."""
         self.base += self.total + 1
         self.pos, self.count = pos, count
-        self.trunc, self.ends = np.array(trunc, dtype=bool), np.array(ends, dtype=bool)
-        self.last = np.zeros_like(self.trunc) if last is None else np.array(last, dtype=bool)
         self.total = count if total is None else total
-        self.n_trunc, self.n_ends = int(np.count_nonzero(trunc)), int(np.count_nonzero(ends))
-        self.n_last = int(np.count_nonzero(self.last))
+        self.trunc, self.ends, self.last = (np.zeros((self.max_rows, self.n_envs), bool) if f is None
+                                            else np.array(f, dtype=bool) for f in (trunc, ends, last))
+        self.n_trunc, self.n_ends, self.n_last = (int(np.count_nonzero(f)) for f in (self.trunc, self.ends, self.last))
         self.forget_validity()

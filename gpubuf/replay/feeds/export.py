@@ -51,8 +51,7 @@ def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
 
 
 def _exported_data(buffer, first_is_reset) -> tuple[dict, dict[str, np.ndarray]]:
-    """``buffer``'s state dict and its data as numpy arrays ``(M, n_envs, ...)``, once the checks that it can be
-    cut into episodes have passed."""
+    """``buffer``'s state dict and its data as numpy arrays ``(M, n_envs, ...)``, checked to cut into episodes."""
     if not callable(getattr(buffer, "state_dict", None)) or not hasattr(buffer, "locate"):
         raise TypeError(f"buffer: expected a TransitionBuffer, got {type(buffer).__name__}")
     state = buffer.state_dict()

@@ -16,9 +16,8 @@ class WriterDoors:
     ``_insert`` and ``_hub`` (the :class:`WriterHub`, made with the first writer)."""
 
     def insert_in_turn(self, transition: Transition, n: int, sized: bool = False):
-        """:meth:`insert` of ``n`` transitions with a rate limiter (under the lock; for companions: the commits of
-        writers): wait for the turn, write, or give the count back (``sized``: the caller checked ``n`` against the
-        band already)."""
+        """:meth:`insert` of ``n`` transitions with a rate limiter (under the lock; for writers' commits): wait for the
+        turn, write, or give the count back (``sized``: the caller checked ``n`` against the band already)."""
         limiter = self.rate_limiter
         limiter.take("insert", n, sized)
         try:

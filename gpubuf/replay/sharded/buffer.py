@@ -48,8 +48,7 @@ _RANK = "{rank}"
 
 
 def _config(config) -> dict:
-    """What must agree between shards for their union to be one buffer: a local buffer's ``config`` (but the
-    default batch size) and leaves."""
+    """What must agree between shards: a local buffer's ``config`` (but the default batch size) and leaves."""
     leaves = {leaf.name: (leaf.shape, str(leaf.dtype)) for leaf in config.leaves}
     return {**config.as_dict(batch=False), "leaves": leaves}
 

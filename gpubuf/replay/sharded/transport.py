@@ -13,8 +13,7 @@ ARG_ERRORS = (TypeError, ValueError, IndexError)
 
 
 class ShardTransport:
-    """Collectives over ``group`` (``None``: the default group) on ``device``; ``rank`` and ``world_size`` are
-    this process's within the group."""
+    """Collectives over ``group`` (``None``: the default group) on ``device``; ``rank``, ``world_size`` in it."""
 
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device

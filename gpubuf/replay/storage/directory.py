@@ -162,8 +162,7 @@ class StorageDir:
             self.journal = Journal(counters)
 
     def claim(self) -> None:
-        """The buffer opened: convert a journal of the earlier format (its file is written here, not before) and
-        name this process in the lock file."""
+        """The buffer opened: write a journal converted from the earlier format; name this process in the lock file."""
         self.journal.write()
         self.lock.claim()
 
@@ -277,9 +276,8 @@ class StorageDir:
     # ------------------------------------------------------------------ the writing process
 
     def check_writer(self) -> None:
-        """Raise ``RuntimeError`` in a process other than the one that opened the directory (a forked child): it
-        would write rows and counters the owner holds and samples. Nothing is written; reading stays possible
-        (module docstring)."""
+        """Raise ``RuntimeError`` in a process other than the one that opened the directory (a forked child), which
+        would write rows and counters the owner holds and samples; nothing is written, reading stays possible."""
         if os.getpid() != self.pid:
             raise RuntimeError(f"storage_dir: {str(self.path)!r} is owned by pid {self.pid} (which opened it); "
                                f"this process (pid {os.getpid()}) may not write it: open the directory in this "

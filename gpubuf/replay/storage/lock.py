@@ -62,8 +62,7 @@ class DirLock:
         self.file.flush()
 
     def release(self) -> None:
-        """Close this process's descriptor: the owner's close drops the flock; a forked child's (already closed
-        at the fork) leaves the owner's lock held."""
+        """Close this process's descriptor: the owner's close drops the flock (a forked child's closed at the fork)."""
         _HELD_LOCKS.discard(self)
         if not self.file.closed:
             self.file.close()  # closing the descriptor drops the flock

@@ -113,10 +113,8 @@ class MemoryStorage:
                 for d, t in host.items()}
 
     def host_jobs(self, B: int, with_next_obs: bool, device) -> list | None:
-        """The steady-state gather of fresh outputs on the host with the torch twin (``None``
-        elsewhere): ``[(output path, source rows (M*E, D), shift, output shape, dtype to view the
-        words as or None)]``, cached per ``(B, with_next_obs)``. Narrow leaves are gathered in
-        their own dtype, wide rows as int words (:func:`gpubuf.ops.gather_word`)."""
+        """The host's steady-state gather of fresh outputs with the torch twin (else ``None``): ``[(output path, rows
+        (M*E, D), shift, output shape, words' dtype or None)]`` per ``(B, with_next_obs)``; wide rows as int words."""
         if device != self.device or not self.table.host_gather:
             return None
         jobs = self._host_jobs.get((B, with_next_obs))
@@ -258,8 +256,7 @@ class MappedStorage(MemoryStorage):
         M, paths = self.config.max_rows, sum(self.config.flag_paths, [])
         pos, count, total, flushes = self.dir.opened_counters(M)
         trunc, ends, last = self.config.row_flags({p: self.data[p] for p in paths}, M)
-        zeros = np.zeros((M, self.config.n_envs), dtype=bool)
-        ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends, total, last)
+        ring.restore(pos, count, trunc, ends, total, last)
         ahead = self.dir.restore_flushed(ring, flushes, reopen, generator)
         self.dir.claim()
         return ahead
