@@ -1,9 +1,8 @@
 """BufferState: what a replay buffer saves, loads, copies and writes back to its ``storage_dir``.
 
-A base of :class:`~gpubuf.TransitionBuffer`: ``state_dict`` / ``load_state_dict`` (checked whole before any write), the
-constructor arguments its copies are built from, and ``flush`` / ``close`` of a ``storage_dir``, and the re-open of one.
-It works on the buffer's parts (``config``, ``storage``, ``ring``, ``sampler``, ``generator``, ``rate_limiter``,
-``selector``, and ``parts``: those told that the rows changed), which the buffer builds.
+A base of :class:`~gpubuf.TransitionBuffer`, working on the parts the buffer builds: ``state_dict`` /
+``load_state_dict`` (checked whole before any write), the constructor arguments its copies are built from, and the
+``flush``, ``close`` and re-open of a ``storage_dir``.
 """
 
 import warnings

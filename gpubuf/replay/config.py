@@ -5,10 +5,13 @@ of a sharded buffer's shards all compare its fields. Besides the checks of the c
 per-leaf rules the buffer applies to every call: an insert's rows, their episode flags, the validity kind a sample draws
 from, and the windows a sample returns.
 
-Glossary (the replay modules use these names with one meaning each):
+Glossary (the replay modules, tiers and ops use these names with one meaning each):
 
 - ``E``: envs (axis 1 of a vectorized insert; 1 when not vectorized); ``M``: rows per env (``max_rows``); ``T``: rows
-  per env of one insert; ``B``: windows of one sample; ``n``: rows per window (``n_steps``);
+  per env of one insert; ``B``: windows of one sample; ``n``: rows per window (``n_steps``); ``D``: words or elements
+  per row of a leaf;
+- *held rows*: the ``count`` rows before the write position ``pos``; *head rows*: of ``T`` rows written at ``pos``,
+  those before the wrap (``min(T, M - pos)``); *window*: the rows a sampled start reads;
 - *leaf*: one tensor of a :class:`~gpubuf.Transition`, named by its *path* ``(field, key, ...)``;
 - *flat start*: ``row * E + env``, the index of a window's first row, also the index of its priority;
 - *kind*: a validity kind (:mod:`gpubuf.replay.ring`): which starts may begin a window for one ``with_next_obs`` and

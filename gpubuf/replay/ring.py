@@ -11,12 +11,7 @@ truncated), and, per validity kind, which starts may begin a window. A kind is t
 
 Every kind's windows lie inside the written rows and never cross the write seam, and never start at a row that holds
 no transition (an env source's row holding an episode's last observation, ``info["is_last"]``). The buffer turns
-the validity computed here into device masks and sampling mass.
-
-Glossary (shared by the buffers, tiers and ops): ``M`` rows per env; ``E`` envs (only ever the number of envs);
-``D`` words or elements per row of a leaf; flat start ``row * E + env``; window: the rows a sampled start reads
-(:meth:`StartRing.window`); kind: the two validity bits above; held rows: the ``count`` rows before ``pos``; head
-rows: of ``T`` rows written at ``pos``, those before the wrap (``min(T, M - pos)``).
+the validity computed here into device masks and sampling mass. Names as in :mod:`gpubuf.replay.config`.
 """
 
 import os

@@ -19,12 +19,9 @@ transitions vectorized, else 1) plus a sample of ``sample_batch_size``, and ever
 counting nothing) a size that, with the largest call of the other kind seen so far, the band cannot hold (the
 default sample of ``sample_batch_size`` counts as seen from the start, so no insert can shut it out).
 
-:meth:`RateLimiter.min_size` only waits for ``min_size_to_sample`` transitions;
-:meth:`RateLimiter.sample_to_insert_ratio` holds ``samples / inserts`` near ``samples_per_insert``: ``diff``
-stays within ``error_buffer`` of ``samples_per_insert * min_size_to_sample``. A blocked call waits on a
-condition of the buffer's own lock, which it lets go of while it waits, so the other side runs and wakes it; ``timeout``
-(seconds; ``None``: wait as long as it takes, ``0``: never wait) ends a wait with ``TimeoutError``. A call
-that fails after its turn came (a bad argument, no valid start) gives its counts back.
+A blocked call waits on a condition of the buffer's own lock, which it lets go of while it waits, so the other side
+runs and wakes it; ``timeout`` (seconds; ``None``: wait as long as it takes, ``0``: never wait) ends a wait with
+``TimeoutError``. A call that fails after its turn came (a bad argument, no valid start) gives its counts back.
 """
 
 import math

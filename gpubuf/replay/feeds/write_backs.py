@@ -7,9 +7,6 @@ re-opened ``storage_dir`` does not share it), grows past every generation handed
 wholesale (a ``load_state_dict``). So a flat start sampled with generation ``g`` still holds what was sampled
 exactly while its generation is ``g``: once the ring overwrote the row (or a load replaced it), it differs.
 Computed from the ring's counters on the indices' device: nothing is stored per row, nothing is read back.
-
-:class:`WriteBackDoors` holds a buffer's doors that write into held rows: :meth:`~WriteBackDoors.update_rows` (the
-write-back of stored latents) and :meth:`~WriteBackDoors.cut_episodes` (an episode end marked at the newest row).
 """
 
 import numpy as np
@@ -103,8 +100,8 @@ def write_rows(storage, ring, idx: torch.Tensor, values: dict, n_steps: int) -> 
 
 
 class WriteBackDoors:
-    """Mixed into :class:`~gpubuf.TransitionBuffer`, which provides ``lock``, ``config``, ``storage``, ``ring`` and
-    ``parts`` (told of a cut row)."""
+    """The doors that write into held rows (``update_rows``, ``cut_episodes``), mixed into
+    :class:`~gpubuf.TransitionBuffer`, which provides ``lock``, ``config``, ``storage``, ``ring`` and ``parts``."""
 
     # write-backs the last update_rows / update_priorities call given generations dropped (their rows
     # were overwritten since the sample); 0 after a call without generations

@@ -82,13 +82,11 @@ class StorageDir:
         shapes, dtypes: ``{leaf name: (E, M, *shape)}`` and ``{leaf name: dtype}``: ``tensors`` holds contiguous
             ``(E, M, *shape)`` views of the files.
 
-    ``reopened`` says whether the directory already held this buffer (its files are then mapped as they are). The lock
-    is taken before anything is read or written; any error releases it and leaves the directory as it was: for a new
-    directory, what was created is removed (the lock file too, where it was made here); a damaged one (module docstring)
-    raises ``ValueError`` naming the file, with nothing written. Once the buffer restored what it holds, :meth:`claim`
-    names this process in the lock file (and converts a journal of the earlier format).
-
-    ``pid``: the process that opened it, the only one that may write it (:meth:`check_writer`).
+    ``reopened`` says whether the directory already held this buffer (its files are then mapped as they are); ``pid``
+    is the process that opened it, the only one that may write it (:meth:`check_writer`). The lock is taken before
+    anything is read or written; any error releases it and leaves the directory as it was (for a new directory, what
+    was created is removed, the lock file too where it was made here). Once the buffer restored what it holds,
+    :meth:`claim` names this process in the lock file.
     """
 
     META, COUNTERS, STATE = fmt.META, fmt.COUNTERS, fmt.STATE
