@@ -37,8 +37,7 @@ The parts that follow the rows (``sampler``, ``selector``, ``reader``, the rate 
 event (:class:`~gpubuf.replay.ring.RowEvents`: rows written, an episode cut, rows loaded) through one list, ``parts``,
 in its order; the storage's journal brackets a write (``before_write``, ``after_write``). The doors onto held rows live
 with their jobs: :class:`~gpubuf.replay.feeds.write_backs.WriteBackDoors` (``update_rows``, ``cut_episodes``),
-:class:`~gpubuf.replay.provenance.Provenance` (``locate``).
-"""
+:class:`~gpubuf.replay.provenance.Provenance` (``locate``)."""
 
 import torch
 
@@ -104,8 +103,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
     Threads: any number of threads may call any method at once; each call runs whole, between the others (:attr:`lock`,
     re-entrant; on CUDA, calls from different streams are ordered on the device as on the host:
     :mod:`gpubuf._core.concurrency`). ``copy.deepcopy``, ``pickle`` and ``torch.save`` give an independent, complete
-    buffer (:mod:`gpubuf._core.copies`); a ``storage_dir`` buffer refuses (use :meth:`save` or ``state_dict``).
-    """
+    buffer (:mod:`gpubuf._core.copies`); a ``storage_dir`` buffer refuses (use :meth:`save` or ``state_dict``)."""
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, *, device=None, seed: int | None = None, storage_device=None, storage_dir=None,

@@ -2,8 +2,7 @@
 
 A base of :class:`~gpubuf.TransitionBuffer`, working on the parts the buffer builds: ``state_dict`` /
 ``load_state_dict`` (checked whole before any write), the constructor arguments its copies are built from, and the
-``flush``, ``close`` and re-open of a ``storage_dir``.
-"""
+``flush``, ``close`` and re-open of a ``storage_dir``."""
 
 import warnings
 

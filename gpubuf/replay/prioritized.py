@@ -3,8 +3,7 @@
 
 The sampler owns everything about priorities (their checks, state, flush and re-open, the importance
 weights' ``beta``); this module adds the prioritized API on top: the arguments, ``PER_weights`` on
-sampled batches, and priority and beta updates.
-"""
+sampled batches, and priority and beta updates."""
 
 import math
 
@@ -40,8 +39,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     Every valid start has a positive, finite mass: ``eps`` must survive float32 and ``eps**alpha`` float64 (checked
     here), and an update whose ``max_priority**alpha`` summed over all starts would overflow float64 is rejected
     (``ValueError`` naming ``td_errors`` and ``alpha``). :meth:`update_priorities` validates its inputs where they live:
-    host inputs on the host (no device read), device inputs with one read-back.
-    """
+    host inputs on the host (no device read), device inputs with one read-back."""
 
     default_with_replacement = False  # sample: as the original PER buffer
     default_return_indices = True  # sample() without a unit: 0.2.0's (batch, flat_indices), until 0.3.0
@@ -91,8 +89,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         device, as :meth:`GraphSampler.update_priorities <gpubuf.GraphSampler.update_priorities>`): an update failing a
         check writes nothing, and the failure is raised at :meth:`check_updates`, or at the next ``max_priority``,
         ``state_dict`` or flush (``close()`` raises it after releasing a ``storage_dir``). Not with ``generations``
-        (their check reads the host's counters). ``deferred`` must be a bool (``TypeError``).
-        """
+        (their check reads the host's counters). ``deferred`` must be a bool (``TypeError``)."""
         deferred = check_bool("deferred", deferred)
         self.storage.check_open()
         if deferred:

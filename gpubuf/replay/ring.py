@@ -11,8 +11,7 @@ truncated), and, per validity kind, which starts may begin a window. A kind is t
 
 Every kind's windows lie inside the written rows and never cross the write seam, and never start at a row that holds
 no transition (an env source's row holding an episode's last observation, ``info["is_last"]``). The buffer turns
-the validity computed here into device masks and sampling mass. Names as in :mod:`gpubuf.replay.config`.
-"""
+the validity computed here into device masks and sampling mass. Names as in :mod:`gpubuf.replay.config`."""
 
 import os
 
@@ -53,8 +52,7 @@ class StartRing:
         max_rows: ``M``, rows per env.
         n_envs: ``E``.
         n_steps: window length of kind 0 (kind 1 windows are one row longer).
-        kinds: the validity kinds tracked, a subset of ``(0, 1)``.
-    """
+        kinds: the validity kinds tracked, a subset of ``(0, 1)``."""
 
     def __init__(self, max_rows: int, n_envs: int, n_steps: int, kinds: tuple[int, ...]):
         self.max_rows, self.n_envs, self.n_steps = max_rows, n_envs, n_steps

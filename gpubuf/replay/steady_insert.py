@@ -5,8 +5,7 @@ an insert of numpy arrays of the stored dtypes has passed the checked path, its 
 dict keys, dtypes, shapes) is kept; a later insert with the same signature skips what the signature
 already settled (leaf order, shapes, value-preserving casts, staging) and its arrays are written by
 numpy slice assignments, which cannot fail on arrays of the stored dtype and shape. Anything else
-takes the checked path, and so does an array reaching the buffer's own memory (it is copied there).
-"""
+takes the checked path, and so does an array reaching the buffer's own memory (it is copied there)."""
 
 import bisect
 

@@ -18,8 +18,7 @@ order. Not vectorized: each writer's inserts are committed whole. How the owner 
 same lanes (``buffer.writer(envs=the same range)``), whose first row starts new episodes there: the dead writer's last
 row is marked ``truncated`` (where the buffer stores that leaf). An actor waits while its queue is full (the owner
 commits what the rate limiter allows, so a limiter holds actors back too); ``insert(..., timeout=)`` ends the wait with
-``TimeoutError``, and a dead owner with ``RuntimeError``. Liveness is read from ``/proc`` (Linux).
-"""
+``TimeoutError``, and a dead owner with ``RuntimeError``. Liveness is read from ``/proc`` (Linux)."""
 
 import dataclasses
 import multiprocessing.context
@@ -71,8 +70,7 @@ class ReplayWriter:
 
     Pass it to the actor as an argument of a ``torch.multiprocessing`` process (or use it in a forked child or a
     thread): one process writes through it. A plain ``pickle``/``copy`` of it holds no shared memory and refuses to
-    write.
-    """
+    write."""
 
     def __init__(self, config: ReplayConfig, envs: range | None, rows: int, device: torch.device,
                  name: str, owner_pid: int, max_insert: int | None = None):

@@ -21,8 +21,7 @@ default sample of ``sample_batch_size`` counts as seen from the start, so no ins
 
 A blocked call waits on a condition of the buffer's own lock, which it lets go of while it waits, so the other side
 runs and wakes it; ``timeout`` (seconds; ``None``: wait as long as it takes, ``0``: never wait) ends a wait with
-``TimeoutError``. A call that fails after its turn came (a bad argument, no valid start) gives its counts back.
-"""
+``TimeoutError``. A call that fails after its turn came (a bad argument, no valid start) gives its counts back."""
 
 import math
 import threading
@@ -39,8 +38,7 @@ class RateLimiter:
         min_diff, max_diff: the band ``inserts * samples_per_insert - samples`` stays in; their gap must be at
             least ``2 * max(1, samples_per_insert)`` (one sample and one insert of one transition), and at least an
             insert's and a sample's moves together (module docstring: else both could be blocked).
-        timeout: seconds a blocked ``sample``/``insert`` waits before ``TimeoutError`` (``None``: no limit).
-    """
+        timeout: seconds a blocked ``sample``/``insert`` waits before ``TimeoutError`` (``None``: no limit)."""
 
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float,
                  timeout: float | None = None):

@@ -6,8 +6,7 @@ ever wrote before it (the ``step`` of :meth:`~gpubuf.TransitionBuffer.locate`) a
 re-opened ``storage_dir`` does not share it), grows past every generation handed out whenever the rows are replaced
 wholesale (a ``load_state_dict``). So a flat start sampled with generation ``g`` still holds what was sampled
 exactly while its generation is ``g``: once the ring overwrote the row (or a load replaced it), it differs.
-Computed from the ring's counters on the indices' device: nothing is stored per row, nothing is read back.
-"""
+Computed from the ring's counters on the indices' device: nothing is stored per row, nothing is read back."""
 
 import numpy as np
 import torch

@@ -16,8 +16,7 @@ Reports, never silent:
   (a row holds every lane): a :class:`RowsWaiting` warning says so once, naming the lanes to hand to a new writer;
   the rows stay queued (``writer.pending``) and commit once that writer publishes as many;
 - a closed ``storage_dir`` buffer commits nothing (it can no longer be written, and still samples): rows still
-  queued then are named by a :class:`RowsWaiting` warning.
-"""
+  queued then are named by a :class:`RowsWaiting` warning."""
 
 import os
 import warnings
@@ -128,8 +127,7 @@ class WriterHub:
         groups = self._groups()
         if sum(len(lanes) for lanes, _ in groups) != config.n_envs:
             return 0  # rows commit once every lane has a writer
-        n = min(sum(w.pending for w in writers) for _, writers in groups)
-        n = min(n, config.max_rows)
+        n = min(config.max_rows, *(sum(w.pending for w in writers) for _, writers in groups))  # rows every lane has
         if limiter is not None:  # within the band; one row of all lanes may cross min_size_to_sample
             E = config.n_envs
             n = _most(n, lambda k: limiter.fits(k * E)) or int(n > 0 and limiter.can_insert(E))

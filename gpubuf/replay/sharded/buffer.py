@@ -22,8 +22,7 @@ replacement the starts are drawn first, in rounds (see :class:`ShardedBuffer`), 
 per window (its local start), ``window_bytes`` received.
 
 Collectives run on the shard's device with NCCL and on CPU tensors with gloo
-(:mod:`~gpubuf.replay.sharded.transport`); both implement ``all_to_all_single`` with variable splits.
-"""
+(:mod:`~gpubuf.replay.sharded.transport`); both implement ``all_to_all_single`` with variable splits."""
 
 import hashlib
 import os
@@ -122,8 +121,7 @@ class ShardedBuffer(Samples):
     buffer has no such limit (its trees sum what remains).
 
     Threads: every method holds the local buffer's lock (collectives too, while they wait for the other ranks), so an
-    actor thread may insert into the local buffer while a learner thread runs the collective calls.
-    """
+    actor thread may insert into the local buffer while a learner thread runs the collective calls."""
 
     def __init__(self, local: TransitionBuffer, group=None):
         if not dist.is_available() or not dist.is_initialized():
@@ -216,8 +214,7 @@ class ShardedBuffer(Samples):
         Each update travels to its owner (an ``all_gather`` of the counts and of each rank's largest new
         priority, then one ``all_to_all`` of 16 bytes per update), which applies everything it receives in one
         local update (duplicates, from any rank, keep their largest value); ``max_priority`` becomes the same
-        maximum on every rank. Invalid arguments on any rank raise on every rank before anything is written.
-        """
+        maximum on every rank. Invalid arguments on any rank raise on every rank before anything is written."""
         if not self.prioritized:
             raise TypeError(f"update_priorities: the shards are {type(self.local).__name__}s, which have no "
                             "priorities")

@@ -2,8 +2,7 @@
 between the ranks of its process group and makes an error on one rank an error on every rank.
 
 Exchanges run on ``device`` (the shard's CUDA device under NCCL, else the host: gloo stages a CUDA shard
-through it). Split sizes are read back to the host, one sync per exchange.
-"""
+through it). Split sizes are read back to the host, one sync per exchange."""
 
 import torch
 import torch.distributed as dist

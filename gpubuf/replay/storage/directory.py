@@ -48,8 +48,7 @@ One process writes: the one that opened the directory (its *owner*). A process f
 the lock's descriptor; :meth:`StorageDir.check_writer` refuses it every write (``RuntimeError`` naming the directory and
 both pids), and :attr:`StorageDir.closed` is true there, so a buffer's ``close()`` in the child does nothing; the
 child's copy of the lock is closed at the fork (:mod:`gpubuf.replay.storage.lock`). Reading (sampling) in the child
-stays possible: the mapping is shared, and the owner's later writes show through it.
-"""
+stays possible: the mapping is shared, and the owner's later writes show through it."""
 
 import contextlib
 import io
@@ -86,8 +85,7 @@ class StorageDir:
     is the process that opened it, the only one that may write it (:meth:`check_writer`). The lock is taken before
     anything is read or written; any error releases it and leaves the directory as it was (for a new directory, what
     was created is removed, the lock file too where it was made here). Once the buffer restored what it holds,
-    :meth:`claim` names this process in the lock file.
-    """
+    :meth:`claim` names this process in the lock file."""
 
     META, COUNTERS, STATE = fmt.META, fmt.COUNTERS, fmt.STATE
 

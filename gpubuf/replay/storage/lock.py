@@ -2,8 +2,7 @@
 
 At a fork the child's copy of each lock descriptor is closed (``os.register_at_fork``): the owner's ``flock`` is
 unaffected (it belongs to the owner's open file), and a child neither keeps the directory locked after the owner
-closes it nor blocks itself from opening it then.
-"""
+closes it nor blocks itself from opening it then."""
 
 import contextlib
 import fcntl

@@ -6,11 +6,9 @@ anything is written), :meth:`~MemoryStorage.write` (commit staged rows at a ring
 calls around its writes, flushes and loads (no-ops but for files).
 
 - :class:`MemoryStorage`: time-major ``(M, E, *shape)`` tensors on the sampling device, or in host memory
-  (``storage_device="cpu"``: windows are gathered on the host into pinned memory and copied over with non-blocking
-  copies; time-major there too: :mod:`gpubuf.replay.storage.tiers` says why).
-- :class:`MappedStorage`: env-major ``(E, M, *shape)`` files of a ``storage_dir``
-  (:class:`~gpubuf.replay.storage.directory.StorageDir`: allocation, lock, row journal), written through transposed
-  ``(M, E, *shape)`` views and gathered with :func:`gpubuf.replay.storage.tiers.env_major_gather`.
+  (``storage_device="cpu"``: windows gathered on the host into pinned memory, copied over non-blocking; why
+  time-major there too: :mod:`gpubuf.replay.storage.tiers`);
+- :class:`MappedStorage`: the env-major files of a ``storage_dir`` (:mod:`gpubuf.replay.storage.directory`).
 """
 
 import numpy as np

@@ -12,8 +12,7 @@ page fault after another (Linux; elsewhere both are skipped).
 The host RAM tier (``storage_device="cpu"``) stays time-major ``(M, E, *shape)`` like device storage: in RAM,
 env-major gathered frame windows somewhat faster but float leaves slower (the env-major row index costs a division
 and a modulo more; README, Benchmarks: Memory-mapped replay), and every insert of ``T`` rows scatters into ``E``
-places instead of one.
-"""
+places instead of one."""
 
 import mmap
 
