@@ -1,45 +1,43 @@
 """TransitionBuffer: a time-major circular buffer sampled as contiguous n-step windows.
 
 A buffer composes these parts, each behind a small surface and public for companions (``ShardedBuffer``,
-``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`: sizes, leaves and their rules),
-``table`` (:func:`gpubuf.ops.backend_table`: what each op call runs, decided once), ``storage``
+``GraphSampler``): ``config`` (:class:`~gpubuf.replay.config.ReplayConfig`: sizes, leaves and their rules), ``table``
+(:func:`gpubuf.ops.backend_table`: what each op call runs, decided once), ``storage``
 (:mod:`gpubuf.replay.storage.memory`: device, host or memory-mapped rows), ``ring``
-(:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and valid starts),
-``sampler`` (:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees, priorities, draws), an
-optional ``selector`` (:mod:`gpubuf.replay.sampling.selectors`), ``reader``
-(:class:`~gpubuf.replay.sampling.readers.BatchReader`: the plans that gather drawn starts), an optional
-``rate_limiter``, and the host ``generator`` that draws. A flat start is ``row * n_envs + env`` in every
-storage. A sample (:mod:`gpubuf.replay.sampling.eager`) checks its arguments, then runs the stages of its
-configuration's plan (:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their windows,
-weighs them; its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
+(:class:`~gpubuf.replay.ring.StartRing`: host bookkeeping of positions, episode flags and valid starts), ``sampler``
+(:mod:`gpubuf.replay.sampling.samplers`: device validity, prefix-sum trees, priorities, draws), an optional ``selector``
+(:mod:`gpubuf.replay.sampling.selectors`), ``reader`` (:class:`~gpubuf.replay.sampling.readers.BatchReader`: the plans
+that gather drawn starts), an optional ``rate_limiter``, and the host ``generator`` that draws. A flat start is ``row *
+n_envs + env`` in every storage. A sample (:mod:`gpubuf.replay.sampling.eager`) checks its arguments, then runs the
+stages of its configuration's plan (:mod:`gpubuf.replay.sampling.plan`): draws starts (``sampler.draw``), reads their
+windows, weighs them; its signature is :meth:`gpubuf.replay.sampling.sample_args.Samples.sample`.
 
-Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or
-``truncated`` is set; needs one of those leaves):
+Episode boundaries (``sample(boundaries=...)``; an episode ends at a row whose ``terminated`` or ``truncated`` is set;
+needs one of those leaves):
 
 - ``"allow"`` (default): windows run on into the next episode, unmarked;
-- ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and ``mask``
-  ``(B, n_steps)`` bool: ``is_first[:, j]`` is set where row ``j - 1`` ended an episode (and at
-  ``j = 0``), ``mask[:, j]`` while no earlier row of the window ended one;
-- ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are
-  drawn; the batch carries ``is_first`` and ``mask`` too (first step only, and all set).
+- ``"mask"`` (Dreamer style): the same windows, and the batch carries ``is_first`` and ``mask`` ``(B, n_steps)`` bool:
+  ``is_first[:, j]`` is set where row ``j - 1`` ended an episode (and at ``j = 0``), ``mask[:, j]`` while no earlier row
+  of the window ended one;
+- ``"forbid"`` (TD-MPC2 style): only windows whose first ``n_steps - 1`` rows end no episode are drawn; the batch
+  carries ``is_first`` and ``mask`` too (first step only, and all set).
 
-Both also carry ``has_transition``, False exactly on ``info["is_last"]`` rows: they hold an
-episode's last observation (inside ``mask``, as world models need it) but no transition (the
-action fill, reward 0), so a learner of transitions selects ``mask & has_transition``.
+Both also carry ``has_transition``, False exactly on ``info["is_last"]`` rows: they hold an episode's last observation
+(inside ``mask``, as world models need it) but no transition (the action fill, reward 0), so a learner of transitions
+selects ``mask & has_transition``.
 
 With ``n_steps == 1`` the flags are ``(B,)`` and all set. An ``info["is_last"]`` row (an
-:class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation and no transition)
-never starts a window, and with ``"mask"`` the row after it starts the next episode.
+:class:`~gpubuf.EnvPoolSource`'s row holding an episode's last observation and no transition) never starts a window, and
+with ``"mask"`` the row after it starts the next episode.
 
-Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then
-committed with copies that cannot fail on staged data, with Ctrl-C and timer signals held.
+Writes are two-phase: every leaf is checked and staged first (where any conversion fails), then committed with copies
+that cannot fail on staged data, with Ctrl-C and timer signals held.
 
-The parts that follow the rows (``sampler``, ``selector``, ``reader``, the rate limiter's size) are told of every
-row event (:class:`~gpubuf.replay.ring.RowEvents`: rows written, an episode cut, rows loaded) through one list,
-``parts``, in its order; the storage's journal brackets a write (``before_write``, ``after_write``). The doors onto
-held rows live with their jobs: :class:`~gpubuf.replay.feeds.write_backs.WriteBackDoors` (``update_rows``,
-``cut_episodes``), :class:`~gpubuf.replay.provenance.Provenance` (``locate``).
-"""
+The parts that follow the rows (``sampler``, ``selector``, ``reader``, the rate limiter's size) are told of every row
+event (:class:`~gpubuf.replay.ring.RowEvents`: rows written, an episode cut, rows loaded) through one list, ``parts``,
+in its order; the storage's journal brackets a write (``before_write``, ``after_write``). The doors onto held rows live
+with their jobs: :class:`~gpubuf.replay.feeds.write_backs.WriteBackDoors` (``update_rows``, ``cut_episodes``),
+:class:`~gpubuf.replay.provenance.Provenance` (``locate``)."""
 
 import torch
 
@@ -72,57 +70,47 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
     """A circular buffer of transitions sampled uniformly as contiguous ``n_steps`` windows.
 
     Args:
-        max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows, so
-            the buffer holds ``M * E`` (a remainder of ``max_size`` is not used).
+        max_size: transitions held across all envs; each env gets ``M = max_size // E`` rows, so the buffer holds ``M *
+            E`` (a remainder of ``max_size`` is not used).
         sample_batch_size: default number of windows per :meth:`sample`.
-        data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when
-            ``vectorized_env`` (``E`` = size of axis 1), else ``(T, ...)``; fixes keys, shapes and
-            dtypes.
-        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch
-            on sampling.
-        n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else
-            ``(B, n_steps, ...)``.
-        device: sampling device (validity, prefix-sum trees, priorities, returned batches);
-            ``None`` -> ``cuda`` when available, else ``cpu``.
-        seed: an int in ``[-2**63, 2**64)`` seeding the buffer's own generator (used when
-            :meth:`sample` gets ``key=None``); ``None`` seeds it from the OS.
-        storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host
-            memory: a CUDA buffer then gathers sampled windows on the host, reading the starts back
-            once per sample, and moves them to the device through pinned memory with non-blocking
-            copies).
-        storage_dir: a directory of memory-mapped files (one per leaf, env-major ``(E, M,
-            *shape)``). If it holds a buffer of this configuration (a mismatch raises, naming the
-            field), that buffer is re-opened: rows and counts as of its last insert, and what its
-            last :meth:`flush` saved (sampling RNG; priorities, rows inserted after that flush at
-            ``max_priority``). The buffer holds the directory's lock until :meth:`close`; files are
-            allocated up front; a process killed at any instant re-opens to a state the buffer has
-            been in (:mod:`gpubuf.replay.storage.directory` for the guarantee).
-        rate_limiter: a :class:`~gpubuf.RateLimiter` (one per buffer): :meth:`insert` and
-            :meth:`sample` wait for their turn (threads; holding no lock while they wait), its counts
-            ride along in ``state_dict`` and a ``storage_dir``'s flushes. ``None``: no limit.
+        data_sample: a :class:`Transition` shaped like an insert: leaves ``(T, E, ...)`` when ``vectorized_env`` (``E``
+            = size of axis 1), else ``(T, ...)``; fixes keys, shapes and dtypes.
+        vectorized_env: store env rollouts ``(T, E, ...)`` as is; the env axis folds into the batch on sampling.
+        n_steps: window length; ``1`` returns single transitions ``(B, ...)``, else ``(B, n_steps, ...)``.
+        device: sampling device (validity, prefix-sum trees, priorities, returned batches); ``None`` -> ``cuda`` when
+            available, else ``cpu``.
+        seed: an int in ``[-2**63, 2**64)`` seeding the buffer's own generator (used when :meth:`sample` gets
+            ``key=None``); ``None`` seeds it from the OS.
+        storage_device: where the transitions live: ``None`` (on ``device``) or ``"cpu"`` (host memory: a CUDA buffer
+            then gathers sampled windows on the host, reading the starts back once per sample, and moves them to the
+            device through pinned memory with non-blocking copies).
+        storage_dir: a directory of memory-mapped files (one per leaf, env-major ``(E, M, *shape)``). If it holds a
+            buffer of this configuration (a mismatch raises, naming the field), that buffer is re-opened: rows and
+            counts as of its last insert, and what its last :meth:`flush` saved (sampling RNG; priorities, rows inserted
+            after that flush at ``max_priority``). The buffer holds the directory's lock until :meth:`close`; files are
+            allocated up front; a process killed at any instant re-opens to a state the buffer has been in
+            (:mod:`gpubuf.replay.storage.directory` for the guarantee).
+        rate_limiter: a :class:`~gpubuf.RateLimiter` (one per buffer): :meth:`insert` and :meth:`sample` wait for their
+            turn (threads; holding no lock while they wait), its counts ride along in ``state_dict`` and a
+            ``storage_dir``'s flushes. ``None``: no limit.
         selector: which valid starts :meth:`sample` draws (:mod:`gpubuf.replay.sampling.selectors`: ``Recency``,
-            ``Mixture`` of uniform, prioritized and recency, ``Fifo``/``Lifo`` queues, DreamerV3's ``Online``
-            queue; one per buffer). ``None``: the buffer's own draw.
+            ``Mixture`` of uniform, prioritized and recency, ``Fifo``/``Lifo`` queues, DreamerV3's ``Online`` queue; one
+            per buffer). ``None``: the buffer's own draw.
 
-    Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the
-    capacity. Without replacement the draw is exact sequential sampling without replacement
-    (:mod:`gpubuf.replay.sampling.samplers`).
+    Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the capacity. Without
+    replacement the draw is exact sequential sampling without replacement (:mod:`gpubuf.replay.sampling.samplers`).
 
-    Threads: any number of threads may call any method at once; each call runs whole, between the
-    others (:attr:`lock`, re-entrant; on CUDA, calls from different streams are ordered on the
-    device as on the host: :mod:`gpubuf._core.concurrency`). ``copy.deepcopy``, ``pickle`` and
-    ``torch.save`` give an independent, complete buffer (:mod:`gpubuf._core.copies`); a ``storage_dir``
-    buffer refuses (use :meth:`save` or ``state_dict``).
-    """
+    Threads: any number of threads may call any method at once; each call runs whole, between the others (:attr:`lock`,
+    re-entrant; on CUDA, calls from different streams are ordered on the device as on the host:
+    :mod:`gpubuf._core.concurrency`). ``copy.deepcopy``, ``pickle`` and ``torch.save`` give an independent, complete
+    buffer (:mod:`gpubuf._core.copies`); a ``storage_dir`` buffer refuses (use :meth:`save` or ``state_dict``)."""
 
-    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition,
-                 vectorized_env: bool = True, n_steps: int = 1, *, device=None,
-                 seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None,
-                 selector=None):
+    def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
+                 n_steps: int = 1, *, device=None, seed: int | None = None, storage_device=None, storage_dir=None,
+                 rate_limiter=None, selector=None):
         seed = None if seed is None else int_seed("seed", seed)
-        self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size,
-                                                  data_sample, vectorized_env, n_steps,
-                                                  self._config_extra())
+        self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size, data_sample,
+                                                  vectorized_env, n_steps, self._config_extra())
         self._init_storage = (storage_device, storage_dir)  # as given, for copies
         for name in ReplayConfig.STATE_FIELDS:
             setattr(self, name, getattr(config, name))
@@ -130,8 +118,8 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         self.table = ops.backend_table(self.device)  # what each op call runs, decided once
         self.backend, self._guard = self.table.name, CallGuard(self.device, self.table.tracing)
         self.storage_device = tiers.storage_device_for(self.device, storage_device, storage_dir)
-        self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs, self._row_items,
-                                          config.sample_batch_size)
+        row = config.n_envs if config.vectorized_env else 1  # transitions of the smallest insert: one row of all envs
+        self.rate_limiter = check_limiter(rate_limiter, config.max_rows * config.n_envs, row, config.sample_batch_size)
         self.selector = check_selector(selector)
         self.storage = MemoryStorage(config, self.storage_device) if storage_dir is None else \
             MappedStorage(config, storage_dir)
@@ -159,7 +147,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
                 self.storage.dir.close()
             raise
         if self.rate_limiter is not None:
-            self.rate_limiter.attach(self._guard, self._row_items, config.sample_batch_size)
+            self.rate_limiter.attach(self._guard, row, config.sample_batch_size)
         self._hub = None  # the writers in other processes (WriterHub), once one was handed out
 
     def _row_parts(self) -> list:
@@ -169,10 +157,6 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         limiter = None if self.rate_limiter is None else LimiterSize(self.rate_limiter, self.ring, self.config.n_envs)
         return [p for p in (self.sampler, self.selector, self.reader, limiter) if p is not None]
 
-    @property
-    def _row_items(self) -> int:  # transitions of the smallest insert: one row of every env
-        return self.config.n_envs if self.config.vectorized_env else 1
-
     def _config_extra(self) -> tuple:  # hook: the subclass's own configuration fields
         return ()
 
@@ -181,9 +165,8 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
     @property
     def lock(self):
-        """The re-entrant lock every call holds: hold it to make several calls one step, as
-        another thread sees them (``with buf.lock: ...``), or around the replay of a captured
-        graph that samples this buffer."""
+        """The re-entrant lock every call holds: hold it to make several calls one step, as another thread sees them
+        (``with buf.lock: ...``), or around the replay of a captured graph that samples this buffer."""
         return self._guard.lock
 
     @property
@@ -213,30 +196,26 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
     @locked
     def num_valid(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:
-        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and
-        ``boundaries``."""
+        """Number of valid sequence starts for :meth:`sample` with this ``with_next_obs`` and ``boundaries``."""
         return self.sampler.count_valid(self.config.kind(with_next_obs, boundaries))
 
     @locked
     def sampling_mass(self, with_next_obs: bool = False, boundaries: str = "allow") -> torch.Tensor:
-        """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample`:
-        0 when invalid, 1 when valid (uniform), ``priority**alpha`` (prioritized). A read-only
-        diagnostic."""
+        """``(max_size,)`` float64 copy of the mass each flat start is drawn with by :meth:`sample`: 0 when invalid, 1
+        when valid (uniform), ``priority**alpha`` (prioritized). A read-only diagnostic."""
         return self.sampler.sampling_mass(self.config.kind(with_next_obs, boundaries))
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
+    # an opaque call under torch.compile (so are the other writes): no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def insert(self, transition: Transition):
-        """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``.
-        Leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves,
-        shapes and value-preserving dtypes of ``data_sample`` (:func:`gpubuf._core.inputs.check_cast`);
-        nothing is written on any error (a ``storage_dir`` buffer in a process other than the one
-        that opened it, a fork, raises ``RuntimeError`` naming both pids). Device
-        ``truncated``/``terminated`` are read back. Host
-        storage: an insert of numpy arrays with the signature of the last one accepted takes the
-        steady-state path (:mod:`gpubuf.replay.steady_insert`). With a :attr:`rate_limiter` the call first
-        waits for its turn having let go of the buffer's lock (``TimeoutError`` after the limiter's
+        """Write ``T`` rows per env at ``(insert_position + arange(T)) % M``; returns ``self``. Leaves ``(T, E, ...)``
+        (``(T, ...)`` not vectorized), ``1 <= T <= M``, with the leaves, shapes and value-preserving dtypes of
+        ``data_sample`` (:func:`gpubuf._core.inputs.check_cast`); nothing is written on any error (a ``storage_dir``
+        buffer in a process other than the one that opened it, a fork, raises ``RuntimeError`` naming both pids). Device
+        ``truncated``/``terminated`` are read back. Host storage: an insert of numpy arrays with the signature of the
+        last one accepted takes the steady-state path (:mod:`gpubuf.replay.steady_insert`). With a :attr:`rate_limiter`
+        the call first waits for its turn having let go of the buffer's lock (``TimeoutError`` after the limiter's
         ``timeout``); an insert that then fails gives its count back."""
         limiter = self.rate_limiter
         n = None if limiter is None else self.config.items_in(transition)
@@ -246,16 +225,15 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
     def _insert(self, transition: Transition):
         """:meth:`insert` once its turn came (under the lock)."""
-        staged = steady = self._steady.match(transition, self._owned)
-        if steady is not None:  # the last accepted signature: numpy arrays of the stored layout
-            self.storage.check_open()
-            T = next(iter(staged.values())).shape[0]
-            trunc, ends, last = self._steady.row_flags(staged, T)
+        staged = self._steady.match(transition, self._owned)
+        steady = staged is not None  # the last accepted signature: numpy arrays of the stored layout
+        if steady:
+            values, T = staged, next(iter(staged.values())).shape[0]
         else:
             values, given, T = self.config.rows(transition)
-            self.storage.check_open()
-            trunc, ends, last = self.config.row_flags(values, T)
-            # phase 1: any conversion error happens here
+        self.storage.check_open()
+        trunc, ends, last = self.config.row_flags(values, T)
+        if not steady:  # phase 1: any conversion error happens here
             staged = self.storage.stage(values, given, self._owned)
         ring = self.ring
         with signals_held():  # phase 2: commit
@@ -265,7 +243,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
             for part in self.parts:
                 part.rows_written(pos, before_wrap, T)
             self.storage.after_write(ring.pos, ring.count, ring.total)  # the journal's commit of the rows
-        if steady is None:
+        if not steady:
             self._steady.learn(transition, given)
         return self
 
@@ -276,22 +254,18 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         return self.reader.marks()
 
     @locked
-    def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None,
-                      boundaries="allow", *, frame_stack: int | None = None,
-                      frame_stride: int = 1, n_step_return: tuple[int, float] | None = None,
-                      minibatches: int = 1):
-        """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with
-        device-side random numbers and no host sync, for capture in a CUDA graph or a
-        ``torch.compile(fullgraph=True)`` learner step (``boundaries``: ``"allow"`` or
-        ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the device default,
-        the only one a compiled step can hold; ``frame_stack``, ``frame_stride``,
-        ``n_step_return``: as in :meth:`sample`; ``minibatches=K``: one draw of ``K`` minibatches of
-        ``batch_size``, leaves ``(K, B, ...)``)."""
+    def graph_sampler(self, batch_size=None, with_next_obs: bool = False, generator=None, boundaries="allow", *,
+                      frame_stack: int | None = None, frame_stride: int = 1,
+                      n_step_return: tuple[int, float] | None = None, minibatches: int = 1):
+        """A :class:`~gpubuf.GraphSampler`: sampling with replacement into fixed tensors, with device-side random
+        numbers and no host sync, for capture in a CUDA graph or a ``torch.compile(fullgraph=True)`` learner step
+        (``boundaries``: ``"allow"`` or ``"forbid"``; ``generator``: a device ``torch.Generator``, ``None``: the device
+        default, the only one a compiled step can hold; ``frame_stack``, ``frame_stride``, ``n_step_return``: as in
+        :meth:`sample`; ``minibatches=K``: one draw of ``K`` minibatches of ``batch_size``, leaves ``(K, B, ...)``)."""
         from gpubuf.replay.sampling.graph_sampler import GraphSampler
 
-        return GraphSampler(self, batch_size, with_next_obs, generator, boundaries,
-                            frame_stack=frame_stack, frame_stride=frame_stride,
-                            n_step_return=n_step_return, minibatches=minibatches)
+        return GraphSampler(self, batch_size, with_next_obs, generator, boundaries, frame_stack=frame_stack,
+                            frame_stride=frame_stride, n_step_return=n_step_return, minibatches=minibatches)
 
     @locked
     def num_unserved(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:

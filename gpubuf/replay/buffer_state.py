@@ -1,15 +1,11 @@
 """BufferState: what a replay buffer saves, loads, copies and writes back to its ``storage_dir``.
 
-A base of :class:`~gpubuf.TransitionBuffer`: ``state_dict`` / ``load_state_dict`` (checked whole
-before any write), the constructor arguments its copies are built from, and ``flush`` / ``close``
-of a ``storage_dir``, and the re-open of one. It works on the buffer's parts (``config``, ``storage``, ``ring``,
-``sampler``, ``generator``, ``rate_limiter``, ``selector``, and ``parts``: those told that the rows changed), which
-the buffer builds.
-"""
+A base of :class:`~gpubuf.TransitionBuffer`, working on the parts the buffer builds: ``state_dict`` /
+``load_state_dict`` (checked whole before any write), the constructor arguments its copies are built from, and the
+``flush``, ``close`` and re-open of a ``storage_dir``."""
 
 import warnings
 
-import numpy as np
 import torch
 
 from gpubuf._core import checkpoint
@@ -24,17 +20,14 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
     """State, copies and ``storage_dir`` write-back of a replay buffer."""
 
     def copy_args(self) -> dict:
-        """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into (what
-        its copies are built from)."""
+        """Constructor arguments of an empty buffer that this one's ``state_dict`` loads into (its copies')."""
         c = self.config
         lead = (1, c.n_envs) if c.vectorized_env else (1,)
-        sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype)
-                            for leaf in c.leaves})
+        sample = unflatten({leaf.path: torch.zeros(lead + leaf.shape, dtype=leaf.dtype) for leaf in c.leaves})
         limiter = self.rate_limiter
-        return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size,
-                "data_sample": sample, "vectorized_env": c.vectorized_env, "n_steps": c.n_steps,
-                "device": str(self.device), "storage_device": self._init_storage[0],
-                "rate_limiter": None if limiter is None else limiter.fresh(),
+        return {"max_size": c.max_size, "sample_batch_size": c.sample_batch_size, "data_sample": sample,
+                "vectorized_env": c.vectorized_env, "n_steps": c.n_steps, "device": str(self.device),
+                "storage_device": self._init_storage[0], "rate_limiter": None if limiter is None else limiter.fresh(),
                 "selector": None if self.selector is None else self.selector.fresh(), **dict(c.extra)}
 
     def copy_refusal(self) -> str | None:
@@ -60,14 +53,12 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
 
     @locked
     def state_dict(self) -> dict:
-        """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG
-        state and the sampler's own entries: tensors and plain values only; with a rate limiter,
-        its counts (``"rate_limiter"``)."""
+        """Configuration, data (the storage itself, not copies), counters, truncation flags, RNG state and the sampler's
+        own entries: tensors and plain values only; with a rate limiter, its counts (``"rate_limiter"``)."""
         state = self.config.as_dict()
         state.update(shapes={leaf.name: leaf.shape for leaf in self.config.leaves},
-                     data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves},
-                     pos=self.ring.pos, count=self.ring.count,
-                     trunc=torch.from_numpy(self.ring.trunc.copy()),
+                     data={leaf.name: self.storage.data[leaf.path] for leaf in self.config.leaves}, pos=self.ring.pos,
+                     count=self.ring.count, trunc=torch.from_numpy(self.ring.trunc.copy()),
                      rng=self.generator.get_state(), **self.sampler.state())
         if self.selector is not None:
             state.update(self.selector.state())
@@ -77,19 +68,17 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
 
     @locked
     def load_state_dict(self, state) -> None:
-        """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch
-        raises naming the key and changes nothing. Should reading the data fail after validation
-        (an I/O error), the buffer is emptied rather than left half-loaded. A rate limiter takes the
-        state's counts (a state without them: as many inserts as transitions held, and samples that
-        put the ratio in the middle of its band); a limiter's counts in the state of a buffer without
-        one are ignored."""
-        limits = state.get("rate_limiter") if isinstance(state, dict) else None
-        served = state.get("selector_served") if isinstance(state, dict) else None
-        if isinstance(state, dict):  # optional entries, taken apart from the checked ones
-            state = {k: v for k, v in state.items() if k not in ("rate_limiter", "selector_served")}
-        template = self.state_dict()
-        template.pop("rate_limiter", None)
-        template.pop("selector_served", None)
+        """Restore a :meth:`state_dict` (saved on any device), validated whole first: a mismatch raises naming the key
+        and changes nothing. Should reading the data fail after validation (an I/O error), the buffer is emptied rather
+        than left half-loaded. A rate limiter takes the state's counts (a state without them: as many inserts as
+        transitions held, and samples that put the ratio in the middle of its band); a limiter's counts in the state of
+        a buffer without one are ignored."""
+        optional = ("rate_limiter", "selector_served")  # taken apart from the checked entries
+        limits = served = None
+        if isinstance(state, dict):
+            limits, served = state.get("rate_limiter"), state.get("selector_served")
+            state = {k: v for k, v in state.items() if k not in optional}
+        template = {k: v for k, v in self.state_dict().items() if k not in optional}
         if self.selector is not None:
             self.selector.check_state(served)
             if served is not None:  # read now (a checkpoint's file-backed tensor): no I/O once writing began
@@ -106,12 +95,11 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
                     copy_into(t, sources[name])
                 self.sampler.load_state(state, checked, self._owned)
             except BaseException:  # the data is half-read (a read error): forget every row
-                self.ring.restore(0, 0, np.zeros_like(trunc), np.zeros_like(trunc))
+                self.ring.restore(0, 0)
                 for part in self.parts:
                     part.rows_loaded(False)
                 raise
-            self.ring.restore(pos, count, trunc, np.zeros_like(trunc) if ends is None else ends,
-                              last=last)
+            self.ring.restore(pos, count, trunc, ends, last=last)
             for part in self.parts:  # validity, trees and marks are rebuilt from the rows
                 part.rows_loaded(True)
             self.generator.set_state(rng)
@@ -123,29 +111,27 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
 
     @locked
     def flush(self):
-        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``,
-        ``beta`` when prioritized) beside the files and write every file back to disk, so that a
-        later process re-opens this buffer as it is now. Without one: nothing to do. Returns
-        ``self``."""
+        """With a ``storage_dir``: save the sampling RNG state (and priorities, ``max_priority``, ``beta`` when
+        prioritized) beside the files and write every file back to disk, so that a later process re-opens this buffer as
+        it is now. Without one: nothing to do. Returns ``self``."""
         limiter = {} if self.rate_limiter is None else {"rate_limiter": self.rate_limiter.state()}
         self.storage.flush(self.ring, {"rng": self.generator.get_state(), **self.sampler.flushed(), **limiter})
         return self
 
     @locked
     def close(self) -> None:
-        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can
-        still be sampled, no longer written); closing twice is harmless. ``with
-        TransitionBuffer(...) as buf:`` closes on exit. Without one, or in a forked child of the
-        process that opened the directory (which keeps its lock): nothing to do. Rows that writers in other
-        processes published are committed first (as far as the rate limiter lets them in); a ``RowsWaiting``
-        warning names any left in their queues.
+        """With a ``storage_dir``: :meth:`flush`, then release the directory's lock (this buffer can still be sampled,
+        no longer written); closing twice is harmless. ``with TransitionBuffer(...) as buf:`` closes on exit. Without
+        one, or in a forked child of the process that opened the directory (which keeps its lock): nothing to do. Rows
+        that writers in other processes published are committed first (as far as the rate limiter lets them in); a
+        ``RowsWaiting`` warning names any left in their queues.
 
-        The directory is released whatever fails on the way. A deferred priority update that failed its checks
-        and was not raised yet (``update_priorities(..., deferred=True)``, a ``GraphSampler``'s) is raised
-        after the release and the flush (which keeps the priorities as they are: the failed update wrote
-        nothing), so it is never silent and re-opening the directory works; any other error of the flush is
-        raised with the directory released too. A ``with`` block whose body raised closes the same way but
-        lets the body's exception through, with the close's own error as a warning."""
+        The directory is released whatever fails on the way. A deferred priority update that failed its checks and was
+        not raised yet (``update_priorities(..., deferred=True)``, a ``GraphSampler``'s) is raised after the release and
+        the flush (which keeps the priorities as they are: the failed update wrote nothing), so it is never silent and
+        re-opening the directory works; any other error of the flush is raised with the directory released too. A
+        ``with`` block whose body raised closes the same way but lets the body's exception through, with the close's own
+        error as a warning."""
         if self.storage.closed:
             return
         hub, pending = getattr(self, "_hub", None), None
@@ -169,11 +155,10 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         return self
 
     def __exit__(self, kind, error, trace) -> None:  # ``with`` closes a storage_dir buffer
-        if kind is None:
-            self.close()
-            return
         try:  # the body's own exception goes on; the close's is a warning
             self.close()
         except Exception as err:  # noqa: BLE001 (reported, not swallowed)
+            if kind is None:
+                raise
             warnings.warn(f"close() on leaving the with block that raised {kind.__name__}: "
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)

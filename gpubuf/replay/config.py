@@ -1,21 +1,21 @@
 """ReplayConfig: the frozen, validated configuration of a replay buffer and what its leaves imply.
 
-One object answers every "does this agree?" question: ``state_dict`` checks, a ``storage_dir``
-re-open and the agreement of a sharded buffer's shards all compare its fields. Besides the checks of
-the constructor's arguments it holds the per-leaf rules the buffer applies to every call: an
-insert's rows, their episode flags, the validity kind a sample draws from, and the windows a sample
-returns.
+One object answers every "does this agree?" question: ``state_dict`` checks, a ``storage_dir`` re-open and the agreement
+of a sharded buffer's shards all compare its fields. Besides the checks of the constructor's arguments it holds the
+per-leaf rules the buffer applies to every call: an insert's rows, their episode flags, the validity kind a sample draws
+from, and the windows a sample returns.
 
-Glossary (the replay modules use these names with one meaning each):
+Glossary (the replay modules, tiers and ops use these names with one meaning each):
 
-- ``E``: envs (axis 1 of a vectorized insert; 1 when not vectorized); ``M``: rows per env
-  (``max_rows``); ``T``: rows per env of one insert; ``B``: windows of one sample; ``n``: rows per
-  window (``n_steps``);
+- ``E``: envs (axis 1 of a vectorized insert; 1 when not vectorized); ``M``: rows per env (``max_rows``); ``T``: rows
+  per env of one insert; ``B``: windows of one sample; ``n``: rows per window (``n_steps``); ``D``: words or elements
+  per row of a leaf;
+- *held rows*: the ``count`` rows before the write position ``pos``; *head rows*: of ``T`` rows written at ``pos``,
+  those before the wrap (``min(T, M - pos)``); *window*: the rows a sampled start reads;
 - *leaf*: one tensor of a :class:`~gpubuf.Transition`, named by its *path* ``(field, key, ...)``;
-- *flat start*: ``row * E + env``, the index of a window's first row, also the index of its
-  priority;
-- *kind*: a validity kind (:mod:`gpubuf.replay.ring`): which starts may begin a window for one
-  ``with_next_obs`` and ``boundaries``;
+- *flat start*: ``row * E + env``, the index of a window's first row, also the index of its priority;
+- *kind*: a validity kind (:mod:`gpubuf.replay.ring`): which starts may begin a window for one ``with_next_obs`` and
+  ``boundaries``;
 - *job*: one returned leaf of a sample: ``(output path, stored path, row shift, output shape)``.
 """
 
@@ -49,16 +49,14 @@ def any_rows(rows: dict, paths: list) -> np.ndarray | None:
 
 
 def cut_rows(rows: dict, trunc: list, term: list) -> np.ndarray | None:
-    """(T, E) bool: rows set in a ``trunc`` leaf and in no ``term`` leaf (a termination needs no successor);
-    None without ``trunc`` leaves."""
+    """(T, E) bool: rows set in a ``trunc`` leaf and in no ``term`` leaf; None without ``trunc`` leaves."""
     cut, done = any_rows(rows, trunc), any_rows(rows, term)
     return cut if cut is None or done is None else cut & ~done
 
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``) and
-    ``dtype``."""
+    """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``) and ``dtype``."""
 
     path: tuple
     name: str
@@ -81,20 +79,17 @@ class ReplayConfig:
     leaves: tuple[Leaf, ...]
     extra: tuple[tuple[str, Any], ...] = ()
 
-    STATE_FIELDS = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs",
-                    "max_rows")
+    STATE_FIELDS = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs", "max_rows")
 
     @classmethod
     def build(cls, buffer: str, max_size, sample_batch_size, data_sample: Transition,
               vectorized_env: bool, n_steps, extra: tuple = ()) -> "ReplayConfig":
-        """Check the constructor's arguments (``ValueError`` naming the argument) and derive ``E``
-        and ``M``."""
+        """Check the constructor's arguments (``ValueError`` naming the argument) and derive ``E`` and ``M``."""
         max_size = positive_int("max_size", max_size)
         sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
         n_steps = positive_int("n_steps", n_steps)
         vectorized_env = check_bool("vectorized_env", vectorized_env)
-        samples = {p: as_tensor(v, leaf_name(p))
-                   for p, v in flatten(data_sample, "data_sample").items()}
+        samples = {p: as_tensor(v, leaf_name(p)) for p, v in flatten(data_sample, "data_sample").items()}
         if not samples:
             raise ValueError("data_sample: expected at least one non-None field")
         lead = 2 if vectorized_env else 1
@@ -115,8 +110,7 @@ class ReplayConfig:
                 raise ValueError("data_sample: every leaf needs the same env axis (axis 1) >= 1, "
                                  f"got { {leaf_name(p): e for p, e in envs.items()} }")
         if max_size < E:
-            raise ValueError(f"max_size: expected at least one row per env ({E} envs), got "
-                             f"{max_size}")
+            raise ValueError(f"max_size: expected at least one row per env ({E} envs), got {max_size}")
         if max_size % E:
             warnings.warn(f"max_size: {max_size} is not divisible by {E} envs; rounded down to "
                           f"{max_size // E * E}",
@@ -126,12 +120,9 @@ class ReplayConfig:
             raise ValueError(f"n_steps: expected 1 <= n_steps <= {M} rows per env, got {n_steps}")
         most = E * (M - n_steps + 1)
         if sample_batch_size > most:
-            raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got "
-                             f"{sample_batch_size}")
-        leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), t.dtype)
-                       for p, t in samples.items())
-        return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves,
-                   tuple(extra))
+            raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got {sample_batch_size}")
+        leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), t.dtype) for p, t in samples.items())
+        return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves, tuple(extra))
 
     # ------------------------------------------------------------------ what the leaves imply
 
@@ -167,10 +158,8 @@ class ReplayConfig:
         return kinds + tuple(k | IN_EPISODE for k in kinds) if self.flag_paths[1] else kinds
 
     def as_dict(self, *, batch: bool = True) -> dict:
-        """Plain values to compare: type, version, sizes and ``extra`` (``batch``: with
-        ``sample_batch_size``)."""
-        fields = {name: getattr(self, name) for name in self.STATE_FIELDS
-                  if batch or name != "sample_batch_size"}
+        """Plain values to compare: type, version, sizes and ``extra`` (``batch``: with ``sample_batch_size``)."""
+        fields = {name: getattr(self, name) for name in self.STATE_FIELDS if batch or name != "sample_batch_size"}
         return {"buffer": self.buffer, "version": 1, **fields, **dict(self.extra)}
 
     def items_in(self, transition) -> int | None:
@@ -184,46 +173,40 @@ class ReplayConfig:
         return T * (self.n_envs if self.vectorized_env else 1)
 
     def rows(self, transition) -> tuple[dict, dict, int]:
-        """``(tensors, inputs, T)`` of an insert: every leaf as a tensor and as given, after
-        checking the key set, shapes ``(T, E, ...)`` and value-preserving casts
-        (``ValueError``/``TypeError`` naming the leaf)."""
+        """``(tensors, inputs, T)`` of an insert: every leaf as a tensor and as given, after checking the key set,
+        shapes ``(T, E, ...)`` and value-preserving casts (``ValueError``/``TypeError`` naming the leaf)."""
         given = flatten(transition)
         by_path = self.by_path
         if given.keys() != by_path.keys():
             missing = [leaf.name for leaf in self.leaves if leaf.path not in given]
             extra = [leaf_name(p) for p in given if p not in by_path]
-            raise ValueError("transition: leaves are fixed by data_sample "
-                             f"{[leaf.name for leaf in self.leaves]}; missing {missing}, "
-                             f"unexpected {extra}")
+            raise ValueError(f"transition: leaves are fixed by data_sample {[leaf.name for leaf in self.leaves]}; "
+                             f"missing {missing}, unexpected {extra}")
         values, T = {}, None
         env = (self.n_envs,) if self.vectorized_env else ()
         for p, v in given.items():
             leaf = by_path[p]
             t, want = as_tensor(v, leaf.name), env + leaf.shape
             if t.dim() != len(want) + 1 or t.shape[1:] != want:
-                raise ValueError(f"{leaf.name}: expected shape (T, {', '.join(map(str, want))}), "
-                                 f"got {tuple(t.shape)}")
+                raise ValueError(f"{leaf.name}: expected shape (T, {', '.join(map(str, want))}), got {tuple(t.shape)}")
             if T is None:
                 T = t.shape[0]
             elif t.shape[0] != T:
-                raise ValueError(f"{leaf.name}: expected T = {T} rows like the other leaves, got "
-                                 f"{t.shape[0]}")
+                raise ValueError(f"{leaf.name}: expected T = {T} rows like the other leaves, got {t.shape[0]}")
             check_cast(t, leaf.dtype, leaf.name)
             values[p] = t
         if not 1 <= T <= self.max_rows:
-            raise ValueError(f"transition: expected 1 <= T <= {self.max_rows} rows per insert, got "
-                             f"T = {T}")
+            raise ValueError(f"transition: expected 1 <= T <= {self.max_rows} rows per insert, got T = {T}")
         return values, given, T
 
     def row_flags(self, leaves: dict, T: int, *, raw: bool = False) -> tuple:
-        """(T, E) host bool ``(cut, episode ends, no transition)`` of ``T`` rows of ``leaves`` (each None
-        without its leaves; a device leaf is read back). ``cut``: the rows whose transition needs a successor
-        it does not have, ``truncated`` and not ``terminated`` (a row both terminated and truncated is a
+        """(T, E) host bool ``(cut, episode ends, no transition)`` of ``T`` rows of ``leaves`` (tensors or numpy
+        arrays; each None without its leaves; a device leaf is read back). ``cut``: the rows whose transition needs
+        a successor it does not have, ``truncated`` and not ``terminated`` (a row both terminated and truncated is a
         termination: discount 0, no successor read); ``raw``: every ``truncated`` row."""
         trunc, ends, last = self.flag_paths
         rows = {p: self._set_rows(leaves[p], T) for p in dict.fromkeys(ends + last)}  # one pass
-        return cut_rows(rows, trunc, [] if raw else self.term_paths), any_rows(rows, ends), \
-            any_rows(rows, last)
+        return cut_rows(rows, trunc, [] if raw else self.term_paths), any_rows(rows, ends), any_rows(rows, last)
 
     def check_state(self, state, template: dict) -> tuple:
         """``(pos, count, rng, row flags)`` of a ``state_dict`` checked against this configuration
@@ -235,38 +218,35 @@ class ReplayConfig:
         return pos, count, check_rng("state_dict['rng']", state["rng"]), self.state_flags(state)
 
     def state_flags(self, state: dict) -> tuple:
-        """(M, E) host bool ``(truncated, episode ends, no transition)`` of a state dict's rows
-        (ends and no transition None without their leaves), checking that its ``trunc`` matches its
-        ``truncated`` rows."""
+        """(M, E) host bool ``(truncated, episode ends, no transition)`` of a state dict's rows (ends and no transition
+        None without their leaves), checking that its ``trunc`` matches its ``truncated`` rows."""
         trunc = host_tensor(state["trunc"]).numpy().copy()
         paths = set(sum(self.flag_paths, []))
-        flags = {leaf.path: host_tensor(state["data"][leaf.name]) for leaf in self.leaves
-                 if leaf.path in paths}
+        flags = {leaf.path: host_tensor(state["data"][leaf.name]) for leaf in self.leaves if leaf.path in paths}
         stored, ends, last = self.row_flags(flags, self.max_rows)
         if stored is None:
             stored = np.zeros_like(trunc)
         # earlier releases counted the rows both terminated and truncated in `trunc` too
         if not np.array_equal(trunc, stored) and \
                 not np.array_equal(trunc, self.row_flags(flags, self.max_rows, raw=True)[0]):
-            raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of "
-                             "state_dict['data']")
+            raise ValueError("state_dict['trunc']: does not match the stored `truncated` rows of state_dict['data']")
         return stored, ends, last
 
-    def _set_rows(self, t: torch.Tensor, T: int) -> np.ndarray:
-        """(T, E) host bool: whether leaf ``t`` (T, E, ...) is nonzero anywhere in each row (maybe
-        a view of a (T, E) bool host leaf: callers copy what they keep)."""
-        t = t.detach()
-        if t.device.type == "cpu" and t.dtype not in NOT_IN_NUMPY:
-            a = t.numpy()  # host flags: numpy, a few microseconds
-            if a.dtype == np.bool_ and a.size == T * self.n_envs:
-                return a.reshape(T, self.n_envs)
-            a = a.reshape(T, self.n_envs, -1)
-            return a.any(2) if a.dtype == np.bool_ else (a != 0).any(2)
-        return (t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy()
+    def _set_rows(self, t: torch.Tensor | np.ndarray, T: int) -> np.ndarray:
+        """(T, E) host bool: whether leaf ``t`` (T, E, ...), a tensor or a numpy array, is nonzero anywhere in each
+        row (maybe a view of a (T, E) bool host leaf: callers copy what they keep)."""
+        if type(t) is not np.ndarray:
+            t = t.detach()
+            if t.device.type != "cpu" or t.dtype in NOT_IN_NUMPY:
+                return (t.reshape(T, self.n_envs, -1) != 0).any(2).cpu().numpy()
+            t = t.numpy()  # host flags: numpy, a few microseconds
+        if t.dtype == np.bool_ and t.size == T * self.n_envs:
+            return t.reshape(T, self.n_envs)
+        t = t.reshape(T, self.n_envs, -1)
+        return t.any(2) if t.dtype == np.bool_ else (t != 0).any(2)
 
     def kind(self, with_next_obs: bool, boundaries: str = "allow") -> int:
-        """The validity kind that ``with_next_obs`` (a bool: ``TypeError`` otherwise) and ``boundaries`` sample
-        from."""
+        """The validity kind that ``with_next_obs`` (a bool: ``TypeError`` otherwise) and ``boundaries`` sample from."""
         if type(with_next_obs) is not bool:
             with_next_obs = check_bool("with_next_obs", with_next_obs)
         if boundaries not in BOUNDARIES:
@@ -277,13 +257,11 @@ class ReplayConfig:
         kind = (0 if (not with_next_obs or self.stores_next_obs) else NEXT_OBS) | \
             (IN_EPISODE if boundaries == "forbid" else 0)
         if kind not in self.kinds:
-            raise ValueError("with_next_obs: the buffer stores neither next_observation nor "
-                             "observation")
+            raise ValueError("with_next_obs: the buffer stores neither next_observation nor observation")
         return kind
 
     def batch_size(self, batch_size) -> int:
-        """``batch_size`` (``None``: the default) checked: a positive int whose windows fit int32
-        row indices."""
+        """``batch_size`` (``None``: the default) checked: a positive int whose windows fit int32 row indices."""
         B = self.sample_batch_size if batch_size is None else batch_size
         if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
             raise ValueError(f"batch_size: expected a positive int or None, got {batch_size!r}")
@@ -299,25 +277,18 @@ class ReplayConfig:
         pairs = [(leaf.path, leaf.path, 0) for leaf in self.leaves]
         pairs += [(("next_observation",) + p[1:], p, 1) for p in shifted]
         by_path = self.by_path
-        return [(d, s, shift, ((B, n) if n > 1 else (B,)) + by_path[s].shape)
-                for d, s, shift in pairs]
+        return [(d, s, shift, ((B, n) if n > 1 else (B,)) + by_path[s].shape) for d, s, shift in pairs]
 
     def with_flags(self, batch: Transition, boundaries: str, device) -> Transition:
-        """``batch`` with ``is_first``, ``mask`` and ``has_transition`` (B, n_steps) bool (``(B,)``
-        when ``n_steps == 1``) from its sampled rows, unless ``boundaries == "allow"``.
-
-        ``is_first`` and ``mask`` follow the episode ends (``info["is_last"]`` rows when stored: an
-        episode ends after the row holding its last observation, so that row stays inside its
-        episode's ``mask``). ``has_transition`` is False exactly on the rows that hold no
-        transition, the ``info["is_last"]`` rows (an :class:`~gpubuf.EnvPoolSource`'s row after an
-        episode's last transition, or after a life loss: the last observation, the action fill and
-        reward 0), and True everywhere else, so also everywhere in a buffer that stores no such
-        leaf. It is a flag of its own, not folded into ``mask``, because a world model needs those
-        rows inside the episode (the last observation is the next-observation target of the
-        episode's last transition) while a learner of transitions must drop them: its per-step
-        losses are weighed by ``mask & has_transition``. With ``n_steps == 1`` it is all set (such a
-        row never starts a window); ``"forbid"`` windows may end on one (their last row). A batch
-        refilled in place (a ``GraphSampler``'s) keeps it current with :meth:`refresh_flags`."""
+        """``batch`` with ``is_first``, ``mask`` and ``has_transition`` (B, n_steps) bool (``(B,)`` when ``n_steps
+        == 1``) from its sampled rows, unless ``boundaries == "allow"`` (their meaning: :mod:`gpubuf.replay.buffer`).
+        ``is_first`` and ``mask`` follow the episode ends (``info["is_last"]`` rows when stored: an episode ends
+        after the row holding its last observation, so that row stays inside its episode's ``mask``);
+        ``has_transition`` is False exactly on the ``info["is_last"]`` rows (True everywhere in a buffer without
+        that leaf), a flag of its own because a world model needs those rows inside the episode while a learner of
+        transitions drops them. With ``n_steps == 1`` it is all set (such a row never starts a window);
+        ``"forbid"`` windows may end on one (their last row). A batch refilled in place (a ``GraphSampler``'s)
+        keeps it current with :meth:`refresh_flags`."""
         if boundaries == "allow":
             return batch
         leaves = flatten(batch, "out")
@@ -336,8 +307,7 @@ class ReplayConfig:
                 batch.is_first[:, 1:] = False
             return batch
         done = torch.zeros(B, n, dtype=torch.bool, device=device)
-        # an env source's rows: an episode ends after its `is_last` row (which holds its last
-        # observation)
+        # an env source's rows: an episode ends after its `is_last` row (which holds its last observation)
         for p in [IS_LAST] if IS_LAST in leaves else ends:
             done |= (leaves[p] != 0).reshape(B, n, -1).any(2)
         ended = done[:, :-1]  # (B, n-1): row j ended an episode
@@ -346,11 +316,10 @@ class ReplayConfig:
         return batch
 
     def refresh_flags(self, batch: Transition) -> None:
-        """Recompute, in place, ``batch.has_transition`` of a batch :meth:`with_flags` flagged whose
-        rows were refilled since (a ``GraphSampler``'s fixed outputs after each gather): from its
-        ``info["is_last"]`` rows, without allocating for a ``(B, n_steps)`` bool leaf (the
-        source's), so a captured CUDA graph may hold it. Nothing to do for an unflagged batch, for
-        ``n_steps == 1`` or without that leaf (the flag is constant then)."""
+        """Recompute, in place, ``batch.has_transition`` of a batch :meth:`with_flags` flagged whose rows were refilled
+        since (a ``GraphSampler``'s fixed outputs after each gather): from its ``info["is_last"]`` rows, without
+        allocating for a ``(B, n_steps)`` bool leaf (the source's), so a captured CUDA graph may hold it. Nothing to do
+        for an unflagged batch, for ``n_steps == 1`` or without that leaf (the flag is constant then)."""
         has = batch.has_transition
         if has is None or self.n_steps == 1 or IS_LAST not in self.by_path:
             return

@@ -1,12 +1,6 @@
-"""Provenance of flat starts: the env, ring row and step of each (:meth:`~gpubuf.TransitionBuffer.locate`).
-
-A vectorized buffer's flat start ``row * E + env`` names its env, and ``step`` counts that env's rows. A flat buffer
-(``vectorized_env=False``) holds one stream of transitions (``E == 1``), which a source with several envs
-interleaves: a row names no env by its place, only by what it stores. A source's single-transition rows store it, in
-``info["env_id"]`` (``transition_sample(vectorized=False)``), and :func:`locate` reports that leaf as the env; its
-``step`` counts the rows of the buffer's one stream (every env's, interleaved). A flat buffer without an integer
-``info["env_id"]`` reports env 0, the one stream it holds.
-"""
+"""Provenance of flat starts: the env, ring row and step of each (:meth:`~gpubuf.TransitionBuffer.locate`). A flat
+buffer (``vectorized_env=False``) holds one stream, which names no env by a row's place: only a stored integer
+``info["env_id"]`` does (``transition_sample(vectorized=False)``)."""
 
 import numpy as np
 import torch
@@ -19,8 +13,7 @@ INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def stored_env(config) -> bool:
-    """Whether ``config`` is a flat buffer's that stores each row's env: an integer ``info["env_id"]``, one value per
-    row."""
+    """Whether ``config`` is a flat buffer's that stores each row's env: an integer ``info["env_id"]`` per row."""
     leaf = config.by_path.get(ENV_ID)
     return not config.vectorized_env and leaf is not None and leaf.shape == () and leaf.dtype in INTEGERS
 
@@ -37,20 +30,16 @@ def locate(config, storage, ring, flat: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 class Provenance:
-    """Mixed into :class:`~gpubuf.TransitionBuffer`, which provides ``lock``, ``config``, ``storage`` and ``ring``:
-    :meth:`locate`."""
+    """Mixed into :class:`~gpubuf.TransitionBuffer` (``lock``, ``config``, ``storage``, ``ring``): :meth:`locate`."""
 
     @locked
     def locate(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like
-        ``indices`` on their device: ``row * n_envs + env`` splits into ring ``row`` and ``env``;
-        ``step`` counts the env's rows from the first this buffer wrote (a :meth:`load_state_dict`
-        numbers its rows from 0; with an :class:`~gpubuf.EnvPoolSource` in sync mode, row ``step``
-        shows the env after ``step`` calls of ``step()``). ``IndexError`` for an index outside ``[0,
-        max_size)`` or a row not held. A buffer of ``vectorized_env=False`` holds one stream, which a
-        source with several envs interleaves: ``env`` is each row's stored ``info["env_id"]`` (a
-        source's ``transition_sample(vectorized=False)`` has it), else 0, and ``step`` counts the
-        stream's rows (this module)."""
+        """``(env, row, step)`` of flat starts ``indices`` (any shape), int64 shaped like ``indices`` on their device:
+        ``row * n_envs + env`` splits into ring ``row`` and ``env``; ``step`` counts the env's rows from the first this
+        buffer wrote (a :meth:`load_state_dict` numbers its rows from 0; with an :class:`~gpubuf.EnvPoolSource` in sync
+        mode, row ``step`` shows the env after ``step`` calls of ``step()``). ``IndexError`` for an index outside ``[0,
+        max_size)`` or a row not held. A buffer of ``vectorized_env=False`` holds one stream, which a source with
+        several envs interleaves: ``env`` is each row's stored ``info["env_id"]`` (a source's
+        ``transition_sample(vectorized=False)`` has it), else 0, and ``step`` counts the stream's rows (this module)."""
         flat, device = host_indices(indices)
-        return tuple(torch.from_numpy(a).to(device)
-                     for a in locate(self.config, self.storage, self.ring, flat))
+        return tuple(torch.from_numpy(a).to(device) for a in locate(self.config, self.storage, self.ring, flat))

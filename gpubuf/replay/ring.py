@@ -10,19 +10,8 @@ truncated), and, per validity kind, which starts may begin a window. A kind is t
   the window never crosses into the next episode.
 
 Every kind's windows lie inside the written rows and never cross the write seam, and never start at a row that holds
-no transition (an env source's row holding an episode's last observation, ``info["is_last"]``).
-
-Everything here is numpy on the host: the replay buffer turns the validity it computes into device masks and
-sampling mass.
-
-Glossary (shared by the buffers, tiers and ops): ``M`` rows per env; ``E`` envs (only ever the number of envs);
-``D`` words or elements per row of a leaf; flat start ``row * E + env``; window: the rows a sampled start reads
-(:meth:`StartRing.window`); kind: the two validity bits above; held rows: the ``count`` rows before ``pos``; head
-rows: of ``T`` rows written at ``pos``, those before the wrap (``min(T, M - pos)``).
-
-:class:`RowEvents` is what a buffer tells each part that follows its rows (its sampler, selector, reader, rate
-limiter), through one list of parts.
-"""
+no transition (an env source's row holding an episode's last observation, ``info["is_last"]``). The buffer turns
+the validity computed here into device masks and sampling mass. Names as in :mod:`gpubuf.replay.config`."""
 
 import os
 
@@ -32,8 +21,8 @@ NEXT_OBS, IN_EPISODE = 1, 2  # validity kind bits
 
 
 class RowEvents:
-    """The events a buffer tells every part in its list of parts, each part in the list's order, once the ring
-    holds the change (here: nothing to do; a part overrides what it follows)."""
+    """The events a buffer tells every part that follows its rows (sampler, selector, reader, rate limiter), each part
+    in its list's order, once the ring holds the change (here: nothing to do; a part overrides what it follows)."""
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
         """``T`` new rows were written at ``pos``: ``pos .. pos + before_wrap - 1``, then ``0 .. T - before_wrap -
@@ -47,8 +36,7 @@ class RowEvents:
 
 
 class LimiterSize(RowEvents):
-    """A rate limiter as a part: told the size of the buffer (``ring``'s held rows times ``n_envs``) after each
-    write."""
+    """A rate limiter as a part: told the buffer's size (``ring``'s held rows times ``n_envs``) after each write."""
 
     def __init__(self, limiter, ring: "StartRing", n_envs: int):
         self.limiter, self.ring, self.n_envs = limiter, ring, n_envs
@@ -64,8 +52,7 @@ class StartRing:
         max_rows: ``M``, rows per env.
         n_envs: ``E``.
         n_steps: window length of kind 0 (kind 1 windows are one row longer).
-        kinds: the validity kinds tracked, a subset of ``(0, 1)``.
-    """
+        kinds: the validity kinds tracked, a subset of ``(0, 1)``."""
 
     def __init__(self, max_rows: int, n_envs: int, n_steps: int, kinds: tuple[int, ...]):
         self.max_rows, self.n_envs, self.n_steps = max_rows, n_envs, n_steps
@@ -108,8 +95,7 @@ class StartRing:
         return pos, head_rows
 
     def truncate_row(self, row: int, envs: np.ndarray) -> None:
-        """Mark ``row`` truncated and ending an episode for the ``envs`` (E,) bool (validity is refreshed by the
-        caller)."""
+        """Mark ``row`` truncated and ending an episode for the ``envs`` (E,) bool (the caller refreshes validity)."""
         for flags, name in ((self.trunc, "n_trunc"), (self.ends, "n_ends")):
             before = int(np.count_nonzero(flags[row]))
             flags[row] |= envs
@@ -159,8 +145,7 @@ class StartRing:
         return ok if E == 1 else np.repeat(ok, E)
 
     def refresh(self, kind: int, r0: int, r1: int) -> tuple[np.ndarray, int]:
-        """Recompute the validity of rows ``[r0, r1)`` for ``kind``; returns it ((r1 - r0) * E,) and how many of those
-        starts are valid."""
+        """Recompute the validity of rows ``[r0, r1)`` for ``kind``; returns it ((r1 - r0) * E,) and its valid count."""
         ok = self.validity(r0, r1, kind)
         valid = self.valid[kind].reshape(-1)  # (M*E,) view
         lo, hi = r0 * self.n_envs, r1 * self.n_envs
@@ -171,8 +156,7 @@ class StartRing:
 
     def one_range(self, kind: int) -> bool:
         """Whether the valid starts of ``kind`` are every env's start in one ring range of rows: always for kind 0;
-        with ``NEXT_OBS`` while no truncation is stored, with ``IN_EPISODE`` while no episode end is (or windows are
-        single rows)."""
+        with ``NEXT_OBS`` while no truncation is stored, with ``IN_EPISODE`` while no episode end is (or n = 1)."""
         return self.n_last == 0 and (not kind & NEXT_OBS or self.n_trunc == 0) and \
             (not kind & IN_EPISODE or self.n_ends == 0 or self.n_steps == 1)
 
@@ -210,16 +194,15 @@ class StartRing:
             self.valid[kind][:] = False
             self.n_valid[kind] = 0
 
-    def restore(self, pos: int, count: int, trunc: np.ndarray, ends: np.ndarray, total: int | None = None,
-                last: np.ndarray | None = None) -> None:
-        """Set the write position, row count, truncation flags, episode ends, (default: ``count``) rows ever written
-        and rows holding no transition (default: none); the flags are copied; validity is forgotten, and every
+    def restore(self, pos: int, count: int, trunc: np.ndarray | None = None, ends: np.ndarray | None = None,
+                total: int | None = None, last: np.ndarray | None = None) -> None:
+        """Set the write position, row count, (M, E) truncation flags, episode ends, (default: ``count``) rows ever
+        written and rows holding no transition (flags default: none; copied); validity is forgotten, and every
         generation handed out before is stale."""
         self.base += self.total + 1
         self.pos, self.count = pos, count
-        self.trunc, self.ends = np.array(trunc, dtype=bool), np.array(ends, dtype=bool)
-        self.last = np.zeros_like(self.trunc) if last is None else np.array(last, dtype=bool)
         self.total = count if total is None else total
-        self.n_trunc, self.n_ends = int(np.count_nonzero(trunc)), int(np.count_nonzero(ends))
-        self.n_last = int(np.count_nonzero(self.last))
+        self.trunc, self.ends, self.last = (np.zeros((self.max_rows, self.n_envs), bool) if f is None
+                                            else np.array(f, dtype=bool) for f in (trunc, ends, last))
+        self.n_trunc, self.n_ends, self.n_last = (int(np.count_nonzero(f)) for f in (self.trunc, self.ends, self.last))
         self.forget_validity()

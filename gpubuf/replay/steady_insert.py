@@ -5,15 +5,13 @@ an insert of numpy arrays of the stored dtypes has passed the checked path, its 
 dict keys, dtypes, shapes) is kept; a later insert with the same signature skips what the signature
 already settled (leaf order, shapes, value-preserving casts, staging) and its arrays are written by
 numpy slice assignments, which cannot fail on arrays of the stored dtype and shape. Anything else
-takes the checked path, and so does an array reaching the buffer's own memory (it is copied there).
-"""
+takes the checked path, and so does an array reaching the buffer's own memory (it is copied there)."""
 
 import bisect
 
 import numpy as np
 
 from gpubuf._core.transition import FIELDS, Transition
-from gpubuf.replay.config import any_rows, cut_rows
 
 
 def _signature(value):
@@ -33,17 +31,14 @@ class SteadyInsert:
     """The last accepted insert signature of one buffer (host storage only)."""
 
     def __init__(self, config, storage):
-        self.config = config
         self.paths = [leaf.path for leaf in config.leaves]
         self.dtypes = {p: storage.host[p].dtype for p in storage.host}
         self.enabled = storage.device.type == "cpu" and len(self.dtypes) == len(self.paths)
         self.sig = None
 
     def learn(self, transition: Transition, given: dict) -> None:
-        """Keep ``transition``'s signature after it passed the checked path, when every leaf was
-        given as a numpy array of the stored dtype."""
-        if self.enabled and all(type(given[p]) is np.ndarray and given[p].dtype == self.dtypes[p]
-                                for p in self.paths):
+        """Keep ``transition``'s signature once checked, if every leaf was a numpy array of the stored dtype."""
+        if self.enabled and all(type(given[p]) is np.ndarray and given[p].dtype == self.dtypes[p] for p in self.paths):
             sig = tuple(_signature(getattr(transition, f)) for f in FIELDS)
             self.sig = None if False in sig else sig
 
@@ -73,19 +68,3 @@ class SteadyInsert:
                 return None
             arrays[p] = a
         return arrays
-
-    def row_flags(self, arrays: dict, T: int) -> tuple:
-        """(T, E) host bool ``(cut, episode ends, no transition)`` of the rows (None without
-        their leaves), as :meth:`~gpubuf.replay.config.ReplayConfig.row_flags` computes them."""
-        E = self.config.n_envs
-
-        def rows(p):
-            a = arrays[p]
-            if a.dtype == np.bool_ and a.size == T * E:
-                return a.reshape(T, E)
-            return (a.reshape(T, E, -1) != 0).any(2)
-
-        trunc, ends, last = self.config.flag_paths
-        flags = {p: rows(p) for p in dict.fromkeys(ends + last)}
-        return cut_rows(flags, trunc, self.config.term_paths), any_rows(flags, ends), any_rows(flags, last)
-

@@ -18,8 +18,7 @@ not wrapped since, and its rows were not loaded by ``load_state_dict``, which nu
 The row after an ``is_last`` row is taken for a reset frame, which holds for a buffer that stays attached to
 its source: one detached and attached again mid-episode starts each env with a partial episode there, which
 this cannot tell from a whole one (drop the episodes with ``first_step`` at the re-attach). A buffer that keeps no
-final observation (``vectorized_env=False``, or an env that resets inside the step that ends an episode) is refused.
-"""
+final observation (``vectorized_env=False``, or an env that resets inside the step that ends an episode) is refused."""
 
 from collections.abc import Iterator
 
@@ -27,11 +26,10 @@ import numpy as np
 
 
 def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
-    """Every whole episode ``buffer`` holds, env by env, oldest first: ``{"env", "first_step", "observations"
-    (T + 1, ...), "actions" (T, ...), "rewards" (T,), "terminations" (T,), "truncations" (T,), "infos" {name:
-    (T + 1, ...)}}`` numpy arrays (an ``info`` leaf's value on each observation's row; with stored next
-    observations, the last one repeats the last transition's). ``ValueError`` naming ``buffer`` for a buffer
-    that keeps no final observations."""
+    """Every whole episode ``buffer`` holds, env by env, oldest first: ``{"env", "first_step", "observations" (T + 1,
+    ...), "actions" (T, ...), "rewards" (T,), "terminations" (T,), "truncations" (T,), "infos" {name: (T + 1, ...)}}``
+    numpy arrays (an ``info`` leaf's value on each observation's row; with stored next observations, the last one
+    repeats the last transition's). ``ValueError`` naming ``buffer`` for a buffer that keeps no final observations."""
     state, data = _exported_data(buffer, first_is_reset)
     is_last = data.get("info['is_last']")
     M, count, pos = data["observation"].shape[0], state["count"], state["pos"]
@@ -40,20 +38,17 @@ def episodes(buffer, first_is_reset: bool = False) -> Iterator[dict]:
     first_step = buffer.locate(np.asarray([rows[0] * buffer.n_envs]))[2].item() if count else 0
     for env in range(buffer.n_envs):
         col = {k: v[rows, env] for k, v in data.items()}
-        ends = col["info['is_last']"] if is_last is not None else col["terminated"] | col["truncated"]
-        ends = np.flatnonzero(ends)
+        ends = np.flatnonzero(col["info['is_last']"] if is_last is not None else col["terminated"] | col["truncated"])
         if first_is_reset and first_step == 0:  # the first row is a reset frame: as if an episode ended before
             ends = np.concatenate([[-1], ends])
-        for a_end, b_end in zip(ends[:-1], ends[1:], strict=True):
-            a, b = a_end + 1, b_end
+        for a, b in zip(ends[:-1] + 1, ends[1:], strict=True):  # an episode's first and last rows
             episode = _episode(col, a, b, infos, is_last is not None)
             if episode is not None:
                 yield {"env": env, "first_step": first_step + int(a), **episode}
 
 
 def _exported_data(buffer, first_is_reset) -> tuple[dict, dict[str, np.ndarray]]:
-    """``buffer``'s state dict and its data as numpy arrays ``(M, n_envs, ...)``, once the checks that it can be
-    cut into episodes have passed."""
+    """``buffer``'s state dict and its data as numpy arrays ``(M, n_envs, ...)``, checked to cut into episodes."""
     if not callable(getattr(buffer, "state_dict", None)) or not hasattr(buffer, "locate"):
         raise TypeError(f"buffer: expected a TransitionBuffer, got {type(buffer).__name__}")
     state = buffer.state_dict()

@@ -1,39 +1,26 @@
 """Writers in other processes: actor processes insert rows into one buffer that its owner samples.
 
-The owner hands out one :class:`ReplayWriter` per actor (``buffer.writer(envs=..., rows=...)``) and
-passes it to the actor process as a ``torch.multiprocessing`` process argument (spawn or fork). Each
-writer owns a queue of ``rows`` rows in memory both processes see, allocated once when the writer is
-made: shared host memory for a buffer that stores on the host (including ``storage_dir``), CUDA
-memory shared through CUDA IPC for one that stores on a GPU. Nothing is exchanged per call: the actor
-copies an insert's rows into the queue and then publishes them by advancing a counter in shared host
-memory (on CUDA after its copies finished); the owner commits published rows into the buffer, under
-its lock, as an ordinary insert, when it samples, asks ``can_sample``, waits in its rate limiter, or
-calls ``buffer.collect()``. So the owner never sees a torn row: a row is sampleable once committed,
-and it is committed only once published whole. An actor killed mid-insert (SIGKILL) loses the rows it
-had not published, nothing else.
+The owner hands out one :class:`ReplayWriter` per actor (``buffer.writer(envs=..., rows=...)``) and passes it to the
+actor process as a ``torch.multiprocessing`` process argument (spawn or fork). Each writer owns a queue of ``rows`` rows
+in memory both processes see, allocated once when the writer is made: shared host memory for a buffer that stores on the
+host (including ``storage_dir``), CUDA memory shared through CUDA IPC for one that stores on a GPU. Nothing is exchanged
+per call: the actor copies an insert's rows into the queue and then publishes them by advancing a counter in shared host
+memory (on CUDA after its copies finished); the owner commits published rows into the buffer, under its lock, as an
+ordinary insert, when it samples, asks ``can_sample``, waits in its rate limiter, or calls ``buffer.collect()``. So the
+owner never sees a torn row: a row is sampleable once committed, and it is committed only once published whole. An actor
+killed mid-insert (SIGKILL) loses the rows it had not published, nothing else.
 
-Vectorized buffers: a writer owns a contiguous range of env lanes (``envs=range(a, b)``; ``None``: all
-of them) and inserts ``(T, b - a, ...)`` rows; row ``t`` of the buffer is committed once every lane's
-writer has published its row ``t`` (lockstep, as one vector env of all the actors' envs), so each
-lane holds one env's stream, in order; rows a writer published beyond the rows of lanes whose writers all
-ended wait for a new writer of those lanes, and a :class:`RowsWaiting` warning says so. Not vectorized: each
-writer's inserts are committed whole, one writer's after another's (with a rate limiter, an insert it holds back
-waits whole, and its writer goes first next time; an insert holds at most ``writer.max_insert`` rows).
-
-A dead actor (its process exited or was killed without ``writer.close()``) is reported once, as
-:class:`WriterDied`, by the first of the owner's calls that commit (``sample``, ``can_sample``, a rate limiter's
-wait, ``collect``) after every row it published was committed (or, when some can never be committed until new
-writers come, at once, saying how many wait); its lanes then stop the commits until a new writer is handed out
-for the same lanes (``buffer.writer(envs=the same range)``), whose first row starts new episodes there: the dead
-writer's last row is marked ``truncated`` (where the buffer stores that leaf). The owner's side, the commits and
-the reports, is :mod:`gpubuf.replay.feeds.writer_hub`. An actor waits while
-its queue is full (the owner commits what the rate limiter allows, so a limiter holds actors back
-too); ``insert(..., timeout=)`` ends the wait with ``TimeoutError``, and a dead owner with
-``RuntimeError``. Liveness is read from ``/proc`` (Linux).
-"""
+Vectorized buffers: a writer owns a contiguous range of env lanes (``envs=range(a, b)``; ``None``: all of them) and
+inserts ``(T, b - a, ...)`` rows, committed in lockstep with the other lanes, so each lane holds one env's stream, in
+order. Not vectorized: each writer's inserts are committed whole. How the owner commits and what it reports
+(:class:`WriterDied` once for a dead actor, :class:`RowsWaiting` for rows that cannot be committed) is
+:mod:`gpubuf.replay.feeds.writer_hub`. A dead writer's lanes stop the commits until a new writer is handed out for the
+same lanes (``buffer.writer(envs=the same range)``), whose first row starts new episodes there: the dead writer's last
+row is marked ``truncated`` (where the buffer stores that leaf). An actor waits while its queue is full (the owner
+commits what the rate limiter allows, so a limiter holds actors back too); ``insert(..., timeout=)`` ends the wait with
+``TimeoutError``, and a dead owner with ``RuntimeError``. Liveness is read from ``/proc`` (Linux)."""
 
 import dataclasses
-import math
 import multiprocessing.context
 import os
 import time
@@ -61,8 +48,7 @@ class RowsWaiting(RuntimeWarning):
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet joined, counts as dead); ``pid`` 0:
-    not started yet, alive."""
+    """Whether process ``pid`` runs (a zombie, exited but not joined, is dead); ``pid`` 0: not started yet, alive."""
     if pid <= 0 or pid == os.getpid():
         return True
     try:
@@ -79,16 +65,12 @@ def process_alive(pid: int) -> bool:
 
 
 class ReplayWriter:
-    """An actor's handle on a buffer owned by another process (made by ``buffer.writer``).
+    """An actor's handle on a buffer owned by another process (made by ``buffer.writer(envs, rows)``: ``rows`` is the
+    queue's length in rows per env, the most an insert may hold, with at most :attr:`max_insert`).
 
-    Args of ``buffer.writer``: ``envs`` (a vectorized buffer: ``range(a, b)`` of its env lanes, or
-    ``None`` for all; not vectorized: ``None``), ``rows`` (the queue's length in rows per env; an insert
-    may hold at most that many, and at most :attr:`max_insert`).
-
-    Pass it to the actor as an argument of a ``torch.multiprocessing`` process (or use it in a forked
-    child or a thread): one process writes through it. A plain ``pickle``/``copy`` of it holds no
-    shared memory and refuses to write.
-    """
+    Pass it to the actor as an argument of a ``torch.multiprocessing`` process (or use it in a forked child or a
+    thread): one process writes through it. A plain ``pickle``/``copy`` of it holds no shared memory and refuses to
+    write."""
 
     def __init__(self, config: ReplayConfig, envs: range | None, rows: int, device: torch.device,
                  name: str, owner_pid: int, max_insert: int | None = None):
@@ -118,7 +100,7 @@ class ReplayWriter:
         then ``TimeoutError``); nothing is published on any error."""
         self._check_writer()
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
-                                    or not timeout >= 0 or math.isnan(timeout)):
+                                    or not timeout >= 0):  # NaN included
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         values, _, T = self.config.rows(transition)
         if T > self.max_insert:
@@ -250,8 +232,7 @@ class ReplayWriter:
         self.control[CONSUMED] += n
 
     def pid(self) -> int:
-        """The process writing through it: the one that claimed it, else the one it was spawned into (0: none
-        known)."""
+        """The process writing through it: the one that claimed it, else the one it was spawned into (0: none known)."""
         pid = int(self.control[PID])
         if pid == 0 and self._started is not None:
             pid = getattr(self._started, "pid", None) or 0

@@ -19,13 +19,9 @@ transitions vectorized, else 1) plus a sample of ``sample_batch_size``, and ever
 counting nothing) a size that, with the largest call of the other kind seen so far, the band cannot hold (the
 default sample of ``sample_batch_size`` counts as seen from the start, so no insert can shut it out).
 
-:meth:`RateLimiter.min_size` only waits for ``min_size_to_sample`` transitions;
-:meth:`RateLimiter.sample_to_insert_ratio` holds ``samples / inserts`` near ``samples_per_insert``: ``diff``
-stays within ``error_buffer`` of ``samples_per_insert * min_size_to_sample``. A blocked call waits on a
-condition of the buffer's own lock, which it lets go of while it waits, so the other side runs and wakes it; ``timeout``
-(seconds; ``None``: wait as long as it takes, ``0``: never wait) ends a wait with ``TimeoutError``. A call
-that fails after its turn came (a bad argument, no valid start) gives its counts back.
-"""
+A blocked call waits on a condition of the buffer's own lock, which it lets go of while it waits, so the other side
+runs and wakes it; ``timeout`` (seconds; ``None``: wait as long as it takes, ``0``: never wait) ends a wait with
+``TimeoutError``. A call that fails after its turn came (a bad argument, no valid start) gives its counts back."""
 
 import math
 import threading
@@ -42,14 +38,12 @@ class RateLimiter:
         min_diff, max_diff: the band ``inserts * samples_per_insert - samples`` stays in; their gap must be at
             least ``2 * max(1, samples_per_insert)`` (one sample and one insert of one transition), and at least an
             insert's and a sample's moves together (module docstring: else both could be blocked).
-        timeout: seconds a blocked ``sample``/``insert`` waits before ``TimeoutError`` (``None``: no limit).
-    """
+        timeout: seconds a blocked ``sample``/``insert`` waits before ``TimeoutError`` (``None``: no limit)."""
 
     def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float, max_diff: float,
                  timeout: float | None = None):
         self.samples_per_insert = _positive("samples_per_insert", samples_per_insert)
-        if _flag(min_size_to_sample) or not isinstance(min_size_to_sample, Integral) \
-                or min_size_to_sample < 1:
+        if _flag(min_size_to_sample) or not isinstance(min_size_to_sample, Integral) or min_size_to_sample < 1:
             raise ValueError(f"min_size_to_sample: expected an int >= 1, got {min_size_to_sample!r}")
         self.min_size_to_sample = int(min_size_to_sample)
         for name, v in (("min_diff", min_diff), ("max_diff", max_diff)):
@@ -60,8 +54,7 @@ class RateLimiter:
             raise ValueError(f"min_diff, max_diff: expected max_diff - min_diff >= {gap:g} "
                              f"(2 * max(1, samples_per_insert)), got {min_diff!r} and {max_diff!r}")
         self.min_diff, self.max_diff = float(min_diff), float(max_diff)
-        if timeout is not None and (_flag(timeout) or not isinstance(timeout, Real)
-                                    or not timeout >= 0):
+        if timeout is not None and (_flag(timeout) or not isinstance(timeout, Real) or not timeout >= 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         self.timeout = timeout if timeout is None or type(timeout) in (int, float) else float(timeout)
         self.inserts = self.samples = 0
@@ -174,8 +167,7 @@ class RateLimiter:
             self._count(what, n)
 
     def _wait(self, left: float | None) -> None:
-        """Wait on the condition, the buffer's lock let go of (the calls of the thread that takes it meanwhile start
-        from depth 0)."""
+        """Wait on the condition, the buffer's lock let go of (a thread taking it meanwhile starts from depth 0)."""
         guard = self._guard
         depth = None if guard is None else guard.depth
         if guard is not None:

@@ -6,11 +6,7 @@ ever wrote before it (the ``step`` of :meth:`~gpubuf.TransitionBuffer.locate`) a
 re-opened ``storage_dir`` does not share it), grows past every generation handed out whenever the rows are replaced
 wholesale (a ``load_state_dict``). So a flat start sampled with generation ``g`` still holds what was sampled
 exactly while its generation is ``g``: once the ring overwrote the row (or a load replaced it), it differs.
-Computed from the ring's counters on the indices' device: nothing is stored per row, nothing is read back.
-
-:class:`WriteBackDoors` holds a buffer's doors that write into held rows: :meth:`~WriteBackDoors.update_rows` (the
-write-back of stored latents) and :meth:`~WriteBackDoors.cut_episodes` (an episode end marked at the newest row).
-"""
+Computed from the ring's counters on the indices' device: nothing is stored per row, nothing is read back."""
 
 import numpy as np
 import torch
@@ -27,8 +23,7 @@ def generations(ring, idx: torch.Tensor) -> torch.Tensor:
 
 
 def origin(ring) -> tuple[int, int, int, int, int]:
-    """What the generations of the rows held depend on, now: ``(n_envs, max_rows, pos, count, base + total)``
-    (host ints, no device work)."""
+    """What held rows' generations depend on now: ``(n_envs, max_rows, pos, count, base + total)`` (host ints)."""
     return ring.n_envs, ring.max_rows, ring.pos, ring.count, ring.base + ring.total
 
 
@@ -63,10 +58,9 @@ def check_range(ring, idx: torch.Tensor) -> None:
 
 
 def row_values(config, values, B: int, n_steps: int) -> dict:
-    """``{path: (tensor, windows)}`` of ``values`` ``{name: (B, ...)}`` checked against the buffer's ``info``
-    leaves (not ``is_last``): a leaf's ``(B, *shape)`` values go to the start rows, ``(B, n_steps, *shape)`` ones
-    (``n_steps > 1``) to every row of the windows (``windows`` True). ``ValueError``/``TypeError`` naming
-    ``values``."""
+    """``{path: (tensor, windows)}`` of ``values`` ``{name: (B, ...)}`` checked against the buffer's ``info`` leaves
+    (not ``is_last``): a leaf's ``(B, *shape)`` values go to the start rows, ``(B, n_steps, *shape)`` ones (``n_steps >
+    1``) to every row of the windows (``windows`` True). ``ValueError``/``TypeError`` naming ``values``."""
     allowed = sorted(leaf.path[1] for leaf in config.leaves
                      if leaf.path[0] == "info" and len(leaf.path) == 2 and leaf.path != IS_LAST)
     if not isinstance(values, dict) or not values:
@@ -81,8 +75,7 @@ def row_values(config, values, B: int, n_steps: int) -> dict:
         t = as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value, f"values[{name!r}]")
         shapes = [(B, *leaf.shape)] + ([(B, n_steps, *leaf.shape)] if n_steps > 1 else [])
         if tuple(t.shape) not in shapes:
-            raise ValueError(f"values[{name!r}]: expected shape {' or '.join(map(str, shapes))}, got "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"values[{name!r}]: expected shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
         check_cast(t, leaf.dtype, f"values[{name!r}]")
         out[leaf.path] = (t, t.dim() > len(shapes[0]))
     return out
@@ -106,30 +99,27 @@ def write_rows(storage, ring, idx: torch.Tensor, values: dict, n_steps: int) -> 
 
 
 class WriteBackDoors:
-    """Mixed into :class:`~gpubuf.TransitionBuffer`, which provides ``lock``, ``config``, ``storage``, ``ring`` and
-    ``parts`` (told of a cut row)."""
+    """The doors that write into held rows (``update_rows``, ``cut_episodes``), mixed into
+    :class:`~gpubuf.TransitionBuffer`, which provides ``lock``, ``config``, ``storage``, ``ring`` and ``parts``."""
 
     # write-backs the last update_rows / update_priorities call given generations dropped (their rows
     # were overwritten since the sample); 0 after a call without generations
     stale_updates = 0
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def update_rows(self, indices, values: dict, *, generations=None):
-        """Write ``values`` ``{name: (B, ...)}`` into the stored ``info`` leaves (say latents a
-        world model computed from the sampled windows) at flat starts ``indices`` (B,); returns
-        ``self``. A leaf's ``(B, *shape)`` values go to the start rows; with ``n_steps > 1``,
-        ``(B, n_steps, *shape)`` values go to every row of the windows. With ``generations`` (from
-        ``sample(..., return_generations=True)``) the starts whose rows were overwritten since the
-        sample are skipped, and :attr:`stale_updates` counts them. Duplicate starts: one of their
-        values is kept. Observations, actions, rewards and flags are not written back.
+        """Write ``values`` ``{name: (B, ...)}`` into the stored ``info`` leaves (say latents a world model computed
+        from the sampled windows) at flat starts ``indices`` (B,); returns ``self``. A leaf's ``(B, *shape)`` values go
+        to the start rows; with ``n_steps > 1``, ``(B, n_steps, *shape)`` values go to every row of the windows. With
+        ``generations`` (from ``sample(..., return_generations=True)``) the starts whose rows were overwritten since the
+        sample are skipped, and :attr:`stale_updates` counts them. Duplicate starts: one of their values is kept.
+        Observations, actions, rewards and flags are not written back.
 
-        Raises (writing nothing) on a name that is not an ``info`` leaf, a misshapen value or one
-        its leaf's dtype cannot hold, non-integer indices or ones outside ``[0, max_size)``
-        (``IndexError``), a rows not held (``IndexError``, without ``generations``), or a closed
-        ``storage_dir`` buffer; on a ``storage_dir`` the values reach the files as the other rows do
-        (made durable by ``flush()``)."""
+        Raises (writing nothing) on a name that is not an ``info`` leaf, a misshapen value or one its leaf's dtype
+        cannot hold, non-integer indices or ones outside ``[0, max_size)`` (``IndexError``), a rows not held
+        (``IndexError``, without ``generations``), or a closed ``storage_dir`` buffer; on a ``storage_dir`` the values
+        reach the files as the other rows do (made durable by ``flush()``)."""
         self.storage.check_open()
         idx = index_array(indices).to(torch.int64)
         checked = row_values(self.config, values, idx.shape[0], self.config.n_steps)
@@ -147,24 +137,20 @@ class WriteBackDoors:
         return self
 
     def _current(self, idx: torch.Tensor, generations) -> torch.Tensor:
-        """The mask of flat starts ``idx`` (K,) still holding ``generations``, the others counted
-        into :attr:`stale_updates`."""
+        """Mask of flat starts ``idx`` (K,) still holding ``generations`` (the others: :attr:`stale_updates`)."""
         keep = current(self.ring, idx, generations)
         self.stale_updates = int(keep.numel() - keep.sum())
         return keep
 
-    # an opaque call under torch.compile: no guards on host state, no recompiles
     @torch.compiler.disable
     @locked
     def cut_episodes(self, envs=None):
-        """End every env's episode (``envs``: a ``(n_envs,)`` bool mask of the envs to end) at its newest row,
-        in place: ``truncated`` is set there (unless that row
-        ends an episode already, a termination say), so no window
-        with ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it
-        (its successor counts as unknown, as after a truncation whose final observation was not kept).
-        What a source without ``info["is_last"]`` rows does when its run is cut (a ``reset()``, the buffer
-        detached). Returns ``self``; an empty buffer is left as it is; ``ValueError`` without a
-        ``truncated`` leaf."""
+        """End every env's episode (``envs``: a ``(n_envs,)`` bool mask of the envs to end) at its newest row, in place:
+        ``truncated`` is set there (unless that row ends an episode already, a termination say), so no window with
+        ``boundaries="mask"``/``"forbid"``, next observation, n-step return or stack reaches past it (its successor
+        counts as unknown, as after a truncation whose final observation was not kept). What a source without
+        ``info["is_last"]`` rows does when its run is cut (a ``reset()``, the buffer detached). Returns ``self``; an
+        empty buffer is left as it is; ``ValueError`` without a ``truncated`` leaf."""
         paths = self.config.paths("truncated")
         if not paths:
             raise ValueError("cut_episodes: the buffer stores no truncated leaf to mark the cut with")

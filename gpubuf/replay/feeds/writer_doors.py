@@ -16,9 +16,8 @@ class WriterDoors:
     ``_insert`` and ``_hub`` (the :class:`WriterHub`, made with the first writer)."""
 
     def insert_in_turn(self, transition: Transition, n: int, sized: bool = False):
-        """:meth:`insert` of ``n`` transitions with a rate limiter (under the lock; for companions: the commits of
-        writers): wait for the turn, write, or give the count back (``sized``: the caller checked ``n`` against the
-        band already)."""
+        """:meth:`insert` of ``n`` transitions with a rate limiter (under the lock; for writers' commits): wait for the
+        turn, write, or give the count back (``sized``: the caller checked ``n`` against the band already)."""
         limiter = self.rate_limiter
         limiter.take("insert", n, sized)
         try:
@@ -46,18 +45,17 @@ class WriterDoors:
     @torch.compiler.disable
     @locked
     def writer(self, envs=None, rows: int | None = None) -> ReplayWriter:
-        """A :class:`~gpubuf.replay.feeds.process_writers.ReplayWriter` through which one other process (an actor,
-        given it as a ``torch.multiprocessing`` process argument) inserts into this buffer.
+        """A :class:`~gpubuf.replay.feeds.process_writers.ReplayWriter` through which one other process (an actor, given
+        it as a ``torch.multiprocessing`` process argument) inserts into this buffer.
 
-        ``envs``: the env lanes it writes, ``range(a, b)`` (``None``: all; a buffer with ``vectorized_env=False``
-        has none). ``rows``: its queue's length in rows per env (at most ``max_size // n_envs``; ``None``: 64, or
-        that if fewer). Its rows are committed by this process, in :meth:`sample`, :meth:`can_sample`, a rate
-        limiter's wait and :meth:`collect`; a vectorized buffer's row once every lane's writer published it.
-        A lane has one writer at a time: ``ValueError`` for lanes overlapping another writer's, except exactly
-        the range of a writer that ended (closed, or its process gone), whose last row then ends those lanes'
-        episodes. Not vectorized, each insert is committed whole (with a rate limiter, one insert holds at most
-        ``writer.max_insert`` rows). The queue lives in shared host memory (CUDA memory for a buffer storing on
-        a GPU), allocated here once."""
+        ``envs``: the env lanes it writes, ``range(a, b)`` (``None``: all; a buffer with ``vectorized_env=False`` has
+        none). ``rows``: its queue's length in rows per env (at most ``max_size // n_envs``; ``None``: 64, or that if
+        fewer). Its rows are committed by this process, in :meth:`sample`, :meth:`can_sample`, a rate limiter's wait and
+        :meth:`collect`; a vectorized buffer's row once every lane's writer published it. A lane has one writer at a
+        time: ``ValueError`` for lanes overlapping another writer's, except exactly the range of a writer that ended
+        (closed, or its process gone), whose last row then ends those lanes' episodes. Not vectorized, each insert is
+        committed whole (with a rate limiter, one insert holds at most ``writer.max_insert`` rows). The queue lives in
+        shared host memory (CUDA memory for a buffer storing on a GPU), allocated here once."""
         if self._hub is None:
             self._hub = WriterHub(self)
             if self.rate_limiter is not None:

@@ -16,8 +16,7 @@ Reports, never silent:
   (a row holds every lane): a :class:`RowsWaiting` warning says so once, naming the lanes to hand to a new writer;
   the rows stay queued (``writer.pending``) and commit once that writer publishes as many;
 - a closed ``storage_dir`` buffer commits nothing (it can no longer be written, and still samples): rows still
-  queued then are named by a :class:`RowsWaiting` warning.
-"""
+  queued then are named by a :class:`RowsWaiting` warning."""
 
 import os
 import warnings
@@ -26,6 +25,7 @@ import weakref
 import numpy as np
 import torch
 
+from gpubuf._core.inputs import positive_int
 from gpubuf._core.transition import unflatten
 from gpubuf.replay.feeds.process_writers import CLOSED, OWNER_ENDED, RETIRED, ReplayWriter, RowsWaiting, WriterDied
 
@@ -50,7 +50,7 @@ class WriterHub:
     def add(self, envs, rows: int) -> ReplayWriter:
         buffer, config = self.buffer, self.buffer.config
         envs = self._lanes(envs)
-        rows = min(64, config.max_rows) if rows is None else _positive_int("rows", rows)
+        rows = min(64, config.max_rows) if rows is None else positive_int("rows", rows)
         if rows > config.max_rows:
             raise ValueError(f"rows: expected at most the buffer's {config.max_rows} rows per env, got {rows}")
         for lanes, writers in self.groups.items():
@@ -127,8 +127,7 @@ class WriterHub:
         groups = self._groups()
         if sum(len(lanes) for lanes, _ in groups) != config.n_envs:
             return 0  # rows commit once every lane has a writer
-        n = min(sum(w.pending for w in writers) for _, writers in groups)
-        n = min(n, config.max_rows)
+        n = min(config.max_rows, *(sum(w.pending for w in writers) for _, writers in groups))  # rows every lane has
         if limiter is not None:  # within the band; one row of all lanes may cross min_size_to_sample
             E = config.n_envs
             n = _most(n, lambda k: limiter.fits(k * E)) or int(n > 0 and limiter.can_insert(E))
@@ -179,8 +178,7 @@ class WriterHub:
             w.consumed(k)
 
     def _drop_finished(self) -> None:
-        """Forget drained writers that ended, keeping each lane group's last (its lanes' owner of record) and the
-        dead ones not reported yet."""
+        """Forget drained ended writers, but each lane group's last (its owner of record) and unreported dead ones."""
         for lanes, writers in self.groups.items():
             last = writers[-1:] if lanes is not None else []
             keep = [w for w in writers[:len(writers) - len(last)]
@@ -240,8 +238,7 @@ class WriterHub:
                         "of those lanes publish as many)")
                 again = (f"; hand its lanes to a new writer: buffer.writer(envs={_show(w.envs)})"
                          if w.envs is not None else "")
-                raise WriterDied(f"{w}: its process {pid} exited or was killed; {left}; rows in flight are "
-                                 f"lost{again}")
+                raise WriterDied(f"{w}: its process {pid} exited or was killed; {left}; rows in flight are lost{again}")
 
 
 def _most(n: int, fits) -> int:
@@ -257,12 +254,6 @@ def _most(n: int, fits) -> int:
 
 def _cat(tensors: list, dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
 
 
 def _show(envs: range) -> str:

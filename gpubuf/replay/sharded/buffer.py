@@ -1,11 +1,8 @@
 """ShardedBuffer: one replay buffer sharded over the ranks of a ``torch.distributed`` process group.
 
-Every rank holds one shard, its own :class:`~gpubuf.TransitionBuffer` or :class:`~gpubuf.PrioritizedTransitionBuffer`
-built with the same configuration (checked collectively at construction). Inserts stay local.
-:meth:`ShardedBuffer.sample` is collective: every rank receives its own batch, drawn from the union of the shards
-with the exact global probabilities (uniform over every valid start of every shard, or ``p**alpha / global sum``).
-Start ``j`` of the shard on group rank ``r`` has the global index ``r * S + j``, ``S`` = ``max_size`` (the start
-slots of one shard).
+Every rank holds one shard (:class:`ShardedBuffer` for the API). Inserts stay local; a sample draws from the union of
+the shards with the exact global probabilities (uniform over every valid start of every shard, or ``p**alpha / global
+sum``). Start ``j`` of the shard on group rank ``r`` has the global index ``r * S + j``, ``S`` = ``max_size``.
 
 A sample with replacement, ``W`` ranks, ``B`` windows on this rank (three collectives):
 
@@ -24,14 +21,8 @@ call: ``8 * W * (B_max + 1)`` bytes of padded uniforms and 48 bytes to every ran
 replacement the starts are drawn first, in rounds (see :class:`ShardedBuffer`), then fetched: 8 bytes sent
 per window (its local start), ``window_bytes`` received.
 
-Collectives run on the shard's device with NCCL (split sizes are read back to the host: one sync per exchange)
-and on CPU tensors with gloo (a CUDA shard then stages through the host). Both backends implement
-``all_to_all_single`` with variable splits.
-
-The parts: :mod:`~gpubuf.replay.sharded.transport` (the collectives), :mod:`~gpubuf.replay.sharded.windows` (windows
-as bytes), :mod:`~gpubuf.replay.sharded.sampling` (the draws) and :mod:`~gpubuf.replay.sharded.priorities` (priority
-updates).
-"""
+Collectives run on the shard's device with NCCL and on CPU tensors with gloo
+(:mod:`~gpubuf.replay.sharded.transport`); both implement ``all_to_all_single`` with variable splits."""
 
 import hashlib
 import os
@@ -56,8 +47,7 @@ _RANK = "{rank}"
 
 
 def _config(config) -> dict:
-    """What must agree between shards for their union to be one buffer: a local buffer's ``config`` (but the
-    default batch size) and leaves."""
+    """What must agree between shards: a local buffer's ``config`` (but the default batch size) and leaves."""
     leaves = {leaf.name: (leaf.shape, str(leaf.dtype)) for leaf in config.leaves}
     return {**config.as_dict(batch=False), "leaves": leaves}
 
@@ -105,35 +95,33 @@ def _refusal(prioritized: bool, out, return_indices, frame_stack, frame_stride, 
 @refuse_copies("it is bound to a torch.distributed process group; copy its local buffer (local) and build a "
                "ShardedBuffer from the copy in each rank")
 class ShardedBuffer(Samples):
-    """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``: the default
-    group). Construction is collective: every rank checks that all shards share class, ``max_size``, ``n_envs``,
-    ``n_steps``, leaf shapes and dtypes (and ``alpha``, ``eps``); a mismatch raises ``ValueError`` on every rank
-    naming the field.
+    """A replay buffer whose shards are the ``local`` buffers of the ranks of ``group`` (``None``: the default group).
+    Construction is collective: every rank checks that all shards share class, ``max_size``, ``n_envs``, ``n_steps``,
+    leaf shapes and dtypes (and ``alpha``, ``eps``); a mismatch raises ``ValueError`` on every rank naming the field.
 
     Collective methods (every rank of the group must call them, in the same order): :meth:`sample`,
-    :meth:`update_priorities`, :meth:`num_valid`, :meth:`load`, :meth:`load_state_dict`. Local ones:
-    :meth:`insert`, :meth:`state_dict`, :meth:`save`.
+    :meth:`update_priorities`, :meth:`num_valid`, :meth:`load`, :meth:`load_state_dict`. Local ones: :meth:`insert`,
+    :meth:`state_dict`, :meth:`save`.
 
-    :meth:`sample` is the buffers' own (:mod:`gpubuf.replay.sampling.sample_args`), collective: each rank gets its
-    own :class:`~gpubuf.Batch` drawn from the union of the shards; ``batch_size`` may differ between ranks,
-    ``with_replacement``, ``boundaries`` and the unit's ``next_obs`` must agree. A prioritized batch carries
-    ``weights = (N * P_i)**-beta / max over the batch`` (``N`` and ``P`` global) and global ``indices``, ``rank *
-    max_size + start``; a uniform one no indices. An int ``key`` is mixed with the rank. Not offered (``ValueError``
-    naming the argument on the rank that gave it, ``RuntimeError`` on the others): ``out``, units with frame
-    stacks or n-step returns, generations (write-backs to shards are not generation-checked).
+    :meth:`sample` is the buffers' own (:mod:`gpubuf.replay.sampling.sample_args`), collective: each rank gets its own
+    :class:`~gpubuf.Batch` drawn from the union of the shards; ``batch_size`` may differ between ranks,
+    ``with_replacement``, ``boundaries`` and the unit's ``next_obs`` must agree. A prioritized batch carries ``weights =
+    (N * P_i)**-beta / max over the batch`` (``N`` and ``P`` global) and global ``indices``, ``rank * max_size +
+    start``; a uniform one no indices. An int ``key`` is mixed with the rank. Not offered (``ValueError`` naming the
+    argument on the rank that gave it, ``RuntimeError`` on the others): ``out``, units with frame stacks or n-step
+    returns, generations (write-backs to shards are not generation-checked).
 
-    Without replacement, each rank's batch is exact sequential sampling without replacement from the union:
-    rounds of draws with replacement from the shards' remaining masses (mass less what this rank already drew
-    there), where each owner zeroes, for that requester only, the starts it already drew in its tree, descends
-    and restores them; first appearances are kept (one ``all_gather`` of counts and two ``all_to_all`` per round,
-    usually one or two rounds), then the windows are fetched. A shard's remaining mass is its total less what was
-    drawn there, in float64: when one start's mass exceeds the rest of its shard by about ``2**52`` (priority
-    ratios no TD error produces in practice), that subtraction loses the rest and the shard's share after the big
-    start is drawn is no longer exact; a local buffer has no such limit (its trees sum what remains).
+    Without replacement, each rank's batch is exact sequential sampling without replacement from the union: rounds of
+    draws with replacement from the shards' remaining masses (mass less what this rank already drew there), where each
+    owner zeroes, for that requester only, the starts it already drew in its tree, descends and restores them; first
+    appearances are kept (one ``all_gather`` of counts and two ``all_to_all`` per round, usually one or two rounds),
+    then the windows are fetched. A shard's remaining mass is its total less what was drawn there, in float64: when one
+    start's mass exceeds the rest of its shard by about ``2**52`` (priority ratios no TD error produces in practice),
+    that subtraction loses the rest and the shard's share after the big start is drawn is no longer exact; a local
+    buffer has no such limit (its trees sum what remains).
 
-    Threads: every method holds the local buffer's lock (collectives too, while they wait for the other ranks),
-    so an actor thread may insert into the local buffer while a learner thread runs the collective calls.
-    """
+    Threads: every method holds the local buffer's lock (collectives too, while they wait for the other ranks), so an
+    actor thread may insert into the local buffer while a learner thread runs the collective calls."""
 
     def __init__(self, local: TransitionBuffer, group=None):
         if not dist.is_available() or not dist.is_initialized():
@@ -226,8 +214,7 @@ class ShardedBuffer(Samples):
         Each update travels to its owner (an ``all_gather`` of the counts and of each rank's largest new
         priority, then one ``all_to_all`` of 16 bytes per update), which applies everything it receives in one
         local update (duplicates, from any rank, keep their largest value); ``max_priority`` becomes the same
-        maximum on every rank. Invalid arguments on any rank raise on every rank before anything is written.
-        """
+        maximum on every rank. Invalid arguments on any rank raise on every rank before anything is written."""
         if not self.prioritized:
             raise TypeError(f"update_priorities: the shards are {type(self.local).__name__}s, which have no "
                             "priorities")

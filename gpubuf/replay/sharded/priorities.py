@@ -18,8 +18,7 @@ class PriorityRouter:
         self.shard_size = local.max_size
 
     def _check(self, indices, td_errors) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """``(global indices (K,) int64, td_errors (K,) float64, largest new priority or 0)`` on the
-        communication device, validated."""
+        """Checked ``(global indices (K,) int64, td_errors (K,) float64, largest new priority or 0)``."""
         idx, td = priority_updates(indices, td_errors)
         idx, td = idx.to(self.transport.device, torch.int64), td.to(self.transport.device, torch.float64)
         if not idx.numel():

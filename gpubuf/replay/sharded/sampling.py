@@ -1,9 +1,6 @@
 """Sampling from the union of the shards: each request's shard drawn from the global masses, its start drawn by
-the owner's own tree with the requester's uniforms (:mod:`gpubuf.replay.sharded.buffer` describes the exchanges).
-
-Start ``j`` of the shard on group rank ``r`` has the global index ``r * S + j``, ``S`` the start slots of one
-shard.
-"""
+the owner's own tree with the requester's uniforms (:mod:`gpubuf.replay.sharded.buffer` describes the exchanges
+and the global indices)."""
 
 import numpy as np
 import torch
@@ -16,8 +13,7 @@ from gpubuf.replay.sharded.windows import WindowPacker, bytes_as
 
 
 class ShardSampler:
-    """Draws each rank's batch over ``transport``'s group from the shards ``local`` (this rank's), whose
-    windows ``packer`` moves."""
+    """Draws each rank's batch from the shards of ``transport``'s group (``local``: this rank's)."""
 
     def __init__(self, local, transport: ShardTransport, packer: WindowPacker):
         self.local, self.transport, self.packer = local, transport, packer
@@ -68,21 +64,17 @@ class ShardSampler:
     def _draw(self, B, kind, which, error, gen, with_replacement, with_next_obs, boundaries):
         """:meth:`sample` once its arguments are read (``which``: the index of ``boundaries``)."""
         t = self.transport
-        mass = torch.zeros(1, dtype=torch.float64, device=t.device)
-        if error is None:
-            mass = self._shard_mass(kind)
+        mass = self._shard_mass(kind) if error is None else torch.zeros(1, dtype=torch.float64, device=t.device)
         head = torch.tensor([self.sampler.count_valid(kind) if error is None else 0, B, bool(with_replacement),
                              bool(with_next_obs), error is not None, which], dtype=torch.float64, device=t.device)
         info = t.all_gather(torch.cat([mass, head])).cpu()
         masses, counts, sizes = info[:, 0], info[:, 1].long(), info[:, 2].long().tolist()
         t.fail("sample", torch.nonzero(info[:, 5]).view(-1).tolist(), error)
-        for col, name in ((3, "with_replacement"), (4, "with_next_obs")):
+        for col, name, show in ((3, "with_replacement", bool), (4, "with_next_obs", bool),
+                                (6, "boundaries", lambda v: BOUNDARIES[int(v)])):
             if not bool((info[:, col] == info[0, col]).all()):
                 raise ValueError(f"{name}: must agree on every rank of the group, got "
-                                 f"{[bool(v) for v in info[:, col]]} by rank")
-        if not bool((info[:, 6] == info[0, 6]).all()):
-            raise ValueError("boundaries: must agree on every rank of the group, got "
-                             f"{[BOUNDARIES[int(v)] for v in info[:, 6]]} by rank")
+                                 f"{[show(v) for v in info[:, col]]} by rank")
         N = int(counts.sum())
         if N == 0:
             raise ValueError("sample: no valid sequence start in any shard yet")
@@ -105,8 +97,7 @@ class ShardSampler:
         return batch, (owner * self.shard_size + local_idx).to(self.local.device)
 
     def _with_replacement(self, kind, B, width, gen, masses, with_next_obs):
-        """Uniforms to the owners (one padded exchange to ``width``, the largest batch), window rows (with start
-        and mass) back."""
+        """Uniforms to the owners (one exchange padded to ``width``, the largest batch); rows back."""
         u = self._uniforms(gen, 2 * B)
         owner = self._owners(masses, u[:B])
         got, route = self.transport.route(owner, u[B:], width=width)

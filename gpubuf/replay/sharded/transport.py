@@ -2,8 +2,7 @@
 between the ranks of its process group and makes an error on one rank an error on every rank.
 
 Exchanges run on ``device`` (the shard's CUDA device under NCCL, else the host: gloo stages a CUDA shard
-through it). Split sizes are read back to the host, one sync per exchange.
-"""
+through it). Split sizes are read back to the host, one sync per exchange."""
 
 import torch
 import torch.distributed as dist
@@ -13,8 +12,7 @@ ARG_ERRORS = (TypeError, ValueError, IndexError)
 
 
 class ShardTransport:
-    """Collectives over ``group`` (``None``: the default group) on ``device``; ``rank`` and ``world_size`` are
-    this process's within the group."""
+    """Collectives over ``group`` (``None``: the default group) on ``device``; ``rank``, ``world_size`` in it."""
 
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
@@ -82,8 +80,7 @@ class ShardTransport:
 
     @staticmethod
     def fail(call: str, bad_ranks: list[int], error: Exception | None, what: str = "the arguments") -> None:
-        """Raise on every rank when any rank's ``what`` failed: the rank's own error, else a RuntimeError naming
-        the ranks that failed."""
+        """Raise on every rank once any rank's ``what`` failed: its own error, else a RuntimeError naming them."""
         if error is not None:
             raise error
         if bad_ranks:

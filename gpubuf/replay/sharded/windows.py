@@ -2,8 +2,7 @@
 returned leaf's raw bytes, after a head of per-window values), the requester unpacks the rows into a batch.
 
 Leaves are packed sorted by output path, so shards whose ``info`` dicts list the same keys in another order
-pack the same rows; the batch comes back in the requester's own leaf order.
-"""
+pack the same rows; the batch comes back in the requester's own leaf order."""
 
 import math
 

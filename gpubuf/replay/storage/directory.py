@@ -2,60 +2,53 @@
 
 A directory holds:
 
-- ``gpubuf.json``: the buffer's configuration (type, sizes, file layout) and its leaves (shape, dtype, file),
-  written last at creation: a directory without it is not a buffer yet;
-- ``leaf<i>.bin``: one raw file per leaf, ``(E, M, *shape)`` row-major (env-major), mapped shared, so writes land
-  in the file's pages. The files are allocated on disk at creation (not sparse): a disk without room fails then,
-  with an error, never with a SIGBUS on a later write;
-- ``counters.bin``: the row journal (:mod:`gpubuf.replay.storage.journal`), twelve int64:
-  ``[active slot, dirty, slot 0 (position, rows held, rows ever written, flushes), slot 1 (likewise), boot id
-  (2 words)]``. A commit writes the inactive slot, then flips ``active`` with one aligned 8-byte store, so a
-  process killed at any instant leaves one whole slot. The rows held are the ``rows held`` rows before
-  ``position`` in each env's ring;
-- ``state.pt``: what the last flush saved (sampling RNG; priorities, ``max_priority`` and ``beta`` of a
-  prioritized buffer; the rows ever written at that moment; its flush number), replaced atomically, then
-  committed by the journal's flush count. A ``state.pt`` one flush ahead of the journal is a flush cut short
-  after saving it: it holds what the buffer held then, and the re-open completes the flush;
-- ``lock``: held with ``flock`` for the buffer's life (one writer, :mod:`gpubuf.replay.storage.lock`); it names
-  the holder's pid and host.
+- ``gpubuf.json``: the buffer's configuration (type, sizes, file layout) and its leaves (shape, dtype, file), written
+  last at creation: a directory without it is not a buffer yet;
+- ``leaf<i>.bin``: one raw file per leaf, ``(E, M, *shape)`` row-major (env-major), mapped shared, so writes land in the
+  file's pages. The files are allocated on disk at creation (not sparse): a disk without room fails then, with an error,
+  never with a SIGBUS on a later write;
+- ``counters.bin``: the row journal (:mod:`gpubuf.replay.storage.journal`: position, rows held, rows ever written,
+  flushes, in two slots so that a process killed at any instant leaves one whole). The rows held are the ``rows held``
+  rows before ``position`` in each env's ring;
+- ``state.pt``: what the last flush saved (sampling RNG; priorities, ``max_priority`` and ``beta`` of a prioritized
+  buffer; the rows ever written at that moment; its flush number), replaced atomically, then committed by the journal's
+  flush count. A ``state.pt`` one flush ahead of the journal is a flush cut short after saving it: it holds what the
+  buffer held then, and the re-open completes the flush;
+- ``lock``: held with ``flock`` for the buffer's life (one writer, :mod:`gpubuf.replay.storage.lock`); it names the
+  holder's pid and host.
 
-Crash consistency, as the buffer uses it: before rows that the buffer holds are overwritten, the journal commits a
-state without them (fewer rows held); the rows are written; then the new state is committed. A process killed in
-between re-opens without the rows in flight: every row it holds has the bytes of one write. A ``load_state_dict``
-commits an empty buffer first, so one killed half-way re-opens empty.
+Crash consistency, as the buffer uses it: before rows that the buffer holds are overwritten, the journal commits a state
+without them (fewer rows held); the rows are written; then the new state is committed. A process killed in between
+re-opens without the rows in flight: every row it holds has the bytes of one write. A ``load_state_dict`` commits an
+empty buffer first, so one killed half-way re-opens empty.
 
-After an operating-system crash (power loss), pages reach the disk in an order the kernel chooses. The first write
-after a flush marks the journal ``dirty`` (and syncs that to disk first); a flush syncs every file and clears the
-mark. A directory re-opened dirty under another boot (Linux's boot id) therefore lost an unknown part of its
-unflushed writes: it re-opens empty (with a warning), keeping its flushed sampling state. Without writes since the
-last flush it re-opens exactly as flushed.
+After an operating-system crash (power loss), pages reach the disk in an order the kernel chooses. The first write after
+a flush marks the journal ``dirty`` (and syncs that to disk first); a flush syncs every file and clears the mark. A
+directory re-opened dirty under another boot (Linux's boot id) therefore lost an unknown part of its unflushed writes:
+it re-opens empty (with a warning), keeping its flushed sampling state. Without writes since the last flush it re-opens
+exactly as flushed.
 
 Damage is refused, never re-created over or guessed at (``ValueError`` naming the file, from the checks of
 :mod:`gpubuf.replay.storage.format`; a refused open changes nothing in the directory, its lock file included):
 
-- a directory holding a buffer's files (``leaf<i>.bin``, ``counters.bin``, ``state.pt`` or their temporary
-  files) but no ``gpubuf.json`` (lost, or a creation cut short); an empty or missing directory is created as a new
-  buffer;
-- a ``counters.bin`` that is not the journal: 24 bytes are the three counters of a directory written before the
-  journal (``position, rows held, rows ever written``) only where they fit the ring as that format kept it (a
-  ring not yet full holds rows ``0 .. position - 1``), the ``gpubuf.json`` is not one of the journal's (which
-  records it) and no ``state.pt`` was saved by a flush of the journal (which numbers it); such a directory is
-  converted when it opens;
+- a directory holding a buffer's files (``leaf<i>.bin``, ``counters.bin``, ``state.pt`` or their temporary files) but no
+  ``gpubuf.json`` (lost, or a creation cut short); an empty or missing directory is created as a new buffer;
+- a ``counters.bin`` that is not the journal: 24 bytes are the three counters of a directory written before the journal
+  (``position, rows held, rows ever written``) only where they fit the ring as that format kept it (a ring not yet full
+  holds rows ``0 .. position - 1``), the ``gpubuf.json`` is not one of the journal's (which records it) and no
+  ``state.pt`` was saved by a flush of the journal (which numbers it); such a directory is converted when it opens;
 - a ``state.pt`` that cannot be read (truncated at any byte, not a flush's file) or restored.
 
-A flush that cannot write ``state.pt`` (a full disk; the file-size limit ``RLIMIT_FSIZE``, reached with
-``SIGXFSZ`` ignored: otherwise the OS ends the process, as for any write) raises ``OSError`` naming it and the
-cause; the temporary file is removed, the previous ``state.pt`` and the journal are untouched and the buffer is as
-before, so a later flush can succeed.
+A flush that cannot write ``state.pt`` (a full disk; the file-size limit ``RLIMIT_FSIZE``, reached with ``SIGXFSZ``
+ignored: otherwise the OS ends the process, as for any write) raises ``OSError`` naming it and the cause; the temporary
+file is removed, the previous ``state.pt`` and the journal are untouched and the buffer is as before, so a later flush
+can succeed.
 
-One process writes: the one that opened the directory (its *owner*). A process forked from it inherits the
-mappings and the lock's descriptor; :meth:`StorageDir.check_writer` refuses it every write (``RuntimeError``
-naming the directory and both pids), and :attr:`StorageDir.closed` is true there, so a buffer's ``close()`` in
-the child does nothing. At the fork the child's copy of each lock descriptor is closed (``os.register_at_fork``):
-the owner's ``flock`` is unaffected (it belongs to the owner's open file), a child neither keeps the directory
-locked after the owner closes it nor blocks itself from opening it then. Reading (sampling) in the child stays
-possible: the mapping is shared, and the owner's later writes show through it.
-"""
+One process writes: the one that opened the directory (its *owner*). A process forked from it inherits the mappings and
+the lock's descriptor; :meth:`StorageDir.check_writer` refuses it every write (``RuntimeError`` naming the directory and
+both pids), and :attr:`StorageDir.closed` is true there, so a buffer's ``close()`` in the child does nothing; the
+child's copy of the lock is closed at the fork (:mod:`gpubuf.replay.storage.lock`). Reading (sampling) in the child
+stays possible: the mapping is shared, and the owner's later writes show through it."""
 
 import contextlib
 import io
@@ -88,15 +81,11 @@ class StorageDir:
         shapes, dtypes: ``{leaf name: (E, M, *shape)}`` and ``{leaf name: dtype}``: ``tensors`` holds contiguous
             ``(E, M, *shape)`` views of the files.
 
-    ``reopened`` says whether the directory already held this buffer (its files are then mapped as they are).
-    The lock is taken before anything is read or written; any error releases it and leaves the directory as it
-    was: for a new directory, what was created is removed (the lock file too, where it was made here); a damaged
-    one (module docstring) raises ``ValueError`` naming the file, with nothing written. Once the buffer restored
-    what it holds, :meth:`claim` names this process in the lock file (and converts a journal of the earlier
-    format).
-
-    ``pid``: the process that opened it, the only one that may write it (:meth:`check_writer`).
-    """
+    ``reopened`` says whether the directory already held this buffer (its files are then mapped as they are); ``pid``
+    is the process that opened it, the only one that may write it (:meth:`check_writer`). The lock is taken before
+    anything is read or written; any error releases it and leaves the directory as it was (for a new directory, what
+    was created is removed, the lock file too where it was made here). Once the buffer restored what it holds,
+    :meth:`claim` names this process in the lock file."""
 
     META, COUNTERS, STATE = fmt.META, fmt.COUNTERS, fmt.STATE
 
@@ -169,8 +158,7 @@ class StorageDir:
             self.journal = Journal(counters)
 
     def claim(self) -> None:
-        """The buffer opened: convert a journal of the earlier format (its file is written here, not before) and
-        name this process in the lock file."""
+        """The buffer opened: write a journal converted from the earlier format; name this process in the lock file."""
         self.journal.write()
         self.lock.claim()
 
@@ -227,18 +215,17 @@ class StorageDir:
     # ------------------------------------------------------------------ flushed state
 
     def restore_flushed(self, ring, flushes: int, reopen, generator: torch.Generator) -> bool:
-        """Restore what the last flush saved into ``generator`` and, through ``reopen(state, since)``, the
-        sampler, given the ``ring`` re-opened from the journal (``flushes``: its flush count). Everything is
-        checked first (``ValueError`` naming ``state.pt``); returns whether the state was one flush ahead of the
-        journal (a flush cut short after saving it: the caller completes it)."""
-        ahead = []
-
-        def restore(state):
-            since = ring.count  # held rows written after the flushed state: at max_priority
-            journal = f"the row journal {self.path / self.COUNTERS}"
+        """Restore what the last flush saved into ``generator`` and, through ``reopen(state, since)``, the sampler,
+        given the ``ring`` re-opened from the journal (``flushes``: its flush count). Everything is checked first; a
+        ``state.pt`` that cannot be read or restored raises ``ValueError`` naming it. Returns whether the state was one
+        flush ahead of the journal (a flush cut short after saving it: the caller completes it)."""
+        state = fmt.read_state(self.path)
+        journal = f"the row journal {self.path / self.COUNTERS}"
+        since, ahead = ring.count, False  # held rows written after the flushed state: at max_priority
+        try:
             if state is None and flushes:
                 raise ValueError(f"missing, while {journal} counts {flushes} flushes")
-            if state is not None:  # a dict (load_state)
+            if state is not None:
                 rng = state["rng"]
                 if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
                     raise ValueError(f"rng: expected a uint8 generator state, got {type(rng).__name__}")
@@ -250,34 +237,22 @@ class StorageDir:
                     raise ValueError(f"it was saved by flush {flush} with {flushed} rows ever written, which "
                                      f"{journal} ({flushes} flushes, {ring.total} rows ever written) cannot follow: "
                                      "one of the two files is damaged, or they come from different buffers")
-                ahead.append(flush > flushes)  # a flush cut short: its state is what the rows held then
-                since = 0 if ahead[0] else min(ring.total - flushed, ring.count)
+                ahead = flush > flushes  # a flush cut short: its state is what the rows held then
+                since = 0 if ahead else min(ring.total - flushed, ring.count)
             reopen(state, since)
             if state is not None:
                 generator.set_state(rng)
-
-        self.load_state_checked(restore)
-        return bool(ahead and ahead[0])
-
-    def load_state_checked(self, restore) -> None:
-        """``restore(state or None)`` with what the last :meth:`save_state` wrote; a state file that cannot be
-        read or restored raises ValueError naming it."""
-        state = self.load_state()
-        try:
-            restore(state)
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError, OverflowError, EOFError,
                 pickle.UnpicklingError) as err:
             raise ValueError(f"storage_dir: {self.path / self.STATE} cannot be restored "
                              f"({type(err).__name__}: {err})") from None
+        return ahead
 
     def save_state(self, state: dict, counters: tuple[int, int, int]) -> None:
-        """Write ``state`` (tensors and plain values) with the next flush number to ``state.pt`` atomically,
-        commit ``counters`` with that number, write every file back to disk, then mark the journal clean.
-
-        ``state.pt`` is serialized in memory, then written with plain writes and renamed into place: one that
-        cannot be written (a full disk, a file-size limit) raises ``OSError`` naming it and the cause, its
-        temporary file removed, before anything else changed (the previous ``state.pt`` and the journal as they
-        were, so a later flush may succeed)."""
+        """Write ``state`` (tensors and plain values) with the next flush number to ``state.pt`` atomically
+        (serialized in memory, written with plain writes, renamed into place), commit ``counters`` with that
+        number, write every file back to disk, then mark the journal clean. A ``state.pt`` that cannot be written
+        raises ``OSError`` before anything else changed (module docstring)."""
         flush = self.journal.read()[3] + 1
         file = self.path / self.STATE
         data = io.BytesIO()
@@ -294,26 +269,19 @@ class StorageDir:
                 fsync(part)  # also writes back pages dirtied through the shared mappings
         self.journal.mark_clean()
 
-    def load_state(self) -> dict | None:
-        """What the last :meth:`save_state` wrote, or None (no file); a file that cannot be read (truncated, not
-        one torch saved with plain values) or holds no dict raises ``ValueError`` naming it."""
-        return fmt.read_state(self.path)
-
     # ------------------------------------------------------------------ the writing process
 
     def check_writer(self) -> None:
-        """Raise ``RuntimeError`` in a process other than the one that opened the directory (a forked child): it
-        would write rows and counters the owner holds and samples. Nothing is written; reading stays possible
-        (module docstring)."""
+        """Raise ``RuntimeError`` in a process other than the one that opened the directory (a forked child), which
+        would write rows and counters the owner holds and samples; nothing is written, reading stays possible."""
         if os.getpid() != self.pid:
             raise RuntimeError(f"storage_dir: {str(self.path)!r} is owned by pid {self.pid} (which opened it); "
                                f"this process (pid {os.getpid()}) may not write it: open the directory in this "
                                "process after the owner closes it, or send rows to the owner")
 
     def close(self) -> None:
-        """Release the lock (the mappings stay readable while tensors use them). In a process other than the
-        owner only that process's copy of the lock's descriptor is closed: the owner's lock is untouched and
-        nothing is flushed."""
+        """Release the lock (the mappings stay readable while tensors use them). In a process other than the owner only
+        that process's copy of the lock's descriptor is closed: the owner's lock is untouched and nothing is flushed."""
         self.lock.release()
 
     @property

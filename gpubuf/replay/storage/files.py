@@ -8,8 +8,7 @@ from pathlib import Path
 
 
 def fsync(path: Path) -> None:
-    """Write a file's dirty pages (those dirtied through shared mappings too) to disk; an error raises
-    ``OSError`` naming the file."""
+    """Write a file's dirty pages (shared mappings' too) to disk; an error raises ``OSError`` naming the file."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -77,8 +77,7 @@ def check_distinct(files: list[Path]) -> None:
 
 
 def check_no_buffer_files(path: Path) -> None:
-    """Raise if the directory ``path``, which holds no ``gpubuf.json``, holds a buffer's files: it is never
-    created over."""
+    """Raise if ``path``, which holds no ``gpubuf.json``, holds a buffer's files: it is never created over."""
     found = sorted(p.name for p in path.iterdir() if LEAF_FILE.fullmatch(p.name) or p.name in LEFTOVERS)
     if found:
         shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")

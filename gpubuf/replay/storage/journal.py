@@ -1,8 +1,7 @@
-"""The row journal of a ``storage_dir`` (``counters.bin``): twelve int64,
-``[active slot, dirty, slot 0 (position, rows held, rows ever written, flushes), slot 1 (likewise), boot id
-(2 words)]``. A commit writes the inactive slot, then flips ``active`` with one aligned 8-byte store, so a
-process killed at any instant leaves one whole slot; ``dirty`` and the boot id tell an operating-system crash
-with unflushed writes (:mod:`gpubuf.replay.storage.directory`)."""
+"""The row journal of a ``storage_dir`` (``counters.bin``): twelve int64, ``[active slot, dirty, slot 0 (position, rows
+held, rows ever written, flushes), slot 1 (likewise), boot id (2 words)]``. A commit writes the inactive slot, then
+flips ``active`` with one aligned 8-byte store, so a process killed at any instant leaves one whole slot; ``dirty`` and
+the boot id tell an operating-system crash with unflushed writes (:mod:`gpubuf.replay.storage.directory`)."""
 
 import uuid
 from pathlib import Path
@@ -48,8 +47,7 @@ class Journal:
 
     @staticmethod
     def fresh(counters=(0, 0, 0)) -> np.ndarray:
-        """The words of a clean journal whose slot 0 holds ``(position, rows held, rows ever written)``, no flush
-        counted, under this boot."""
+        """The words of a clean journal under this boot: slot 0 holds ``(position, rows held, rows ever written)``."""
         words = np.zeros(WORDS, dtype=np.int64)
         words[_SLOTS[0]:_SLOTS[0] + 3] = counters
         words[_BOOT:_BOOT + 2] = boot_id()
@@ -68,8 +66,7 @@ class Journal:
         return tuple(int(v) for v in self.words[a:a + 4])
 
     def commit(self, pos: int, count: int, total: int, flushes: int | None = None) -> None:
-        """Write the inactive slot (``flushes``: default, unchanged), then make it the active one (one aligned
-        8-byte store)."""
+        """Write the inactive slot (``flushes``: default, unchanged), then make it active (one aligned 8-byte store)."""
         if flushes is None:
             flushes = self.read()[3]
         spare = 1 - int(self.words[_ACTIVE])

@@ -2,8 +2,7 @@
 
 At a fork the child's copy of each lock descriptor is closed (``os.register_at_fork``): the owner's ``flock`` is
 unaffected (it belongs to the owner's open file), and a child neither keeps the directory locked after the owner
-closes it nor blocks itself from opening it then.
-"""
+closes it nor blocks itself from opening it then."""
 
 import contextlib
 import fcntl
@@ -17,9 +16,7 @@ _HELD_LOCKS: "weakref.WeakSet[DirLock]" = weakref.WeakSet()
 
 
 def _close_inherited_locks() -> None:
-    """In a forked child: close the child's copies of the lock descriptors. The owner's ``flock`` stays (it
-    belongs to the open file the owner still holds); the child no longer keeps it alive after the owner closes,
-    nor conflicts with its own later open of the directory."""
+    """In a forked child: close the child's copies of the lock descriptors (module docstring)."""
     for lock in list(_HELD_LOCKS):
         with contextlib.suppress(OSError, ValueError):
             lock.file.close()
@@ -64,8 +61,7 @@ class DirLock:
         self.file.flush()
 
     def release(self) -> None:
-        """Close this process's descriptor: the owner's close drops the flock; a forked child's (already closed
-        at the fork) leaves the owner's lock held."""
+        """Close this process's descriptor: the owner's close drops the flock (a forked child's closed at the fork)."""
         _HELD_LOCKS.discard(self)
         if not self.file.closed:
             self.file.close()  # closing the descriptor drops the flock

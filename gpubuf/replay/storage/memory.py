@@ -1,18 +1,14 @@
 """Where a replay buffer's transitions live: one storage object, chosen once at construction.
 
-Every storage has the same small surface: :meth:`~MemoryStorage.stage` (check and convert an
-insert's leaves, before anything is written), :meth:`~MemoryStorage.write` (commit staged rows at a
-ring position), :meth:`~MemoryStorage.gather` (the windows of sampled starts, on the sampling
-device), and the journal hooks a buffer calls around its writes, flushes and loads (no-ops but for
-files).
+Every storage has the same small surface: :meth:`~MemoryStorage.stage` (check and convert an insert's leaves, before
+anything is written), :meth:`~MemoryStorage.write` (commit staged rows at a ring position),
+:meth:`~MemoryStorage.gather` (the windows of sampled starts, on the sampling device), and the journal hooks a buffer
+calls around its writes, flushes and loads (no-ops but for files).
 
-- :class:`MemoryStorage`: time-major ``(M, E, *shape)`` tensors on the sampling device, or in host
-  memory (``storage_device="cpu"``: windows are gathered on the host into pinned memory and copied
-  over with non-blocking copies). Host RAM keeps the time-major layout: there env-major rows gather
-  large frames only a little faster, small leaves slower, and scatter every insert over the envs.
-- :class:`MappedStorage`: env-major ``(E, M, *shape)`` files of a ``storage_dir``
-  (:class:`~gpubuf.replay.storage.directory.StorageDir`: allocation, lock, row journal), written through
-  transposed ``(M, E, *shape)`` views and gathered with :func:`gpubuf.replay.storage.tiers.env_major_gather`.
+- :class:`MemoryStorage`: time-major ``(M, E, *shape)`` tensors on the sampling device, or in host memory
+  (``storage_device="cpu"``: windows gathered on the host into pinned memory, copied over non-blocking; why
+  time-major there too: :mod:`gpubuf.replay.storage.tiers`);
+- :class:`MappedStorage`: the env-major files of a ``storage_dir`` (:mod:`gpubuf.replay.storage.directory`).
 """
 
 import numpy as np
@@ -42,20 +38,15 @@ class MemoryStorage:
         self._bind(config, device, base, base)
 
     def _bind(self, config: ReplayConfig, device: torch.device, views: dict, base: dict) -> None:
-        """Keep ``views`` ``{name: (M, E, *shape)}`` (time-major, as written) of contiguous ``base``
-        tensors."""
+        """Keep ``views`` ``{name: (M, E, *shape)}`` (time-major, as written) of contiguous ``base`` tensors."""
         M, E = config.max_rows, config.n_envs
         # what each op call runs: a storage_dir's env-major files gather with the twins
         self.config, self.device, self.table = config, device, ops.backend_table(device, env_major=self.dir is not None)
         self.data = {leaf.path: views[leaf.name] for leaf in config.leaves}
-        # (M*E, D) contiguous
-        self.flat = {leaf.path: base[leaf.name].view(M * E, -1) for leaf in config.leaves}
-        # windows are gathered as int words
-        self.words = {p: as_words(t)[0] for p, t in self.flat.items()}
-        # host storage as numpy views: a same-dtype host array is written by one numpy slice
-        # assignment
-        self.host = {p: t.numpy() for p, t in self.data.items()
-                     if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
+        self.flat = {leaf.path: base[leaf.name].view(M * E, -1) for leaf in config.leaves}  # (M*E, D) contiguous
+        self.words = {p: as_words(t)[0] for p, t in self.flat.items()}  # windows are gathered as int words
+        # host storage as numpy views: a same-dtype host array is written by one numpy slice assignment
+        self.host = {p: t.numpy() for p, t in self.data.items() if device.type == "cpu" and t.dtype not in NOT_IN_NUMPY}
         self.staging = Staging(device)
         self._host_jobs: dict = {}  # (B, with_next_obs) -> host_jobs
 
@@ -63,9 +54,8 @@ class MemoryStorage:
         return list(self.data.values())
 
     def stage(self, values: dict, given: dict, owned: tuple) -> dict:
-        """Each leaf of an insert converted for storage (where any conversion fails, before any
-        write): a numpy array for a same-dtype host input into host storage, else a staged
-        tensor."""
+        """Each leaf of an insert converted for storage (where any conversion fails, before any write): a numpy array
+        for a same-dtype host input into host storage, else a staged tensor."""
         staged = {}
         for leaf in self.config.leaves:
             t = values[leaf.path]
@@ -77,8 +67,7 @@ class MemoryStorage:
         return staged
 
     def write(self, staged: dict, pos: int, before_wrap: int, T: int) -> None:
-        """Rows ``pos .. pos + before_wrap - 1`` and ``0 .. T - before_wrap - 1`` = the staged
-        rows."""
+        """Rows ``pos .. pos + before_wrap - 1`` and ``0 .. T - before_wrap - 1`` = the staged rows."""
         for p, src in staged.items():
             dst = self.host[p] if isinstance(src, np.ndarray) else self.data[p]
             if before_wrap == T:
@@ -90,18 +79,15 @@ class MemoryStorage:
     # ------------------------------------------------------------------ windows
 
     def check_out(self, out, jobs: list, device, owned: tuple) -> dict:
-        """``{output path: (tensor or None, stored path, shift, shape)}``, checking a caller's
-        ``out``."""
+        """``{output path: (tensor or None, stored path, shift, shape)}``, checking a caller's ``out``."""
         if out is None:
             return {d: (None, s, shift, shape) for d, s, shift, shape in jobs}
-        given, result, dtypes = flatten(out, "out"), {}, {leaf.path: leaf.dtype
-                                                          for leaf in self.config.leaves}
+        given, result, by_path = flatten(out, "out"), {}, self.config.by_path
         for d, s, shift, shape in jobs:
-            t, dtype = given.get(d), dtypes[s]
+            t, dtype = given.get(d), by_path[s].dtype
             if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
                     or t.device != device or not t.is_contiguous()):
-                got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
-                       else type(t).__name__)
+                got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__)
                 raise ValueError(f"out.{leaf_name(d)}: expected a contiguous {dtype} tensor of "
                                  f"shape {shape} on {device}, got {got}")
             result[d] = (t, s, shift, shape)
@@ -116,8 +102,7 @@ class MemoryStorage:
             result, work = self.outputs(B, jobs, device)
             self.gather_windows(work, starts)
             return result
-        # host storage: gather on the host (into pinned memory for CUDA), then one non-blocking copy
-        # per leaf
+        # host storage: gather on the host (into pinned memory for CUDA), then one non-blocking copy per leaf
         host, work = self.outputs(B, {d: (None, *rest) for d, (_, *rest) in jobs.items()},
                                   self.device, pin=device.type == "cuda")
         self.gather_windows(work, starts.to(self.device))
@@ -126,15 +111,13 @@ class MemoryStorage:
                 for d, t in host.items()}
 
     def host_jobs(self, B: int, with_next_obs: bool, device) -> list | None:
-        """The steady-state gather of fresh outputs on the host with the torch twin (``None``
-        elsewhere): ``[(output path, source rows (M*E, D), shift, output shape, dtype to view the
-        words as or None)]``, cached per ``(B, with_next_obs)``. Narrow leaves are gathered in
-        their own dtype, wide rows as int words (:func:`gpubuf.ops.gather_word`)."""
+        """The host's steady-state gather of fresh outputs with the torch twin (else ``None``): ``[(output path, rows
+        (M*E, D), shift, output shape, words' dtype or None)]`` per ``(B, with_next_obs)``; wide rows as int words."""
         if device != self.device or not self.table.host_gather:
             return None
         jobs = self._host_jobs.get((B, with_next_obs))
         if jobs is None:
-            jobs, dtypes = [], {leaf.path: leaf.dtype for leaf in self.config.leaves}
+            jobs = []
             for d, s, shift, shape in self.config.jobs(B, with_next_obs):
                 src = self.flat[s]
                 if src.shape[1] == 0:
@@ -142,7 +125,7 @@ class MemoryStorage:
                 if gather_word(src.dtype, src.shape[1] * src.element_size()) is None:
                     jobs.append((d, src, shift, shape, None))
                 else:
-                    jobs.append((d, self.words[s], shift, shape, dtypes[s]))
+                    jobs.append((d, self.words[s], shift, shape, self.config.by_path[s].dtype))
             if len(self._host_jobs) >= 8:
                 self._host_jobs.clear()
             self._host_jobs[(B, with_next_obs)] = jobs
@@ -161,31 +144,26 @@ class MemoryStorage:
         return result
 
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
-        """Fill :meth:`outputs`' ``work`` with the windows of flat ``starts`` (B,) on this storage's
-        device."""
+        """Fill :meth:`outputs`' ``work`` with the windows of flat ``starts`` (B,) on this storage's device."""
         config = self.config
         self.table.window_gather(work, starts, config.n_steps, config.n_envs, config.max_rows)
 
     def outputs(self, B: int, jobs: dict, device, pin: bool = False) -> tuple[dict, list]:
-        """``({output path: tensor}, [(stored words, output words (B, n, D), shift)])`` for
-        ``jobs``: the given output tensors, or fresh ones on ``device`` (``pin``: in pinned host
-        memory)."""
-        n, result, work = self.config.n_steps, {}, []
-        dtypes = {leaf.path: leaf.dtype for leaf in self.config.leaves}
+        """``({output path: tensor}, [(stored words, output words (B, n, D), shift)])`` for ``jobs``: the given output
+        tensors, or fresh ones on ``device`` (``pin``: in pinned host memory)."""
+        n, result, work, by_path = self.config.n_steps, {}, [], self.config.by_path
         for d, (dst, s, shift, shape) in jobs.items():
             src = self.words[s]
             if dst is None and src.shape[1] == 0:  # zero-width leaf: nothing to gather
-                result[d] = torch.empty(shape, dtype=dtypes[s], device=device)
+                result[d] = torch.empty(shape, dtype=by_path[s].dtype, device=device)
                 continue
             if dst is None:
                 try:
-                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device,
-                                        pin_memory=pin)
+                    words = torch.empty((B, n, src.shape[1]), dtype=src.dtype, device=device, pin_memory=pin)
                 except (RuntimeError, torch.OutOfMemoryError) as err:
-                    raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} "
-                                      f"for {leaf_name(d)}, which cannot be allocated on {device} "
-                                      f"({str(err).splitlines()[0]})") from None
-                dst = words.view(torch.uint8).view(dtypes[s]).view(shape)
+                    raise MemoryError(f"batch_size: {B} windows need an output of shape {shape} for {leaf_name(d)}, "
+                                      f"which cannot be allocated on {device} ({str(err).splitlines()[0]})") from None
+                dst = words.view(torch.uint8).view(by_path[s].dtype).view(shape)
             else:  # a caller's tensor may sit at any offset: both sides get a word type they share
                 flat = self.flat[s]
                 src, words = as_words(flat, dst.view(B * n, flat.shape[1]))
@@ -218,23 +196,17 @@ class MemoryStorage:
         """Release what lets this storage be written (a ``storage_dir``'s lock)."""
 
     def reopen(self, ring, reopen, generator: torch.Generator) -> bool:
-        """Restore what a re-opened directory holds into ``ring``, the sampler (``reopen(flushed state or
-        None, rows held written after it)``) and ``generator``;
-        returns whether its flushed state was saved by a flush cut short (the buffer then completes
-        it). Nothing to re-open here."""
+        """Restore what a re-opened directory holds into ``ring``, the sampler (``reopen(flushed state or None, rows
+        held written after it)``) and ``generator``; returns whether its flushed state was saved by a flush cut short
+        (the buffer then completes it). Nothing to re-open here."""
         return False
 
 
 class MappedStorage(MemoryStorage):
-    """Env-major ``(E, M, *shape)`` files of the ``storage_dir`` ``path`` (re-opened when it holds
-    this configuration; ``reopened`` says so), host memory written through time-major views.
-
-    One process writes: the one that opened the directory. In another (a child forked after the
-    buffer was made, which inherits the mapping and the lock), :meth:`check_open`, which every write
-    passes first (insert, load, flush, priority and beta updates), raises ``RuntimeError`` naming
-    the directory and both pids, and :attr:`closed` is true, so the buffer's ``close()`` does
-    nothing there (the owner's lock and files untouched). Sampling there reads the shared mapping.
-    """
+    """Env-major ``(E, M, *shape)`` files of the ``storage_dir`` ``path`` (re-opened when it holds this
+    configuration; ``reopened`` says so), host memory written through time-major views. Every write (insert,
+    load, flush, priority and beta updates) passes :meth:`check_open` first, which refuses a process other than
+    the one that opened the directory; there :attr:`closed` is true (:mod:`gpubuf.replay.storage.directory`)."""
 
     def __init__(self, config: ReplayConfig, path):
         M, E = config.max_rows, config.n_envs
@@ -248,8 +220,7 @@ class MappedStorage(MemoryStorage):
 
     def gather_windows(self, work: list, starts: torch.Tensor) -> None:
         config = self.config
-        tiers.env_major_gather(work, starts, config.n_steps, config.n_envs, config.max_rows,
-                               prefetch=True)
+        tiers.env_major_gather(work, starts, config.n_steps, config.n_envs, config.max_rows, prefetch=True)
 
     @property
     def closed(self) -> bool:  # closed, or (a forked child) open in another process
@@ -262,8 +233,7 @@ class MappedStorage(MemoryStorage):
         d = self.dir
         d.check_writer()
         if d.lock.file.closed:
-            raise ValueError(f"storage_dir: {str(d.path)!r} was closed; open a new buffer "
-                             "on it to write")
+            raise ValueError(f"storage_dir: {str(d.path)!r} was closed; open a new buffer on it to write")
 
     def before_write(self, pos: int, count: int, total: int, T: int) -> None:
         # held rows about to go: forgotten
@@ -284,9 +254,7 @@ class MappedStorage(MemoryStorage):
         M, paths = self.config.max_rows, sum(self.config.flag_paths, [])
         pos, count, total, flushes = self.dir.opened_counters(M)
         trunc, ends, last = self.config.row_flags({p: self.data[p] for p in paths}, M)
-        zeros = np.zeros((M, self.config.n_envs), dtype=bool)
-        ring.restore(pos, count, zeros if trunc is None else trunc, zeros if ends is None else ends,
-                     total, last)
+        ring.restore(pos, count, trunc, ends, total, last)
         ahead = self.dir.restore_flushed(ring, flushes, reopen, generator)
         self.dir.claim()
         return ahead

@@ -1,12 +1,7 @@
-"""Storage tiers of the replay buffers: where the transitions live, apart from where sampling runs.
-
-A buffer samples on its ``device`` (validity masks, prefix-sum trees, priorities). Its storage may live there too
-(the default), in host memory (``storage_device="cpu"``: pinned staging carries the sampled windows to a CUDA
-device), or in memory-mapped files of a directory (``storage_dir``, owned by
-:class:`gpubuf.replay.storage.directory.StorageDir`), which a later process re-opens. Those files are env-major
-``(E, M, *shape)``: one env's consecutive steps are adjacent, so a sampled window is one contiguous read. The buffer
-writes through a transposed ``(M, E, *shape)`` view and gathers with :func:`env_major_gather`; flat starts stay
-``step * E + env`` as in every other tier.
+"""Storage tiers of the replay buffers: where the transitions live (:mod:`gpubuf.replay.storage.memory`), apart from
+where sampling runs (:func:`storage_device_for`). The memory-mapped files of a ``storage_dir`` are env-major ``(E,
+M, *shape)``: one env's consecutive steps are adjacent, so a sampled window is one contiguous read; they are gathered
+with :func:`env_major_gather` (flat starts stay ``step * E + env`` as in every other tier).
 
 Reading a mapped file: the kernel reads ahead around every page fault (up to ``read_ahead_kb``), which for random
 windows reads many times the bytes asked for (README, Benchmarks: Memory-mapped replay). The leaf mappings are
@@ -17,8 +12,7 @@ page fault after another (Linux; elsewhere both are skipped).
 The host RAM tier (``storage_device="cpu"``) stays time-major ``(M, E, *shape)`` like device storage: in RAM,
 env-major gathered frame windows somewhat faster but float leaves slower (the env-major row index costs a division
 and a modulo more; README, Benchmarks: Memory-mapped replay), and every insert of ``T`` rows scatters into ``E``
-places instead of one.
-"""
+places instead of one."""
 
 import mmap
 
