@@ -111,8 +111,8 @@ def _write_leaves(tree_ptr, idx_ptr, val_ptr, n, lo, RANGE: tl.constexpr, BLOCK:
 @triton.jit
 def _sum_level(tree_ptr, off_ptr, idx_ptr, n, lo, k, div, F: tl.constexpr, RANGE: tl.constexpr,
                P: tl.constexpr):
-    """Every touched parent on level ``k`` (``div = F**k`` leaves under each) = the sum of its
-    ``F`` children on level ``k - 1``, ``P`` parents per step of a strided loop over the grid's
+    """Every touched parent on level ``k`` (``div = F**k`` leaves under each) = the sum of its ``F``
+    children on level ``k - 1``, ``P`` parents per step of a strided loop over the grid's
     programs."""
     child_off = tl.load(off_ptr + k - 1)
     parent_off = tl.load(off_ptr + k)

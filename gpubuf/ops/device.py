@@ -85,10 +85,9 @@ def capacity(device: torch.device) -> int | None:
 
 
 def check_fits(name: str, what, nbytes: int, device: torch.device) -> None:
-    """Raise ``MemoryError`` naming ``name`` when a call needs ``nbytes`` bytes on ``device``, more
-    than it has in all (:func:`capacity`): such a request is refused before anything runs.
-    ``what()`` says what the call needs (``"get(n=9) needs 123 bytes of output on cpu"``; a
-    callable, so that a call that fits formats nothing)."""
+    """Raise ``MemoryError`` naming ``name`` when a call needs ``nbytes`` bytes on ``device``, more than it has in all
+    (:func:`capacity`): such a request is refused before anything runs. ``what()`` says what the call needs (``"get(n=9)
+    needs 123 bytes of output on cpu"``; a callable, so that a call that fits formats nothing)."""
     total = capacity(device)
     if total is not None and nbytes > total:
         raise MemoryError(f"{name}: {what()}, more than the {total} bytes {device} has in all")
@@ -165,21 +164,19 @@ def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], dev
 
 
 def interpreting() -> bool:
-    """Whether Triton's interpreter is on (``TRITON_INTERPRET`` set to 1/true/yes/on): kernels then
-    run on host tensors."""
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET`` set to 1/true/yes/on): kernels then run on host
+    tensors."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def triton_runs_on(device: torch.device) -> bool:
-    """Whether Triton kernels can take tensors on ``device``: CUDA devices, and the host under the
-    interpreter."""
+    """Whether Triton kernels can take tensors on ``device``: CUDA devices, and the host under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 def backend_for(device: torch.device) -> str:
-    """The backend a buffer (or a storage tier) on ``device`` uses. ``GPUBUF_BACKEND`` overrides,
-    except that a device Triton cannot run on (host memory without the interpreter) always gets the
-    torch twins."""
+    """The backend a buffer (or a storage tier) on ``device`` uses. ``GPUBUF_BACKEND`` overrides, except that a device
+    Triton cannot run on (host memory without the interpreter) always gets the torch twins."""
     forced = os.environ.get("GPUBUF_BACKEND", "").strip()
     if forced:
         if forced not in BACKENDS:
@@ -189,8 +186,7 @@ def backend_for(device: torch.device) -> str:
 
 
 def writes_only(*args) -> None:
-    """Fake (meta) implementation of every op: ops write into tensors they are given and return
-    nothing."""
+    """Fake (meta) implementation of every op: ops write into tensors they are given and return nothing."""
 
 
 def capture_graph(fn, warmup: int = 3) -> tuple:

@@ -1,9 +1,7 @@
-"""HistoryBuffer's ops (Triton kernels in ``kernels/history.py``): append scatter, strided frames,
-action blocks.
+"""HistoryBuffer's ops (Triton kernels in ``kernels/history.py``): append scatter, strided frames, action blocks.
 
-Storage of one key is a contiguous ``(max_len * n_envs, D)`` tensor, slot-major: env ``e``'s ring
-slot ``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newest slot, k = strided
-frames used.
+Storage of one key is a contiguous ``(max_len * n_envs, D)`` tensor, slot-major: env ``e``'s ring slot ``s`` is
+row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newest slot, k = strided frames used.
 
 Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
 signature, in the schema's argument order; its index arithmetic is :mod:`gpubuf.ops.indexing`'s)
@@ -62,8 +60,7 @@ GATHER_FRAMES = Op("history_gather_frames",
 
 
 def pack_blocks_twin(storage, out, meta, n, ab, max_len) -> None:
-    """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0,
-    zero-padded."""
+    """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0, zero-padded."""
     rows, D = meta.shape[1], storage.shape[1]
     if rows == 0 or n < 2:
         return

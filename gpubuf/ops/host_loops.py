@@ -49,8 +49,7 @@ def _first_call(name: str):
 
 
 def _tree_update(tree, offsets, fanout, idx, values):  # pragma: no cover (compiled)
-    """Leaves ``tree[idx] = values`` (K,), then each touched parent, level by level, the ordered sum of its
-    children."""
+    """Leaves ``tree[idx] = values`` (K,), then each touched parent, level by level, the ordered sum of its children."""
     K = idx.shape[0]
     for i in range(K):
         tree[idx[i]] = values[i]
@@ -136,9 +135,8 @@ def _importance_weights(mass, beta, out):  # pragma: no cover (compiled)
 
 
 def _priority_write(priority, idx, td, eps, limit):  # pragma: no cover (compiled)
-    """Priorities ``float32(|td| + eps)`` (K,) of starts ``idx`` (K,) int64, duplicates keeping their largest,
-    checked first: returns ``(code, top)``, the failed checks' bits (nothing written unless 0) and the largest new
-    priority."""
+    """Priorities ``float32(|td| + eps)`` (K,) of starts ``idx`` (K,) int64, duplicates keeping their largest, checked
+    first: returns ``(code, top)``, the failed checks' bits (nothing written unless 0) and the largest new priority."""
     size, code, top = priority.shape[0], 0, np.float32(0.0)
     for i in range(idx.shape[0]):
         if idx[i] < 0 or idx[i] >= size:

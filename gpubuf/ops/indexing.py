@@ -80,8 +80,7 @@ def zero_blocks(n: int, k):
 
 
 def zero_block_mask(n: int, k: torch.Tensor) -> torch.Tensor:
-    """(rows, n-1, 1) bool: the zero blocks (:func:`zero_blocks`) of rows using ``k`` ``(rows, 1)``
-    strided frames."""
+    """(rows, n-1, 1) bool: the zero blocks (:func:`zero_blocks`) of rows using ``k`` ``(rows, 1)`` strided frames."""
     # block i (countdown n-2-i) is zero when i < zero_blocks(n, k) = n - k, i.e. when n-2-i >= k-1
     return countdown(n - 1, k.device).view(1, -1, 1) >= k.view(-1, 1, 1) - 1
 
@@ -94,8 +93,7 @@ def zero_block_mask(n: int, k: torch.Tensor) -> torch.Tensor:
 
 
 def flat_rows(step, env, E: int, M: int, env_major: bool = False):
-    """Storage rows of ring rows ``step`` of envs ``env``: ``step * E + env``, or ``env * M + step``
-    ``env_major``."""
+    """Storage rows of ring rows ``step`` of envs ``env``: ``step * E + env``, or ``env * M + step`` ``env_major``."""
     return env * M + step if env_major else step * E + env
 
 
@@ -111,12 +109,11 @@ def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> tor
 
 def stack_steps(step, env, marks, oldest, n: int, k: int, stride: int, shift: int, E: int, M: int,
                 arange):
-    """(B, n, k) ring rows of the ``k``-frame stacks ending at rows ``(step + j + shift) % M``, j < n, of
-    starts at rows ``step`` of envs ``env`` (both ``(B, 1, 1)``), ``oldest`` the oldest row held: frame
-    ``q`` is ``min((k - 1 - q) * stride, back)`` rows back, ``back`` the held rows before it in its
-    episode (after no ``MARK_BOUNDARY``). Numpy arrays or tensors alike (``arange``: ``np.arange``, or
-    ``torch.arange`` on their device): the twins run it on the host in numpy, whose small index
-    arithmetic costs less than torch's."""
+    """(B, n, k) ring rows of the ``k``-frame stacks ending at rows ``(step + j + shift) % M``, j < n, of starts at rows
+    ``step`` of envs ``env`` (both ``(B, 1, 1)``), ``oldest`` the oldest row held: frame ``q`` is ``min((k - 1 - q) *
+    stride, back)`` rows back, ``back`` the held rows before it in its episode (after no ``MARK_BOUNDARY``). Numpy
+    arrays or tensors alike (``arange``: ``np.arange``, or ``torch.arange`` on their device): the twins run it on the
+    host in numpy, whose small index arithmetic costs less than torch's."""
     t = (step + arange(shift, n + shift).reshape(1, n, 1)) % M  # (B, n, 1)
     back = t * 0
     if (k - 1) * stride:
@@ -128,11 +125,10 @@ def stack_steps(step, env, marks, oldest, n: int, k: int, stride: int, shift: in
 
 
 def return_rewards(r, env, marks, oldest, count, n: int, E: int, M: int, arange):
-    """``(ring rows (B, n), taken (B, n) bool, ends (B, n) bool)`` of the n-step returns from rows ``r`` of
-    envs ``env`` (both ``(B, 1)``), ``count`` rows held from ``oldest``: reward ``i`` is taken unless a
-    ``MARK_STOP`` row after the first (not also ``MARK_TERM``) or a row whose next row is not held comes at
-    or before it, or a ``MARK_TERM`` row before it; ``ends``: the rows marked ``MARK_TERM``. Numpy arrays or
-    tensors alike, as :func:`stack_steps`."""
+    """``(ring rows (B, n), taken (B, n) bool, ends (B, n) bool)`` of the n-step returns from rows ``r`` of envs ``env``
+    (both ``(B, 1)``), ``count`` rows held from ``oldest``: reward ``i`` is taken unless a ``MARK_STOP`` row after the
+    first (not also ``MARK_TERM``) or a row whose next row is not held comes at or before it, or a ``MARK_TERM`` row
+    before it; ``ends``: the rows marked ``MARK_TERM``. Numpy arrays or tensors alike, as :func:`stack_steps`."""
     i = arange(n)
     step = (r + i) % M  # (B, n)
     mark = marks[step * E + env]

@@ -1,10 +1,8 @@
-"""The wide prefix-sum tree's ops (Triton kernels in ``kernels/prefix_tree.py``): descent and leaf
-updates.
+"""The wide prefix-sum tree's ops (Triton kernels in ``kernels/prefix_tree.py``): descent and leaf updates.
 
 ``tree`` is the flat float64 concatenation of the levels (leaves first; level ``k+1`` holds the sums of consecutive
-groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries); ``offsets`` (K+1
-ints) bounds the K levels:
-level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
+groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries); ``offsets`` (K+1 ints)
+bounds the K levels: level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
 
 Per op: the pure-torch twin (the tests' oracle, with its launcher's signature), the CPU implementation (the
 compiled host loop when enabled, else the twin) and its :class:`~gpubuf.ops.registry.Op` (schema, CPU, CUDA,
@@ -47,16 +45,14 @@ def _make_ascending(n: int, device: torch.device) -> torch.Tensor:
 
 def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
                 out: torch.Tensor) -> None:
-    """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide
-    prefix-sum tree.
+    """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide prefix-sum tree.
 
-    At each level the sample takes the inclusive prefix sum of its node's children and moves to the
-    first child whose prefix sum exceeds its remaining mass. Only a child of positive mass is ever
-    chosen: when rounding (subnormal or huge masses) puts the remaining mass at or past the node's
-    total, the last child of positive mass is taken. So, whenever the tree holds any mass, every
-    returned leaf has positive mass (a valid start) and lies below the capacity
-    (padding leaves are zero). On the host the descent runs unchecked first and the drawn leaves'
-    masses are read once; only a draw that met a zero-mass leaf runs again, child by child checked.
+    At each level the sample takes the inclusive prefix sum of its node's children and moves to the first child whose
+    prefix sum exceeds its remaining mass. Only a child of positive mass is ever chosen: when rounding (subnormal or
+    huge masses) puts the remaining mass at or past the node's total, the last child of positive mass is taken. So,
+    whenever the tree holds any mass, every returned leaf has positive mass (a valid start) and lies below the capacity
+    (padding leaves are zero). On the host the descent runs unchecked first and the drawn leaves' masses are read once;
+    only a draw that met a zero-mass leaf runs again, child by child checked.
     """
     if u.shape[0] == 0:
         return
@@ -142,13 +138,11 @@ def sample_masses_host(tree, offsets, fanout, u) -> tuple[torch.Tensor, torch.Te
 
 def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor,
                 values: torch.Tensor) -> None:
-    """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched
-    parent, level by level, recomputed as the sum of its ``fanout`` children
-    (idempotent: no atomics needed).
+    """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched parent, level by
+    level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed).
 
-    Parent levels of at most ``max(_DENSE, len(idx))`` entries are recomputed whole
-    (one reduction instead of a gather, a sum and a scatter of the touched parents): same values,
-    untouched parents included."""
+    Parent levels of at most ``max(_DENSE, len(idx))`` entries are recomputed whole (one reduction instead of a gather,
+    a sum and a scatter of the touched parents): same values, untouched parents included."""
     K = idx.shape[0]
     if K == 0:
         return
@@ -183,8 +177,7 @@ UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor 
 
 def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int,
                       values: torch.Tensor) -> None:
-    """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from
-    their children."""
+    """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from their children."""
     a, b = lo, lo + values.shape[0]
     if a == b:
         return

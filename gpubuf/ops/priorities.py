@@ -183,8 +183,7 @@ def write_into(write, priority, trees, valids, offsets, fanout, box, result, idx
 
 
 def write_cuda(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, limit, box, result) -> None:
-    """The CUDA implementation: the Triton write, then the kept trees' masses (torch ops) and the Triton tree
-    update."""
+    """The CUDA implementation: the Triton write, then the kept trees' masses (torch ops) and the Triton tree update."""
     from gpubuf.kernels import prefix_tree, priorities
 
     priorities.write(priority, idx, td, eps, limit, box, result)

@@ -1,8 +1,7 @@
 """TransitionBuffer's window gather op (Triton kernel in ``kernels/sequence.py``).
 
-Storage of one leaf is a contiguous ``(M * E, D)`` tensor, time-major (row ``step * E + env``). A
-flat start ``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for
-``j < n``.
+Storage of one leaf is a contiguous ``(M * E, D)`` tensor, time-major (row ``step * E + env``). A flat start
+``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for ``j < n``.
 
 The pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
 the ``torch.ops.gpubuf`` registration (:class:`~gpubuf.ops.registry.Op`: schema, CPU, CUDA, fake, and the
@@ -71,8 +70,7 @@ def sequence_tables(jobs: list, B: int, n: int, device: torch.device) -> list:
 
 
 def sequence_gather_fixed(tables: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
-    """The windows of :func:`gather_twin` into the outputs of :func:`sequence_tables` for flat starts (B,)
-    int64."""
+    """The windows of :func:`gather_twin` into the outputs of :func:`sequence_tables` for flat starts (B,) int64."""
     from gpubuf.kernels.sequence import gather_from_tables
 
     gather_from_tables(tables, starts, n, E, M)

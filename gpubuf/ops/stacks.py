@@ -1,15 +1,13 @@
-"""Replay frame stacks and n-step returns from single stored frames (Triton kernels in
-``kernels/stacks.py``).
+"""Replay frame stacks and n-step returns from single stored frames (Triton kernels in ``kernels/stacks.py``).
 
 Rows are flat ``step * E + env`` (time-major) or ``env * M + step`` (``env_major``: a
 ``storage_dir``'s files; the twins only). ``marks`` (M*E,) uint8 holds each time-major row's
 ``MARK_*`` bits; ``held`` (2,) int64 the oldest row held and the rows held.
 
-A stack ending at row ``t`` of an env holds ``k`` frames, oldest first: frame ``q`` is row ``t -
-min((k - 1 - q) * stride, back)``, ``back`` the rows before ``t`` that are held and in ``t``'s
-episode (an episode starts after a row marked ``MARK_BOUNDARY``): at an episode start the stack is
-padded with the episode's oldest frame held, never a frame of the previous episode or a row the
-ring no longer holds.
+A stack ending at row ``t`` of an env holds ``k`` frames, oldest first: frame ``q`` is row ``t - min((k - 1 - q) *
+stride, back)``, ``back`` the rows before ``t`` that are held and in ``t``'s episode (an episode starts after a row
+marked ``MARK_BOUNDARY``): at an episode start the stack is padded with the episode's oldest frame held, never a frame
+of the previous episode or a row the ring no longer holds.
 
 An n-step return from start row ``r`` takes rewards ``r, r + 1, ...``: at most ``n``; never a row
 marked ``MARK_STOP`` but the first (a truncation, or a row holding no transition: the return stops
@@ -169,8 +167,7 @@ def stack_tables(jobs: list, B: int, n: int, k: int, device: torch.device) -> li
 
 def frame_stack_fixed(tables: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,
                       n: int, k: int, stride: int, E: int, M: int) -> None:
-    """The stacks of :func:`stack_twin` into the outputs of :func:`stack_tables` for flat starts (B,)
-    int64."""
+    """The stacks of :func:`stack_twin` into the outputs of :func:`stack_tables` for flat starts (B,) int64."""
     from gpubuf.kernels.stacks import stack_from_tables
 
     stack_from_tables(tables, starts, marks, held, n, k, stride, E, M)

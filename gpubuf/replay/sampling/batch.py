@@ -57,10 +57,9 @@ class Batch(Transition):
     @classmethod
     def of(cls, data: Transition, indices, drawn_at, out=None) -> "Batch":
         """``data`` (a sample's batch) as a Batch of ``indices`` drawn at ring position ``drawn_at``
-        (:func:`~gpubuf.replay.feeds.write_backs.origin`; ``None``: no generations). A batch the sample built
-        becomes one in place; a caller's ``out`` is returned itself when it is a Batch (its ``indices`` tensor
-        refilled in place where it has the same shape), else a new Batch holds its tensors (``out`` stays as it
-        is)."""
+        (:func:`~gpubuf.replay.feeds.write_backs.origin`; ``None``: no generations). A batch the sample built becomes
+        one in place; a caller's ``out`` is returned itself when it is a Batch (its ``indices`` tensor refilled in place
+        where it has the same shape), else a new Batch holds its tensors (``out`` stays as it is)."""
         held = None if out is None else getattr(out, "indices", None)
         if data is out and isinstance(held, torch.Tensor) and isinstance(indices, torch.Tensor) \
                 and held.shape == indices.shape and held.dtype == indices.dtype and held.device == indices.device:

@@ -18,9 +18,8 @@ The drivers: the eager sample (:meth:`~gpubuf.TransitionBuffer.sample`: a plan p
 :func:`fixed_plan`, plus a device generator) and the sharded sampler (a fresh plan of each owner's starts; the
 requester weighs).
 
-Read paths: a sample reads its plain leaves by one of 1-5, then its stacks and returns by 6 and 7, from the
-storage's rows (8 for a ``storage_dir``'s); the same set for every driver, the path decided once, when the plan is
-built:
+Read paths: a sample reads its plain leaves by one of 1-5, then its stacks and returns by 6 and 7, from the storage's
+rows (8 for a ``storage_dir``'s); the same set for every driver, the path decided once, when the plan is built:
 
 1. windows into held words: a fixed plan's outputs or a caller's ``out`` on the storage's device, filled by the
    storage's window gather (a fixed plan's Triton tables, uploaded once, are that gather's launch form);
@@ -208,8 +207,7 @@ def minibatch_count(minibatches) -> int:
 
 def fixed_plan(buffer, B: int, kind: int, with_next_obs: bool, boundaries: str, spec, K: int):
     """``(fixed plan, its DeviceDraw)`` of ``K`` minibatches of ``B`` starts of ``kind``, one draw of ``K * B``;
-    ``MemoryError`` naming ``batch_size`` (and ``minibatches``) for one that cannot fit, before anything is
-    built."""
+    ``MemoryError`` naming ``batch_size`` (and ``minibatches``) for one that cannot fit, before anything is built."""
     names = "batch_size" if K == 1 else "batch_size, minibatches"
     try:
         what = buffer.reader.check_memory(K * B, with_next_obs, spec, True)

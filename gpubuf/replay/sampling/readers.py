@@ -1,12 +1,11 @@
 """BatchReader: the reads of a replay buffer's samples, and their plans.
 
 A sample runs check -> draw -> read -> weigh. Before the draw, :meth:`BatchReader.plan` returns the
-:class:`~gpubuf.replay.sampling.plan.SamplePlan` of the call's configuration (batch size, unit, boundaries, the
-caller's ``out``): built once, which checks ``out`` and that the sample fits in memory, then cached (a loop calling
-``sample()`` with the same arguments reuses it; :mod:`gpubuf.replay.sampling.plan` lists the read paths). The
-reader also keeps the episode marks that frame stacks and n-step returns read, built by the first sample that
-needs them and kept current by every write, and estimates what a sample needs in memory, refusing one that cannot
-fit before the draw.
+:class:`~gpubuf.replay.sampling.plan.SamplePlan` of the call's configuration (batch size, unit, boundaries, the caller's
+``out``): built once, which checks ``out`` and that the sample fits in memory, then cached (a loop calling ``sample()``
+with the same arguments reuses it; :mod:`gpubuf.replay.sampling.plan` lists the read paths). The reader also keeps the
+episode marks that frame stacks and n-step returns read, built by the first sample that needs them and kept current by
+every write, and estimates what a sample needs in memory, refusing one that cannot fit before the draw.
 """
 
 import math
@@ -71,8 +70,8 @@ class BatchReader(RowEvents):
     # ------------------------------------------------------------------ reads
 
     def spec(self, frame_stack, frame_stride, n_step_return, out) -> StackSpec | None:
-        """The checked stacks and returns of a sample call (``None``: neither); ``ValueError`` for
-        an ``out`` with them."""
+        """The checked stacks and returns of a sample call (``None``: neither); ``ValueError`` for an ``out`` with
+        them."""
         spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
         if spec is not None and out is not None:
             raise ValueError("out: not offered with frame_stack or n_step_return; got a "
@@ -138,11 +137,10 @@ class BatchReader(RowEvents):
 
     def sample_bytes(self, B: int, with_next_obs: bool, spec=None, with_replacement: bool = True,
                      fresh: bool = True, draw: bool = True) -> int:
-        """About how many bytes a sample of ``B`` windows allocates at once: its outputs (``fresh``:
-        not the caller's ``out``), flags, starts and masses, plus the working memory of the draw
-        (``draw``; the torch twin's descent holds ``(B, fanout)`` children, a draw without
-        replacement rounds of ``2 B`` draws) and of the gathers (row indices; stacks' and returns'
-        masks). An estimate, to refuse a sample that cannot fit before it starts."""
+        """About how many bytes a sample of ``B`` windows allocates at once: its outputs (``fresh``: not the caller's
+        ``out``), flags, starts and masses, plus the working memory of the draw (``draw``; the torch twin's descent
+        holds ``(B, fanout)`` children, a draw without replacement rounds of ``2 B`` draws) and of the gathers (row
+        indices; stacks' and returns' masks). An estimate, to refuse a sample that cannot fit before it starts."""
         config, n = self.config, self.config.n_steps
         row = {leaf.path: math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in config.leaves}
         obs = sum(row[p] for p in config.paths("observation"))

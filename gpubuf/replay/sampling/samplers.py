@@ -1,14 +1,12 @@
 """Sampling policies of the replay buffers: which flat starts a batch begins at, and with what mass.
 
-A policy is composed into a :class:`~gpubuf.TransitionBuffer`. It owns the device side of sampling:
-one :class:`~gpubuf.replay.sampling.tree.PrefixSumTree` and one validity mask per validity kind (see
-:class:`~gpubuf.replay.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping
-says which starts are valid; the policy turns that into mass: 1 per valid start
-(:class:`UniformSampler`) or ``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A
-valid start's mass is never zero. :class:`TreeSampler` is their shared base: validity, trees and
-the tree draw (:meth:`TreeSampler.draw`, with or without replacement), which
-:class:`PrioritizedSampler` uses as is; :class:`UniformSampler` draws from a ring range when it
-can.
+A policy is composed into a :class:`~gpubuf.TransitionBuffer`. It owns the device side of sampling: one
+:class:`~gpubuf.replay.sampling.tree.PrefixSumTree` and one validity mask per validity kind (see
+:class:`~gpubuf.replay.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping says which
+starts are valid; the policy turns that into mass: 1 per valid start (:class:`UniformSampler`) or ``priority**alpha``
+(:class:`PrioritizedSampler`), 0 per invalid one. A valid start's mass is never zero. :class:`TreeSampler` is their
+shared base: validity, trees and the tree draw (:meth:`TreeSampler.draw`, with or without replacement), which
+:class:`PrioritizedSampler` uses as is; :class:`UniformSampler` draws from a ring range when it can.
 """
 
 import numpy as np
@@ -51,8 +49,7 @@ class TreeSampler(RowEvents):
         self._staging = Staging(table.device)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every device tensor the policy holds (trees and masks exist once their kind was first
-        used)."""
+        """Every device tensor the policy holds (trees and masks exist once their kind was first used)."""
         return [*(t.tree for t in self._trees.values()), *self._valid.values()]
 
     def activate(self, kind: int) -> None:
@@ -106,8 +103,7 @@ class TreeSampler(RowEvents):
                 self.refresh_rows(kind, r0, r1)
 
     def refresh_rows(self, kind: int, r0: int, r1: int) -> None:
-        """Validity (host and device mask) and tree leaves of the starts in rows ``[r0, r1)``, then
-        their parents."""
+        """Validity (host and device mask) and tree leaves of the starts in rows ``[r0, r1)``, then their parents."""
         ok, n_ok = self.ring.refresh(kind, r0, r1)
         lo, hi = r0 * self.ring.n_envs, r1 * self.ring.n_envs
         mask = self._valid[kind][lo:hi]
@@ -123,16 +119,14 @@ class TreeSampler(RowEvents):
         return valid.to(torch.float64)
 
     def count_valid(self, kind: int) -> int:
-        """Valid starts of ``kind`` (from the ring range while they are one, else from the kept
-        validity)."""
+        """Valid starts of ``kind`` (from the ring range while they are one, else from the kept validity)."""
         if self.ring.one_range(kind):
             return self.ring.range_starts(kind)[1]
         self.activate(kind)
         return self.ring.n_valid[kind]
 
     def check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
-        """Raise ``ValueError`` unless ``B`` starts of ``kind`` can be drawn (any, or ``B``
-        distinct)."""
+        """Raise ``ValueError`` unless ``B`` starts of ``kind`` can be drawn (any, or ``B`` distinct)."""
         n = self.count_valid(kind)
         if n == 0:
             what = (" without truncation" if kind & NEXT_OBS else "") + \
@@ -213,9 +207,9 @@ class TreeSampler(RowEvents):
         return torch.cat(chosen), torch.cat(masses)
 
     def _distinct_draws(self, tree: PrefixSumTree, need: int, g: torch.Generator):
-        """``(starts (K,) int64, their masses (K,) float64)``: the distinct starts of one round of ``max(2 * need,
-        16)`` draws with replacement from ``tree``, in order of first appearance, at most ``need`` of them (one
-        device read)."""
+        """``(starts (K,) int64, their masses (K,) float64)``: the distinct starts of one round of ``max(2 * need, 16)``
+        draws with replacement from ``tree``, in order of first appearance, at most ``need`` of them (one device
+        read)."""
         draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
         uniq, inv = torch.unique(draws, return_inverse=True)
         first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
@@ -234,8 +228,7 @@ class TreeSampler(RowEvents):
         before any write; returns what :meth:`load_state` takes."""
 
     def load_state(self, state: dict, checked, owned: tuple) -> None:
-        """Write the entries :meth:`check_state` accepted (``owned``: memory ranges a source may
-        alias)."""
+        """Write the entries :meth:`check_state` accepted (``owned``: memory ranges a source may alias)."""
 
     def flushed(self) -> dict:
         """The policy's entries of a ``storage_dir`` flush (host values)."""
@@ -250,18 +243,16 @@ class UniformSampler(TreeSampler):
     """Uniform sampling over the valid starts: mass 1 each."""
 
     def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
-        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator
-        ``g``. With replacement, while the valid starts are one ring range of rows, they are drawn
-        from the range directly (no tree descent, no masses); otherwise the tree is descended
-        (:meth:`TreeSampler.draw`)."""
+        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator ``g``. With replacement,
+        while the valid starts are one ring range of rows, they are drawn from the range directly (no tree descent, no
+        masses); otherwise the tree is descended (:meth:`TreeSampler.draw`)."""
         if with_replacement and self.ring.one_range(kind):
             return self._range_draw(kind, B, g), None
         return super().draw(kind, B, g, with_replacement)
 
     def _range_draw(self, kind: int, B: int, g: torch.Generator) -> torch.Tensor:
-        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where
-        ``g`` draws (for a host generator, on the host, so one copy of the starts reaches the
-        device)."""
+        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where ``g`` draws (for a host
+        generator, on the host, so one copy of the starts reaches the device)."""
         M, E = self.ring.max_rows, self.ring.n_envs
         base, n = self.ring.range_starts(kind)
         u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
@@ -329,15 +320,13 @@ class PrioritizedSampler(TreeSampler):
 
     @property
     def beta_tensor(self) -> torch.Tensor:
-        """``()`` float64 on the device holding :attr:`beta`, the same tensor for the sampler's
-        life."""
+        """``()`` float64 on the device holding :attr:`beta`, the same tensor for the sampler's life."""
         if self._beta_tensor is None:
             self._beta_tensor = torch.full((), self._beta, dtype=torch.float64, device=self.device)
         return self._beta_tensor
 
     def weights(self, mass: torch.Tensor) -> torch.Tensor:
-        """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch
-        P)**-beta``."""
+        """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch P)**-beta``."""
         return self.table.importance_weights(mass, self._beta)
 
     def weigh(self, batch, mass: torch.Tensor) -> None:
@@ -346,9 +335,8 @@ class PrioritizedSampler(TreeSampler):
 
     @property
     def max_priority(self) -> float:
-        """The running maximum priority (new starts get it). Once updates ran on the device
-        (:meth:`device_updates`) it lives there: reading it reads the device, and first raises what
-        those updates dropped
+        """The running maximum priority (new starts get it). Once updates ran on the device (:meth:`device_updates`) it
+        lives there: reading it reads the device, and first raises what those updates dropped
         (:meth:`~gpubuf.replay.sampling.device_priorities.DevicePriorityUpdates.raise_pending`)."""
         dev = self._device_updates
         if dev is None:

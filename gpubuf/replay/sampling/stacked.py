@@ -1,11 +1,9 @@
-"""Sampling with frame stacks and n-step returns built from the single frames a replay buffer
-stores.
+"""Sampling with frame stacks and n-step returns built from the single frames a replay buffer stores.
 
-:class:`StackSpec` holds a sample call's ``frame_stack``, ``frame_stride`` and ``n_step_return``,
-checked against the buffer; :class:`StackedGather` gathers one batch for sampled flat starts:
-observation leaves as stacks, the other leaves as plain windows, and with ``n_step_return`` the
-return, its discount and the bootstrap observation (the rules: :mod:`gpubuf.ops.stacks`), into the outputs a
-:class:`~gpubuf.replay.sampling.plan.SamplePlan` gives it.
+:class:`StackSpec` holds a sample call's ``frame_stack``, ``frame_stride`` and ``n_step_return``, checked against the
+buffer; :class:`StackedGather` gathers one batch for sampled flat starts: observation leaves as stacks, the other leaves
+as plain windows, and with ``n_step_return`` the return, its discount and the bootstrap observation (the rules:
+:mod:`gpubuf.ops.stacks`), into the outputs a :class:`~gpubuf.replay.sampling.plan.SamplePlan` gives it.
 """
 
 import dataclasses
@@ -48,8 +46,7 @@ class StackSpec:
 
     @classmethod
     def build(cls, config, frame_stack, frame_stride, n_step_return) -> "StackSpec | None":
-        """The spec of a sample call (``None`` when it asks for neither), or ``ValueError`` naming
-        the argument."""
+        """The spec of a sample call (``None`` when it asks for neither), or ``ValueError`` naming the argument."""
         if frame_stack is None:  # a stride means nothing without stacks, returns or not
             if isinstance(frame_stride, bool) or not isinstance(frame_stride, (int, np.integer)) \
                     or frame_stride != 1:
