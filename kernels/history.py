@@ -147,8 +147,7 @@ def gather_frames(storages: list, outs: list, meta: torch.Tensor, n: int, ab: in
             n_envs = storages[0].shape[0] // max_len
             grid = (rows * n, table.shape[0], triton.cdiv(most, BLOCK))
             _gather_frames_kernel[grid](upload(table, meta.device), meta, like, rows, n, ab,
-                                        max_len,
-                                        n_envs, BLOCK=BLOCK)
+                                        max_len, n_envs, BLOCK=BLOCK)
 
 
 def pack_blocks(storage: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, n: int, ab: int,
@@ -166,8 +165,7 @@ def pack_blocks(storage: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, n:
     with _pkg.on_device(meta):
         fmax = _finite_max(storage.dtype, storage.device) if is_float else meta
         _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, n_envs, D, fmax,
-                                  IS_FLOAT=is_float,
-                                  BLOCK=BLOCK)
+                                  IS_FLOAT=is_float, BLOCK=BLOCK)
 
 
 def variants() -> list[Variant]:

@@ -180,13 +180,11 @@ def _launch(tree, offsets, fanout, idx, values, lo, is_range) -> None:
         off = _offsets(offsets, tree.device)
         if n < MANY_PROGRAMS_FROM:
             _update_kernel[(1,)](tree, off, idx, values, n, lo, 0, K, F=fanout, RANGE=is_range,
-                                 BLOCK=BLOCK,
-                                 P=PARENTS)
+                                 BLOCK=BLOCK, P=PARENTS)
             return
         for k, programs in enumerate(level_grids(n, lo, offsets, fanout, is_range)):
             _update_kernel[(programs,)](tree, off, idx, values, n, lo, k, k + 1, F=fanout,
-                                        RANGE=is_range,
-                                        BLOCK=BLOCK, P=PARENTS)
+                                        RANGE=is_range, BLOCK=BLOCK, P=PARENTS)
 
 
 _OFFSETS: dict[tuple, torch.Tensor] = {}
