@@ -31,6 +31,16 @@ def kernel(module: str, name: str) -> Callable[..., None]:
     return launcher
 
 
+def from_lists(fn: Callable) -> Callable:
+    """``fn(jobs, *args)`` called in a schema's form ``(storages, outs, shifts, *args)``: the jobs zipped."""
+
+    def call(storages: list, outs: list, shifts: list, *args) -> None:
+        fn(list(zip(storages, outs, shifts, strict=True)), *args)
+
+    call.__name__ = call.__qualname__ = f"{fn.__name__}_from_lists"
+    return call
+
+
 class Op:
     """``torch.ops.gpubuf.<name>`` registered with ``schema``: CPU runs ``cpu`` (default: ``twin``; ``host_loop``:
     it runs the compiled host loops when enabled), CUDA runs ``launcher``, the fake writes nothing.

@@ -15,10 +15,8 @@ before it and bootstraps from its observation) unless it is also marked ``MARK_T
 whose next row is not held; a ``MARK_TERM`` row is the last taken. With ``m`` rewards taken, the
 bootstrap row is ``r + m`` and its factor ``gamma**m`` (0 after a termination).
 
-The pure-torch twins (the tests' oracle, the CPU implementation and the torch backend on a GPU,
-with their launchers' signatures; their index arithmetic is :mod:`gpubuf.ops.indexing`'s, run in
-numpy for host tensors), the ``torch.ops.gpubuf`` registrations with the call forms a buffer's backend
-table binds, and the fixed pointer tables of the Triton stack gather.
+The twins' index arithmetic is :mod:`gpubuf.ops.indexing`'s, run in numpy for host tensors. Beside the ops: the fixed
+pointer tables of the Triton stack gather.
 """
 
 import functools
@@ -28,7 +26,7 @@ import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
-from gpubuf.ops.registry import Op
+from gpubuf.ops.registry import Op, from_lists
 
 
 def _index_args(starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor) -> tuple:
@@ -91,32 +89,14 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
             out.copy_(value)
 
 
-def stack_cpu(storages: list, outs: list, shifts: list, starts, marks, held, n, k, stride, E,
-              M) -> None:
-    """The CPU implementation: the twin."""
-    stack_twin(list(zip(storages, outs, shifts, strict=True)), starts, marks, held, n, k, stride,
-               E, M)
-
-
-def stack_cuda(storages: list, outs: list, shifts: list, starts, marks, held, n, k, stride, E,
-               M) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.stacks import stack
-
-    stack(list(zip(storages, outs, shifts, strict=True)), starts, marks, held, n, k, stride, E, M)
-
-
 def return_cpu(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, n, E, M) -> None:
     """The CPU implementation: the twin."""
     return_twin(starts, reward, marks, held, (ret, disc, boot, term, cut), gamma, n, E, M)
 
 
 def return_cuda(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, n, E, M) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.stacks import returns
-
-    returns(starts, reward, marks, held, (ret, disc, boot, term.view(torch.uint8),
-                                          cut.view(torch.uint8)), gamma, n, E, M)
+    """The CUDA implementation: the Triton launcher."""
+    return_launch(starts, reward, marks, held, (ret, disc, boot, term, cut), gamma, n, E, M)
 
 
 def stack_launch(jobs: list, starts, marks, held, n, k, stride, E, M) -> None:
@@ -145,6 +125,9 @@ def return_traced(starts, reward, marks, held, outs, gamma, n, E, M) -> None:
     """The twin's call form through the dispatcher (``torch.compile`` traces the op)."""
     RETURN.dispatch(starts, reward, marks, held, *outs, gamma, int(n), int(E), int(M))
 
+
+stack_cpu = from_lists(stack_twin)  # the CPU implementation: the twin
+stack_cuda = from_lists(stack_launch)  # the CUDA implementation: the launcher
 
 # the buffers call them with job lists and output tuples (the twins' form), which go straight to the twin or
 # launcher; env-major rows (a storage_dir's files) run the twins only
