@@ -8,9 +8,6 @@ runs on the device and was chosen), the numba loop (host memory, loops enabled) 
 dispatcher registers that same implementation for the device (Triton on CUDA, the CPU implementation on the host),
 a call made while ``torch.compile`` traces goes through ``torch.ops.gpubuf`` instead, decided inside the callable.
 Callers never ask which: an eager call costs one check of :func:`torch.compiler.is_compiling`, or none.
-
-Adding an op: its module in ``gpubuf/ops`` registers it (:class:`~gpubuf.ops.registry.Op`: schema, twin, CPU and CUDA
-implementations, fake) and :class:`Backend` gets one field, bound in :meth:`Backend.__init__` by :func:`_bind`.
 """
 
 import functools

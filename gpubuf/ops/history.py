@@ -3,10 +3,8 @@
 Storage of one key is a contiguous ``(max_len * n_envs, D)`` tensor, slot-major: env ``e``'s ring slot ``s`` is
 row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newest slot, k = strided frames used.
 
-Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
-signature, in the schema's argument order; its index arithmetic is :mod:`gpubuf.ops.indexing`'s)
-and the op (:class:`~gpubuf.ops.registry.Op`), which a buffer calls through its backend table. Vectorised torch only in
-the twins: no Python loop over envs or rows.
+The twins (the CPU implementations, in the schemas' argument order) are vectorised torch, no Python loop over envs or
+rows; their index arithmetic is :mod:`gpubuf.ops.indexing`'s.
 """
 
 import torch

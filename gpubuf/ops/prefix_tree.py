@@ -2,11 +2,8 @@
 
 ``tree`` is the flat float64 concatenation of the levels (leaves first; level ``k+1`` holds the sums of consecutive
 groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries); ``offsets`` (K+1 ints)
-bounds the K levels: level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
-
-Per op: the pure-torch twin (the tests' oracle, with its launcher's signature), the CPU implementation (the
-compiled host loop when enabled, else the twin) and its :class:`~gpubuf.ops.registry.Op` (schema, CPU, CUDA,
-fake); a buffer calls them through its backend table (:mod:`gpubuf.ops.backends`).
+bounds the K levels: level ``k`` is ``tree[offsets[k]:offsets[k+1]]``. The CPU implementations run the compiled host
+loop when enabled, else the twin.
 """
 
 import numpy as np

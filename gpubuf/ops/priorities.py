@@ -11,9 +11,7 @@ failed write leaves every priority as it was (the trees get their unchanged mass
 the device: ``result`` (2,) float64 receives the code (the failed checks' bits, 0 when written) and the largest
 finite new priority. :func:`priority_error` is the one message table of a code.
 
-Per op: the pure-torch twin (the tests' oracle), the compiled host loop (:mod:`gpubuf.ops.host_loops`), the
-launcher and the :class:`~gpubuf.ops.registry.Op`. The importance weights are torch ops (or a host loop), not a
-registered op: ``torch.compile`` traces their twin.
+The importance weights are torch ops (or a host loop), not a registered op: ``torch.compile`` traces their twin.
 """
 
 import functools
@@ -46,10 +44,10 @@ def overflow_error(name: str, top: float, alpha: float, size: int) -> ValueError
 
 def priority_error(code: int, size: int, idx, td: torch.Tensor | None, eps: float, top: float,
                    alpha: float) -> Exception:
-    """The error a checked update raises for a nonzero ``code`` of a write of ``td`` at ``idx`` (a tensor, or a
-    host array of any integer dtype): ``IndexError``
-    naming ``indices`` (the values outside ``[0, size)``), else ``ValueError`` naming ``td_errors`` (the values
-    whose ``|td| + eps`` is not finite), else the overflow of ``top``."""
+    """The error a checked update raises for a nonzero ``code`` of a write of ``td`` at ``idx`` (a tensor, or a host
+    array of any integer dtype): ``IndexError`` naming ``indices`` (the values outside ``[0, size)``), else
+    ``ValueError`` naming ``td_errors`` (the values whose ``|td| + eps`` is not finite), else the overflow of
+    ``top``."""
     if code & BAD_INDEX:
         return IndexError(f"indices: expected flat start indices in [0, {size}), got "
                           f"{idx[(idx < 0) | (idx >= size)][:5].tolist()}")
