@@ -77,8 +77,7 @@ def capacity(device: torch.device) -> int | None:
         return None
     try:
         with open("/proc/meminfo") as f:
-            swap = next((int(line.split()[1]) * 1024 for line in f
-                         if line.startswith("SwapTotal:")), 0)
+            swap = next((int(line.split()[1]) * 1024 for line in f if line.startswith("SwapTotal:")), 0)
     except (OSError, ValueError, IndexError):
         swap = 0
     return int(total) + swap
@@ -154,8 +153,7 @@ _MISSING = object()
 
 def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], device) -> dict:
     """Zero-filled tensors for every key, all or none: a failure names the bytes and the device."""
-    total = sum(int(np.prod(s)) * torch.empty((), dtype=dtypes[k]).element_size()
-                for k, s in shapes.items())
+    total = sum(int(np.prod(s)) * torch.empty((), dtype=dtypes[k]).element_size() for k, s in shapes.items())
     try:
         return {k: torch.zeros(s, dtype=dtypes[k], device=device) for k, s in shapes.items()}
     except (RuntimeError, torch.OutOfMemoryError) as err:

@@ -107,8 +107,7 @@ def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> tor
     return (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
 
 
-def stack_steps(step, env, marks, oldest, n: int, k: int, stride: int, shift: int, E: int, M: int,
-                arange):
+def stack_steps(step, env, marks, oldest, n: int, k: int, stride: int, shift: int, E: int, M: int, arange):
     """(B, n, k) ring rows of the ``k``-frame stacks ending at rows ``(step + j + shift) % M``, j < n, of starts at rows
     ``step`` of envs ``env`` (both ``(B, 1, 1)``), ``oldest`` the oldest row held: frame ``q`` is ``min((k - 1 - q) *
     stride, back)`` rows back, ``back`` the held rows before it in its episode (after no ``MARK_BOUNDARY``). Numpy

@@ -40,8 +40,7 @@ def _make_ascending(n: int, device: torch.device) -> torch.Tensor:
 # ---- tree_sample
 
 
-def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
-                out: torch.Tensor) -> None:
+def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
     """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide prefix-sum tree.
 
     At each level the sample takes the inclusive prefix sum of its node's children and moves to the first child whose
@@ -84,8 +83,7 @@ def _descend(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tenso
     target = target.sub_(cs.sub_(level).index_select(0, node)).clamp_min_(0).unsqueeze_(1)  # (B, 1)
     base = tree.storage_offset()
     for k in range(shared - 1, -1, -1):
-        children = tree.as_strided(((offsets[k + 1] - offsets[k]) // F, F), (F, 1),
-                                   base + offsets[k])
+        children = tree.as_strided(((offsets[k + 1] - offsets[k]) // F, F), (F, 1), base + offsets[k])
         c = children.index_select(0, node)  # (B, F) children
         cs = c.cumsum(1)
         target = torch.minimum(target, cs[:, -1:] * _BELOW_ONE)  # stay below the node's mass
@@ -133,8 +131,7 @@ def sample_masses_host(tree, offsets, fanout, u) -> tuple[torch.Tensor, torch.Te
 # ---- tree_update
 
 
-def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor,
-                values: torch.Tensor) -> None:
+def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
     """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched parent, level by
     level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed).
 
@@ -172,8 +169,7 @@ UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor 
 # ---- tree_update_range
 
 
-def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int,
-                      values: torch.Tensor) -> None:
+def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:
     """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from their children."""
     a, b = lo, lo + values.shape[0]
     if a == b:
@@ -184,8 +180,7 @@ def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: i
     for k in range(1, len(offsets) - 1):
         c0, p0 = offsets[k - 1], offsets[k]
         a, b = a // F, (b - 1) // F + 1
-        torch.sum(tree.as_strided((b - a, F), (F, 1), base + c0 + a * F), 1,
-                  out=tree[p0 + a:p0 + b])
+        torch.sum(tree.as_strided((b - a, F), (F, 1), base + c0 + a * F), 1, out=tree[p0 + a:p0 + b])
 
 
 def update_range_host(tree, offsets, fanout, lo, values) -> None:

@@ -97,8 +97,7 @@ def write_twin(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, li
     new, code, top = checks_twin(idx, td, eps, limit, size)
     ok = code == 0
     safe = idx.clamp(0, size - 1)
-    priority.scatter_reduce_(0, safe, torch.where(ok, new, priority.index_select(0, safe)), "amax",
-                             include_self=False)
+    priority.scatter_reduce_(0, safe, torch.where(ok, new, priority.index_select(0, safe)), "amax", include_self=False)
     written = priority.index_select(0, safe)
     for tree, valid in zip(trees, valids, strict=True):
         update_twin(tree, offsets, fanout, safe, masses_twin(written, valid.index_select(0, safe), alpha))

@@ -74,8 +74,7 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
         factors, where = np.cumprod(np.concatenate([[1.0], np.full(n, float(gamma[0]))])), np.where
         rewards = reward.numpy().reshape(-1)[rows].astype(np.float64)
     else:  # gamma read where it lives: a captured graph reads it at replay
-        factors = torch.cat([torch.ones(1, dtype=torch.float64, device=starts.device),
-                             gamma.expand(n)]).cumprod(0)
+        factors = torch.cat([torch.ones(1, dtype=torch.float64, device=starts.device), gamma.expand(n)]).cumprod(0)
         where, rewards = torch.where, reward.view(-1)[rows].to(torch.float64)
     # factors (n + 1,) gamma ** i; m rewards taken
     m = taken.sum(1)
