@@ -1,13 +1,9 @@
 """Triton kernel of the checked priority write behind PrioritizedTransitionBuffer.
 
-Priorities are ``(size,)`` float32; a write of ``n`` starts ``idx`` (int64) and TD errors ``td``
-(float32 or float64) sets ``priority[idx] = float32(|td|) + eps`` (duplicates keep their largest)
-only when every check passes: each index in ``[0, size)``, each new priority finite, and the
-largest below ``limit`` (the bits :data:`~gpubuf.kernels.BAD_INDEX`,
-:data:`~gpubuf.kernels.NOT_FINITE`, :data:`~gpubuf.kernels.OVERFLOW`). It then raises the running
-maximum ``box`` (1,) to the largest new priority. ``result`` (2,) float64 receives the code (0:
-written) and the largest finite new priority, on the device: nothing is read back. One program:
-the checks see every value before anything is written.
+Priorities are ``(size,)`` float32, TD errors ``td`` float32 or float64; the write and its checks
+are those of :mod:`gpubuf.ops.priorities` (the bits :data:`~gpubuf.kernels.BAD_INDEX`,
+:data:`~gpubuf.kernels.NOT_FINITE`, :data:`~gpubuf.kernels.OVERFLOW`), the trees left to the
+caller; nothing is read back. One program: the checks see every value before anything is written.
 """
 
 import numpy as np

@@ -3,8 +3,7 @@
 Storage of one leaf is a contiguous time-major ``(M * E, D)`` tensor (row ``step * E + env``);
 ``marks`` is ``(M * E,)`` uint8 of the same rows (``MARK_*`` bits); ``held`` is ``(2,)`` int64, the
 oldest row held and the rows held (device values, so a captured CUDA graph reads them as they are
-when it replays). A frame ``q < k`` of the stack ending at row ``t`` is row ``t - min((k - 1 - q) *
-stride, back)``, where ``back`` counts the rows before ``t`` that are held and in ``t``'s episode.
+when it replays). The stack and return rules: :mod:`gpubuf.ops.stacks`.
 """
 
 import torch
