@@ -30,7 +30,6 @@ class DevicePriorityUpdates:
         self.max = torch.full((), max_priority, dtype=torch.float32, device=dev)
         self.flags = torch.zeros((), dtype=torch.int32, device=dev)
         self.dropped = torch.zeros((), dtype=torch.int64, device=dev)
-        self.limit = sampler.mass_limit  # the largest priority whose mass over every start stays finite
 
     @property
     def sampler(self):

@@ -1,11 +1,7 @@
-"""EagerSample: a buffer's sample call as a driver of its plans: check, draw, read, weigh.
+"""EagerSample: a buffer's sample call as a driver of its plans: check, (wait for a rate limiter,) draw, read, weigh.
 
-A sample checks its arguments (batch size, validity kind, what the draw can give), waits for its turn with a rate
-limiter, then takes the :class:`~gpubuf.replay.sampling.plan.SamplePlan` of its configuration from the reader
-(built once, then cached: a loop calling ``sample()`` with the same arguments reuses it) and runs its stages: the
-outputs of the stacks and returns (before the draw, so a failed allocation draws nothing), the draw of the sampler
-or selector (starts ``(B,)`` int64 and masses ``(B,)`` float64), the read into the outputs, the weigh. A sample that
-raises leaves the generator as it was.
+The :class:`~gpubuf.replay.sampling.plan.SamplePlan` of each configuration comes from the reader, built once and then
+cached. A sample that raises leaves the generator as it was.
 """
 
 import torch
@@ -55,8 +51,7 @@ class EagerSample:
         spec = None if plain else reader.spec(frame_stack, frame_stride, n_step_return, out)  # steady: no call
         returns = spec is not None and spec.n is not None
         if self.rate_limiter is None:
-            B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
-                                             boundaries)
+            B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns, boundaries)
             return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
                                        spec, return_indices, return_generations)
         B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs or returns, boundaries)

@@ -1,11 +1,9 @@
 """BatchReader: the reads of a replay buffer's samples, and their plans.
 
-A sample runs check -> draw -> read -> weigh. Before the draw, :meth:`BatchReader.plan` returns the
-:class:`~gpubuf.replay.sampling.plan.SamplePlan` of the call's configuration (batch size, unit, boundaries, the caller's
-``out``): built once, which checks ``out`` and that the sample fits in memory, then cached (a loop calling ``sample()``
-with the same arguments reuses it; :mod:`gpubuf.replay.sampling.plan` lists the read paths). The reader also keeps the
-episode marks that frame stacks and n-step returns read, built by the first sample that needs them and kept current by
-every write, and estimates what a sample needs in memory, refusing one that cannot fit before the draw.
+Before the draw, :meth:`BatchReader.plan` returns the :class:`~gpubuf.replay.sampling.plan.SamplePlan` of the call's
+configuration (batch size, unit, boundaries, the caller's ``out``): built once, which checks ``out`` and that the sample
+fits in memory (refused before the draw when it cannot), then cached. The reader also keeps the episode marks that frame
+stacks and n-step returns read.
 """
 
 import math
@@ -83,8 +81,7 @@ class BatchReader(RowEvents):
         """``(plan, what)`` of one sample: its :class:`~gpubuf.replay.sampling.plan.SamplePlan` and what it needs in
         memory (:meth:`check_memory`'s phrase), after checking it fits and that ``out`` is usable (``owned``:
         memory ranges ``out`` must not reach); cached per configuration."""
-        key = (B, with_next_obs, boundaries, spec, with_replacement,
-               None if out is None else self._out_key(out, owned))
+        key = (B, with_next_obs, boundaries, spec, with_replacement, None if out is None else self._out_key(out, owned))
         last = self._last_plan
         if last[0] == key:  # a steady loop asks the same each step: one compare
             return last[1]
@@ -111,8 +108,7 @@ class BatchReader(RowEvents):
 
     # ------------------------------------------------------------------ memory
 
-    def check_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool,
-                     fresh: bool = True):
+    def check_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool = True):
         """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes, for a
         ``MemoryError``), after checking it fits: ``MemoryError`` naming ``batch_size`` when that
         is more than the sampling (or storage) device has in all (:func:`gpubuf.ops.capacity`)."""
@@ -120,8 +116,7 @@ class BatchReader(RowEvents):
         last = self._last_fit  # a steady loop asks the same each step: one compare
         if last[0] == key:
             return last[1]
-        what = self._fits.get(key, self._check_fits, B, with_next_obs, spec, with_replacement,
-                              fresh)
+        what = self._fits.get(key, self._check_fits, B, with_next_obs, spec, with_replacement, fresh)
         self._last_fit = (key, what)
         return what
 

@@ -24,16 +24,10 @@ from gpubuf.replay.sampling.tree import FANOUT, PrefixSumTree
 
 
 class TreeSampler(RowEvents):
-    """The shared base of the policies: validity and a prefix-sum tree per kind of a
-    :class:`StartRing` (each kind's built on first use), tree descents, exact draws without
-    replacement.
-
-    Companions (``ShardedBuffer``, ``GraphSampler``) call these methods rather than reach into the
-    trees: :meth:`tree` (a kind's tree, kept current from then on), :meth:`total` (a kind's mass),
-    :meth:`descend` (starts and masses picked by given uniforms), :meth:`descend_excluding` (the
-    same with some starts' mass set aside), and, prioritized, :meth:`PrioritizedSampler.check_mass`
-    and :meth:`PrioritizedSampler.raise_max_priority`.
-    """
+    """The shared base of the policies: validity and a prefix-sum tree per kind of a :class:`StartRing` (each kind's
+    built on first use), tree descents, exact draws without replacement. Companions (``ShardedBuffer``,
+    ``GraphSampler``) call its methods (:meth:`tree`, :meth:`total`, :meth:`descend`, ...) rather than reach into the
+    trees."""
 
     prioritized = False
 
@@ -53,9 +47,8 @@ class TreeSampler(RowEvents):
         return [*(t.tree for t in self._trees.values()), *self._valid.values()]
 
     def activate(self, kind: int) -> None:
-        """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every
-        row) unless they are kept already; signals are held meanwhile, and the kind counts as kept
-        only once built."""
+        """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every row) unless they are
+        kept already; signals are held meanwhile, and the kind counts as kept only once built."""
         if kind not in self._active:
             if self.frozen_kinds is not None:
                 raise RuntimeError(
@@ -66,8 +59,7 @@ class TreeSampler(RowEvents):
             if kind not in self._trees:
                 L = self.ring.max_rows * self.ring.n_envs
                 tree = PrefixSumTree(L, self.table)
-                self._valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool},
-                                                self.device)["valid"]
+                self._valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool}, self.device)["valid"]
                 self._trees[kind] = tree
                 self.allocations += 1
             with signals_held():
@@ -157,8 +149,7 @@ class TreeSampler(RowEvents):
         float64 in [0, 1) in proportion to the masses of ``kind``."""
         return self.tree(kind).sample_masses(u)
 
-    def descend_excluding(self, kind: int, old: torch.Tensor,
-                          u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def descend_excluding(self, kind: int, old: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`descend` with the mass of flat starts ``old`` (K,) int64 (distinct) set aside:
         zeroed for the descent and restored after it, whatever happens (:class:`MassSetAside`)."""
         tree = self.tree(kind)
@@ -264,8 +255,7 @@ class UniformSampler(TreeSampler):
             k %= M * E
             return self._staging.to_device(torch.from_numpy(k), "__starts__")
         k = u.mul(n).long().clamp_max_(n - 1)
-        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(
-            k.remainder(E)).to(self.device)
+        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(k.remainder(E)).to(self.device)
 
 
 class PrioritizedSampler(TreeSampler):
@@ -282,8 +272,7 @@ class PrioritizedSampler(TreeSampler):
         device = table.device
         self.alpha, self.eps, self.size = alpha, eps, ring.max_rows * ring.n_envs
         self._beta, self._beta_tensor = beta, None
-        self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32},
-                                     device)["priority"]
+        self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32}, device)["priority"]
         # (1,) max_priority on the host (the device's own memory on a CPU buffer once device updates ran): the
         # priority write raises it; ``_max_np`` views it
         self._max_box, self._device_updates = torch.ones(1, dtype=torch.float64), None
@@ -325,13 +314,9 @@ class PrioritizedSampler(TreeSampler):
             self._beta_tensor = torch.full((), self._beta, dtype=torch.float64, device=self.device)
         return self._beta_tensor
 
-    def weights(self, mass: torch.Tensor) -> torch.Tensor:
-        """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch P)**-beta``."""
-        return self.table.importance_weights(mass, self._beta)
-
     def weigh(self, batch, mass: torch.Tensor) -> None:
-        """``batch.PER_weights``: :meth:`weights` of ``mass``."""
-        batch.PER_weights = self.weights(mass)
+        """``batch.PER_weights`` (B,) float32 of drawn masses ``mass`` (B,): ``(P_i / min_batch P)**-beta``."""
+        batch.PER_weights = self.table.importance_weights(mass, self._beta)
 
     @property
     def max_priority(self) -> float:
@@ -424,11 +409,11 @@ class PrioritizedSampler(TreeSampler):
     def state(self) -> dict:
         return {"beta": self.beta, "priority": self.priority, "max_priority": self.max_priority}
 
-    def check_state(self, state: dict, pos: int, count: int) -> tuple[float, float]:
-        beta = finite_float("state_dict['beta']", state["beta"], 0.0)
-        top = finite_float("state_dict['max_priority']", state["max_priority"], 1.0)
-        self.check_mass("state_dict['max_priority']", top)
-        self.check_priorities("state_dict['priority']", state["priority"], top, pos, count)
+    def check_state(self, state: dict, pos: int, count: int, named: str = "state_dict['{}']") -> tuple[float, float]:
+        beta = finite_float(named.format("beta"), state["beta"], 0.0)
+        top = finite_float(named.format("max_priority"), state["max_priority"], 1.0)
+        self.check_mass(named.format("max_priority"), top)
+        self.check_priorities(named.format("priority"), state["priority"], top, pos, count)
         return beta, top
 
     def load_state(self, state: dict, checked: tuple[float, float], owned: tuple) -> None:
@@ -438,17 +423,12 @@ class PrioritizedSampler(TreeSampler):
         self.beta, self.max_priority = checked
 
     def flushed(self) -> dict:
-        return {"priority": self.priority.cpu(), "max_priority": self.max_priority,
-                "beta": self.beta}
+        return {"priority": self.priority.cpu(), "max_priority": self.max_priority, "beta": self.beta}
 
     def reopen(self, state: dict | None, since: int) -> None:
         if state is not None:  # checked as a load_state_dict would, before anything is restored
-            beta = finite_float("beta", state["beta"], 0.0)
-            top = finite_float("max_priority", state["max_priority"], 1.0)
-            self.check_mass("max_priority", top)
             ring = self.ring  # the rows held at the flush: those held now, less the `since` newest
-            self.check_priorities("priority", state["priority"], top,
-                                  (ring.pos - since) % ring.max_rows, ring.count - since)
+            beta, top = self.check_state(state, (ring.pos - since) % ring.max_rows, ring.count - since, "{}")
             self.priority.copy_(state["priority"])
             self.max_priority, self.beta = top, beta
         if since:  # rows written after the flush: new starts take the running max priority

@@ -75,7 +75,11 @@ class Selector(RowEvents):
         raise NotImplementedError
 
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
-        """``ValueError`` unless a draw of ``B`` starts of ``kind`` can run."""
+        """``ValueError`` unless a draw of ``B`` starts of ``kind`` can run (without replacement: not offered by a
+        selector that draws with replacement only)."""
+        if self.replacement_only and not with_replacement:
+            raise ValueError(f"with_replacement: a {type(self).__name__} selector draws with replacement; "
+                             "pass with_replacement=True (or leave it None)")
 
     def distinct(self, with_replacement: bool) -> bool:
         """Whether a draw (``with_replacement`` as asked) returns ``B`` distinct starts, so needs that many valid."""
@@ -139,9 +143,6 @@ class Recency(Selector):
     def fresh(self) -> "Recency":
         return Recency(self.exponent)
 
-    def check(self, kind: int, B: int, with_replacement: bool) -> None:
-        _with_replacement(self, with_replacement)
-
     def draw_u(self, kind: int, u: torch.Tensor, groups: int = 1):  # independent draws: groups change nothing
         mass = self._recency_mass(kind, self.exponent)
         idx, total = proportional_draw(mass, u)
@@ -192,9 +193,6 @@ class Mixture(Selector):
             n[k] += 1
         return n
 
-    def check(self, kind: int, B: int, with_replacement: bool) -> None:
-        _with_replacement(self, with_replacement)
-
     def draw_u(self, kind: int, u: torch.Tensor, groups: int = 1):
         """Each of the ``groups`` batches of ``u`` holds :meth:`counts` starts of each component (in component
         order), so every minibatch is the mixture its probabilities assume."""
@@ -211,8 +209,7 @@ class Mixture(Selector):
     def _component(self, name: str, kind: int, u: torch.Tensor) -> torch.Tensor:
         if name == "prioritized":
             return self.buffer.sampler.descend(kind, u)[0]
-        mass = self._valid(kind).to(torch.float64) if name == "uniform" else \
-            self._recency_mass(kind, self.exponent)
+        mass = self._valid(kind).to(torch.float64) if name == "uniform" else self._recency_mass(kind, self.exponent)
         return proportional_draw(mass, u)[0]
 
     def prob(self, kind: int, idx: torch.Tensor, n: dict | None = None) -> torch.Tensor:
@@ -382,12 +379,6 @@ def _distinct_rest(sampler, kind: int, k: int, g: torch.Generator, taken: torch.
 
 def _number(x) -> bool:
     return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, float, np.integer, np.floating))
-
-
-def _with_replacement(selector: Selector, with_replacement: bool) -> None:
-    if not with_replacement:
-        raise ValueError(f"with_replacement: a {type(selector).__name__} selector draws with replacement; "
-                         "pass with_replacement=True (or leave it None)")
 
 
 def check_selector(selector) -> Selector | None:

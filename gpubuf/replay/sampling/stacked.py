@@ -30,8 +30,7 @@ _GAMMAS = ops.LRU(8)
 
 def gamma_tensor(gamma: float, device: torch.device) -> torch.Tensor:
     """``(1,)`` float64 tensor of ``gamma`` on ``device`` (cached: :data:`_GAMMAS`)."""
-    return _GAMMAS.get((gamma, device),
-                       lambda: torch.tensor([gamma], dtype=torch.float64, device=device))
+    return _GAMMAS.get((gamma, device), lambda: torch.tensor([gamma], dtype=torch.float64, device=device))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +47,7 @@ class StackSpec:
     def build(cls, config, frame_stack, frame_stride, n_step_return) -> "StackSpec | None":
         """The spec of a sample call (``None`` when it asks for neither), or ``ValueError`` naming the argument."""
         if frame_stack is None:  # a stride means nothing without stacks, returns or not
-            if isinstance(frame_stride, bool) or not isinstance(frame_stride, (int, np.integer)) \
-                    or frame_stride != 1:
+            if isinstance(frame_stride, bool) or not isinstance(frame_stride, (int, np.integer)) or frame_stride != 1:
                 raise ValueError("frame_stride: needs frame_stack, got "
                                  f"frame_stride={frame_stride!r} and frame_stack=None")
             if n_step_return is None:
@@ -97,8 +95,7 @@ class StackSpec:
 
 
 def _int(name: str, value, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-            or not lo <= value <= hi:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value!r}")
     return int(value)
 
