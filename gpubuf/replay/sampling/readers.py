@@ -72,8 +72,7 @@ class BatchReader(RowEvents):
         them."""
         spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
         if spec is not None and out is not None:
-            raise ValueError("out: not offered with frame_stack or n_step_return; got a "
-                             f"{type(out).__name__}")
+            raise ValueError(f"out: not offered with frame_stack or n_step_return; got a {type(out).__name__}")
         return spec
 
     def plan(self, B: int, with_next_obs: bool, boundaries: str, spec: StackSpec | None, with_replacement: bool,
@@ -123,8 +122,7 @@ class BatchReader(RowEvents):
     def _check_fits(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool):
         nbytes = self.sample_bytes(B, with_next_obs, spec, with_replacement, fresh)
         device = self.device  # the cached phrase must not hold the reader (a cycle through _fits)
-        what = lambda: (f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and "
-                        f"working memory on {device}")
+        what = lambda: f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and working memory on {device}"
         ops.check_fits("batch_size", what, nbytes, self.device)
         if self.storage.device != self.device:
             ops.check_fits("batch_size", what, nbytes, self.storage.device)

@@ -126,8 +126,7 @@ class TreeSampler(RowEvents):
             raise ValueError(f"sample: no valid sequence start yet ({self.ring.count} rows written "
                              f"per env, windows of {self.ring.window(kind)} rows{what})")
         if not with_replacement and B > n:
-            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling "
-                             "without replacement needs")
+            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement needs")
 
     def valid_mask(self, kind: int) -> torch.Tensor:
         """(M*E,) bool on the device: the validity of every start of ``kind`` (built now unless kept already, the

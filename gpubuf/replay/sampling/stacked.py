@@ -67,20 +67,17 @@ class StackSpec:
         n, gamma = None, 1.0
         if n_step_return is not None:
             if not isinstance(n_step_return, (tuple, list)) or len(n_step_return) != 2:
-                raise ValueError("n_step_return: expected (n, gamma), got "
-                                 f"{n_step_return!r}")
+                raise ValueError(f"n_step_return: expected (n, gamma), got {n_step_return!r}")
             n = _int("n_step_return[0]", n_step_return[0], 1, M)
             gamma = n_step_return[1]
             if isinstance(gamma, bool) or not isinstance(gamma, (int, float, np.floating)) \
                     or not 0.0 <= float(gamma) <= 1.0 or math.isnan(float(gamma)):
-                raise ValueError(f"n_step_return[1]: expected a discount gamma in [0, 1], got "
-                                 f"{gamma!r}")
+                raise ValueError(f"n_step_return[1]: expected a discount gamma in [0, 1], got {gamma!r}")
             gamma = float(gamma)
             rewards = config.paths("reward")
             if len(rewards) != 1 or config.by_path[rewards[0]].shape != ():
                 got = [(config.by_path[p].name, config.by_path[p].shape) for p in rewards]
-                raise ValueError("n_step_return: needs one scalar reward per row, the buffer "
-                                 f"stores {got}")
+                raise ValueError(f"n_step_return: needs one scalar reward per row, the buffer stores {got}")
             if config.by_path[rewards[0]].dtype in (torch.bool, torch.complex64, torch.complex128):
                 raise ValueError("n_step_return: needs a real-valued reward, the buffer stores "
                                  f"{config.by_path[rewards[0]].dtype}")
