@@ -13,8 +13,6 @@ from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
 from gpubuf.ops.registry import Op, kernel
 
-# ---- history_append
-
 
 def append_twin(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
     """For each storage (max_len*n_envs, D) of ``storages`` and its ``rows`` (R, D): storage[dst_rows
@@ -29,9 +27,6 @@ def append_twin(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
 
 APPEND = Op("history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()",
              append_twin, kernel("history", "append"))
-
-
-# ---- history_gather_frames
 
 
 def gather_frames_twin(storages: list, outs: list, meta, n, ab, max_len) -> None:
@@ -52,9 +47,6 @@ def gather_frames_twin(storages: list, outs: list, meta, n, ab, max_len) -> None
 GATHER_FRAMES = Op("history_gather_frames",
                     "(Tensor[] storages, Tensor(a!)[] outs, Tensor meta, int n, int ab, int max_len) -> ()",
                     gather_frames_twin, kernel("history", "gather_frames"))
-
-
-# ---- history_pack_blocks
 
 
 def pack_blocks_twin(storage, out, meta, n, ab, max_len) -> None:

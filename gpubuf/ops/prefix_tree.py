@@ -37,9 +37,6 @@ def _make_ascending(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
-# ---- tree_sample
-
-
 def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
     """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide prefix-sum tree.
 
@@ -128,9 +125,6 @@ def sample_masses_host(tree, offsets, fanout, u) -> tuple[torch.Tensor, torch.Te
     return idx, mass
 
 
-# ---- tree_update
-
-
 def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
     """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched parent, level by
     level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed).
@@ -164,9 +158,6 @@ def update_host(tree, offsets, fanout, idx, values) -> None:
 
 UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor idx, Tensor values) -> ()",
             update_twin, kernel("prefix_tree", "update"), update_host, host_loop=True)
-
-
-# ---- tree_update_range
 
 
 def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:

@@ -57,9 +57,6 @@ def priority_error(code: int, size: int, idx, td: torch.Tensor | None, eps: floa
     return overflow_error("td_errors, alpha", top, alpha, size)
 
 
-# ---- sampling masses
-
-
 def masses_twin(priority: torch.Tensor, valid: torch.Tensor, alpha: float, all_valid: bool = False) -> torch.Tensor:
     """(n,) float64 sampling masses of priorities ``priority`` (n,) float32: ``priority ** alpha`` where ``valid``
     (n,) bool, else 0 (``all_valid``: every one valid)."""
@@ -72,9 +69,6 @@ def masses_host(priority: torch.Tensor, valid: torch.Tensor, alpha: float, all_v
     out = np.empty(priority.shape[0])
     host_loops.masses(priority.numpy(), valid.numpy(), alpha, out)
     return torch.from_numpy(out)
-
-
-# ---- priority_write
 
 
 def checks_twin(idx: torch.Tensor, td: torch.Tensor, eps: float, limit: float,
@@ -193,9 +187,6 @@ def write_cuda(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, li
 WRITE = Op("priority_write", "(Tensor(a!) priority, Tensor(b!)[] trees, Tensor[] valids, int[] offsets, int fanout, "
            "Tensor idx, Tensor td, float eps, float alpha, float limit, Tensor(c!) box, Tensor(d!) result) -> ()",
            write_twin, write_cuda, write_host, host_loop=True)
-
-
-# ---- importance weights
 
 
 def weights_twin(mass: torch.Tensor, beta, out: torch.Tensor | None = None, work: tuple | None = None) -> torch.Tensor:

@@ -34,8 +34,6 @@ class BatchReader(RowEvents):
         self._fits = ops.LRU(8)
         self._last_fit = (None, None)  # (key, what) of the last check
 
-    # ------------------------------------------------------------------ episode marks
-
     def marks(self) -> EpisodeMarks:
         """The buffer's :class:`~gpubuf.replay.sampling.episode_marks.EpisodeMarks` (built from the stored
         rows now unless built already, then kept current by every write and load)."""
@@ -64,8 +62,6 @@ class BatchReader(RowEvents):
                 self._marks.rebuild(self.ring)
             else:
                 self._marks.set_held(self.ring)
-
-    # ------------------------------------------------------------------ reads
 
     def spec(self, frame_stack, frame_stride, n_step_return, out) -> StackSpec | None:
         """The checked stacks and returns of a sample call (``None``: neither); ``ValueError`` for an ``out`` with
@@ -104,8 +100,6 @@ class BatchReader(RowEvents):
             return None
         return (owned, type(out), tuple((p, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
                                         for p, t in leaves.items()))
-
-    # ------------------------------------------------------------------ memory
 
     def check_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool = True):
         """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes, for a

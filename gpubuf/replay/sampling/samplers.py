@@ -207,8 +207,6 @@ class TreeSampler(RowEvents):
         new = uniq[torch.argsort(first_seen)][:need]
         return new, tree.leaves(new)
 
-    # ------------------------------------------------------------------ state (uniform: none)
-
     def state(self) -> dict:
         """The policy's entries of a buffer's ``state_dict``."""
         return {}
@@ -371,8 +369,6 @@ class PrioritizedSampler(TreeSampler):
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         return self.table.masses(self.priority[starts], valid, self.alpha, all_valid)  # invalid starts: zero mass
 
-    # ------------------------------------------------------------------ checks
-
     def check_mass(self, name: str, top: float) -> None:
         """Raise unless ``top**alpha`` summed over every start stays finite in float64 (``top`` below
         :attr:`mass_limit`)."""
@@ -402,8 +398,6 @@ class PrioritizedSampler(TreeSampler):
                                  f"max_priority {top:g}] and of the others in [0, max_priority], "
                                  "all finite")
             at += piece.numel()
-
-    # ------------------------------------------------------------------ state
 
     def state(self) -> dict:
         return {"beta": self.beta, "priority": self.priority, "max_priority": self.max_priority}

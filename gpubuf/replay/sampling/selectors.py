@@ -115,8 +115,6 @@ class Selector(RowEvents):
     def load(self, state: dict) -> None:
         """Take the entries :meth:`state` saved (absent ones: their defaults), checked by :meth:`check_state`."""
 
-    # ------------------------------------------------------------------ masses (device)
-
     def _valid(self, kind: int) -> torch.Tensor:
         return self.buffer.sampler.valid_mask(kind)
 
@@ -279,7 +277,6 @@ class _Queue(Selector):
     def load(self, state: dict) -> None:
         served = state.get("selector_served")
         self.served[:] = False if served is None else host_tensor(served).numpy()
-
 
 
 class Fifo(_Queue):
