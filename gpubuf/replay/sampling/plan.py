@@ -52,9 +52,8 @@ class WindowsRead:
 
     def __init__(self, reader, B: int, jobs: dict, keep: bool, fixed: bool, host: list | None):
         storage, device = reader.storage, reader.device
-        self.storage, self.config, self.device, self.jobs = storage, reader.config, device, jobs
+        self.storage, self.config, self.device, self.jobs, self.host = storage, reader.config, device, jobs, host
         self.result = self.work = self.views = self.tables = None
-        self.host = host
         if keep and storage.device == device:
             self.result, self.work = storage.outputs(B, jobs, device)
             self.views = word_views(self.result, self.work)

@@ -30,8 +30,7 @@ class BatchReader(RowEvents):
         self._plans = ops.LRU(8)  # (plan, what) per sample configuration
         self._last_plan = (None, None)  # (key, (plan, what)) of the last sample (a loop asks the same each step)
         self._marks = None  # EpisodeMarks, built by the first sample that needs them
-        # sample sizes checked to fit (a call that fits is not estimated again)
-        self._fits = ops.LRU(8)
+        self._fits = ops.LRU(8)  # sample sizes checked to fit (a call that fits is not estimated again)
         self._last_fit = (None, None)  # (key, what) of the last check
 
     def marks(self) -> EpisodeMarks:
@@ -55,8 +54,7 @@ class BatchReader(RowEvents):
         self.rows_written(row, 1, 1)
 
     def rows_loaded(self, whole: bool) -> None:
-        """Keep built marks current after a load: rebuilt from every row (``whole``), else (the
-        buffer was emptied) only the held rows."""
+        """Keep built marks current after a load: rebuilt (``whole``), else (emptied) only the held rows."""
         if self._marks is not None:
             if whole:
                 self._marks.rebuild(self.ring)

@@ -34,8 +34,7 @@ class TreeSampler(RowEvents):
     def __init__(self, ring: StartRing, table: ops.Backend):
         self.ring, self.device, self.table = ring, table.device, table  # the table runs the trees' ops
         self._trees: dict[int, PrefixSumTree] = {}  # per kind, allocated on first use
-        # (M*E,) bool device validity mask per kind, likewise
-        self._valid: dict[int, torch.Tensor] = {}
+        self._valid: dict[int, torch.Tensor] = {}  # (M*E,) bool device validity mask per kind, likewise
         self._active: set[int] = set()  # kinds whose tree and mask are kept up to date
         # set once a CUDA graph captured device-side priority updates: the kinds whose trees that graph updates
         self.frozen_kinds: frozenset | None = None
@@ -179,10 +178,8 @@ class TreeSampler(RowEvents):
         return self._draw_without_replacement(tree, B, g)
 
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
-        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping first
-        appearances (:meth:`_distinct_draws`). A first round with enough distinct draws touches no mass; else the
-        drawn starts' mass is set aside between rounds and restored at the end (:class:`MassSetAside`: whatever
-        happens, signals held meanwhile)."""
+        """Exact sequential sampling without replacement: rounds of :meth:`_distinct_draws`; from the second round on,
+        the drawn starts' mass is set aside between rounds and restored at the end (:class:`MassSetAside`)."""
         new, mass = self._distinct_draws(tree, B, g)
         if new.numel() == B:
             return new, mass
@@ -270,12 +267,10 @@ class PrioritizedSampler(TreeSampler):
         self.alpha, self.eps, self.size = alpha, eps, ring.max_rows * ring.n_envs
         self._beta, self._beta_tensor = beta, None
         self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32}, device)["priority"]
-        # (1,) max_priority on the host (the device's own memory on a CPU buffer once device updates ran): the
-        # priority write raises it; ``_max_np`` views it
+        # (1,) max_priority on the host, raised by the priority write (a CPU buffer's device updates own it once made)
         self._max_box, self._device_updates = torch.ones(1, dtype=torch.float64), None
         self._max_np = self._max_box.numpy()
-        # (2,) float64 on the device: the code and largest new priority of the last write (``_result_np``: its
-        # numpy view on the host)
+        # (2,) float64 on the device: the code and largest new priority of the last write (``_result_np``: host view)
         self._result = torch.zeros(2, dtype=torch.float64, device=device)
         self._result_np = self._result.numpy() if device.type == "cpu" else None
         self._scratch_box = None  # (1,) float32 on a GPU: the maximum a checked write raises before device updates
@@ -394,9 +389,8 @@ class PrioritizedSampler(TreeSampler):
             if not bool(torch.isfinite(piece).all()) \
                     or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
                     or (held.numel() and float(held.min()) < eps):
-                raise ValueError(f"{where}: expected priorities of held starts in [{eps:g}, "
-                                 f"max_priority {top:g}] and of the others in [0, max_priority], "
-                                 "all finite")
+                raise ValueError(f"{where}: expected priorities of held starts in [{eps:g}, max_priority {top:g}] and "
+                                 "of the others in [0, max_priority], all finite")
             at += piece.numel()
 
     def state(self) -> dict:
@@ -411,8 +405,7 @@ class PrioritizedSampler(TreeSampler):
 
     def load_state(self, state: dict, checked: tuple[float, float], owned: tuple) -> None:
         copy_into(self.priority,
-                  unaliased({"priority": state["priority"]}, {"priority": self.priority},
-                            owned)["priority"])
+                  unaliased({"priority": state["priority"]}, {"priority": self.priority}, owned)["priority"])
         self.beta, self.max_priority = checked
 
     def flushed(self) -> dict:

@@ -100,13 +100,8 @@ def _int(name: str, value, lo: int, hi: int) -> int:
 class StackedGather:
     """The stacks and returns of ``B`` flat starts for ``spec``, a read stage of a
     :class:`~gpubuf.replay.sampling.plan.SamplePlan`: observation leaves as stacks, and with ``n_step_return`` the
-    return, its discount and the bootstrap stacks. :attr:`plain` lists the other leaves' jobs ``(output path, stored
-    path, shift, shape)``, which the plan reads as plain windows.
-
-    It takes its outputs: :meth:`outputs` allocates one set (the plan keeps it when fixed, else allocates one per
-    sample, before the draw), :meth:`tables` uploads the Triton copy tables of a set once, and :meth:`run` fills a
-    set for the drawn starts.
-    """
+    return, its discount and the bootstrap stacks, into the outputs it is given (:meth:`outputs`). :attr:`plain` lists
+    the other leaves' jobs ``(output path, stored path, shift, shape)``, which the plan reads as plain windows."""
 
     def __init__(self, reader, spec: StackSpec, B: int, with_next_obs: bool):
         config, storage = reader.config, reader.storage
