@@ -95,3 +95,12 @@ def signature(names: str, types: dict, default: str) -> dict:
     """Triton types of the space-separated argument ``names``: ``types[name]``, else ``default``
     (an index type)."""
     return {n: types.get(n, default) for n in names.split()}
+
+
+def variant(name: str, fn, names: str, types: dict, index: str,
+            consts: dict | None = None) -> Variant:
+    """The :class:`Variant` of kernel ``fn``: the :func:`signature` of its arguments ``names``, then
+    its ``consts`` (``tl.constexpr`` name -> value)."""
+    consts = consts or {}
+    return Variant(name, fn, {**signature(names, types, index),
+                              **dict.fromkeys(consts, "constexpr")}, consts)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import INDEX, Variant, signature, upload, word_groups
+from gpubuf.kernels import INDEX, Variant, upload, variant, word_groups
 from gpubuf.kernels.tables import table_entry
 from gpubuf.kernels.words import WORDS
 
@@ -174,26 +174,18 @@ def variants() -> list[Variant]:
     out = []
     for idx in INDEX:
         for w in WORDS:
-            p = f"*{w}"
-            out.append(Variant("history.append", _append_kernel,
-                               {**signature("table_ptr dst_row_ptr like_ptr",
-                                            {"table_ptr": "*i64", "dst_row_ptr": "*i64",
-                                             "like_ptr": p}, idx),
-                                "BLOCK": "constexpr"}, {"BLOCK": BLOCK}))
-            out.append(Variant("history.gather_frames", _gather_frames_kernel,
-                               {**signature("table_ptr meta_ptr like_ptr rows n ab max_len n_envs",
-                                            {"table_ptr": "*i64", "meta_ptr": "*i64",
-                                             "like_ptr": p}, idx),
-                                "BLOCK": "constexpr"}, {"BLOCK": BLOCK}))
+            table = {"table_ptr": "*i64", "like_ptr": f"*{w}"}
+            out.append(variant("history.append", _append_kernel, "table_ptr dst_row_ptr like_ptr",
+                               {**table, "dst_row_ptr": "*i64"}, idx, {"BLOCK": BLOCK}))
+            out.append(variant("history.gather_frames", _gather_frames_kernel,
+                               "table_ptr meta_ptr like_ptr rows n ab max_len n_envs",
+                               {**table, "meta_ptr": "*i64"}, idx, {"BLOCK": BLOCK}))
         for dtype in FLOATS + INTS:
             is_float = dtype in FLOATS
             p = f"*{dtype}"
             fmax = ("*fp64" if dtype == "fp64" else "*fp32") if is_float else "*i64"
-            out.append(Variant("history.pack_blocks", _pack_blocks_kernel,
-                               {**signature("src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D "
-                                            "fmax_ptr",
-                                            {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64",
-                                             "fmax_ptr": fmax}, idx),
-                                "IS_FLOAT": "constexpr", "BLOCK": "constexpr"},
-                               {"IS_FLOAT": is_float, "BLOCK": BLOCK}))
+            out.append(variant("history.pack_blocks", _pack_blocks_kernel,
+                               "src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D fmax_ptr",
+                               {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64", "fmax_ptr": fmax},
+                               idx, {"IS_FLOAT": is_float, "BLOCK": BLOCK}))
     return out

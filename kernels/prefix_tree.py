@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import INDEX, Variant, signature
+from gpubuf.kernels import INDEX, Variant, variant
 
 # the fan-out compiled ahead of time: the buffers' trees use it (gpubuf.replay.sampling.tree.FANOUT)
 FANOUT = 32
@@ -204,18 +204,13 @@ def variants() -> list[Variant]:
     out = []
     for idx in INDEX:
         for is_range in (False, True):
-            out.append(Variant("prefix_tree.update", _update_kernel,
-                               {**signature("tree_ptr off_ptr idx_ptr val_ptr n lo k0 k1",
-                                            {"tree_ptr": "*fp64", "off_ptr": "*i64",
-                                             "idx_ptr": "*fp64" if is_range else "*i64",
-                                             "val_ptr": "*fp64"}, idx),
-                                "F": "constexpr", "RANGE": "constexpr", "BLOCK": "constexpr",
-                                "P": "constexpr"},
+            types = {"tree_ptr": "*fp64", "off_ptr": "*i64", "val_ptr": "*fp64",
+                     "idx_ptr": "*fp64" if is_range else "*i64"}
+            out.append(variant("prefix_tree.update", _update_kernel,
+                               "tree_ptr off_ptr idx_ptr val_ptr n lo k0 k1", types, idx,
                                {"F": FANOUT, "RANGE": is_range, "BLOCK": BLOCK, "P": PARENTS}))
-        out.append(Variant("prefix_tree.sample", _sample_kernel,
-                           {**signature("tree_ptr off_ptr u_ptr out_ptr n_levels",
-                                        {"tree_ptr": "*fp64", "off_ptr": "*i64", "u_ptr": "*fp64",
-                                         "out_ptr": "*i64"},
-                                        idx), "BELOW_ONE": "constexpr", "F": "constexpr"},
+        types = {"tree_ptr": "*fp64", "off_ptr": "*i64", "u_ptr": "*fp64", "out_ptr": "*i64"}
+        out.append(variant("prefix_tree.sample", _sample_kernel,
+                           "tree_ptr off_ptr u_ptr out_ptr n_levels", types, idx,
                            {"BELOW_ONE": _BELOW_ONE, "F": FANOUT}))
     return out

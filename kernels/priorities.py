@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import BAD_INDEX, INDEX, NOT_FINITE, OVERFLOW, Variant, signature
+from gpubuf.kernels import BAD_INDEX, INDEX, NOT_FINITE, OVERFLOW, Variant, variant
 
 BLOCK = 1024  # starts checked and written per step
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -104,7 +104,5 @@ def variants() -> list[Variant]:
             for box in ("*fp32", "*fp64"):
                 types = {"prio_ptr": "*fp32", "idx_ptr": "*i64", "td_ptr": td, "box_ptr": box,
                          "result_ptr": "*fp64", "eps": "fp32", "limit": "fp32"}
-                out.append(Variant("priorities.write", _write_kernel,
-                                   {**signature(names, types, idx),
-                                    **dict.fromkeys(consts, "constexpr")}, consts))
+                out.append(variant("priorities.write", _write_kernel, names, types, idx, consts))
     return out

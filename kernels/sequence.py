@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import INDEX, Variant, signature, upload, word_groups
+from gpubuf.kernels import INDEX, Variant, upload, variant, word_groups
 from gpubuf.kernels.tables import table_entry
 from gpubuf.kernels.words import WORDS
 
@@ -73,9 +73,7 @@ def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
 def variants() -> list[Variant]:
     """Every (kernel, signature, constexprs) the launchers above compile: per index width and word
     type."""
-    return [Variant("sequence.gather", _gather_kernel,
-                    {**signature("table_ptr start_ptr like_ptr n E M",
-                                 {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": f"*{w}"},
-                                 idx),
-                     "BLOCK": "constexpr"}, {"BLOCK": BLOCK})
+    return [variant("sequence.gather", _gather_kernel, "table_ptr start_ptr like_ptr n E M",
+                    {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": f"*{w}"}, idx,
+                    {"BLOCK": BLOCK})
             for idx in INDEX for w in WORDS]
