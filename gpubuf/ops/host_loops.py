@@ -105,13 +105,11 @@ def _tree_sample(tree, offsets, fanout, u, out):  # pragma: no cover (compiled)
                         break
                     run += c
             if chosen < 0:  # rounding: the last child of positive mass, and the mass before it
-                chosen, run = 0, 0.0
+                chosen, run, before = 0, 0.0, 0.0
                 for j in range(fanout):
                     if tree[base + j] > 0:
-                        chosen = j
-                run = 0.0
-                for j in range(chosen):
-                    run += tree[base + j]
+                        chosen, run = j, before
+                    before += tree[base + j]
             target = max(target - run, 0.0)
             node = node * fanout + chosen
         out[b] = node
