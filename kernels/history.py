@@ -1,10 +1,9 @@
 """Triton kernels of HistoryBuffer: append scatter, strided history gather, action-block packing.
 
-Storage of one key is a contiguous ``(max_len * n_envs, E)`` tensor, slot-major: env ``e``'s ring
-slot ``s`` is row ``s * n_envs + e`` and holds one entry of ``E`` elements (envs stepping in
-lockstep then write and read whole contiguous blocks). Per-row metadata comes from the host as an
-int64 tensor (the host mirrors counts and write heads, so nothing is read back from the device).
-Runtime sizes are plain arguments; only block sizes are ``tl.constexpr``. Offsets are int64.
+Storage is slot-major (:mod:`gpubuf.ops.history`), a row holding one entry of ``E`` elements: envs
+stepping in lockstep write and read whole contiguous blocks. Per-row metadata comes from the host as
+an int64 tensor (the host mirrors counts and write heads, so nothing is read back). Runtime sizes
+are plain arguments; only block sizes are ``tl.constexpr``. Offsets are int64.
 """
 
 import torch

@@ -1,11 +1,9 @@
 """Triton kernels of the wide prefix-sum tree behind TransitionBuffer / PrioritizedTransitionBuffer.
 
-The tree is one flat float64 tensor holding its levels leaves-first; ``offsets`` (K+1 ints) bound
-the K levels, level ``k+1`` holds the sums of consecutive groups of ``F`` (fan-out) entries of level
-``k``, and the top level is a single node of ``F`` entries. Runtime sizes are plain arguments; only
-``F`` and block sizes are ``tl.constexpr``. Offsets are int64. Updates of many leaves run one
-many-program launch per level (see :data:`MANY_PROGRAMS_FROM`); smaller ones one single-program
-launch.
+The tree's layout (levels leaves-first, bounded by ``offsets``, fan-out ``F``):
+:mod:`gpubuf.ops.prefix_tree`. Runtime sizes are plain arguments; only ``F`` and block sizes are
+``tl.constexpr``. Offsets are int64. Updates of many leaves run one many-program launch per level
+(see :data:`MANY_PROGRAMS_FROM`); smaller ones one single-program launch.
 """
 
 import torch

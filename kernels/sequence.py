@@ -1,9 +1,6 @@
-"""Triton kernel of TransitionBuffer's window gather: ``(B, n_steps)`` rows from time-major storage.
-
-Storage of one leaf is a contiguous ``(M * E, D)`` tensor (row ``step * E + env``). A flat start
-``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for ``j < n``;
-``shift = 1`` reads the following rows (next observations). Runtime sizes are plain arguments;
-offsets are int64.
+"""Triton kernel of TransitionBuffer's window gather: ``(B, n_steps)`` rows from time-major storage
+(the rows: :mod:`gpubuf.ops.sequence`; ``shift = 1`` reads the following rows, next observations).
+Runtime sizes are plain arguments; offsets are int64.
 """
 
 import torch

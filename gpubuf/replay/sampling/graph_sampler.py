@@ -1,11 +1,9 @@
 """GraphSampler: replay sampling with fixed tensors, device-side random numbers and no host sync, so that a learner
 step calling it can be captured in a CUDA graph (``torch.cuda.graph``) or traced by ``torch.compile(fullgraph=True)``.
 
-It drives a fixed :class:`~gpubuf.replay.sampling.plan.SamplePlan`: everything a draw touches is allocated once, and
-:meth:`GraphSampler.sample` runs the plan's stages on the device only (``torch.rand`` into the uniforms, the draw,
-the read, the importance weights). Nothing reads the device or allocates, and the host decides nothing that depends
-on the buffer's fill: the tree it descends is the buffer's own, kept current by every insert and priority update,
-so a graph replayed after more inserts samples the buffer as it is then.
+It drives a fixed :class:`~gpubuf.replay.sampling.plan.SamplePlan` on the device: nothing reads the device or
+allocates, and the host decides nothing that depends on the buffer's fill. The tree it descends is the buffer's own,
+kept current by every insert and priority update, so a graph replayed after more inserts samples the buffer as it is.
 """
 
 import torch
