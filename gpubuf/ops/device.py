@@ -93,8 +93,7 @@ def check_fits(name: str, what, nbytes: int, device: torch.device) -> None:
 
 
 def allocation_failed(err: BaseException) -> bool:
-    """Whether ``err`` is an allocator's failure (torch's on the host or a GPU, pinned memory,
-    numpy's), as opposed to any other error."""
+    """Whether ``err`` is an allocator's failure (torch's on the host or a GPU, pinned memory, numpy's)."""
     if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return True
     if not isinstance(err, RuntimeError):
@@ -161,8 +160,7 @@ def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], dev
 
 
 def interpreting() -> bool:
-    """Whether Triton's interpreter is on (``TRITON_INTERPRET`` set to 1/true/yes/on): kernels then run on host
-    tensors."""
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET`` 1/true/yes/on): kernels then run on host tensors."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 

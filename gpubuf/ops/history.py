@@ -15,8 +15,7 @@ from gpubuf.ops.registry import Op, kernel
 
 
 def append_twin(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
-    """For each storage (max_len*n_envs, D) of ``storages`` and its ``rows`` (R, D): storage[dst_rows
-    (R,)] = rows; dst_rows distinct."""
+    """``storage[dst_rows] = rows`` per storage (max_len*n_envs, D) and its ``rows`` (R, D); dst_rows (R,) distinct."""
     if dst_rows.shape[0] == 0:
         return
     for storage, src in zip(storages, rows, strict=True):

@@ -157,8 +157,7 @@ def _priority_write(priority, idx, td, eps, limit):  # pragma: no cover (compile
 
 
 def _priority_masses(priority, idx, valid, alpha, out):  # pragma: no cover (compiled)
-    """``out`` (K,) float64 = ``priority[idx] ** alpha`` where ``valid[idx]``, else 0: the sampling masses of
-    starts ``idx`` (K,)."""
+    """``out`` (K,) float64 = ``priority[idx] ** alpha`` where ``valid[idx]``, else 0: the masses of starts ``idx``."""
     for i in range(idx.shape[0]):
         j = idx[i]
         out[i] = np.float64(priority[j]) ** alpha if valid[j] else 0.0

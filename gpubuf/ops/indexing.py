@@ -74,8 +74,7 @@ def source_rows(env, newest, back: torch.Tensor, n_envs: int, max_len: int) -> t
 
 
 def zero_blocks(n: int, k):
-    """How many leading action blocks of a read of ``n`` frames are zero blocks: ``n - k`` (warm-up,
-    before the first strided frame)."""
+    """Leading zero blocks of a read of ``n`` frames: ``n - k`` (warm-up, before the first strided frame)."""
     return n - k
 
 

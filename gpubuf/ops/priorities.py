@@ -209,8 +209,7 @@ def weights_twin(mass: torch.Tensor, beta, out: torch.Tensor | None = None, work
 
 
 def weights_host(mass: torch.Tensor, beta, out: torch.Tensor | None = None, work: tuple | None = None) -> torch.Tensor:
-    """:func:`weights_twin` of (B,) host masses and a float ``beta`` into a fresh tensor by one compiled loop; other
-    calls run the twin."""
+    """:func:`weights_twin` of (B,) host masses, a float ``beta`` and no ``out`` by one compiled loop; else the twin."""
     if out is not None or mass.dim() != 1 or isinstance(beta, torch.Tensor) or not mass.numel():
         return weights_twin(mass, beta, out, work)
     out = torch.empty(mass.shape, dtype=torch.float32)

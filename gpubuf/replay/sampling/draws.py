@@ -44,8 +44,7 @@ class MassSetAside:
         return self
 
     def add(self, starts: torch.Tensor, masses: torch.Tensor | None = None) -> None:
-        """Zero the leaves ``starts`` (K,) int64, none set aside already (``masses``: their masses, read here when
-        ``None``)."""
+        """Zero the leaves ``starts`` (K,) int64, none set aside already (``masses``: their masses, else read here)."""
         saved = self.tree.leaves(starts) if masses is None else masses
         self._saved.append((starts, saved))  # first: restoring a leaf not zeroed yet is harmless
         self.tree.update(starts, torch.zeros_like(saved))

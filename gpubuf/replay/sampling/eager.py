@@ -34,8 +34,7 @@ class EagerSample:
 
     def _sample_held(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
                      return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
-        """:meth:`sample` with the buffer's defaults resolved, the caller holding the buffer's call lock: check,
-        draw, read."""
+        """:meth:`sample` with the buffer's defaults resolved, under the caller's call lock: check, draw, read."""
         if type(with_next_obs) is not bool:
             with_next_obs = check_bool("with_next_obs", with_next_obs)
         if type(with_replacement) is not bool:

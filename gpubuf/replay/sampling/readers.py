@@ -62,8 +62,7 @@ class BatchReader(RowEvents):
                 self._marks.set_held(self.ring)
 
     def spec(self, frame_stack, frame_stride, n_step_return, out) -> StackSpec | None:
-        """The checked stacks and returns of a sample call (``None``: neither); ``ValueError`` for an ``out`` with
-        them."""
+        """The checked stacks and returns of a call (``None``: neither); ``ValueError`` for an ``out`` with them."""
         spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
         if spec is not None and out is not None:
             raise ValueError(f"out: not offered with frame_stack or n_step_return; got a {type(out).__name__}")

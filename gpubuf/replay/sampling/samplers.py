@@ -365,8 +365,7 @@ class PrioritizedSampler(TreeSampler):
         return self.table.masses(self.priority[starts], valid, self.alpha, all_valid)  # invalid starts: zero mass
 
     def check_mass(self, name: str, top: float) -> None:
-        """Raise unless ``top**alpha`` summed over every start stays finite in float64 (``top`` below
-        :attr:`mass_limit`)."""
+        """Raise unless ``top**alpha`` over every start sums to a finite float64 (``top`` below :attr:`mass_limit`)."""
         if top >= self.mass_limit:
             raise ops.overflow_error(name, top, self.alpha, self.size)
 

@@ -88,8 +88,7 @@ class Unit:
 
     @classmethod
     def frames(cls, k: int, stride: int = 1, next_obs: bool = False) -> "Unit":
-        """Observations as stacks of ``k`` frames ``stride`` rows apart (``next_observation`` stacked too with
-        ``next_obs``)."""
+        """Observations as stacks of ``k`` frames ``stride`` rows apart (``next_observation`` too with ``next_obs``)."""
         return cls(next_obs, positive_int("k", k), positive_int("stride", stride))
 
     @classmethod
