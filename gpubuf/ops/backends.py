@@ -25,9 +25,8 @@ _TABLES = LRU(16)  # (device, name, loops, env_major) -> Backend
 
 
 def backend_table(device: torch.device, name: str | None = None, env_major: bool = False) -> "Backend":
-    """The table of a buffer (or storage) on ``device``: backend ``name`` (``None``: :func:`backend_for` the
-    device; ``"triton"`` where Triton cannot run gets the twins), ``env_major`` for a ``storage_dir``'s files.
-    Cached: one table per deciding inputs."""
+    """The table of a buffer (or storage) on ``device``: backend ``name`` (``None``: :func:`backend_for` the device;
+    ``"triton"`` where Triton cannot run gets the twins), ``env_major`` for a ``storage_dir``'s files; cached."""
     if name is None:
         name = backend_for(device)
     elif name not in BACKENDS:

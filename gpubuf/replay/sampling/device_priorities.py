@@ -21,8 +21,7 @@ _WHY = {BAD_INDEX: "indices outside [0, {size})", NOT_FINITE: "td_errors with |t
 
 class DevicePriorityUpdates:
     """The device state of one prioritized sampler's sync-free updates: ``max`` (() float32, the running maximum
-    priority on the device), ``flags`` (() int32, why updates were dropped since the last check) and ``dropped``
-    (() int64, how many)."""
+    priority), ``flags`` (() int32, why updates were dropped since the last check), ``dropped`` (() int64, how many)."""
 
     def __init__(self, sampler, max_priority: float):
         # the sampler holds this object: a weak reference back, so that dropping the buffer frees both at once

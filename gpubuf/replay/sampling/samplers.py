@@ -169,9 +169,8 @@ class TreeSampler(RowEvents):
         return self._staging.to_device(u, "__uniform__")
 
     def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
-        """``(flat starts (B,) int64, their masses (B,) float64)`` drawn with generator ``g`` in
-        proportion to their mass (the prioritized draw): ``B`` descents of the tree of ``kind``
-        (with replacement), else :meth:`_draw_without_replacement`."""
+        """``(flat starts (B,) int64, their masses (B,) float64)`` drawn with ``g`` in proportion to their mass: ``B``
+        descents of the tree of ``kind`` (with replacement), else :meth:`_draw_without_replacement`."""
         tree = self.tree(kind)
         if with_replacement:
             return tree.sample_masses(self.uniforms(g, B))
