@@ -61,9 +61,9 @@ class StackSpec:
         if not config.paths("observation"):
             raise ValueError("frame_stack/n_step_return: the buffer stores no observation")
         if config.stores_next_obs:
-            raise ValueError("frame_stack/n_step_return: build next observations from the "
-                             "following rows; this buffer stores next_observation (store each "
-                             "frame once, in observation)" + ("" if config.vectorized_env else SINGLE_TRANSITIONS))
+            raise ValueError("frame_stack/n_step_return: build next observations from the following rows; this buffer "
+                             "stores next_observation (store each frame once, in observation)"
+                             + ("" if config.vectorized_env else SINGLE_TRANSITIONS))
         n, gamma = None, 1.0
         if n_step_return is not None:
             if not isinstance(n_step_return, (tuple, list)) or len(n_step_return) != 2:
@@ -85,9 +85,8 @@ class StackSpec:
                 raise ValueError("n_step_return: needs a terminated leaf (returns stop at a "
                                  "termination, with discount 0); the buffer stores none")
             if config.n_steps != 1:
-                raise ValueError("n_step_return: returns are per transition; this buffer samples "
-                                 f"windows of n_steps={config.n_steps} rows (build it with "
-                                 "n_steps=1)")
+                raise ValueError(f"n_step_return: returns are per transition; this buffer samples windows of "
+                                 f"n_steps={config.n_steps} rows (build it with n_steps=1)")
         return cls(k, stride, n, gamma)
 
 
