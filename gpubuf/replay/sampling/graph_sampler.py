@@ -18,25 +18,21 @@ from gpubuf.replay.sampling.plan import check_fixed, fixed_plan, minibatch_count
 @refuse_copies("its tensors may be captured in a CUDA graph of its buffer; build a new one with "
                "copy.graph_sampler(...) on the buffer's copy")
 class GraphSampler:
-    """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or prioritized one), built
-    by :meth:`TransitionBuffer.graph_sampler`. Draws are exact, as :meth:`TransitionBuffer.sample` with
-    ``with_replacement=True`` (uniform, ``priority**alpha``, or a ``Recency`` or ``Mixture`` selector's
-    probabilities), from ``generator`` (on the buffer's device; register it with the graph,
-    ``CUDAGraph.register_generator_state``) or, when ``None``, the device's default one (``torch.manual_seed``).
+    """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or prioritized one), built by
+    :meth:`TransitionBuffer.graph_sampler`. Draws are exact, as :meth:`TransitionBuffer.sample` with
+    ``with_replacement=True`` (uniform, ``priority**alpha``, or a ``Recency`` or ``Mixture`` selector's probabilities),
+    from ``generator`` (on the buffer's device; register it with the graph, ``CUDAGraph.register_generator_state``) or,
+    when ``None``, the device's default one (``torch.manual_seed``; compiled, draw from ``generator=None``).
 
     ``frame_stack``, ``frame_stride`` and ``n_step_return`` as in :meth:`TransitionBuffer.sample` (from the episode
     marks and held rows, device tensors every insert keeps current). ``boundaries``: ``"allow"`` or ``"forbid"``
     (constant ``is_first`` / ``mask``, ``has_transition`` refreshed by each draw); ``"mask"`` is not offered.
 
     ``beta`` (prioritized) is the buffer's: each draw reads its device copy
-    (:attr:`~gpubuf.PrioritizedTransitionBuffer.beta_tensor`), which ``buffer.update_beta``, ``load_state_dict``
-    and :meth:`set_beta` refresh in place, so a replayed graph uses the new value. A draw needs a valid start; the
-    buffer must not be emptied while a captured graph is replayed.
-
-    ``minibatches=K`` draws ``K * batch_size`` starts at once, returned as ``K`` minibatches (leaves ``(K, B,
-    ...)``, ``indices`` ``(K, B)``), each with its own ``PER_weights`` normalisation. :meth:`update_priorities` is
-    the prioritized update a captured or compiled step holds (failures raised at :meth:`check_updates`, or the
-    buffer's next ``max_priority``, ``state_dict`` or flush). Compiled, draw from ``generator=None``.
+    (:attr:`~gpubuf.PrioritizedTransitionBuffer.beta_tensor`), which ``buffer.update_beta``, ``load_state_dict`` and
+    :meth:`set_beta` refresh in place, so a replayed graph uses the new value. A draw needs a valid start; the buffer
+    must not be emptied while a captured graph is replayed. ``minibatches=K`` draws ``K * batch_size`` starts at once
+    (:meth:`sample`); :meth:`update_priorities` is the prioritized update a captured or compiled step holds.
 
     :meth:`sample`, :meth:`update_priorities` and :meth:`set_beta` hold the buffer's lock; a captured graph replays,
     and a compiled step runs, without it: run them under ``buffer.lock`` when other threads write the buffer.

@@ -149,9 +149,8 @@ class DeviceDraw:
     selector); ``groups`` minibatches of one draw, each weighed by its own largest weight."""
 
     def __init__(self, buffer, kind: int, B: int, groups: int):
-        dev, self.groups, self.kind = buffer.device, groups, kind
+        dev, self.groups, self.kind, self.table = buffer.device, groups, kind, buffer.table
         self.tree, self.selector = buffer.sampler.tree(kind), buffer.selector  # the tree: kept current from now on
-        self.table = buffer.table
         self.u = torch.empty(B, dtype=torch.float64, device=dev)
         self.starts = torch.empty(B, dtype=torch.int64, device=dev)
         self.prioritized = buffer.sampler.prioritized
