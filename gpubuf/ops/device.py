@@ -185,9 +185,8 @@ def writes_only(*args) -> None:
 
 
 def capture_graph(fn, warmup: int = 3) -> tuple:
-    """``(graph, result)``: ``fn()`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a
-    side stream (Triton compiles and allocators settle outside the capture). ``graph.replay()`` reruns
-    the captured work, writing into the tensors of ``result``."""
+    """``(graph, result)``: ``fn()`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a side stream
+    (where Triton compiles and allocators settle); ``graph.replay()`` reruns it into ``result``'s tensors."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -13,9 +13,8 @@ from gpubuf.ops.registry import Op, from_lists
 
 
 def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
-    """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
-    ``((start//E + j + shift) % M) * E + start % E``, j < n, for flat starts (B,). Rows are computed
-    once per distinct shift (:func:`gpubuf.ops.indexing.window_rows`)."""
+    """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows ``((start//E + j + shift) %
+    M) * E + start % E``, j < n, of flat starts (B,); rows once per shift (:func:`~gpubuf.ops.indexing.window_rows`)."""
     B = starts.shape[0]
     if B == 0:
         return

@@ -13,8 +13,7 @@ from gpubuf._core.signals import signals_held
 
 def proportional_draw(mass: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(picks (K,) int64, total (1,) float64)``: index ``i`` with probability ``mass_i / total`` per uniform of ``u``
-    (K,) in [0, 1), ``mass`` (N,) float64 on ``u``'s device; rounding never picks past the last index of positive
-    mass."""
+    (K,) in [0, 1), ``mass`` (N,) float64 on ``u``'s device; never past the last index of positive mass."""
     c = torch.cumsum(mass, 0)
     total = c[-1:]
     idx = torch.searchsorted(c, u * total, right=True)

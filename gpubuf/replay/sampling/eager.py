@@ -14,9 +14,8 @@ from gpubuf.replay.feeds import write_backs
 
 class EagerSample:
     """Mixed into :class:`~gpubuf.TransitionBuffer`, which provides ``config``, ``ring``, ``sampler``, ``selector``,
-    ``reader``, ``generator``, ``rate_limiter``, ``lock`` and the memory ranges it holds (``_owned``): the entry
-    ``_sample`` of :meth:`~gpubuf.replay.sampling.sample_args.Samples.sample` and the checks a
-    :class:`~gpubuf.GraphSampler` shares."""
+    ``reader``, ``generator``, ``rate_limiter``, ``lock`` and its memory ranges (``_owned``): the entry ``_sample`` of
+    :meth:`~gpubuf.replay.sampling.sample_args.Samples.sample` and the checks a :class:`~gpubuf.GraphSampler` shares."""
 
     def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
                           boundaries: str = "allow") -> tuple[int, int]:

@@ -194,8 +194,7 @@ class TreeSampler(RowEvents):
 
     def _distinct_draws(self, tree: PrefixSumTree, need: int, g: torch.Generator):
         """``(starts (K,) int64, their masses (K,) float64)``: the distinct starts of one round of ``max(2 * need, 16)``
-        draws with replacement from ``tree``, in order of first appearance, at most ``need`` of them (one device
-        read)."""
+        draws with replacement from ``tree``, first appearances first, at most ``need`` (one device read)."""
         draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
         uniq, inv = torch.unique(draws, return_inverse=True)
         first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
