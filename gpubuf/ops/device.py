@@ -111,10 +111,9 @@ def memory_error(name: str, what, err: BaseException) -> MemoryError:
 
 
 class LRU:
-    """At most ``size`` cached values, the least recently used dropped first: every cache of the library keyed by values
-    a caller picks (``n``, ``gamma``, a fanout...) is one, so none grows with them. ``get(key, make)`` returns ``key``'s
-    value, else caches and returns ``make()`` (a ``make`` that raises caches nothing; ``get(key, make, *args)`` calls
-    ``make(*args)``). Safe to share between threads."""
+    """At most ``size`` cached values, the least recently used dropped first (every cache keyed by values a caller picks
+    is one, so none grows with them). ``get(key, make, *args)`` returns ``key``'s value, else caches and returns
+    ``make(*args)`` (a ``make`` that raises caches nothing). Thread-safe."""
 
     def __init__(self, size: int):
         self.size = size

@@ -73,10 +73,9 @@ class GraphSampler:
 
     @locked
     def sample(self) -> tuple[Transition, torch.Tensor]:
-        """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when prioritized) and
-        ``indices`` (B,) int64 their flat starts; both are the same tensors at every call (traced: views of them).
-        With ``minibatches=K``: ``K`` minibatches of one draw, every leaf ``(K, B, ...)`` and ``indices`` ``(K,
-        B)``, each minibatch's ``PER_weights`` normalised by its own largest."""
+        """``(out, indices)``: ``B`` fresh windows (plus ``PER_weights`` when prioritized) and their flat starts (B,)
+        int64, the same tensors at every call (traced: views of them); with ``minibatches=K``, ``K`` minibatches of one
+        draw (leaves ``(K, B, ...)``, ``indices`` ``(K, B)``), each weighed by its own largest."""
         plan, draw = self._plan, self._draw
         if self.generator is not None and self.buffer.table.tracing():
             raise ValueError("generator: torch.compile cannot trace a torch.Generator; build the GraphSampler with "

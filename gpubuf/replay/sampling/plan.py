@@ -89,9 +89,8 @@ def _check_no_stale_leaves(out: Transition | None, jobs: dict) -> None:
 
 
 class SamplePlan:
-    """The plan of ``B`` starts of one unit (``with_next_obs``, ``spec``) and ``boundaries`` of ``reader``'s buffer,
-    into fresh outputs, the caller's ``out`` (checked here; ``owned``: memory ranges it must not reach) or
-    ``fixed`` ones (:attr:`out`, the same tensors at every read)."""
+    """The plan of ``B`` starts of one unit (``with_next_obs``, ``spec``) and ``boundaries``, into fresh outputs, the
+    caller's ``out`` (checked here; ``owned``: memory ranges it must not reach) or ``fixed`` ones (:attr:`out`)."""
 
     def __init__(self, reader, B: int, with_next_obs: bool, boundaries: str, spec: StackSpec | None,
                  out: Transition | None = None, owned: tuple = (), fixed: bool = False):

@@ -20,9 +20,8 @@ from gpubuf.replay.sampling.tree import FANOUT
 
 
 class BatchReader(RowEvents):
-    """The reads of one buffer's samples: its ``config``, ``storage`` and ``ring``
-    (:class:`~gpubuf.replay.ring.StartRing`: the rows held), the ``sampler`` that weighs them and the sampling
-    device's backend ``table``; the episode marks, built by the first read that needs them."""
+    """The reads of one buffer's samples: its ``config``, ``storage``, ``ring`` (the rows held), the ``sampler`` that
+    weighs them and the sampling device's ``table``; the episode marks, built on first need."""
 
     def __init__(self, config, storage, ring, sampler, table: ops.Backend):
         self.config, self.storage, self.ring, self.sampler = config, storage, ring, sampler
@@ -89,9 +88,8 @@ class BatchReader(RowEvents):
 
     @staticmethod
     def _out_key(out, owned: tuple):
-        """What a check of ``out`` depends on: every leaf's identity, address, shape, strides and dtype (the plan
-        holds its word views, which keep its memory alive, so an address seen again is the same memory); ``None``
-        for a non-tensor leaf (checked every time)."""
+        """What a check of ``out`` depends on: each leaf's identity, address, shape, strides and dtype (the plan's word
+        views keep its memory alive); ``None`` for a non-tensor leaf (checked every time)."""
         leaves = flatten(out, "out")
         if not all(isinstance(t, torch.Tensor) for t in leaves.values()):
             return None
@@ -99,9 +97,8 @@ class BatchReader(RowEvents):
                                         for p, t in leaves.items()))
 
     def check_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool = True):
-        """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes, for a
-        ``MemoryError``), after checking it fits: ``MemoryError`` naming ``batch_size`` when that
-        is more than the sampling (or storage) device has in all (:func:`gpubuf.ops.capacity`)."""
+        """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes), checked to fit: ``MemoryError``
+        naming ``batch_size`` when more than the sampling (or storage) device has in all (``ops.capacity``)."""
         key = (B, with_next_obs, spec, with_replacement, fresh)
         last = self._last_fit  # a steady loop asks the same each step: one compare
         if last[0] == key:
