@@ -117,8 +117,7 @@ SAMPLE = Op("tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, T
 
 
 def sample_masses_host(tree, offsets, fanout, u) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(leaves (B,) int64, their masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 of a host tree, in
-    one compiled loop."""
+    """``(leaves (B,) int64, masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 of a host tree, by numba."""
     idx, mass = torch.empty(u.shape, dtype=torch.int64), torch.empty(u.shape, dtype=torch.float64)
     host_loops.tree_sample_masses(tree.numpy(), offsets_array(offsets), fanout, u.contiguous().numpy(), idx.numpy(),
                                   mass.numpy())

@@ -173,8 +173,7 @@ class DeviceDraw:
             self.mass.copy_(q)
 
     def weigh(self, weights: torch.Tensor) -> None:
-        """``weights`` (B,) float32 = ``(P_i / min_minibatch P)**-beta``, in place: no allocation, the buffer's beta
-        when this runs (or is replayed)."""
+        """``weights`` (B,) float32 = ``(P_i / min_minibatch P)**-beta`` in place (beta read at run or replay)."""
         K = self.groups
         self.table.importance_weights(self.mass.view(K, -1), self._beta, weights.view(K, -1),
                                       (self._min, self._neg_beta))

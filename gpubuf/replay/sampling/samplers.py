@@ -128,8 +128,7 @@ class TreeSampler(RowEvents):
             raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement needs")
 
     def valid_mask(self, kind: int) -> torch.Tensor:
-        """(M*E,) bool on the device: the validity of every start of ``kind`` (built now unless kept already, the
-        same tensor from then on, kept current)."""
+        """(M*E,) bool on the device: ``kind``'s validity per start (built on first use, then kept current in place)."""
         self.activate(kind)
         return self._valid[kind]
 
@@ -143,8 +142,7 @@ class TreeSampler(RowEvents):
         return self.tree(kind).total()
 
     def descend(self, kind: int, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(flat starts (K,) int64, their masses (K,) float64)`` picked by uniforms ``u`` (K,)
-        float64 in [0, 1) in proportion to the masses of ``kind``."""
+        """``(flat starts (K,) int64, masses (K,) float64)`` of ``kind``, drawn in proportion to mass by ``u`` (K,)."""
         return self.tree(kind).sample_masses(u)
 
     def descend_excluding(self, kind: int, old: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,8 +216,7 @@ class TreeSampler(RowEvents):
         return {}
 
     def reopen(self, state: dict | None, since: int) -> None:
-        """Restore a re-opened directory's flushed entries (``None``: never flushed); the ``since``
-        newest held rows were written after that flush."""
+        """Restore flushed entries of a re-opened directory (``None``: none); its ``since`` newest rows came later."""
 
 
 class UniformSampler(TreeSampler):
@@ -337,8 +334,7 @@ class PrioritizedSampler(TreeSampler):
             self._device_updates.raise_pending()
 
     def device_updates(self) -> DevicePriorityUpdates:
-        """The sync-free priority updates of this sampler (made on first use; from then on ``max_priority`` lives
-        on the device and inserts read it there)."""
+        """The sync-free priority updates (made on first use; from then on ``max_priority`` lives on the device)."""
         if self._device_updates is None:
             self._device_updates = DevicePriorityUpdates(self, float(self._max_np[0]))
             if self.device.type == "cpu":  # one home for max_priority: the checked writes raise the device's

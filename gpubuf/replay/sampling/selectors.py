@@ -75,8 +75,7 @@ class Selector(RowEvents):
         raise NotImplementedError
 
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
-        """``ValueError`` unless a draw of ``B`` starts of ``kind`` can run (without replacement: not offered by a
-        selector that draws with replacement only)."""
+        """``ValueError`` unless a draw of ``B`` starts of ``kind`` can run (``replacement_only``: with replacement)."""
         if self.replacement_only and not with_replacement:
             raise ValueError(f"with_replacement: a {type(self).__name__} selector draws with replacement; "
                              "pass with_replacement=True (or leave it None)")
@@ -127,8 +126,7 @@ class Selector(RowEvents):
 
 
 class Recency(Selector):
-    """Start ``i`` with probability ``(age_i + 1) ** -exponent`` over the valid starts (``exponent > 0``; DreamerV3
-    uses 1), with replacement."""
+    """Start ``i`` in proportion to ``(age_i + 1) ** -exponent`` (``exponent > 0``; DreamerV3: 1), with replacement."""
 
     capturable = replacement_only = True
 

@@ -130,8 +130,7 @@ class StackedGather:
             self.gamma = gamma_tensor(spec.gamma, storage.device)  # held: a captured graph reads it
 
     def outputs(self) -> dict:
-        """Fresh output tensors: ``{path: tensor}`` on the storage's device (pinned for a CUDA buffer on host
-        storage), with the returns' under ``"returns"``."""
+        """Fresh outputs ``{path: tensor}`` on the storage's device (pinned for CUDA), returns' under ``"returns"``."""
         here, dtypes = self.storage.device, {leaf.path: leaf.dtype for leaf in self.config.leaves}
         out = {d: torch.empty(shape, dtype=dtypes[s], device=here, pin_memory=self.pin)
                for d, s, _, shape in self.stacks + self.boots}
@@ -151,8 +150,7 @@ class StackedGather:
         return [(self.storage.flat[s], out[d], shift) for d, s, shift, _ in jobs]
 
     def run(self, starts: torch.Tensor, out: dict, tables: dict | None = None) -> None:
-        """Fill ``out`` (:meth:`outputs`) for flat ``starts`` (B,) int64 on the buffer's device (``tables``: those
-        of ``out``, launched instead)."""
+        """Fill ``out`` (:meth:`outputs`) for flat ``starts`` (B,) int64 (``tables``: ``out``'s, launched instead)."""
         config, spec, storage, marks = self.config, self.spec, self.storage, self.marks
         n, k, E, M = config.n_steps, spec.k or 1, config.n_envs, config.max_rows
         local = starts.to(storage.device)  # host storage: the starts are read back once

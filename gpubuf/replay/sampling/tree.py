@@ -59,6 +59,5 @@ class PrefixSumTree:
         return out
 
     def sample_masses(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(leaves (B,) int64, their masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 (on the CPU, one
-        compiled loop when it can)."""
+        """``(leaves (B,) int64, masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 (CPU: a compiled loop)."""
         return self.table.tree_sample_masses(self.tree, self.offsets, self.fanout, u)

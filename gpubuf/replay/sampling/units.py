@@ -82,8 +82,7 @@ class Unit:
 
     @classmethod
     def transition(cls) -> "Unit":
-        """The ``n_steps`` rows from each start with ``next_observation``, never from a start the data cannot
-        follow (a truncation inside its rows)."""
+        """The ``n_steps`` rows from each start with ``next_observation``; never a start with a truncation in them."""
         return cls(next_obs=True)
 
     @classmethod
@@ -93,8 +92,7 @@ class Unit:
 
     @classmethod
     def n_step(cls, n: int, gamma: float, frames: int | None = None, stride: int = 1) -> "Unit":
-        """The n-step transition: up to ``n`` rewards discounted by ``gamma`` in ``[0, 1]`` (observations stacked
-        as :meth:`frames` with ``frames``)."""
+        """The n-step transition: up to ``n`` rewards discounted by ``gamma`` in ``[0, 1]`` (``frames``: stacked)."""
         if frames is not None:
             frames = positive_int("frames", frames)
         elif stride != 1:
