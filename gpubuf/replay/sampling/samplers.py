@@ -142,7 +142,7 @@ class TreeSampler(RowEvents):
         return self.tree(kind).total()
 
     def descend(self, kind: int, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(flat starts (K,) int64, masses (K,) float64)`` of ``kind``, drawn in proportion to mass by ``u`` (K,)."""
+        """``(flat starts (K,) int64, masses (K,) float64)`` of ``kind`` by mass, for uniforms ``u`` (K,) in [0, 1)."""
         return self.tree(kind).sample_masses(u)
 
     def descend_excluding(self, kind: int, old: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
