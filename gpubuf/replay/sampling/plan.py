@@ -78,8 +78,7 @@ class WindowsRead:
 
 
 def _check_no_stale_leaves(out: Transition | None, jobs: dict) -> None:
-    """Refuse an ``out`` holding stored leaves this sample does not fill (a batch of another unit): they would come
-    back with an earlier sample's values."""
+    """Refuse an ``out`` holding stored leaves this sample does not fill (another unit's batch): they would be stale."""
     if out is None:
         return
     stale = [leaf_name(path) for path in flatten(out, "out") if path not in jobs]
