@@ -48,7 +48,7 @@ def tables(jobs: list, B: int, n: int,
     again (or captured in a CUDA graph) while the ``jobs`` tensors stay where they are."""
     groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs],
                          [(s,) for _, _, s in jobs])
-    return [(like, upload(table, device), most) for like, table, most in groups]
+    return [(like, torch.from_numpy(table).to(device), most) for like, table, most in groups]
 
 
 def gather_from_tables(groups: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
@@ -63,8 +63,15 @@ def gather_from_tables(groups: list, starts: torch.Tensor, n: int, E: int, M: in
 def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = the n-row windows of
     storage at flat starts (B,) int64, shifted by ``shift``. One launch per word type."""
-    if starts.shape[0]:
-        gather_from_tables(tables(jobs, starts.shape[0], n, starts.device), starts, n, E, M)
+    B = starts.shape[0]
+    if B == 0:
+        return
+    groups = word_groups([(storage, out.view(B * n, -1)) for storage, out, _ in jobs],
+                         [(s,) for _, _, s in jobs])
+    with _pkg.on_device(starts):
+        for like, table, most in groups:
+            grid = (B * n, table.shape[0], triton.cdiv(most, BLOCK))
+            _gather_kernel[grid](upload(table, starts.device), starts, like, n, E, M, BLOCK=BLOCK)
 
 
 def variants() -> list[Variant]:

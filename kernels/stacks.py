@@ -125,7 +125,7 @@ def tables(jobs: list, B: int, n: int, k: int, device: torch.device) -> list:
     live in their own device tensors (they can be launched again, or captured in a CUDA graph)."""
     groups = word_groups([(storage, out.view(B * n * k, -1)) for storage, out, _ in jobs],
                          [(s,) for _, _, s in jobs])
-    return [(like, upload(table, device), most) for like, table, most in groups]
+    return [(like, torch.from_numpy(table).to(device), most) for like, table, most in groups]
 
 
 def stack_from_tables(groups: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,
@@ -145,9 +145,16 @@ def stack(jobs: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Ten
     """For each ``(storage (M*E, D), out (B, n, k, D), shift)`` in ``jobs``: the ``k``-frame stacks
     (stride ``stride``) ending at the rows of the n-row windows of flat starts (B,), shifted by
     ``shift``. One launch per word type."""
-    if starts.shape[0]:
-        groups = tables(jobs, starts.shape[0], n, k, starts.device)
-        stack_from_tables(groups, starts, marks, held, n, k, stride, E, M)
+    B = starts.shape[0]
+    if B == 0:
+        return
+    groups = word_groups([(storage, out.view(B * n * k, -1)) for storage, out, _ in jobs],
+                         [(s,) for _, _, s in jobs])
+    with _pkg.on_device(starts):
+        for like, table, most in groups:
+            grid = (B * n * k, table.shape[0], triton.cdiv(most, BLOCK))
+            _stack_kernel[grid](upload(table, starts.device), starts, marks, held, like, n, k,
+                                stride, E, M, BLOCK=BLOCK)
 
 
 def returns(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,

@@ -9,12 +9,13 @@ import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops.indexing import window_rows
-from gpubuf.ops.registry import Op, from_lists
+from gpubuf.ops.registry import Op, from_lists, kernel
 
 
 def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
-    """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows ``((start//E + j + shift) %
-    M) * E + start % E``, j < n, of flat starts (B,); rows once per shift (:func:`~gpubuf.ops.indexing.window_rows`)."""
+    """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
+    ``((start//E + j + shift) % M) * E + start % E``, j < n, of flat starts (B,); rows once per shift
+    (:func:`~gpubuf.ops.indexing.window_rows`)."""
     B = starts.shape[0]
     if B == 0:
         return
@@ -40,7 +41,7 @@ def gather_traced(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> N
 
 
 gather_cpu = from_lists(gather_twin)  # the CPU implementation: the twin
-gather_cuda = from_lists(gather_launch)  # the CUDA implementation: the launcher
+gather_cuda = from_lists(kernel("sequence", "gather"))  # the CUDA implementation: the launcher
 
 # the buffers call it with a job list (the twin's form), which goes straight to the twin or launcher
 GATHER = Op("sequence_gather", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "

@@ -26,7 +26,7 @@ import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
-from gpubuf.ops.registry import Op, from_lists
+from gpubuf.ops.registry import Op, from_lists, kernel
 
 
 def _index_args(starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor) -> tuple:
@@ -94,8 +94,11 @@ def return_cpu(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, n
 
 
 def return_cuda(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, n, E, M) -> None:
-    """The CUDA implementation: the Triton launcher."""
-    return_launch(starts, reward, marks, held, (ret, disc, boot, term, cut), gamma, n, E, M)
+    """The CUDA implementation: the Triton launcher, imported when it first runs."""
+    from gpubuf.kernels.stacks import returns
+
+    returns(starts, reward, marks, held, (ret, disc, boot, term.view(torch.uint8),
+                                          cut.view(torch.uint8)), gamma, n, E, M)
 
 
 def stack_launch(jobs: list, starts, marks, held, n, k, stride, E, M) -> None:
@@ -126,7 +129,7 @@ def return_traced(starts, reward, marks, held, outs, gamma, n, E, M) -> None:
 
 
 stack_cpu = from_lists(stack_twin)  # the CPU implementation: the twin
-stack_cuda = from_lists(stack_launch)  # the CUDA implementation: the launcher
+stack_cuda = from_lists(kernel("stacks", "stack"))  # the CUDA implementation: the launcher
 
 # the buffers call them with job lists and output tuples (the twins' form), which go straight to the twin or
 # launcher; env-major rows (a storage_dir's files) run the twins only

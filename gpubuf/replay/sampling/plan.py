@@ -131,7 +131,7 @@ class SamplePlan:
                 for name in FLAGS:  # an earlier sample's flags and weights: this read sets its own, or none
                     setattr(batch, name, None)
             else:
-                batch = self._batch(plain, outputs)
+                batch = unflatten(plain) if self.stacks is None else self.stacks.assemble(outputs, plain)
             return self.config.with_flags(batch, self.boundaries, self.device)
         batch = self._batch(plain, outputs) if traced else self.out
         for name in FLAGS if traced else ():  # traced: views made where the trace sees them, flags as held
