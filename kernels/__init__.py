@@ -1,5 +1,4 @@
-"""Triton kernels and their launchers (shipped as ``gpubuf.kernels``); the only place importing
-triton.
+"""Triton kernels and launchers (shipped as ``gpubuf.kernels``); the only place importing triton.
 
 One module per kernel family (``history``, ``prefix_tree``, ``priorities``, ``sequence``,
 ``stacks``): its kernels, their launchers and ``variants()``, every (signature, constexprs) the
@@ -12,9 +11,8 @@ uploads one int64 table per group (``source address, destination address, words 
 ints...`` per pair); one launch per group reads its pair's row from the table with
 ``tl.program_id(1)``.
 
-Triton launches on the current CUDA device, not on its arguments' device: every launcher runs
-its launches under :func:`on_device` of its tensors (a buffer on ``cuda:1`` launches on
-``cuda:1`` whatever the current device is).
+Triton launches on the current CUDA device, not its arguments': every launcher launches under
+:func:`on_device` of its tensors (a buffer on ``cuda:1`` launches there, whatever is current).
 """
 
 import contextlib

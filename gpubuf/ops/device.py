@@ -1,9 +1,8 @@
-"""Devices and backends: where a buffer lives and which backend its ops run (the table of what each call runs:
-:mod:`gpubuf.ops.backends`).
+"""Devices and backends: where a buffer lives and which backend its ops run (per call: :mod:`gpubuf.ops.backends`).
 
-``GPUBUF_BACKEND=torch|triton`` forces one backend for the buffers built while it is set. Triton
-compiles for GPUs only: a host (CPU) tensor goes to a Triton kernel only while Triton's interpreter
-is on (``TRITON_INTERPRET=1``), never otherwise, whatever is forced.
+``GPUBUF_BACKEND=torch|triton`` forces one backend for the buffers built while it is set. Triton compiles for GPUs only:
+a host (CPU) tensor goes to a Triton kernel only while Triton's interpreter is on (``TRITON_INTERPRET=1``), whatever is
+forced.
 """
 
 import functools

@@ -1,17 +1,16 @@
 """Compiled host loops (numba) for the CPU calls where a chain of small torch ops is the floor.
 
-On the CPU every torch op costs a few microseconds of dispatch whatever its size, and a prefix-sum tree walk or
-update is a chain of two dozen of them; a loop compiled once does the same work in one call. These loops run the
-CPU side of the prefix-sum tree ops (:mod:`gpubuf.ops.prefix_tree`: descent, leaf and range updates), of the
-checked priority update and of the importance weights, when numba is installed (``pip install gpubuf[fast]``) and
-``GPUBUF_NUMBA`` is not ``0``; otherwise the pure-torch twins run, and the tests run both. Each loop does what its
-twin does, in exact arithmetic: a parent is the sum of its ``fanout`` children added in order (every CPU write of
-a tree goes through the same loops, so a tree stays one function of its leaves), and a descent takes the first
+On the CPU a tree walk or update is a chain of two dozen torch ops of a few microseconds of dispatch each; a loop
+compiled once does the same work in one call. These loops run the CPU side of the prefix-sum tree ops (descent, leaf and
+range updates), of the checked priority update and of the importance weights, when numba is installed (``pip install
+gpubuf[fast]``) and ``GPUBUF_NUMBA`` is not ``0``; otherwise the pure-torch twins run, and the tests run both. Each loop
+does what its twin does, in exact arithmetic: a parent is the sum of its ``fanout`` children added in order (every CPU
+write of a tree goes through the same loops, so a tree stays one function of its leaves), and a descent takes the first
 child whose running sum exceeds the remaining mass, never a child of zero mass.
 
-numba is imported, and the loops compiled (cached on disk), at the first call of any of them, not at ``import
-gpubuf``. The loops are written below as plain Python (``_name``); the public ``name`` first compiles them all,
-then is the compiled loop itself.
+numba is imported, and the loops compiled (cached on disk), at the first call of any of them, not at ``import gpubuf``.
+The loops are written below as plain Python (``_name``); the public ``name`` first compiles them all, then is the
+compiled loop itself.
 """
 
 import importlib.util

@@ -97,8 +97,7 @@ def flat_rows(step, env, E: int, M: int, env_major: bool = False):
 
 
 def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> torch.Tensor:
-    """(B * n,) time-major rows of the windows of flat starts (B,): ``((start // E + j + shift) %
-    M) * E + start % E`` for j < n (``starts`` itself for single unshifted rows)."""
+    """(B * n,) time-major rows of the windows of flat starts (B,) (``starts`` itself for n=1, shift=0)."""
     if n == 1 and shift == 0:
         return starts  # row of start s = step * E + env is s itself
     # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows

@@ -19,8 +19,7 @@ class EagerSample:
 
     def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
                           boundaries: str = "allow") -> tuple[int, int]:
-        """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises (a
-        check the sampling calls run under :attr:`lock`; it takes none itself)."""
+        """``(B, validity kind)`` of a :meth:`sample` call, or its error (run under :attr:`lock`; takes none)."""
         B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs, boundaries)
         self._check_draw(kind, B, with_replacement)
         return B, kind

@@ -70,8 +70,7 @@ class TreeSampler(RowEvents):
         """The kinds kept current changed (one more was built)."""
 
     def rows_loaded(self, whole: bool) -> None:
-        """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in
-        use now, so tensors handed out earlier (a GraphSampler's tree) stay current."""
+        """A load: every kind's validity dropped, the kept kinds rebuilt in place (tensors handed out stay current)."""
         self.ring.forget_validity()
         for kind in sorted(self._active):
             self.refresh_rows(kind, 0, self.ring.max_rows)
@@ -105,8 +104,7 @@ class TreeSampler(RowEvents):
         self._trees[kind].update_range(lo, self.mass(slice(lo, hi), mask, n_ok == hi - lo))
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
-        """Sampling mass (float64, on the device) of flat ``starts`` (a slice or index tensor) given
-        their device validity ``valid`` (``all_valid``: all of them valid)."""
+        """Mass (float64, device) of flat ``starts`` (a slice or indices) of validity ``valid`` (``all_valid``: all)."""
         return valid.to(torch.float64)
 
     def count_valid(self, kind: int) -> int:

@@ -307,8 +307,7 @@ class Lifo(Fifo):
 
 
 class Online(_Queue):
-    """Each batch: first the valid starts not yet served, oldest first (at most ``B``), then ``base`` (a
-    :class:`Recency` or :class:`Mixture`; ``None``: the buffer's own draw)."""
+    """First the unserved valid starts, oldest first (at most ``B``), then ``base`` (``None``: the buffer's draw)."""
 
     def __init__(self, base: Selector | None = None):
         super().__init__()

@@ -170,8 +170,7 @@ class StackedGather:
                                    spec.stride, E, M)
 
     def assemble(self, out: dict, plain: dict) -> Transition:
-        """The batch of :meth:`outputs`' tensors ``out`` and the plain windows ``plain``, on the buffer's device
-        (``out``'s tensors themselves when they are there)."""
+        """The batch of ``out`` (:meth:`outputs`) and the plain windows ``plain``, on the buffer's device."""
         result = dict(plain)
         for d, *_ in self.stacks + self.boots:
             result[d] = out[d].to(self.device, non_blocking=True)
