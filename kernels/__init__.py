@@ -1,5 +1,4 @@
-"""Triton kernels and their launchers (shipped as ``gpubuf.kernels``); the only place importing
-triton.
+"""Triton kernels and launchers (shipped as ``gpubuf.kernels``); the only place importing triton.
 
 One module per kernel family (``history``, ``prefix_tree``, ``priorities``, ``sequence``,
 ``stacks``): its kernels, their launchers and ``variants()``, every (signature, constexprs) the
@@ -12,9 +11,8 @@ uploads one int64 table per group (``source address, destination address, words 
 ints...`` per pair); one launch per group reads its pair's row from the table with
 ``tl.program_id(1)``.
 
-Triton launches on the current CUDA device, not on its arguments' device: every launcher runs
-its launches under :func:`on_device` of its tensors (a buffer on ``cuda:1`` launches on
-``cuda:1`` whatever the current device is).
+Triton launches on the current CUDA device, not its arguments': every launcher launches under
+:func:`on_device` of its tensors (a buffer on ``cuda:1`` launches there, whatever is current).
 """
 
 import contextlib
@@ -95,3 +93,12 @@ def signature(names: str, types: dict, default: str) -> dict:
     """Triton types of the space-separated argument ``names``: ``types[name]``, else ``default``
     (an index type)."""
     return {n: types.get(n, default) for n in names.split()}
+
+
+def variant(name: str, fn, names: str, types: dict, index: str,
+            consts: dict | None = None) -> Variant:
+    """The :class:`Variant` of kernel ``fn``: the :func:`signature` of its arguments ``names``, then
+    its ``consts`` (``tl.constexpr`` name -> value)."""
+    consts = consts or {}
+    return Variant(name, fn, {**signature(names, types, index),
+                              **dict.fromkeys(consts, "constexpr")}, consts)

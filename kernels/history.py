@@ -1,11 +1,9 @@
 """Triton kernels of HistoryBuffer: append scatter, strided history gather, action-block packing.
 
-Storage of one key is a contiguous ``(max_len * n_envs, E)`` tensor, slot-major: env ``e``'s ring
-slot ``s`` is row ``s * n_envs + e`` and holds one entry of ``E`` elements
-(envs stepping in lockstep then write and read whole contiguous blocks). Per-row metadata comes from
-the host as an int64 tensor (the host mirrors counts and write heads, so nothing is read back from
-the device). Runtime sizes are plain arguments; only block sizes are ``tl.constexpr``. Offsets are
-int64.
+Storage is slot-major (:mod:`gpubuf.ops.history`), a row holding one entry of ``E`` elements: envs
+stepping in lockstep write and read whole contiguous blocks. Per-row metadata comes from the host as
+an int64 tensor (the host mirrors counts and write heads, so nothing is read back). Runtime sizes
+are plain arguments; only block sizes are ``tl.constexpr``. Offsets are int64.
 """
 
 import torch
@@ -13,7 +11,7 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import INDEX, Variant, signature, upload, word_groups
+from gpubuf.kernels import INDEX, Variant, upload, variant, word_groups
 from gpubuf.kernels.tables import table_entry
 from gpubuf.kernels.words import WORDS
 
@@ -148,8 +146,7 @@ def gather_frames(storages: list, outs: list, meta: torch.Tensor, n: int, ab: in
             n_envs = storages[0].shape[0] // max_len
             grid = (rows * n, table.shape[0], triton.cdiv(most, BLOCK))
             _gather_frames_kernel[grid](upload(table, meta.device), meta, like, rows, n, ab,
-                                        max_len,
-                                        n_envs, BLOCK=BLOCK)
+                                        max_len, n_envs, BLOCK=BLOCK)
 
 
 def pack_blocks(storage: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, n: int, ab: int,
@@ -167,8 +164,7 @@ def pack_blocks(storage: torch.Tensor, out: torch.Tensor, meta: torch.Tensor, n:
     with _pkg.on_device(meta):
         fmax = _finite_max(storage.dtype, storage.device) if is_float else meta
         _pack_blocks_kernel[grid](src, dst, meta, rows, n, ab, max_len, n_envs, D, fmax,
-                                  IS_FLOAT=is_float,
-                                  BLOCK=BLOCK)
+                                  IS_FLOAT=is_float, BLOCK=BLOCK)
 
 
 def variants() -> list[Variant]:
@@ -177,26 +173,18 @@ def variants() -> list[Variant]:
     out = []
     for idx in INDEX:
         for w in WORDS:
-            p = f"*{w}"
-            out.append(Variant("history.append", _append_kernel,
-                               {**signature("table_ptr dst_row_ptr like_ptr",
-                                            {"table_ptr": "*i64", "dst_row_ptr": "*i64",
-                                             "like_ptr": p}, idx),
-                                "BLOCK": "constexpr"}, {"BLOCK": BLOCK}))
-            out.append(Variant("history.gather_frames", _gather_frames_kernel,
-                               {**signature("table_ptr meta_ptr like_ptr rows n ab max_len n_envs",
-                                            {"table_ptr": "*i64", "meta_ptr": "*i64",
-                                             "like_ptr": p}, idx),
-                                "BLOCK": "constexpr"}, {"BLOCK": BLOCK}))
+            table = {"table_ptr": "*i64", "like_ptr": f"*{w}"}
+            out.append(variant("history.append", _append_kernel, "table_ptr dst_row_ptr like_ptr",
+                               {**table, "dst_row_ptr": "*i64"}, idx, {"BLOCK": BLOCK}))
+            out.append(variant("history.gather_frames", _gather_frames_kernel,
+                               "table_ptr meta_ptr like_ptr rows n ab max_len n_envs",
+                               {**table, "meta_ptr": "*i64"}, idx, {"BLOCK": BLOCK}))
         for dtype in FLOATS + INTS:
             is_float = dtype in FLOATS
             p = f"*{dtype}"
             fmax = ("*fp64" if dtype == "fp64" else "*fp32") if is_float else "*i64"
-            out.append(Variant("history.pack_blocks", _pack_blocks_kernel,
-                               {**signature("src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D "
-                                            "fmax_ptr",
-                                            {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64",
-                                             "fmax_ptr": fmax}, idx),
-                                "IS_FLOAT": "constexpr", "BLOCK": "constexpr"},
-                               {"IS_FLOAT": is_float, "BLOCK": BLOCK}))
+            out.append(variant("history.pack_blocks", _pack_blocks_kernel,
+                               "src_ptr dst_ptr meta_ptr rows n ab max_len n_envs D fmax_ptr",
+                               {"src_ptr": p, "dst_ptr": p, "meta_ptr": "*i64", "fmax_ptr": fmax},
+                               idx, {"IS_FLOAT": is_float, "BLOCK": BLOCK}))
     return out

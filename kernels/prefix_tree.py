@@ -1,11 +1,9 @@
 """Triton kernels of the wide prefix-sum tree behind TransitionBuffer / PrioritizedTransitionBuffer.
 
-The tree is one flat float64 tensor holding its levels leaves-first; ``offsets`` (K+1 ints) bound
-the K levels, level ``k+1`` holds the sums of consecutive groups of ``F`` (fan-out) entries of level
-``k``, and the top level is a single node of ``F`` entries. Runtime sizes are plain arguments; only
-``F`` and block sizes are ``tl.constexpr``. Offsets are int64. Updates of many leaves run one
-many-program launch per level (see :data:`MANY_PROGRAMS_FROM`); smaller ones one single-program
-launch.
+The tree's layout (levels leaves-first, bounded by ``offsets``, fan-out ``F``):
+:mod:`gpubuf.ops.prefix_tree`. Runtime sizes are plain arguments; only ``F`` and block sizes are
+``tl.constexpr``. Offsets are int64. Updates of many leaves run one many-program launch per level
+(see :data:`MANY_PROGRAMS_FROM`); smaller ones one single-program launch.
 """
 
 import torch
@@ -13,7 +11,7 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import INDEX, Variant, signature
+from gpubuf.kernels import INDEX, Variant, variant
 
 # the fan-out compiled ahead of time: the buffers' trees use it (gpubuf.replay.sampling.tree.FANOUT)
 FANOUT = 32
@@ -111,8 +109,8 @@ def _write_leaves(tree_ptr, idx_ptr, val_ptr, n, lo, RANGE: tl.constexpr, BLOCK:
 @triton.jit
 def _sum_level(tree_ptr, off_ptr, idx_ptr, n, lo, k, div, F: tl.constexpr, RANGE: tl.constexpr,
                P: tl.constexpr):
-    """Every touched parent on level ``k`` (``div = F**k`` leaves under each) = the sum of its
-    ``F`` children on level ``k - 1``, ``P`` parents per step of a strided loop over the grid's
+    """Every touched parent on level ``k`` (``div = F**k`` leaves under each) = the sum of its ``F``
+    children on level ``k - 1``, ``P`` parents per step of a strided loop over the grid's
     programs."""
     child_off = tl.load(off_ptr + k - 1)
     parent_off = tl.load(off_ptr + k)
@@ -180,13 +178,11 @@ def _launch(tree, offsets, fanout, idx, values, lo, is_range) -> None:
         off = _offsets(offsets, tree.device)
         if n < MANY_PROGRAMS_FROM:
             _update_kernel[(1,)](tree, off, idx, values, n, lo, 0, K, F=fanout, RANGE=is_range,
-                                 BLOCK=BLOCK,
-                                 P=PARENTS)
+                                 BLOCK=BLOCK, P=PARENTS)
             return
         for k, programs in enumerate(level_grids(n, lo, offsets, fanout, is_range)):
             _update_kernel[(programs,)](tree, off, idx, values, n, lo, k, k + 1, F=fanout,
-                                        RANGE=is_range,
-                                        BLOCK=BLOCK, P=PARENTS)
+                                        RANGE=is_range, BLOCK=BLOCK, P=PARENTS)
 
 
 _OFFSETS: dict[tuple, torch.Tensor] = {}
@@ -206,18 +202,13 @@ def variants() -> list[Variant]:
     out = []
     for idx in INDEX:
         for is_range in (False, True):
-            out.append(Variant("prefix_tree.update", _update_kernel,
-                               {**signature("tree_ptr off_ptr idx_ptr val_ptr n lo k0 k1",
-                                            {"tree_ptr": "*fp64", "off_ptr": "*i64",
-                                             "idx_ptr": "*fp64" if is_range else "*i64",
-                                             "val_ptr": "*fp64"}, idx),
-                                "F": "constexpr", "RANGE": "constexpr", "BLOCK": "constexpr",
-                                "P": "constexpr"},
+            types = {"tree_ptr": "*fp64", "off_ptr": "*i64", "val_ptr": "*fp64",
+                     "idx_ptr": "*fp64" if is_range else "*i64"}
+            out.append(variant("prefix_tree.update", _update_kernel,
+                               "tree_ptr off_ptr idx_ptr val_ptr n lo k0 k1", types, idx,
                                {"F": FANOUT, "RANGE": is_range, "BLOCK": BLOCK, "P": PARENTS}))
-        out.append(Variant("prefix_tree.sample", _sample_kernel,
-                           {**signature("tree_ptr off_ptr u_ptr out_ptr n_levels",
-                                        {"tree_ptr": "*fp64", "off_ptr": "*i64", "u_ptr": "*fp64",
-                                         "out_ptr": "*i64"},
-                                        idx), "BELOW_ONE": "constexpr", "F": "constexpr"},
+        types = {"tree_ptr": "*fp64", "off_ptr": "*i64", "u_ptr": "*fp64", "out_ptr": "*i64"}
+        out.append(variant("prefix_tree.sample", _sample_kernel,
+                           "tree_ptr off_ptr u_ptr out_ptr n_levels", types, idx,
                            {"BELOW_ONE": _BELOW_ONE, "F": FANOUT}))
     return out

@@ -1,13 +1,9 @@
 """Triton kernel of the checked priority write behind PrioritizedTransitionBuffer.
 
-Priorities are ``(size,)`` float32; a write of ``n`` starts ``idx`` (int64) and TD errors ``td``
-(float32 or float64) sets ``priority[idx] = float32(|td|) + eps`` (duplicates keep their largest)
-only when every check passes: each index in ``[0, size)``, each new priority finite, and the
-largest below ``limit`` (the bits :data:`~gpubuf.kernels.BAD_INDEX`,
-:data:`~gpubuf.kernels.NOT_FINITE`, :data:`~gpubuf.kernels.OVERFLOW`). It then raises the running
-maximum ``box`` (1,) to the largest new priority. ``result`` (2,) float64 receives the code (0:
-written) and the largest finite new priority, on the device: nothing is read back. One program:
-the checks see every value before anything is written.
+Priorities are ``(size,)`` float32, TD errors ``td`` float32 or float64; the write and its checks
+are those of :mod:`gpubuf.ops.priorities` (the bits :data:`~gpubuf.kernels.BAD_INDEX`,
+:data:`~gpubuf.kernels.NOT_FINITE`, :data:`~gpubuf.kernels.OVERFLOW`), the trees left to the
+caller; nothing is read back. One program: the checks see every value before anything is written.
 """
 
 import numpy as np
@@ -16,7 +12,7 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import BAD_INDEX, INDEX, NOT_FINITE, OVERFLOW, Variant, signature
+from gpubuf.kernels import BAD_INDEX, INDEX, NOT_FINITE, OVERFLOW, Variant, variant
 
 BLOCK = 1024  # starts checked and written per step
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -108,7 +104,5 @@ def variants() -> list[Variant]:
             for box in ("*fp32", "*fp64"):
                 types = {"prio_ptr": "*fp32", "idx_ptr": "*i64", "td_ptr": td, "box_ptr": box,
                          "result_ptr": "*fp64", "eps": "fp32", "limit": "fp32"}
-                out.append(Variant("priorities.write", _write_kernel,
-                                   {**signature(names, types, idx),
-                                    **dict.fromkeys(consts, "constexpr")}, consts))
+                out.append(variant("priorities.write", _write_kernel, names, types, idx, consts))
     return out

@@ -1,9 +1,6 @@
-"""Triton kernel of TransitionBuffer's window gather: ``(B, n_steps)`` rows from time-major storage.
-
-Storage of one leaf is a contiguous ``(M * E, D)`` tensor (row ``step * E + env``). A flat start
-``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for ``j < n``;
-``shift = 1`` reads the following rows (next observations). Runtime sizes are plain arguments;
-offsets are int64.
+"""Triton kernel of TransitionBuffer's window gather: ``(B, n_steps)`` rows from time-major storage
+(the rows: :mod:`gpubuf.ops.sequence`; ``shift = 1`` reads the following rows, next observations).
+Runtime sizes are plain arguments; offsets are int64.
 """
 
 import torch
@@ -11,7 +8,7 @@ import triton
 import triton.language as tl
 
 import gpubuf.kernels as _pkg
-from gpubuf.kernels import INDEX, Variant, signature, upload, word_groups
+from gpubuf.kernels import INDEX, Variant, upload, variant, word_groups
 from gpubuf.kernels.tables import table_entry
 from gpubuf.kernels.words import WORDS
 
@@ -80,9 +77,7 @@ def gather(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
 def variants() -> list[Variant]:
     """Every (kernel, signature, constexprs) the launchers above compile: per index width and word
     type."""
-    return [Variant("sequence.gather", _gather_kernel,
-                    {**signature("table_ptr start_ptr like_ptr n E M",
-                                 {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": f"*{w}"},
-                                 idx),
-                     "BLOCK": "constexpr"}, {"BLOCK": BLOCK})
+    return [variant("sequence.gather", _gather_kernel, "table_ptr start_ptr like_ptr n E M",
+                    {"table_ptr": "*i64", "start_ptr": "*i64", "like_ptr": f"*{w}"}, idx,
+                    {"BLOCK": BLOCK})
             for idx in INDEX for w in WORDS]

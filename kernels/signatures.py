@@ -49,8 +49,7 @@ def compile_variant(v: Variant, arch: int) -> dict:
                                 capture_output=True, text=True, check=True).stdout
     regs, stack, shared, local = map(int, _USAGE.search(report).groups())
     return {"kernel": v.label, "arch": f"sm_{arch}", "registers": regs, "stack": stack,
-            "shared": shared,
-            "local": local, "num_warps": kernel.metadata.num_warps,
+            "shared": shared, "local": local, "num_warps": kernel.metadata.num_warps,
             "barriers": kernel.asm["ptx"].count("bar.sync")}
 
 

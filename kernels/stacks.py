@@ -3,8 +3,7 @@
 Storage of one leaf is a contiguous time-major ``(M * E, D)`` tensor (row ``step * E + env``);
 ``marks`` is ``(M * E,)`` uint8 of the same rows (``MARK_*`` bits); ``held`` is ``(2,)`` int64, the
 oldest row held and the rows held (device values, so a captured CUDA graph reads them as they are
-when it replays). A frame ``q < k`` of the stack ending at row ``t`` is row ``t - min((k - 1 - q) *
-stride, back)``, where ``back`` counts the rows before ``t`` that are held and in ``t``'s episode.
+when it replays). The stack and return rules: :mod:`gpubuf.ops.stacks`.
 """
 
 import torch
@@ -18,8 +17,8 @@ from gpubuf.kernels import (
     MARK_STOP,
     MARK_TERM,
     Variant,
-    signature,
     upload,
+    variant,
     word_groups,
 )
 from gpubuf.kernels.tables import table_entry
@@ -175,18 +174,17 @@ def returns(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor, hel
 def variants() -> list[Variant]:
     """Every (kernel, signature, constexprs) the launchers above compile: per index width, word
     type, reward type and return precision."""
-    stacks = [Variant("stacks.stack", _stack_kernel,
-                      {**signature("table_ptr start_ptr marks_ptr held_ptr like_ptr n k stride E M",
-                                   {"table_ptr": "*i64", "start_ptr": "*i64", "marks_ptr": "*u8",
-                                    "held_ptr": "*i64", "like_ptr": f"*{w}"}, idx),
-                       "BLOCK": "constexpr"}, {"BLOCK": BLOCK})
+    stacks = [variant("stacks.stack", _stack_kernel,
+                      "table_ptr start_ptr marks_ptr held_ptr like_ptr n k stride E M",
+                      {"table_ptr": "*i64", "start_ptr": "*i64", "marks_ptr": "*u8",
+                       "held_ptr": "*i64", "like_ptr": f"*{w}"}, idx, {"BLOCK": BLOCK})
               for idx in INDEX for w in WORDS]
     names = "start_ptr reward_ptr marks_ptr held_ptr ret_ptr disc_ptr boot_ptr term_ptr cut_ptr " \
             "gamma_ptr n E M"
-    rets = [Variant("stacks.returns", _return_kernel,
-                    signature(names, {"start_ptr": "*i64", "reward_ptr": f"*{r}",
-                                      "marks_ptr": "*u8", "held_ptr": "*i64", "ret_ptr": f"*{f}",
-                                      "disc_ptr": f"*{f}", "boot_ptr": "*i64", "term_ptr": "*u8",
-                                      "cut_ptr": "*u8", "gamma_ptr": "*fp64"}, idx), {})
+    rets = [variant("stacks.returns", _return_kernel, names,
+                    {"start_ptr": "*i64", "reward_ptr": f"*{r}", "marks_ptr": "*u8",
+                     "held_ptr": "*i64", "ret_ptr": f"*{f}", "disc_ptr": f"*{f}",
+                     "boot_ptr": "*i64", "term_ptr": "*u8", "cut_ptr": "*u8", "gamma_ptr": "*fp64"},
+                    idx)
             for idx in INDEX for r in REWARDS for f in (("fp64",) if r == "fp64" else ("fp32",))]
     return stacks + rets

@@ -2,16 +2,16 @@
 decides what each call runs, and the device helpers.
 
 One module per kernel family (``history``, ``prefix_tree``, ``priorities``, ``sequence``, ``stacks``, beside
-``kernels/`` of the same names) holds, for each of its ops: the pure-torch twin, the compiled host loop where one
-exists (:mod:`~gpubuf.ops.host_loops`), and the :class:`~gpubuf.ops.registry.Op` registering its schema with its
-CPU (the host loop or the twin), CUDA (Triton launcher) and fake implementations, so ``torch.compile`` traces the
-ops without graph breaks. A buffer never picks among them: it holds one :class:`~gpubuf.ops.backends.Backend`
-(:func:`~gpubuf.ops.backends.backend_table`, chosen once from the device, ``GPUBUF_BACKEND``, the host loops and
-the storage layout) and calls its callables, each bound at construction to the launcher, the loop or the twin,
-with traced calls going through the dispatcher (decided inside the callable). Every op writes into tensors it is
-given (declared mutable in its schema) and returns nothing. Triton is imported only when a kernel runs, so
-``import gpubuf`` works without a GPU or driver. The rest of gpubuf reaches the kernels only through this package
-(their word views, mark and check bits included).
+``kernels/`` of the same names) holds, for each of its ops: the pure-torch twin (the tests' oracle, with its launcher's
+signature), the compiled host loop where one exists (:mod:`~gpubuf.ops.host_loops`), and the
+:class:`~gpubuf.ops.registry.Op` registering its schema with its CPU (the host loop or the twin), CUDA (Triton launcher)
+and fake implementations, so ``torch.compile`` traces the ops without graph breaks. A buffer never picks among them: it
+holds one :class:`~gpubuf.ops.backends.Backend` (:func:`~gpubuf.ops.backends.backend_table`, chosen once from the
+device, ``GPUBUF_BACKEND``, the host loops and the storage layout) and calls its callables, each bound at construction
+to the launcher, the loop or the twin, with traced calls going through the dispatcher (decided inside the callable).
+Every op writes into tensors it is given (declared mutable in its schema) and returns nothing. Triton is imported only
+when a kernel runs, so ``import gpubuf`` works without a GPU or driver. The rest of gpubuf reaches the kernels only
+through this package (their word views, mark and check bits included).
 
 A new op adds: its kernel and ``variants()`` in ``kernels/<family>.py``; its twin, CPU implementation and
 :class:`~gpubuf.ops.registry.Op` in ``gpubuf/ops/<family>.py``; one field of :class:`~gpubuf.ops.backends.Backend`

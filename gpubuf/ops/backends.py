@@ -8,10 +8,6 @@ runs on the device and was chosen), the numba loop (host memory, loops enabled) 
 dispatcher registers that same implementation for the device (Triton on CUDA, the CPU implementation on the host),
 a call made while ``torch.compile`` traces goes through ``torch.ops.gpubuf`` instead, decided inside the callable.
 Callers never ask which: an eager call costs one check of :func:`torch.compiler.is_compiling`, or none.
-
-Adding an op: its module in ``gpubuf/ops`` registers it (:class:`~gpubuf.ops.registry.Op`: schema, twin, CPU and
-CUDA implementations, fake) and :class:`Backend` gets one field, bound in :meth:`Backend.__init__` by
-:func:`_bind`.
 """
 
 import functools
@@ -29,9 +25,8 @@ _TABLES = LRU(16)  # (device, name, loops, env_major) -> Backend
 
 
 def backend_table(device: torch.device, name: str | None = None, env_major: bool = False) -> "Backend":
-    """The table of a buffer (or storage) on ``device``: backend ``name`` (``None``: :func:`backend_for` the
-    device; ``"triton"`` where Triton cannot run gets the twins), ``env_major`` for a ``storage_dir``'s files.
-    Cached: one table per deciding inputs."""
+    """The table of a buffer (or storage) on ``device``: backend ``name`` (``None``: :func:`backend_for` the device;
+    ``"triton"`` where Triton cannot run gets the twins), ``env_major`` for a ``storage_dir``'s files; cached."""
     if name is None:
         name = backend_for(device)
     elif name not in BACKENDS:
@@ -74,17 +69,14 @@ class Backend:
     """What each op call on ``device`` runs: ``name`` (``"triton"`` or ``"torch"``), ``host_loops`` (the numba
     loops run the host side), ``env_major`` (rows env-major: twins for the gathers), and one callable per op.
 
-    Tree ops (:mod:`gpubuf.ops.prefix_tree`): ``tree_sample(tree, offsets, fanout, u, out)``,
-    ``tree_sample_masses(tree, offsets, fanout, u) -> (leaves, masses)``, ``tree_update(tree, offsets, fanout, idx,
-    values)``, ``tree_update_range(tree, offsets, fanout, lo, values)``. Prioritized replay
-    (:mod:`gpubuf.ops.priorities`): ``priority_write(...)`` (the op's schema order), ``masses(priority, valid,
-    alpha, all_valid=False)``, ``importance_weights(mass, beta, out=None, work=None)``. Gathers: ``window_gather(jobs,
-    starts, n, E, M)`` (:mod:`gpubuf.ops.sequence`; ``None`` for env-major rows, which their storage gathers),
-    ``frame_stack(jobs, starts, marks, held, n, k, stride, E, M)`` and ``n_step_return(starts, reward, marks, held,
-    outs, gamma, n, E, M)`` (:mod:`gpubuf.ops.stacks`), and
-    ``window_tables`` / ``window_gather_fixed`` / ``stack_tables`` / ``frame_stack_fixed``, the fixed pointer
-    tables of the Triton gathers (``None`` where they do not run). History (:mod:`gpubuf.ops.history`):
-    ``history_append``, ``history_gather_frames``, ``history_pack_blocks`` in their schemas' order.
+    Each callable takes its twin's arguments (``priority_write`` and the history ops: their schemas' order): tree ops
+    ``tree_sample``, ``tree_sample_masses`` (-> ``(leaves, masses)``), ``tree_update``, ``tree_update_range``
+    (:mod:`gpubuf.ops.prefix_tree`); ``priority_write``, ``masses``, ``importance_weights``
+    (:mod:`gpubuf.ops.priorities`); gathers ``window_gather`` (:mod:`gpubuf.ops.sequence`; ``None`` for env-major
+    rows, which their storage gathers), ``frame_stack`` and ``n_step_return`` (:mod:`gpubuf.ops.stacks`); the fixed
+    pointer tables of the Triton gathers, ``window_tables`` / ``window_gather_fixed`` / ``stack_tables`` /
+    ``frame_stack_fixed`` (``None`` where they do not run); ``history_append``, ``history_gather_frames``,
+    ``history_pack_blocks`` (:mod:`gpubuf.ops.history`).
     """
 
     def __init__(self, device: torch.device, name: str, loops: bool, env_major: bool):

@@ -1,9 +1,8 @@
-"""Devices and backends: where a buffer lives and which backend its ops run (the table of what each call runs:
-:mod:`gpubuf.ops.backends`).
+"""Devices and backends: where a buffer lives and which backend its ops run (per call: :mod:`gpubuf.ops.backends`).
 
-``GPUBUF_BACKEND=torch|triton`` forces one backend for the buffers built while it is set. Triton
-compiles for GPUs only: a host (CPU) tensor goes to a Triton kernel only while Triton's interpreter
-is on (``TRITON_INTERPRET=1``), never otherwise, whatever is forced.
+``GPUBUF_BACKEND=torch|triton`` forces one backend for the buffers built while it is set. Triton compiles for GPUs only:
+a host (CPU) tensor goes to a Triton kernel only while Triton's interpreter is on (``TRITON_INTERPRET=1``), whatever is
+forced.
 """
 
 import functools
@@ -77,26 +76,23 @@ def capacity(device: torch.device) -> int | None:
         return None
     try:
         with open("/proc/meminfo") as f:
-            swap = next((int(line.split()[1]) * 1024 for line in f
-                         if line.startswith("SwapTotal:")), 0)
+            swap = next((int(line.split()[1]) * 1024 for line in f if line.startswith("SwapTotal:")), 0)
     except (OSError, ValueError, IndexError):
         swap = 0
     return int(total) + swap
 
 
 def check_fits(name: str, what, nbytes: int, device: torch.device) -> None:
-    """Raise ``MemoryError`` naming ``name`` when a call needs ``nbytes`` bytes on ``device``, more
-    than it has in all (:func:`capacity`): such a request is refused before anything runs.
-    ``what()`` says what the call needs (``"get(n=9) needs 123 bytes of output on cpu"``; a
-    callable, so that a call that fits formats nothing)."""
+    """Raise ``MemoryError`` naming ``name`` when a call needs ``nbytes`` bytes on ``device``, more than it has in all
+    (:func:`capacity`): such a request is refused before anything runs. ``what()`` says what the call needs (``"get(n=9)
+    needs 123 bytes of output on cpu"``; a callable, so that a call that fits formats nothing)."""
     total = capacity(device)
     if total is not None and nbytes > total:
         raise MemoryError(f"{name}: {what()}, more than the {total} bytes {device} has in all")
 
 
 def allocation_failed(err: BaseException) -> bool:
-    """Whether ``err`` is an allocator's failure (torch's on the host or a GPU, pinned memory,
-    numpy's), as opposed to any other error."""
+    """Whether ``err`` is an allocator's failure (torch's on the host or a GPU, pinned memory, numpy's)."""
     if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return True
     if not isinstance(err, RuntimeError):
@@ -114,11 +110,9 @@ def memory_error(name: str, what, err: BaseException) -> MemoryError:
 
 
 class LRU:
-    """At most ``size`` cached values, the least recently used dropped first: every cache of the
-    library keyed by values a caller picks (``n``, ``gamma``, a fanout...) is one, so none grows
-    with them. ``get(key, make)`` returns ``key``'s value, else caches and returns ``make()`` (a
-    ``make`` that raises caches nothing; ``get(key, make, *args)`` calls ``make(*args)``). Safe to
-    share between threads."""
+    """At most ``size`` cached values, the least recently used dropped first (every cache keyed by values a caller picks
+    is one, so none grows with them). ``get(key, make, *args)`` returns ``key``'s value, else caches and returns
+    ``make(*args)`` (a ``make`` that raises caches nothing). Thread-safe."""
 
     def __init__(self, size: int):
         self.size = size
@@ -156,8 +150,7 @@ _MISSING = object()
 
 def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], device) -> dict:
     """Zero-filled tensors for every key, all or none: a failure names the bytes and the device."""
-    total = sum(int(np.prod(s)) * torch.empty((), dtype=dtypes[k]).element_size()
-                for k, s in shapes.items())
+    total = sum(int(np.prod(s)) * torch.empty((), dtype=dtypes[k]).element_size() for k, s in shapes.items())
     try:
         return {k: torch.zeros(s, dtype=dtypes[k], device=device) for k, s in shapes.items()}
     except (RuntimeError, torch.OutOfMemoryError) as err:
@@ -165,21 +158,18 @@ def allocate(shapes: Mapping[str, tuple], dtypes: Mapping[str, torch.dtype], dev
 
 
 def interpreting() -> bool:
-    """Whether Triton's interpreter is on (``TRITON_INTERPRET`` set to 1/true/yes/on): kernels then
-    run on host tensors."""
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET`` 1/true/yes/on): kernels then run on host tensors."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def triton_runs_on(device: torch.device) -> bool:
-    """Whether Triton kernels can take tensors on ``device``: CUDA devices, and the host under the
-    interpreter."""
+    """Whether Triton kernels can take tensors on ``device``: CUDA devices, and the host under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 def backend_for(device: torch.device) -> str:
-    """The backend a buffer (or a storage tier) on ``device`` uses. ``GPUBUF_BACKEND`` overrides,
-    except that a device Triton cannot run on (host memory without the interpreter) always gets the
-    torch twins."""
+    """The backend a buffer (or a storage tier) on ``device`` uses. ``GPUBUF_BACKEND`` overrides, except that a device
+    Triton cannot run on (host memory without the interpreter) always gets the torch twins."""
     forced = os.environ.get("GPUBUF_BACKEND", "").strip()
     if forced:
         if forced not in BACKENDS:
@@ -189,14 +179,12 @@ def backend_for(device: torch.device) -> str:
 
 
 def writes_only(*args) -> None:
-    """Fake (meta) implementation of every op: ops write into tensors they are given and return
-    nothing."""
+    """Fake (meta) implementation of every op: ops write into tensors they are given and return nothing."""
 
 
 def capture_graph(fn, warmup: int = 3) -> tuple:
-    """``(graph, result)``: ``fn()`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a
-    side stream (Triton compiles and allocators settle outside the capture). ``graph.replay()`` reruns
-    the captured work, writing into the tensors of ``result``."""
+    """``(graph, result)``: ``fn()`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a side stream
+    (where Triton compiles and allocators settle); ``graph.replay()`` reruns it into ``result``'s tensors."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -1,14 +1,10 @@
-"""HistoryBuffer's ops (Triton kernels in ``kernels/history.py``): append scatter, strided frames,
-action blocks.
+"""HistoryBuffer's ops (Triton kernels in ``kernels/history.py``): append scatter, strided frames, action blocks.
 
-Storage of one key is a contiguous ``(max_len * n_envs, D)`` tensor, slot-major: env ``e``'s ring
-slot ``s`` is row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newest slot, k = strided
-frames used.
+Storage of one key is a contiguous ``(max_len * n_envs, D)`` tensor, slot-major: env ``e``'s ring slot ``s`` is
+row ``s * n_envs + e``. ``meta`` is ``(3, rows)`` int64: env, newest slot, k = strided frames used.
 
-Per op: the pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's
-signature, in the schema's argument order; its index arithmetic is :mod:`gpubuf.ops.indexing`'s)
-and the op (:class:`~gpubuf.ops.registry.Op`), which a buffer calls through its backend table. Vectorised torch only in
-the twins: no Python loop over envs or rows.
+The twins (the CPU implementations, in the schemas' argument order) are vectorised torch, no Python loop over envs or
+rows; their index arithmetic is :mod:`gpubuf.ops.indexing`'s.
 """
 
 import torch
@@ -17,12 +13,9 @@ from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
 from gpubuf.ops.registry import Op, kernel
 
-# ---- history_append
-
 
 def append_twin(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
-    """For each storage (max_len*n_envs, D) of ``storages`` and its ``rows`` (R, D): storage[dst_rows
-    (R,)] = rows; dst_rows distinct."""
+    """``storage[dst_rows] = rows`` per storage (max_len*n_envs, D) and its ``rows`` (R, D); dst_rows (R,) distinct."""
     if dst_rows.shape[0] == 0:
         return
     for storage, src in zip(storages, rows, strict=True):
@@ -33,9 +26,6 @@ def append_twin(storages: list, rows: list, dst_rows: torch.Tensor) -> None:
 
 APPEND = Op("history_append", "(Tensor(a!)[] storages, Tensor[] rows, Tensor dst_rows) -> ()",
              append_twin, kernel("history", "append"))
-
-
-# ---- history_gather_frames
 
 
 def gather_frames_twin(storages: list, outs: list, meta, n, ab, max_len) -> None:
@@ -58,12 +48,8 @@ GATHER_FRAMES = Op("history_gather_frames",
                     gather_frames_twin, kernel("history", "gather_frames"))
 
 
-# ---- history_pack_blocks
-
-
 def pack_blocks_twin(storage, out, meta, n, ab, max_len) -> None:
-    """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0,
-    zero-padded."""
+    """out (rows, n-1, ab*D): block i = entries after frame i up to frame i+1, NaN->0, zero-padded."""
     rows, D = meta.shape[1], storage.shape[1]
     if rows == 0 or n < 2:
         return

@@ -1,17 +1,16 @@
 """Compiled host loops (numba) for the CPU calls where a chain of small torch ops is the floor.
 
-On the CPU every torch op costs a few microseconds of dispatch whatever its size, and a prefix-sum tree walk or
-update is a chain of two dozen of them; a loop compiled once does the same work in one call. These loops run the
-CPU side of the prefix-sum tree ops (:mod:`gpubuf.ops.prefix_tree`: descent, leaf and range updates), of the
-checked priority update and of the importance weights, when numba is installed (``pip install gpubuf[fast]``) and
-``GPUBUF_NUMBA`` is not ``0``; otherwise the pure-torch twins run, and the tests run both. Each loop does what its
-twin does, in exact arithmetic: a parent is the sum of its ``fanout`` children added in order (every CPU write of
-a tree goes through the same loops, so a tree stays one function of its leaves), and a descent takes the first
+On the CPU a tree walk or update is a chain of two dozen torch ops of a few microseconds of dispatch each; a loop
+compiled once does the same work in one call. These loops run the CPU side of the prefix-sum tree ops (descent, leaf and
+range updates), of the checked priority update and of the importance weights, when numba is installed (``pip install
+gpubuf[fast]``) and ``GPUBUF_NUMBA`` is not ``0``; otherwise the pure-torch twins run, and the tests run both. Each loop
+does what its twin does, in exact arithmetic: a parent is the sum of its ``fanout`` children added in order (every CPU
+write of a tree goes through the same loops, so a tree stays one function of its leaves), and a descent takes the first
 child whose running sum exceeds the remaining mass, never a child of zero mass.
 
-numba is imported, and the loops compiled (cached on disk), at the first call of any of them, not at ``import
-gpubuf``. The loops are written below as plain Python (``_name``); the public ``name`` first compiles them all,
-then is the compiled loop itself.
+numba is imported, and the loops compiled (cached on disk), at the first call of any of them, not at ``import gpubuf``.
+The loops are written below as plain Python (``_name``); the public ``name`` first compiles them all, then is the
+compiled loop itself.
 """
 
 import importlib.util
@@ -49,8 +48,7 @@ def _first_call(name: str):
 
 
 def _tree_update(tree, offsets, fanout, idx, values):  # pragma: no cover (compiled)
-    """Leaves ``tree[idx] = values`` (K,), then each touched parent, level by level, the ordered sum of its
-    children."""
+    """Leaves ``tree[idx] = values`` (K,), then each touched parent, level by level, the ordered sum of its children."""
     K = idx.shape[0]
     for i in range(K):
         tree[idx[i]] = values[i]
@@ -106,13 +104,11 @@ def _tree_sample(tree, offsets, fanout, u, out):  # pragma: no cover (compiled)
                         break
                     run += c
             if chosen < 0:  # rounding: the last child of positive mass, and the mass before it
-                chosen, run = 0, 0.0
+                chosen, run, before = 0, 0.0, 0.0
                 for j in range(fanout):
                     if tree[base + j] > 0:
-                        chosen = j
-                run = 0.0
-                for j in range(chosen):
-                    run += tree[base + j]
+                        chosen, run = j, before
+                    before += tree[base + j]
             target = max(target - run, 0.0)
             node = node * fanout + chosen
         out[b] = node
@@ -136,9 +132,8 @@ def _importance_weights(mass, beta, out):  # pragma: no cover (compiled)
 
 
 def _priority_write(priority, idx, td, eps, limit):  # pragma: no cover (compiled)
-    """Priorities ``float32(|td| + eps)`` (K,) of starts ``idx`` (K,) int64, duplicates keeping their largest,
-    checked first: returns ``(code, top)``, the failed checks' bits (nothing written unless 0) and the largest new
-    priority."""
+    """Priorities ``float32(|td| + eps)`` (K,) of starts ``idx`` (K,) int64, duplicates keeping their largest, checked
+    first: returns ``(code, top)``, the failed checks' bits (nothing written unless 0) and the largest new priority."""
     size, code, top = priority.shape[0], 0, np.float32(0.0)
     for i in range(idx.shape[0]):
         if idx[i] < 0 or idx[i] >= size:
@@ -161,8 +156,7 @@ def _priority_write(priority, idx, td, eps, limit):  # pragma: no cover (compile
 
 
 def _priority_masses(priority, idx, valid, alpha, out):  # pragma: no cover (compiled)
-    """``out`` (K,) float64 = ``priority[idx] ** alpha`` where ``valid[idx]``, else 0: the sampling masses of
-    starts ``idx`` (K,)."""
+    """``out`` (K,) float64 = ``priority[idx] ** alpha`` where ``valid[idx]``, else 0: the masses of starts ``idx``."""
     for i in range(idx.shape[0]):
         j = idx[i]
         out[i] = np.float64(priority[j]) ** alpha if valid[j] else 0.0
@@ -190,12 +184,6 @@ def _priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets,
     result[1] = top
 
 
-tree_update = _first_call("tree_update")
-tree_update_range = _first_call("tree_update_range")
-tree_sample = _first_call("tree_sample")
-tree_sample_masses = _first_call("tree_sample_masses")
-importance_weights = _first_call("importance_weights")
-priority_write = _first_call("priority_write")
-priority_masses = _first_call("priority_masses")
-masses = _first_call("masses")
-priority_update = _first_call("priority_update")
+# the public names: tree_update, tree_update_range, tree_sample, tree_sample_masses, importance_weights,
+# priority_write, priority_masses, masses, priority_update
+globals().update({name: _first_call(name) for name in _LOOPS})

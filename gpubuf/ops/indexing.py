@@ -74,14 +74,12 @@ def source_rows(env, newest, back: torch.Tensor, n_envs: int, max_len: int) -> t
 
 
 def zero_blocks(n: int, k):
-    """How many leading action blocks of a read of ``n`` frames are zero blocks: ``n - k`` (warm-up,
-    before the first strided frame)."""
+    """Leading zero blocks of a read of ``n`` frames: ``n - k`` (warm-up, before the first strided frame)."""
     return n - k
 
 
 def zero_block_mask(n: int, k: torch.Tensor) -> torch.Tensor:
-    """(rows, n-1, 1) bool: the zero blocks (:func:`zero_blocks`) of rows using ``k`` ``(rows, 1)``
-    strided frames."""
+    """(rows, n-1, 1) bool: the zero blocks (:func:`zero_blocks`) of rows using ``k`` ``(rows, 1)`` strided frames."""
     # block i (countdown n-2-i) is zero when i < zero_blocks(n, k) = n - k, i.e. when n-2-i >= k-1
     return countdown(n - 1, k.device).view(1, -1, 1) >= k.view(-1, 1, 1) - 1
 
@@ -94,14 +92,12 @@ def zero_block_mask(n: int, k: torch.Tensor) -> torch.Tensor:
 
 
 def flat_rows(step, env, E: int, M: int, env_major: bool = False):
-    """Storage rows of ring rows ``step`` of envs ``env``: ``step * E + env``, or ``env * M + step``
-    ``env_major``."""
+    """Storage rows of ring rows ``step`` of envs ``env``: ``step * E + env``, or ``env * M + step`` ``env_major``."""
     return env * M + step if env_major else step * E + env
 
 
 def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> torch.Tensor:
-    """(B * n,) time-major rows of the windows of flat starts (B,): ``((start // E + j + shift) %
-    M) * E + start % E`` for j < n (``starts`` itself for single unshifted rows)."""
+    """(B * n,) time-major rows of the windows of flat starts (B,) (``starts`` itself for n=1, shift=0)."""
     if n == 1 and shift == 0:
         return starts  # row of start s = step * E + env is s itself
     # (step + j) * E + env = s + j * E, wrapped modulo the M * E rows
@@ -109,14 +105,12 @@ def window_rows(starts: torch.Tensor, n: int, shift: int, E: int, M: int) -> tor
     return (starts.unsqueeze(1) + j).remainder_(M * E).view(-1)
 
 
-def stack_steps(step, env, marks, oldest, n: int, k: int, stride: int, shift: int, E: int, M: int,
-                arange):
-    """(B, n, k) ring rows of the ``k``-frame stacks ending at rows ``(step + j + shift) % M``, j < n, of
-    starts at rows ``step`` of envs ``env`` (both ``(B, 1, 1)``), ``oldest`` the oldest row held: frame
-    ``q`` is ``min((k - 1 - q) * stride, back)`` rows back, ``back`` the held rows before it in its
-    episode (after no ``MARK_BOUNDARY``). Numpy arrays or tensors alike (``arange``: ``np.arange``, or
-    ``torch.arange`` on their device): the twins run it on the host in numpy, whose small index
-    arithmetic costs less than torch's."""
+def stack_steps(step, env, marks, oldest, n: int, k: int, stride: int, shift: int, E: int, M: int, arange):
+    """(B, n, k) ring rows of the ``k``-frame stacks ending at rows ``(step + j + shift) % M``, j < n, of starts at rows
+    ``step`` of envs ``env`` (both ``(B, 1, 1)``), ``oldest`` the oldest row held: frame ``q`` is ``min((k - 1 - q) *
+    stride, back)`` rows back, ``back`` the held rows before it in its episode (after no ``MARK_BOUNDARY``). Numpy
+    arrays or tensors alike (``arange``: ``np.arange``, or ``torch.arange`` on their device): the twins run it on the
+    host in numpy, whose small index arithmetic costs less than torch's."""
     t = (step + arange(shift, n + shift).reshape(1, n, 1)) % M  # (B, n, 1)
     back = t * 0
     if (k - 1) * stride:
@@ -128,11 +122,10 @@ def stack_steps(step, env, marks, oldest, n: int, k: int, stride: int, shift: in
 
 
 def return_rewards(r, env, marks, oldest, count, n: int, E: int, M: int, arange):
-    """``(ring rows (B, n), taken (B, n) bool, ends (B, n) bool)`` of the n-step returns from rows ``r`` of
-    envs ``env`` (both ``(B, 1)``), ``count`` rows held from ``oldest``: reward ``i`` is taken unless a
-    ``MARK_STOP`` row after the first (not also ``MARK_TERM``) or a row whose next row is not held comes at
-    or before it, or a ``MARK_TERM`` row before it; ``ends``: the rows marked ``MARK_TERM``. Numpy arrays or
-    tensors alike, as :func:`stack_steps`."""
+    """``(ring rows (B, n), taken (B, n) bool, ends (B, n) bool)`` of the n-step returns from rows ``r`` of envs ``env``
+    (both ``(B, 1)``), ``count`` rows held from ``oldest``: reward ``i`` is taken unless a ``MARK_STOP`` row after the
+    first (not also ``MARK_TERM``) or a row whose next row is not held comes at or before it, or a ``MARK_TERM`` row
+    before it; ``ends``: the rows marked ``MARK_TERM``. Numpy arrays or tensors alike, as :func:`stack_steps`."""
     i = arange(n)
     step = (r + i) % M  # (B, n)
     mark = marks[step * E + env]

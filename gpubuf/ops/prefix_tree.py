@@ -1,14 +1,9 @@
-"""The wide prefix-sum tree's ops (Triton kernels in ``kernels/prefix_tree.py``): descent and leaf
-updates.
+"""The wide prefix-sum tree's ops (Triton kernels in ``kernels/prefix_tree.py``): descent and leaf updates.
 
 ``tree`` is the flat float64 concatenation of the levels (leaves first; level ``k+1`` holds the sums of consecutive
-groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries); ``offsets`` (K+1
-ints) bounds the K levels:
-level ``k`` is ``tree[offsets[k]:offsets[k+1]]``.
-
-Per op: the pure-torch twin (the tests' oracle, with its launcher's signature), the CPU implementation (the
-compiled host loop when enabled, else the twin) and its :class:`~gpubuf.ops.registry.Op` (schema, CPU, CUDA,
-fake); a buffer calls them through its backend table (:mod:`gpubuf.ops.backends`).
+groups of ``fanout`` entries of level ``k``; the top level is one node of ``fanout`` entries); ``offsets`` (K+1 ints)
+bounds the K levels: level ``k`` is ``tree[offsets[k]:offsets[k+1]]``. The CPU implementations run the compiled host
+loop when enabled, else the twin.
 """
 
 import numpy as np
@@ -42,21 +37,15 @@ def _make_ascending(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
-# ---- tree_sample
+def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor, out: torch.Tensor) -> None:
+    """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide prefix-sum tree.
 
-
-def sample_twin(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tensor,
-                out: torch.Tensor) -> None:
-    """out (B,) int64 = leaf of each uniform u (B,) float64 in [0, 1), by descent of the wide
-    prefix-sum tree.
-
-    At each level the sample takes the inclusive prefix sum of its node's children and moves to the
-    first child whose prefix sum exceeds its remaining mass. Only a child of positive mass is ever
-    chosen: when rounding (subnormal or huge masses) puts the remaining mass at or past the node's
-    total, the last child of positive mass is taken. So, whenever the tree holds any mass, every
-    returned leaf has positive mass (a valid start) and lies below the capacity
-    (padding leaves are zero). On the host the descent runs unchecked first and the drawn leaves'
-    masses are read once; only a draw that met a zero-mass leaf runs again, child by child checked.
+    At each level the sample takes the inclusive prefix sum of its node's children and moves to the first child whose
+    prefix sum exceeds its remaining mass. Only a child of positive mass is ever chosen: when rounding (subnormal or
+    huge masses) puts the remaining mass at or past the node's total, the last child of positive mass is taken. So,
+    whenever the tree holds any mass, every returned leaf has positive mass (a valid start) and lies below the capacity
+    (padding leaves are zero). On the host the descent runs unchecked first and the drawn leaves' masses are read once;
+    only a draw that met a zero-mass leaf runs again, child by child checked.
     """
     if u.shape[0] == 0:
         return
@@ -91,8 +80,7 @@ def _descend(tree: torch.Tensor, offsets: list[int], fanout: int, u: torch.Tenso
     target = target.sub_(cs.sub_(level).index_select(0, node)).clamp_min_(0).unsqueeze_(1)  # (B, 1)
     base = tree.storage_offset()
     for k in range(shared - 1, -1, -1):
-        children = tree.as_strided(((offsets[k + 1] - offsets[k]) // F, F), (F, 1),
-                                   base + offsets[k])
+        children = tree.as_strided(((offsets[k + 1] - offsets[k]) // F, F), (F, 1), base + offsets[k])
         c = children.index_select(0, node)  # (B, F) children
         cs = c.cumsum(1)
         target = torch.minimum(target, cs[:, -1:] * _BELOW_ONE)  # stay below the node's mass
@@ -129,26 +117,19 @@ SAMPLE = Op("tree_sample", "(Tensor tree, int[] offsets, int fanout, Tensor u, T
 
 
 def sample_masses_host(tree, offsets, fanout, u) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(leaves (B,) int64, their masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 of a host tree, in
-    one compiled loop."""
+    """``(leaves (B,) int64, masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 of a host tree, by numba."""
     idx, mass = torch.empty(u.shape, dtype=torch.int64), torch.empty(u.shape, dtype=torch.float64)
     host_loops.tree_sample_masses(tree.numpy(), offsets_array(offsets), fanout, u.contiguous().numpy(), idx.numpy(),
                                   mass.numpy())
     return idx, mass
 
 
-# ---- tree_update
+def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched parent, level by
+    level, recomputed as the sum of its ``fanout`` children (idempotent: no atomics needed).
 
-
-def update_twin(tree: torch.Tensor, offsets: list[int], fanout: int, idx: torch.Tensor,
-                values: torch.Tensor) -> None:
-    """Leaves ``tree[idx] = values`` (duplicate indices must carry equal values), then every touched
-    parent, level by level, recomputed as the sum of its ``fanout`` children
-    (idempotent: no atomics needed).
-
-    Parent levels of at most ``max(_DENSE, len(idx))`` entries are recomputed whole
-    (one reduction instead of a gather, a sum and a scatter of the touched parents): same values,
-    untouched parents included."""
+    Parent levels of at most ``max(_DENSE, len(idx))`` entries are recomputed whole (one reduction instead of a gather,
+    a sum and a scatter of the touched parents): same values, untouched parents included."""
     K = idx.shape[0]
     if K == 0:
         return
@@ -178,13 +159,8 @@ UPDATE = Op("tree_update", "(Tensor(a!) tree, int[] offsets, int fanout, Tensor 
             update_twin, kernel("prefix_tree", "update"), update_host, host_loop=True)
 
 
-# ---- tree_update_range
-
-
-def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int,
-                      values: torch.Tensor) -> None:
-    """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from
-    their children."""
+def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: int, values: torch.Tensor) -> None:
+    """Leaves ``tree[lo:lo+len(values)] = values``, then their parents (contiguous ranges) from their children."""
     a, b = lo, lo + values.shape[0]
     if a == b:
         return
@@ -194,8 +170,7 @@ def update_range_twin(tree: torch.Tensor, offsets: list[int], fanout: int, lo: i
     for k in range(1, len(offsets) - 1):
         c0, p0 = offsets[k - 1], offsets[k]
         a, b = a // F, (b - 1) // F + 1
-        torch.sum(tree.as_strided((b - a, F), (F, 1), base + c0 + a * F), 1,
-                  out=tree[p0 + a:p0 + b])
+        torch.sum(tree.as_strided((b - a, F), (F, 1), base + c0 + a * F), 1, out=tree[p0 + a:p0 + b])
 
 
 def update_range_host(tree, offsets, fanout, lo, values) -> None:

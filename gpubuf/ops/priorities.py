@@ -11,9 +11,7 @@ failed write leaves every priority as it was (the trees get their unchanged mass
 the device: ``result`` (2,) float64 receives the code (the failed checks' bits, 0 when written) and the largest
 finite new priority. :func:`priority_error` is the one message table of a code.
 
-Per op: the pure-torch twin (the tests' oracle), the compiled host loop (:mod:`gpubuf.ops.host_loops`), the
-launcher and the :class:`~gpubuf.ops.registry.Op`. The importance weights are torch ops (or a host loop), not a
-registered op: ``torch.compile`` traces their twin.
+The importance weights are torch ops (or a host loop), not a registered op: ``torch.compile`` traces their twin.
 """
 
 import functools
@@ -46,10 +44,10 @@ def overflow_error(name: str, top: float, alpha: float, size: int) -> ValueError
 
 def priority_error(code: int, size: int, idx, td: torch.Tensor | None, eps: float, top: float,
                    alpha: float) -> Exception:
-    """The error a checked update raises for a nonzero ``code`` of a write of ``td`` at ``idx`` (a tensor, or a
-    host array of any integer dtype): ``IndexError``
-    naming ``indices`` (the values outside ``[0, size)``), else ``ValueError`` naming ``td_errors`` (the values
-    whose ``|td| + eps`` is not finite), else the overflow of ``top``."""
+    """The error a checked update raises for a nonzero ``code`` of a write of ``td`` at ``idx`` (a tensor, or a host
+    array of any integer dtype): ``IndexError`` naming ``indices`` (the values outside ``[0, size)``), else
+    ``ValueError`` naming ``td_errors`` (the values whose ``|td| + eps`` is not finite), else the overflow of
+    ``top``."""
     if code & BAD_INDEX:
         return IndexError(f"indices: expected flat start indices in [0, {size}), got "
                           f"{idx[(idx < 0) | (idx >= size)][:5].tolist()}")
@@ -57,9 +55,6 @@ def priority_error(code: int, size: int, idx, td: torch.Tensor | None, eps: floa
         bad = td[~torch.isfinite(td.to(torch.float32).abs().add_(eps))]
         return ValueError(f"td_errors: |td| + eps must be finite (float32), got {bad[:5].tolist()}")
     return overflow_error("td_errors, alpha", top, alpha, size)
-
-
-# ---- sampling masses
 
 
 def masses_twin(priority: torch.Tensor, valid: torch.Tensor, alpha: float, all_valid: bool = False) -> torch.Tensor:
@@ -74,9 +69,6 @@ def masses_host(priority: torch.Tensor, valid: torch.Tensor, alpha: float, all_v
     out = np.empty(priority.shape[0])
     host_loops.masses(priority.numpy(), valid.numpy(), alpha, out)
     return torch.from_numpy(out)
-
-
-# ---- priority_write
 
 
 def checks_twin(idx: torch.Tensor, td: torch.Tensor, eps: float, limit: float,
@@ -99,8 +91,7 @@ def write_twin(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, li
     new, code, top = checks_twin(idx, td, eps, limit, size)
     ok = code == 0
     safe = idx.clamp(0, size - 1)
-    priority.scatter_reduce_(0, safe, torch.where(ok, new, priority.index_select(0, safe)), "amax",
-                             include_self=False)
+    priority.scatter_reduce_(0, safe, torch.where(ok, new, priority.index_select(0, safe)), "amax", include_self=False)
     written = priority.index_select(0, safe)
     for tree, valid in zip(trees, valids, strict=True):
         update_twin(tree, offsets, fanout, safe, masses_twin(written, valid.index_select(0, safe), alpha))
@@ -183,8 +174,7 @@ def write_into(write, priority, trees, valids, offsets, fanout, box, result, idx
 
 
 def write_cuda(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, limit, box, result) -> None:
-    """The CUDA implementation: the Triton write, then the kept trees' masses (torch ops) and the Triton tree
-    update."""
+    """The CUDA implementation: the Triton write, then the kept trees' masses (torch ops) and the Triton tree update."""
     from gpubuf.kernels import prefix_tree, priorities
 
     priorities.write(priority, idx, td, eps, limit, box, result)
@@ -197,9 +187,6 @@ def write_cuda(priority, trees, valids, offsets, fanout, idx, td, eps, alpha, li
 WRITE = Op("priority_write", "(Tensor(a!) priority, Tensor(b!)[] trees, Tensor[] valids, int[] offsets, int fanout, "
            "Tensor idx, Tensor td, float eps, float alpha, float limit, Tensor(c!) box, Tensor(d!) result) -> ()",
            write_twin, write_cuda, write_host, host_loop=True)
-
-
-# ---- importance weights
 
 
 def weights_twin(mass: torch.Tensor, beta, out: torch.Tensor | None = None, work: tuple | None = None) -> torch.Tensor:
@@ -222,8 +209,7 @@ def weights_twin(mass: torch.Tensor, beta, out: torch.Tensor | None = None, work
 
 
 def weights_host(mass: torch.Tensor, beta, out: torch.Tensor | None = None, work: tuple | None = None) -> torch.Tensor:
-    """:func:`weights_twin` of (B,) host masses and a float ``beta`` into a fresh tensor by one compiled loop; other
-    calls run the twin."""
+    """:func:`weights_twin` of (B,) host masses, a float ``beta`` and no ``out`` by one compiled loop; else the twin."""
     if out is not None or mass.dim() != 1 or isinstance(beta, torch.Tensor) or not mass.numel():
         return weights_twin(mass, beta, out, work)
     out = torch.empty(mass.shape, dtype=torch.float32)

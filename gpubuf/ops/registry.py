@@ -1,9 +1,7 @@
-"""One helper registers an op ``torch.ops.gpubuf.<name>`` from its parts.
-
-An op is a schema, a CPU implementation (the torch twin, or an adapter from the schema's argument order to
-it), a CUDA implementation (the Triton launcher, :func:`kernel`) and the fake every op shares (ops write
-into tensors they are given and return nothing). :class:`Op` keeps the parts a call can run; which one a buffer's
-call runs is the backend table's choice (:mod:`gpubuf.ops.backends`), made once per table.
+"""One helper registers an op ``torch.ops.gpubuf.<name>`` from its parts (:class:`Op`): a schema, a CPU implementation
+(the torch twin, or an adapter from the schema's argument order to it), a CUDA implementation (the Triton launcher,
+:func:`kernel`) and the fake every op shares (ops write into tensors they are given and return nothing). Which part a
+buffer's call runs is the backend table's choice (:mod:`gpubuf.ops.backends`), made once per table.
 """
 
 import importlib
@@ -17,8 +15,7 @@ OPS: dict[str, "Op"] = {}  # every registered op by name, for the report of what
 
 
 def kernel(module: str, name: str) -> Callable[..., None]:
-    """The launcher ``gpubuf.kernels.<module>.<name>``, imported when it first runs (Triton loads only
-    when a kernel runs, so ``import gpubuf`` works without a GPU or driver)."""
+    """The launcher ``gpubuf.kernels.<module>.<name>``, imported at its first run (``import gpubuf`` needs no GPU)."""
     launch = None
 
     def launcher(*args) -> None:
@@ -31,14 +28,22 @@ def kernel(module: str, name: str) -> Callable[..., None]:
     return launcher
 
 
-class Op:
-    """``torch.ops.gpubuf.<name>`` registered with ``schema``: CPU runs ``cpu`` (default: ``twin``; ``host_loop``:
-    it runs the compiled host loops when enabled), CUDA runs ``launcher``, the fake writes nothing.
+def from_lists(fn: Callable) -> Callable:
+    """``fn(jobs, *args)`` called in a schema's form ``(storages, outs, shifts, *args)``: the jobs zipped."""
 
-    The parts a call runs, each taking the call's arguments: ``twin``, ``host`` (``cpu``), ``launcher`` and
-    ``traced`` (the dispatcher's op), all in the schema's order unless ``calls`` gives ``(twin, host, launcher,
-    traced)`` taking another call form (a list of jobs, say, that the schema splits into lists).
-    """
+    def call(storages: list, outs: list, shifts: list, *args) -> None:
+        fn(list(zip(storages, outs, shifts, strict=True)), *args)
+
+    call.__name__ = call.__qualname__ = f"{fn.__name__}_from_lists"
+    return call
+
+
+class Op:
+    """``torch.ops.gpubuf.<name>`` registered with ``schema``: CPU runs ``cpu`` (default: ``twin``; ``host_loop``: it
+    runs the compiled host loops when enabled), CUDA runs ``launcher``, the fake writes nothing. The parts a call runs,
+    each taking the call's arguments: ``twin``, ``host`` (``cpu``), ``launcher`` and ``traced`` (the dispatcher's op),
+    in the schema's order unless ``calls`` gives ``(twin, host, launcher, traced)`` of another call form (a job list,
+    say, that the schema splits into lists)."""
 
     __slots__ = ("dispatch", "host", "host_loop", "launcher", "name", "traced", "twin")
 

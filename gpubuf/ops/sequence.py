@@ -1,25 +1,21 @@
 """TransitionBuffer's window gather op (Triton kernel in ``kernels/sequence.py``).
 
-Storage of one leaf is a contiguous ``(M * E, D)`` tensor, time-major (row ``step * E + env``). A
-flat start ``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for
-``j < n``.
-
-The pure-torch twin (the CPU implementation and the tests' oracle, with its launcher's signature),
-the ``torch.ops.gpubuf`` registration (:class:`~gpubuf.ops.registry.Op`: schema, CPU, CUDA, fake, and the
-job-list call form a buffer's backend table binds), and the fixed pointer tables of the Triton gather.
+Storage of one leaf is a contiguous ``(M * E, D)`` tensor, time-major (row ``step * E + env``). A flat start
+``s = step * E + env`` yields the rows ``((step + j + shift) % M) * E + env`` for ``j < n``. Beside the op: the fixed
+pointer tables of the Triton gather.
 """
 
 import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops.indexing import window_rows
-from gpubuf.ops.registry import Op
+from gpubuf.ops.registry import Op, from_lists, kernel
 
 
 def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
     """For each ``(storage (M*E, D), out (B, n, D), shift)`` in ``jobs``: out = storage rows
-    ``((start//E + j + shift) % M) * E + start % E``, j < n, for flat starts (B,). Rows are computed
-    once per distinct shift (:func:`gpubuf.ops.indexing.window_rows`)."""
+    ``((start//E + j + shift) % M) * E + start % E``, j < n, of flat starts (B,); rows once per shift
+    (:func:`~gpubuf.ops.indexing.window_rows`)."""
     B = starts.shape[0]
     if B == 0:
         return
@@ -29,18 +25,6 @@ def gather_twin(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> Non
             rows[shift] = window_rows(starts, n, shift, E, M)
         src, dst = as_words(storage, out.view(B * n, storage.shape[1]))
         torch.index_select(src, 0, rows[shift], out=dst)
-
-
-def gather_cpu(storages: list, outs: list, shifts: list, starts, n, E, M) -> None:
-    """The CPU implementation: the twin."""
-    gather_twin(list(zip(storages, outs, shifts, strict=True)), starts, n, E, M)
-
-
-def gather_cuda(storages: list, outs: list, shifts: list, starts, n, E, M) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.sequence import gather
-
-    gather(list(zip(storages, outs, shifts, strict=True)), starts, n, E, M)
 
 
 def gather_launch(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
@@ -55,6 +39,9 @@ def gather_traced(jobs: list, starts: torch.Tensor, n: int, E: int, M: int) -> N
     GATHER.dispatch([j[0] for j in jobs], [j[1] for j in jobs], [int(j[2]) for j in jobs], starts, int(n),
                     int(E), int(M))
 
+
+gather_cpu = from_lists(gather_twin)  # the CPU implementation: the twin
+gather_cuda = from_lists(kernel("sequence", "gather"))  # the CUDA implementation: the launcher
 
 # the buffers call it with a job list (the twin's form), which goes straight to the twin or launcher
 GATHER = Op("sequence_gather", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
@@ -71,8 +58,7 @@ def sequence_tables(jobs: list, B: int, n: int, device: torch.device) -> list:
 
 
 def sequence_gather_fixed(tables: list, starts: torch.Tensor, n: int, E: int, M: int) -> None:
-    """The windows of :func:`gather_twin` into the outputs of :func:`sequence_tables` for flat starts (B,)
-    int64."""
+    """The windows of :func:`gather_twin` into the outputs of :func:`sequence_tables` for flat starts (B,) int64."""
     from gpubuf.kernels.sequence import gather_from_tables
 
     gather_from_tables(tables, starts, n, E, M)

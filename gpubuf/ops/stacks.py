@@ -1,15 +1,13 @@
-"""Replay frame stacks and n-step returns from single stored frames (Triton kernels in
-``kernels/stacks.py``).
+"""Replay frame stacks and n-step returns from single stored frames (Triton kernels in ``kernels/stacks.py``).
 
 Rows are flat ``step * E + env`` (time-major) or ``env * M + step`` (``env_major``: a
 ``storage_dir``'s files; the twins only). ``marks`` (M*E,) uint8 holds each time-major row's
 ``MARK_*`` bits; ``held`` (2,) int64 the oldest row held and the rows held.
 
-A stack ending at row ``t`` of an env holds ``k`` frames, oldest first: frame ``q`` is row ``t -
-min((k - 1 - q) * stride, back)``, ``back`` the rows before ``t`` that are held and in ``t``'s
-episode (an episode starts after a row marked ``MARK_BOUNDARY``): at an episode start the stack is
-padded with the episode's oldest frame held, never a frame of the previous episode or a row the
-ring no longer holds.
+A stack ending at row ``t`` of an env holds ``k`` frames, oldest first: frame ``q`` is row ``t - min((k - 1 - q) *
+stride, back)``, ``back`` the rows before ``t`` that are held and in ``t``'s episode (an episode starts after a row
+marked ``MARK_BOUNDARY``): at an episode start the stack is padded with the episode's oldest frame held, never a frame
+of the previous episode or a row the ring no longer holds.
 
 An n-step return from start row ``r`` takes rewards ``r, r + 1, ...``: at most ``n``; never a row
 marked ``MARK_STOP`` but the first (a truncation, or a row holding no transition: the return stops
@@ -17,10 +15,8 @@ before it and bootstraps from its observation) unless it is also marked ``MARK_T
 whose next row is not held; a ``MARK_TERM`` row is the last taken. With ``m`` rewards taken, the
 bootstrap row is ``r + m`` and its factor ``gamma**m`` (0 after a termination).
 
-The pure-torch twins (the tests' oracle, the CPU implementation and the torch backend on a GPU,
-with their launchers' signatures; their index arithmetic is :mod:`gpubuf.ops.indexing`'s, run in
-numpy for host tensors), the ``torch.ops.gpubuf`` registrations with the call forms a buffer's backend
-table binds, and the fixed pointer tables of the Triton stack gather.
+The twins' index arithmetic is :mod:`gpubuf.ops.indexing`'s, run in numpy for host tensors. Beside the ops: the fixed
+pointer tables of the Triton stack gather.
 """
 
 import functools
@@ -30,7 +26,7 @@ import torch
 
 from gpubuf.kernels.words import as_words
 from gpubuf.ops import indexing
-from gpubuf.ops.registry import Op
+from gpubuf.ops.registry import Op, from_lists, kernel
 
 
 def _index_args(starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor) -> tuple:
@@ -78,8 +74,7 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
         factors, where = np.cumprod(np.concatenate([[1.0], np.full(n, float(gamma[0]))])), np.where
         rewards = reward.numpy().reshape(-1)[rows].astype(np.float64)
     else:  # gamma read where it lives: a captured graph reads it at replay
-        factors = torch.cat([torch.ones(1, dtype=torch.float64, device=starts.device),
-                             gamma.expand(n)]).cumprod(0)
+        factors = torch.cat([torch.ones(1, dtype=torch.float64, device=starts.device), gamma.expand(n)]).cumprod(0)
         where, rewards = torch.where, reward.view(-1)[rows].to(torch.float64)
     # factors (n + 1,) gamma ** i; m rewards taken
     m = taken.sum(1)
@@ -91,21 +86,6 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
             out.numpy()[:] = value
         else:
             out.copy_(value)
-
-
-def stack_cpu(storages: list, outs: list, shifts: list, starts, marks, held, n, k, stride, E,
-              M) -> None:
-    """The CPU implementation: the twin."""
-    stack_twin(list(zip(storages, outs, shifts, strict=True)), starts, marks, held, n, k, stride,
-               E, M)
-
-
-def stack_cuda(storages: list, outs: list, shifts: list, starts, marks, held, n, k, stride, E,
-               M) -> None:
-    """The CUDA implementation: the Triton launcher, imported when it first runs."""
-    from gpubuf.kernels.stacks import stack
-
-    stack(list(zip(storages, outs, shifts, strict=True)), starts, marks, held, n, k, stride, E, M)
 
 
 def return_cpu(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, n, E, M) -> None:
@@ -148,6 +128,9 @@ def return_traced(starts, reward, marks, held, outs, gamma, n, E, M) -> None:
     RETURN.dispatch(starts, reward, marks, held, *outs, gamma, int(n), int(E), int(M))
 
 
+stack_cpu = from_lists(stack_twin)  # the CPU implementation: the twin
+stack_cuda = from_lists(kernel("stacks", "stack"))  # the CUDA implementation: the launcher
+
 # the buffers call them with job lists and output tuples (the twins' form), which go straight to the twin or
 # launcher; env-major rows (a storage_dir's files) run the twins only
 STACK = Op("frame_stack", "(Tensor[] storages, Tensor(a!)[] outs, int[] shifts, Tensor starts, "
@@ -169,8 +152,7 @@ def stack_tables(jobs: list, B: int, n: int, k: int, device: torch.device) -> li
 
 def frame_stack_fixed(tables: list, starts: torch.Tensor, marks: torch.Tensor, held: torch.Tensor,
                       n: int, k: int, stride: int, E: int, M: int) -> None:
-    """The stacks of :func:`stack_twin` into the outputs of :func:`stack_tables` for flat starts (B,)
-    int64."""
+    """The stacks of :func:`stack_twin` into the outputs of :func:`stack_tables` for flat starts (B,) int64."""
     from gpubuf.kernels.stacks import stack_from_tables
 
     stack_from_tables(tables, starts, marks, held, n, k, stride, E, M)

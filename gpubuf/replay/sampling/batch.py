@@ -1,13 +1,9 @@
-"""Batch: what ``sample()`` returns, for every buffer that samples.
+"""Batch: what ``sample()`` returns, for every buffer that samples: a :class:`~gpubuf.Transition` that also says where
+its rows came from.
 
-A :class:`Batch` is a :class:`~gpubuf.Transition` (the sampled leaves, ``(B, ...)`` or ``(B, n_steps, ...)``;
-``dict(batch)`` and every field read as before) that also says where its rows came from: ``indices`` (the drawn
-flat starts), ``weights`` (the importance weights of a prioritized draw) and ``generations`` (what each start's
-row held when drawn, for write-backs that must skip rows overwritten since).
-
-Generations cost nothing unless read: a sample keeps the ring's position at the draw (a few host ints) and the
-first read of ``generations`` computes them from it (a few device ops, no read-back), exactly as they were at the
-draw whatever was written since.
+Generations cost nothing unless read: a sample keeps the ring's position at the draw (a few host ints) and the first
+read of ``generations`` computes them from it (a few device ops, no read-back), exactly as they were at the draw
+whatever was written since.
 """
 
 import torch
@@ -17,7 +13,7 @@ from gpubuf.replay.feeds import write_backs
 
 
 class Batch(Transition):
-    """A sampled batch: the :class:`~gpubuf.Transition` of its leaves plus
+    """A sampled batch: the :class:`~gpubuf.Transition` of its leaves (``(B, ...)`` or ``(B, n_steps, ...)``) plus
 
     - ``indices``: ``(B,)`` int64 on the buffer's device, the windows' flat starts ``row * n_envs + env``
       (:meth:`~gpubuf.TransitionBuffer.locate` maps them to env, ring row and step; a
@@ -57,10 +53,9 @@ class Batch(Transition):
     @classmethod
     def of(cls, data: Transition, indices, drawn_at, out=None) -> "Batch":
         """``data`` (a sample's batch) as a Batch of ``indices`` drawn at ring position ``drawn_at``
-        (:func:`~gpubuf.replay.feeds.write_backs.origin`; ``None``: no generations). A batch the sample built
-        becomes one in place; a caller's ``out`` is returned itself when it is a Batch (its ``indices`` tensor
-        refilled in place where it has the same shape), else a new Batch holds its tensors (``out`` stays as it
-        is)."""
+        (:func:`~gpubuf.replay.feeds.write_backs.origin`; ``None``: no generations). A batch the sample built becomes
+        one in place; a caller's ``out`` is returned itself when it is a Batch (its ``indices`` tensor refilled in place
+        where it has the same shape), else a new Batch holds its tensors (``out`` stays as it is)."""
         held = None if out is None else getattr(out, "indices", None)
         if data is out and isinstance(held, torch.Tensor) and isinstance(indices, torch.Tensor) \
                 and held.shape == indices.shape and held.dtype == indices.dtype and held.device == indices.device:

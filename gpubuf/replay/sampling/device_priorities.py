@@ -1,12 +1,11 @@
-"""Priority updates that never read the device: the checks, the write and ``max_priority`` stay on it, so an update
-runs without a host synchronisation and can be captured in a CUDA graph or traced whole by ``torch.compile``.
+"""Priority updates that never read the device: the checks, the write and ``max_priority`` stay on it, so an update runs
+without a host synchronisation and can be captured in a CUDA graph or traced whole by ``torch.compile``.
 
-An update is all or nothing, as the checked host path is: when any index lies outside ``[0, size)``, any ``|td| +
-eps`` is NaN or infinite, or the largest new priority's ``**alpha`` mass summed over every start would overflow
-float64, the update writes nothing (each start keeps its priority, the trees are recomputed from unchanged leaves)
-and a flag records why. The flags reach the host at :meth:`DevicePriorityUpdates.raise_pending`: the buffer calls it
-wherever it reads the device anyway (``max_priority``, ``state_dict``, a ``storage_dir`` flush) and
-``GraphSampler.check_updates`` calls it on demand; it raises once per batch of failures and clears them.
+An update is all or nothing, as the checked host path is: when a check of :mod:`gpubuf.ops.priorities` fails (an index
+outside ``[0, size)``, a NaN or infinite ``|td| + eps``, an overflowing ``**alpha`` mass), it writes nothing and a flag
+records why. The flags reach the host at :meth:`DevicePriorityUpdates.raise_pending`: the buffer calls it wherever it
+reads the device anyway (``max_priority``, ``state_dict``, a ``storage_dir`` flush) and ``GraphSampler.check_updates``
+calls it on demand; it raises once per batch of failures and clears them.
 """
 
 import weakref
@@ -21,8 +20,7 @@ _WHY = {BAD_INDEX: "indices outside [0, {size})", NOT_FINITE: "td_errors with |t
 
 class DevicePriorityUpdates:
     """The device state of one prioritized sampler's sync-free updates: ``max`` (() float32, the running maximum
-    priority on the device), ``flags`` (() int32, why updates were dropped since the last check) and ``dropped``
-    (() int64, how many)."""
+    priority), ``flags`` (() int32, why updates were dropped since the last check), ``dropped`` (() int64, how many)."""
 
     def __init__(self, sampler, max_priority: float):
         # the sampler holds this object: a weak reference back, so that dropping the buffer frees both at once
@@ -30,7 +28,6 @@ class DevicePriorityUpdates:
         self.max = torch.full((), max_priority, dtype=torch.float32, device=dev)
         self.flags = torch.zeros((), dtype=torch.int32, device=dev)
         self.dropped = torch.zeros((), dtype=torch.int64, device=dev)
-        self.limit = sampler.mass_limit  # the largest priority whose mass over every start stays finite
 
     @property
     def sampler(self):

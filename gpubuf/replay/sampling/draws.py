@@ -12,9 +12,8 @@ from gpubuf._core.signals import signals_held
 
 
 def proportional_draw(mass: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(picks (K,) int64, total (1,) float64)``: index ``i`` with probability ``mass_i / total`` per uniform of
-    ``u`` (K,) in [0, 1), ``mass`` (N,) float64 on ``u``'s device; rounding never picks past the last index of
-    positive mass."""
+    """``(picks (K,) int64, total (1,) float64)``: index ``i`` with probability ``mass_i / total`` per uniform of ``u``
+    (K,) in [0, 1), ``mass`` (N,) float64 on ``u``'s device; never past the last index of positive mass."""
     c = torch.cumsum(mass, 0)
     total = c[-1:]
     idx = torch.searchsorted(c, u * total, right=True)
@@ -44,8 +43,7 @@ class MassSetAside:
         return self
 
     def add(self, starts: torch.Tensor, masses: torch.Tensor | None = None) -> None:
-        """Zero the leaves ``starts`` (K,) int64, none set aside already (``masses``: their masses, read here when
-        ``None``)."""
+        """Zero the leaves ``starts`` (K,) int64, none set aside already (``masses``: their masses, else read here)."""
         saved = self.tree.leaves(starts) if masses is None else masses
         self._saved.append((starts, saved))  # first: restoring a leaf not zeroed yet is harmless
         self.tree.update(starts, torch.zeros_like(saved))

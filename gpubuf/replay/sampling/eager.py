@@ -1,11 +1,7 @@
-"""EagerSample: a buffer's sample call as a driver of its plans: check, draw, read, weigh.
+"""EagerSample: a buffer's sample call as a driver of its plans: check, (wait for a rate limiter,) draw, read, weigh.
 
-A sample checks its arguments (batch size, validity kind, what the draw can give), waits for its turn with a rate
-limiter, then takes the :class:`~gpubuf.replay.sampling.plan.SamplePlan` of its configuration from the reader
-(built once, then cached: a loop calling ``sample()`` with the same arguments reuses it) and runs its stages: the
-outputs of the stacks and returns (before the draw, so a failed allocation draws nothing), the draw of the sampler
-or selector (starts ``(B,)`` int64 and masses ``(B,)`` float64), the read into the outputs, the weigh. A sample that
-raises leaves the generator as it was.
+The :class:`~gpubuf.replay.sampling.plan.SamplePlan` of each configuration comes from the reader, built once and then
+cached. A sample that raises leaves the generator as it was.
 """
 
 import torch
@@ -18,14 +14,12 @@ from gpubuf.replay.feeds import write_backs
 
 class EagerSample:
     """Mixed into :class:`~gpubuf.TransitionBuffer`, which provides ``config``, ``ring``, ``sampler``, ``selector``,
-    ``reader``, ``generator``, ``rate_limiter``, ``lock`` and the memory ranges it holds (``_owned``): the entry
-    ``_sample`` of :meth:`~gpubuf.replay.sampling.sample_args.Samples.sample` and the checks a
-    :class:`~gpubuf.GraphSampler` shares."""
+    ``reader``, ``generator``, ``rate_limiter``, ``lock`` and its memory ranges (``_owned``): the entry ``_sample`` of
+    :meth:`~gpubuf.replay.sampling.sample_args.Samples.sample` and the checks a :class:`~gpubuf.GraphSampler` shares."""
 
     def check_sample_args(self, batch_size, with_replacement: bool, with_next_obs: bool,
                           boundaries: str = "allow") -> tuple[int, int]:
-        """``(batch size, validity kind)`` of a :meth:`sample` call, or the error it raises (a
-        check the sampling calls run under :attr:`lock`; it takes none itself)."""
+        """``(B, validity kind)`` of a :meth:`sample` call, or its error (run under :attr:`lock`; takes none)."""
         B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs, boundaries)
         self._check_draw(kind, B, with_replacement)
         return B, kind
@@ -38,8 +32,7 @@ class EagerSample:
 
     def _sample_held(self, key, with_replacement, batch_size, with_next_obs, boundaries, out,
                      return_indices, frame_stack, frame_stride, n_step_return, return_generations=False):
-        """:meth:`sample` with the buffer's defaults resolved, the caller holding the buffer's call lock: check,
-        draw, read."""
+        """:meth:`sample` with the buffer's defaults resolved, under the caller's call lock: check, draw, read."""
         if type(with_next_obs) is not bool:
             with_next_obs = check_bool("with_next_obs", with_next_obs)
         if type(with_replacement) is not bool:
@@ -55,8 +48,7 @@ class EagerSample:
         spec = None if plain else reader.spec(frame_stack, frame_stride, n_step_return, out)  # steady: no call
         returns = spec is not None and spec.n is not None
         if self.rate_limiter is None:
-            B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns,
-                                             boundaries)
+            B, kind = self.check_sample_args(batch_size, with_replacement, with_next_obs or returns, boundaries)
             return self._draw_and_read(key, B, kind, with_replacement, with_next_obs, boundaries, out,
                                        spec, return_indices, return_generations)
         B, kind = self.config.batch_size(batch_size), self.config.kind(with_next_obs or returns, boundaries)

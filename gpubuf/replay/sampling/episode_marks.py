@@ -1,15 +1,13 @@
-"""EpisodeMarks: a replay buffer's episode marks and held rows as tensors beside its storage, for
-the frame-stack and n-step-return ops (:mod:`gpubuf.ops.stacks`).
+"""EpisodeMarks: a replay buffer's episode marks and held rows as tensors beside its storage, for the frame-stack and
+n-step-return ops (:mod:`gpubuf.ops.stacks`).
 
-Built by the buffer on the first sample that needs them and kept current from then on by every
-insert, load and re-open, in place: a ``GraphSampler`` captured in a CUDA graph reads them as they
-are when it replays.
+Built by the buffer on the first sample that needs them and kept current from then on by every insert, load and re-open,
+in place: a ``GraphSampler`` captured in a CUDA graph reads them as they are when it replays.
 
-- ``marks`` ``(M * E,)`` uint8, one per time-major flat row ``step * E + env``: ``MARK_TERM`` where
-  ``terminated`` is set; ``MARK_STOP`` where ``truncated`` or ``info["is_last"]`` is (a return
-  stops before the row); ``MARK_BOUNDARY`` where an episode ends after the row: an
-  ``info["is_last"]`` row when the buffer stores that leaf (an env source's rows: the row after an
-  episode's last transition holds its last observation), else a ``terminated`` or ``truncated`` row.
+- ``marks`` ``(M * E,)`` uint8, one per time-major flat row ``step * E + env``: ``MARK_TERM`` where ``terminated`` is
+  set; ``MARK_STOP`` where ``truncated`` or ``info["is_last"]`` is (a return stops before the row); ``MARK_BOUNDARY``
+  where an episode ends after the row: an ``info["is_last"]`` row when the buffer stores that leaf (an env source's:
+  the row after an episode's last transition holds its last observation), else a ``terminated`` or ``truncated`` one.
 - ``held`` ``(2,)`` int64: the oldest row held and the rows held per env.
 
 A flag leaf counts as set where any of its values in the row is nonzero.
@@ -41,8 +39,7 @@ class EpisodeMarks:
         self.set_held(ring)
 
     def rows_written(self, ring, pos: int, head_rows: int, T: int) -> None:
-        """Marks of the ``T`` rows just written at ``pos`` (``head_rows`` before the wrap), and the
-        held rows."""
+        """Marks of the ``T`` rows just written at ``pos`` (``head_rows`` before the wrap), and the held rows."""
         self._refresh(pos, pos + head_rows)
         if head_rows < T:
             self._refresh(0, T - head_rows)

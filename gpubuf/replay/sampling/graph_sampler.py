@@ -1,11 +1,9 @@
 """GraphSampler: replay sampling with fixed tensors, device-side random numbers and no host sync, so that a learner
 step calling it can be captured in a CUDA graph (``torch.cuda.graph``) or traced by ``torch.compile(fullgraph=True)``.
 
-It drives a fixed :class:`~gpubuf.replay.sampling.plan.SamplePlan`: everything a draw touches is allocated once, and
-:meth:`GraphSampler.sample` runs the plan's stages on the device only (``torch.rand`` into the uniforms, the draw,
-the read, the importance weights). Nothing reads the device or allocates, and the host decides nothing that depends
-on the buffer's fill: the tree it descends is the buffer's own, kept current by every insert and priority update,
-so a graph replayed after more inserts samples the buffer as it is then.
+It drives a fixed :class:`~gpubuf.replay.sampling.plan.SamplePlan` on the device: nothing reads the device or
+allocates, and the host decides nothing that depends on the buffer's fill. The tree it descends is the buffer's own,
+kept current by every insert and priority update, so a graph replayed after more inserts samples the buffer as it is.
 """
 
 import torch
@@ -20,25 +18,21 @@ from gpubuf.replay.sampling.plan import check_fixed, fixed_plan, minibatch_count
 @refuse_copies("its tensors may be captured in a CUDA graph of its buffer; build a new one with "
                "copy.graph_sampler(...) on the buffer's copy")
 class GraphSampler:
-    """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or prioritized one), built
-    by :meth:`TransitionBuffer.graph_sampler`. Draws are exact, as :meth:`TransitionBuffer.sample` with
-    ``with_replacement=True`` (uniform, ``priority**alpha``, or a ``Recency`` or ``Mixture`` selector's
-    probabilities), from ``generator`` (on the buffer's device; register it with the graph,
-    ``CUDAGraph.register_generator_state``) or, when ``None``, the device's default one (``torch.manual_seed``).
+    """Fixed-tensor sampling with replacement from a :class:`~gpubuf.TransitionBuffer` (or prioritized one), built by
+    :meth:`TransitionBuffer.graph_sampler`. Draws are exact, as :meth:`TransitionBuffer.sample` with
+    ``with_replacement=True`` (uniform, ``priority**alpha``, or a ``Recency`` or ``Mixture`` selector's probabilities),
+    from ``generator`` (on the buffer's device; register it with the graph, ``CUDAGraph.register_generator_state``) or,
+    when ``None``, the device's default one (``torch.manual_seed``; compiled, draw from ``generator=None``).
 
     ``frame_stack``, ``frame_stride`` and ``n_step_return`` as in :meth:`TransitionBuffer.sample` (from the episode
     marks and held rows, device tensors every insert keeps current). ``boundaries``: ``"allow"`` or ``"forbid"``
     (constant ``is_first`` / ``mask``, ``has_transition`` refreshed by each draw); ``"mask"`` is not offered.
 
     ``beta`` (prioritized) is the buffer's: each draw reads its device copy
-    (:attr:`~gpubuf.PrioritizedTransitionBuffer.beta_tensor`), which ``buffer.update_beta``, ``load_state_dict``
-    and :meth:`set_beta` refresh in place, so a replayed graph uses the new value. A draw needs a valid start; the
-    buffer must not be emptied while a captured graph is replayed.
-
-    ``minibatches=K`` draws ``K * batch_size`` starts at once, returned as ``K`` minibatches (leaves ``(K, B,
-    ...)``, ``indices`` ``(K, B)``), each with its own ``PER_weights`` normalisation. :meth:`update_priorities` is
-    the prioritized update a captured or compiled step holds (failures raised at :meth:`check_updates`, or the
-    buffer's next ``max_priority``, ``state_dict`` or flush). Compiled, draw from ``generator=None``.
+    (:attr:`~gpubuf.PrioritizedTransitionBuffer.beta_tensor`), which ``buffer.update_beta``, ``load_state_dict`` and
+    :meth:`set_beta` refresh in place, so a replayed graph uses the new value. A draw needs a valid start; the buffer
+    must not be emptied while a captured graph is replayed. ``minibatches=K`` draws ``K * batch_size`` starts at once
+    (:meth:`sample`); :meth:`update_priorities` is the prioritized update a captured or compiled step holds.
 
     :meth:`sample`, :meth:`update_priorities` and :meth:`set_beta` hold the buffer's lock; a captured graph replays,
     and a compiled step runs, without it: run them under ``buffer.lock`` when other threads write the buffer.
@@ -79,10 +73,9 @@ class GraphSampler:
 
     @locked
     def sample(self) -> tuple[Transition, torch.Tensor]:
-        """``(out, indices)``: ``out`` holds ``B`` fresh windows (plus ``PER_weights`` when prioritized) and
-        ``indices`` (B,) int64 their flat starts; both are the same tensors at every call (traced: views of them).
-        With ``minibatches=K``: ``K`` minibatches of one draw, every leaf ``(K, B, ...)`` and ``indices`` ``(K,
-        B)``, each minibatch's ``PER_weights`` normalised by its own largest."""
+        """``(out, indices)``: ``B`` fresh windows (plus ``PER_weights`` when prioritized) and their flat starts (B,)
+        int64, the same tensors at every call (traced: views of them); with ``minibatches=K``, ``K`` minibatches of one
+        draw (leaves ``(K, B, ...)``, ``indices`` ``(K, B)``), each weighed by its own largest."""
         plan, draw = self._plan, self._draw
         if self.generator is not None and self.buffer.table.tracing():
             raise ValueError("generator: torch.compile cannot trace a torch.Generator; build the GraphSampler with "

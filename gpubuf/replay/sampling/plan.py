@@ -18,9 +18,8 @@ The drivers: the eager sample (:meth:`~gpubuf.TransitionBuffer.sample`: a plan p
 :func:`fixed_plan`, plus a device generator) and the sharded sampler (a fresh plan of each owner's starts; the
 requester weighs).
 
-Read paths: a sample reads its plain leaves by one of 1-5, then its stacks and returns by 6 and 7, from the
-storage's rows (8 for a ``storage_dir``'s); the same set for every driver, the path decided once, when the plan is
-built:
+Read paths: a sample reads its plain leaves by one of 1-5, then its stacks and returns by 6 and 7, from the storage's
+rows (8 for a ``storage_dir``'s); the same set for every driver, the path decided once, when the plan is built:
 
 1. windows into held words: a fixed plan's outputs or a caller's ``out`` on the storage's device, filled by the
    storage's window gather (a fixed plan's Triton tables, uploaded once, are that gather's launch form);
@@ -53,9 +52,8 @@ class WindowsRead:
 
     def __init__(self, reader, B: int, jobs: dict, keep: bool, fixed: bool, host: list | None):
         storage, device = reader.storage, reader.device
-        self.storage, self.config, self.device, self.jobs = storage, reader.config, device, jobs
+        self.storage, self.config, self.device, self.jobs, self.host = storage, reader.config, device, jobs, host
         self.result = self.work = self.views = self.tables = None
-        self.host = host
         if keep and storage.device == device:
             self.result, self.work = storage.outputs(B, jobs, device)
             self.views = word_views(self.result, self.work)
@@ -80,8 +78,7 @@ class WindowsRead:
 
 
 def _check_no_stale_leaves(out: Transition | None, jobs: dict) -> None:
-    """Refuse an ``out`` holding stored leaves this sample does not fill (a batch of another unit): they would come
-    back with an earlier sample's values."""
+    """Refuse an ``out`` holding stored leaves this sample does not fill (another unit's batch): they would be stale."""
     if out is None:
         return
     stale = [leaf_name(path) for path in flatten(out, "out") if path not in jobs]
@@ -91,9 +88,8 @@ def _check_no_stale_leaves(out: Transition | None, jobs: dict) -> None:
 
 
 class SamplePlan:
-    """The plan of ``B`` starts of one unit (``with_next_obs``, ``spec``) and ``boundaries`` of ``reader``'s buffer,
-    into fresh outputs, the caller's ``out`` (checked here; ``owned``: memory ranges it must not reach) or
-    ``fixed`` ones (:attr:`out`, the same tensors at every read)."""
+    """The plan of ``B`` starts of one unit (``with_next_obs``, ``spec``) and ``boundaries``, into fresh outputs, the
+    caller's ``out`` (checked here; ``owned``: memory ranges it must not reach) or ``fixed`` ones (:attr:`out`)."""
 
     def __init__(self, reader, B: int, with_next_obs: bool, boundaries: str, spec: StackSpec | None,
                  out: Transition | None = None, owned: tuple = (), fixed: bool = False):
@@ -151,9 +147,8 @@ class DeviceDraw:
     selector); ``groups`` minibatches of one draw, each weighed by its own largest weight."""
 
     def __init__(self, buffer, kind: int, B: int, groups: int):
-        dev, self.groups, self.kind = buffer.device, groups, kind
+        dev, self.groups, self.kind, self.table = buffer.device, groups, kind, buffer.table
         self.tree, self.selector = buffer.sampler.tree(kind), buffer.selector  # the tree: kept current from now on
-        self.table = buffer.table
         self.u = torch.empty(B, dtype=torch.float64, device=dev)
         self.starts = torch.empty(B, dtype=torch.int64, device=dev)
         self.prioritized = buffer.sampler.prioritized
@@ -177,8 +172,7 @@ class DeviceDraw:
             self.mass.copy_(q)
 
     def weigh(self, weights: torch.Tensor) -> None:
-        """``weights`` (B,) float32 = ``(P_i / min_minibatch P)**-beta``, in place: no allocation, the buffer's beta
-        when this runs (or is replayed)."""
+        """``weights`` (B,) float32 = ``(P_i / min_minibatch P)**-beta`` in place (beta read at run or replay)."""
         K = self.groups
         self.table.importance_weights(self.mass.view(K, -1), self._beta, weights.view(K, -1),
                                       (self._min, self._neg_beta))
@@ -208,8 +202,7 @@ def minibatch_count(minibatches) -> int:
 
 def fixed_plan(buffer, B: int, kind: int, with_next_obs: bool, boundaries: str, spec, K: int):
     """``(fixed plan, its DeviceDraw)`` of ``K`` minibatches of ``B`` starts of ``kind``, one draw of ``K * B``;
-    ``MemoryError`` naming ``batch_size`` (and ``minibatches``) for one that cannot fit, before anything is
-    built."""
+    ``MemoryError`` naming ``batch_size`` (and ``minibatches``) for one that cannot fit, before anything is built."""
     names = "batch_size" if K == 1 else "batch_size, minibatches"
     try:
         what = buffer.reader.check_memory(K * B, with_next_obs, spec, True)

@@ -1,12 +1,9 @@
 """BatchReader: the reads of a replay buffer's samples, and their plans.
 
-A sample runs check -> draw -> read -> weigh. Before the draw, :meth:`BatchReader.plan` returns the
-:class:`~gpubuf.replay.sampling.plan.SamplePlan` of the call's configuration (batch size, unit, boundaries, the
-caller's ``out``): built once, which checks ``out`` and that the sample fits in memory, then cached (a loop calling
-``sample()`` with the same arguments reuses it; :mod:`gpubuf.replay.sampling.plan` lists the read paths). The
-reader also keeps the episode marks that frame stacks and n-step returns read, built by the first sample that
-needs them and kept current by every write, and estimates what a sample needs in memory, refusing one that cannot
-fit before the draw.
+Before the draw, :meth:`BatchReader.plan` returns the :class:`~gpubuf.replay.sampling.plan.SamplePlan` of the call's
+configuration (batch size, unit, boundaries, the caller's ``out``): built once, which checks ``out`` and that the sample
+fits in memory (refused before the draw when it cannot), then cached. The reader also keeps the episode marks that frame
+stacks and n-step returns read.
 """
 
 import math
@@ -23,9 +20,8 @@ from gpubuf.replay.sampling.tree import FANOUT
 
 
 class BatchReader(RowEvents):
-    """The reads of one buffer's samples: its ``config``, ``storage`` and ``ring``
-    (:class:`~gpubuf.replay.ring.StartRing`: the rows held), the ``sampler`` that weighs them and the sampling
-    device's backend ``table``; the episode marks, built by the first read that needs them."""
+    """The reads of one buffer's samples: its ``config``, ``storage``, ``ring`` (the rows held), the ``sampler`` that
+    weighs them and the sampling device's ``table``; the episode marks, built on first need."""
 
     def __init__(self, config, storage, ring, sampler, table: ops.Backend):
         self.config, self.storage, self.ring, self.sampler = config, storage, ring, sampler
@@ -33,11 +29,8 @@ class BatchReader(RowEvents):
         self._plans = ops.LRU(8)  # (plan, what) per sample configuration
         self._last_plan = (None, None)  # (key, (plan, what)) of the last sample (a loop asks the same each step)
         self._marks = None  # EpisodeMarks, built by the first sample that needs them
-        # sample sizes checked to fit (a call that fits is not estimated again)
-        self._fits = ops.LRU(8)
+        self._fits = ops.LRU(8)  # sample sizes checked to fit (a call that fits is not estimated again)
         self._last_fit = (None, None)  # (key, what) of the last check
-
-    # ------------------------------------------------------------------ episode marks
 
     def marks(self) -> EpisodeMarks:
         """The buffer's :class:`~gpubuf.replay.sampling.episode_marks.EpisodeMarks` (built from the stored
@@ -60,23 +53,18 @@ class BatchReader(RowEvents):
         self.rows_written(row, 1, 1)
 
     def rows_loaded(self, whole: bool) -> None:
-        """Keep built marks current after a load: rebuilt from every row (``whole``), else (the
-        buffer was emptied) only the held rows."""
+        """Keep built marks current after a load: rebuilt (``whole``), else (emptied) only the held rows."""
         if self._marks is not None:
             if whole:
                 self._marks.rebuild(self.ring)
             else:
                 self._marks.set_held(self.ring)
 
-    # ------------------------------------------------------------------ reads
-
     def spec(self, frame_stack, frame_stride, n_step_return, out) -> StackSpec | None:
-        """The checked stacks and returns of a sample call (``None``: neither); ``ValueError`` for
-        an ``out`` with them."""
+        """The checked stacks and returns of a call (``None``: neither); ``ValueError`` for an ``out`` with them."""
         spec = StackSpec.build(self.config, frame_stack, frame_stride, n_step_return)
         if spec is not None and out is not None:
-            raise ValueError("out: not offered with frame_stack or n_step_return; got a "
-                             f"{type(out).__name__}")
+            raise ValueError(f"out: not offered with frame_stack or n_step_return; got a {type(out).__name__}")
         return spec
 
     def plan(self, B: int, with_next_obs: bool, boundaries: str, spec: StackSpec | None, with_replacement: bool,
@@ -84,8 +72,7 @@ class BatchReader(RowEvents):
         """``(plan, what)`` of one sample: its :class:`~gpubuf.replay.sampling.plan.SamplePlan` and what it needs in
         memory (:meth:`check_memory`'s phrase), after checking it fits and that ``out`` is usable (``owned``:
         memory ranges ``out`` must not reach); cached per configuration."""
-        key = (B, with_next_obs, boundaries, spec, with_replacement,
-               None if out is None else self._out_key(out, owned))
+        key = (B, with_next_obs, boundaries, spec, with_replacement, None if out is None else self._out_key(out, owned))
         last = self._last_plan
         if last[0] == key:  # a steady loop asks the same each step: one compare
             return last[1]
@@ -101,36 +88,29 @@ class BatchReader(RowEvents):
 
     @staticmethod
     def _out_key(out, owned: tuple):
-        """What a check of ``out`` depends on: every leaf's identity, address, shape, strides and dtype (the plan
-        holds its word views, which keep its memory alive, so an address seen again is the same memory); ``None``
-        for a non-tensor leaf (checked every time)."""
+        """What a check of ``out`` depends on: each leaf's identity, address, shape, strides and dtype (the plan's word
+        views keep its memory alive); ``None`` for a non-tensor leaf (checked every time)."""
         leaves = flatten(out, "out")
         if not all(isinstance(t, torch.Tensor) for t in leaves.values()):
             return None
         return (owned, type(out), tuple((p, id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
                                         for p, t in leaves.items()))
 
-    # ------------------------------------------------------------------ memory
-
-    def check_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool,
-                     fresh: bool = True):
-        """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes, for a
-        ``MemoryError``), after checking it fits: ``MemoryError`` naming ``batch_size`` when that
-        is more than the sampling (or storage) device has in all (:func:`gpubuf.ops.capacity`)."""
+    def check_memory(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool = True):
+        """What a sample of ``B`` windows needs (``what()``: a phrase naming the bytes), checked to fit: ``MemoryError``
+        naming ``batch_size`` when more than the sampling (or storage) device has in all (``ops.capacity``)."""
         key = (B, with_next_obs, spec, with_replacement, fresh)
         last = self._last_fit  # a steady loop asks the same each step: one compare
         if last[0] == key:
             return last[1]
-        what = self._fits.get(key, self._check_fits, B, with_next_obs, spec, with_replacement,
-                              fresh)
+        what = self._fits.get(key, self._check_fits, B, with_next_obs, spec, with_replacement, fresh)
         self._last_fit = (key, what)
         return what
 
     def _check_fits(self, B: int, with_next_obs: bool, spec, with_replacement: bool, fresh: bool):
         nbytes = self.sample_bytes(B, with_next_obs, spec, with_replacement, fresh)
         device = self.device  # the cached phrase must not hold the reader (a cycle through _fits)
-        what = lambda: (f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and "
-                        f"working memory on {device}")
+        what = lambda: f"sample(batch_size={B}) needs about {nbytes} bytes of outputs and working memory on {device}"
         ops.check_fits("batch_size", what, nbytes, self.device)
         if self.storage.device != self.device:
             ops.check_fits("batch_size", what, nbytes, self.storage.device)
@@ -138,11 +118,10 @@ class BatchReader(RowEvents):
 
     def sample_bytes(self, B: int, with_next_obs: bool, spec=None, with_replacement: bool = True,
                      fresh: bool = True, draw: bool = True) -> int:
-        """About how many bytes a sample of ``B`` windows allocates at once: its outputs (``fresh``:
-        not the caller's ``out``), flags, starts and masses, plus the working memory of the draw
-        (``draw``; the torch twin's descent holds ``(B, fanout)`` children, a draw without
-        replacement rounds of ``2 B`` draws) and of the gathers (row indices; stacks' and returns'
-        masks). An estimate, to refuse a sample that cannot fit before it starts."""
+        """About how many bytes a sample of ``B`` windows allocates at once: its outputs (``fresh``: not the caller's
+        ``out``), flags, starts and masses, plus the working memory of the draw (``draw``; the torch twin's descent
+        holds ``(B, fanout)`` children, a draw without replacement rounds of ``2 B`` draws) and of the gathers (row
+        indices; stacks' and returns' masks). An estimate, to refuse a sample that cannot fit before it starts."""
         config, n = self.config, self.config.n_steps
         row = {leaf.path: math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in config.leaves}
         obs = sum(row[p] for p in config.paths("observation"))

@@ -6,9 +6,8 @@ out=None)`` returns a :class:`~gpubuf.Batch`.
 - ``unit``: what each drawn start comes back as, a :class:`~gpubuf.Unit` (``None``: ``Unit.window()``, the
   ``n_steps`` stored rows): :mod:`gpubuf.replay.sampling.units` says each kind.
 - ``key``: a ``torch.Generator``, an int seed (the same int, the same batch) or ``None`` (the buffer's generator).
-- ``with_replacement``: ``None`` is the buffer's default (uniform: ``True``; prioritized: ``False``, exact
-  sequential sampling without replacement, as the original PER buffer). A flag that is not a bool raises
-  ``TypeError`` naming it.
+- ``with_replacement``: ``None`` is the buffer's default (uniform: ``True``; prioritized: ``False``, exact sequential
+  sampling without replacement, as the original PER buffer). A flag that is not a bool raises ``TypeError`` naming it.
 - ``boundaries``: ``"allow"``, ``"mask"`` or ``"forbid"``, what a window may do at an episode end
   (:mod:`gpubuf.replay.buffer` says how).
 - ``out``: a :class:`~gpubuf.Batch` (an earlier sample's) of tensors of exactly the returned shapes and dtypes on
@@ -26,13 +25,12 @@ samples; a sample that then raises gives them back.
 
 **Deprecated forms (0.2.x; removed in 0.3.0).** The keywords of 0.2.0 (``with_next_obs``, ``frame_stack``,
 ``frame_stride``, ``n_step_return``, ``return_indices``, ``return_generations``) and its positional order (``key,
-with_replacement, batch_size, with_next_obs, boundaries``) still work, warning with a ``DeprecationWarning`` that
-names the new spelling, and return exactly what they returned in 0.2.0 (a ``Transition``, ``(batch, indices)`` or
-``(batch, indices, generations)``). Two calls without an old form keep a 0.2.0 result too, with the warning: a
-prioritized buffer's call without ``unit`` returns ``(batch, batch.indices)``, and ``out=`` a plain ``Transition``
-without ``unit`` returns that ``Transition``. Every other call returns a ``Batch``, which is a ``Transition``, so
-``batch = buf.sample()`` and ``dict(batch)`` read as before. :mod:`gpubuf.replay.sampling.sample_legacy` maps the
-old forms.
+with_replacement, batch_size, with_next_obs, boundaries``) still work, warning with a ``DeprecationWarning`` that names
+the new spelling, and return exactly what they returned in 0.2.0 (a ``Transition``, ``(batch, indices)`` or ``(batch,
+indices, generations)``). Two calls without an old form keep a 0.2.0 result too, with the warning: a prioritized
+buffer's call without ``unit`` returns ``(batch, batch.indices)``, and ``out=`` a plain ``Transition`` without ``unit``
+returns that ``Transition``. Every other call returns a ``Batch``, which is a ``Transition``, so ``batch =
+buf.sample()`` and ``dict(batch)`` read as before. :mod:`gpubuf.replay.sampling.sample_legacy` maps the old forms.
 """
 
 import torch

@@ -57,8 +57,7 @@ def arguments(buffer, positional: tuple, keywords: dict, batch_size, unit, key, 
 
 
 def _bind(positional: tuple, keywords: dict, named: dict) -> dict:
-    """``{name: value}`` of the 0.2.0 arguments given positionally or by a dropped keyword; ``TypeError`` as Python
-    raises it for too many, repeated or unknown arguments."""
+    """``{name: value}`` of the 0.2.0 arguments given positionally or by dropped keyword (``TypeError`` as Python's)."""
     if len(positional) > len(POSITIONAL):
         raise TypeError(f"sample() takes at most {len(POSITIONAL)} positional arguments in its deprecated form "
                         f"({', '.join(POSITIONAL)}), got {len(positional)}")

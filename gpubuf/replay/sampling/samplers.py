@@ -1,14 +1,12 @@
 """Sampling policies of the replay buffers: which flat starts a batch begins at, and with what mass.
 
-A policy is composed into a :class:`~gpubuf.TransitionBuffer`. It owns the device side of sampling:
-one :class:`~gpubuf.replay.sampling.tree.PrefixSumTree` and one validity mask per validity kind (see
-:class:`~gpubuf.replay.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping
-says which starts are valid; the policy turns that into mass: 1 per valid start
-(:class:`UniformSampler`) or ``priority**alpha`` (:class:`PrioritizedSampler`), 0 per invalid one. A
-valid start's mass is never zero. :class:`TreeSampler` is their shared base: validity, trees and
-the tree draw (:meth:`TreeSampler.draw`, with or without replacement), which
-:class:`PrioritizedSampler` uses as is; :class:`UniformSampler` draws from a ring range when it
-can.
+A policy is composed into a :class:`~gpubuf.TransitionBuffer`. It owns the device side of sampling: one
+:class:`~gpubuf.replay.sampling.tree.PrefixSumTree` and one validity mask per validity kind (see
+:class:`~gpubuf.replay.ring.StartRing`), and, when prioritized, the priorities. The ring's host bookkeeping says which
+starts are valid; the policy turns that into mass: 1 per valid start (:class:`UniformSampler`) or ``priority**alpha``
+(:class:`PrioritizedSampler`), 0 per invalid one. A valid start's mass is never zero. :class:`TreeSampler` is their
+shared base: validity, trees and the tree draw (:meth:`TreeSampler.draw`, with or without replacement), which
+:class:`PrioritizedSampler` uses as is; :class:`UniformSampler` draws from a ring range when it can.
 """
 
 import numpy as np
@@ -26,24 +24,17 @@ from gpubuf.replay.sampling.tree import FANOUT, PrefixSumTree
 
 
 class TreeSampler(RowEvents):
-    """The shared base of the policies: validity and a prefix-sum tree per kind of a
-    :class:`StartRing` (each kind's built on first use), tree descents, exact draws without
-    replacement.
-
-    Companions (``ShardedBuffer``, ``GraphSampler``) call these methods rather than reach into the
-    trees: :meth:`tree` (a kind's tree, kept current from then on), :meth:`total` (a kind's mass),
-    :meth:`descend` (starts and masses picked by given uniforms), :meth:`descend_excluding` (the
-    same with some starts' mass set aside), and, prioritized, :meth:`PrioritizedSampler.check_mass`
-    and :meth:`PrioritizedSampler.raise_max_priority`.
-    """
+    """The shared base of the policies: validity and a prefix-sum tree per kind of a :class:`StartRing` (each kind's
+    built on first use), tree descents, exact draws without replacement. Companions (``ShardedBuffer``,
+    ``GraphSampler``) call its methods (:meth:`tree`, :meth:`total`, :meth:`descend`, ...) rather than reach into the
+    trees."""
 
     prioritized = False
 
     def __init__(self, ring: StartRing, table: ops.Backend):
         self.ring, self.device, self.table = ring, table.device, table  # the table runs the trees' ops
         self._trees: dict[int, PrefixSumTree] = {}  # per kind, allocated on first use
-        # (M*E,) bool device validity mask per kind, likewise
-        self._valid: dict[int, torch.Tensor] = {}
+        self._valid: dict[int, torch.Tensor] = {}  # (M*E,) bool device validity mask per kind, likewise
         self._active: set[int] = set()  # kinds whose tree and mask are kept up to date
         # set once a CUDA graph captured device-side priority updates: the kinds whose trees that graph updates
         self.frozen_kinds: frozenset | None = None
@@ -51,14 +42,12 @@ class TreeSampler(RowEvents):
         self._staging = Staging(table.device)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every device tensor the policy holds (trees and masks exist once their kind was first
-        used)."""
+        """Every device tensor the policy holds (trees and masks exist once their kind was first used)."""
         return [*(t.tree for t in self._trees.values()), *self._valid.values()]
 
     def activate(self, kind: int) -> None:
-        """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every
-        row) unless they are kept already; signals are held meanwhile, and the kind counts as kept
-        only once built."""
+        """Build the tree and mask of ``kind`` (allocated on first use, then one pass over every row) unless they are
+        kept already; signals are held meanwhile, and the kind counts as kept only once built."""
         if kind not in self._active:
             if self.frozen_kinds is not None:
                 raise RuntimeError(
@@ -69,8 +58,7 @@ class TreeSampler(RowEvents):
             if kind not in self._trees:
                 L = self.ring.max_rows * self.ring.n_envs
                 tree = PrefixSumTree(L, self.table)
-                self._valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool},
-                                                self.device)["valid"]
+                self._valid[kind] = ops.allocate({"valid": (L,)}, {"valid": torch.bool}, self.device)["valid"]
                 self._trees[kind] = tree
                 self.allocations += 1
             with signals_held():
@@ -82,8 +70,7 @@ class TreeSampler(RowEvents):
         """The kinds kept current changed (one more was built)."""
 
     def rows_loaded(self, whole: bool) -> None:
-        """The rows changed wholesale (a load): drop every kind's validity and rebuild the kinds in
-        use now, so tensors handed out earlier (a GraphSampler's tree) stay current."""
+        """A load: every kind's validity dropped, the kept kinds rebuilt in place (tensors handed out stay current)."""
         self.ring.forget_validity()
         for kind in sorted(self._active):
             self.refresh_rows(kind, 0, self.ring.max_rows)
@@ -106,8 +93,7 @@ class TreeSampler(RowEvents):
                 self.refresh_rows(kind, r0, r1)
 
     def refresh_rows(self, kind: int, r0: int, r1: int) -> None:
-        """Validity (host and device mask) and tree leaves of the starts in rows ``[r0, r1)``, then
-        their parents."""
+        """Validity (host and device mask) and tree leaves of the starts in rows ``[r0, r1)``, then their parents."""
         ok, n_ok = self.ring.refresh(kind, r0, r1)
         lo, hi = r0 * self.ring.n_envs, r1 * self.ring.n_envs
         mask = self._valid[kind][lo:hi]
@@ -118,21 +104,18 @@ class TreeSampler(RowEvents):
         self._trees[kind].update_range(lo, self.mass(slice(lo, hi), mask, n_ok == hi - lo))
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
-        """Sampling mass (float64, on the device) of flat ``starts`` (a slice or index tensor) given
-        their device validity ``valid`` (``all_valid``: all of them valid)."""
+        """Mass (float64, device) of flat ``starts`` (a slice or indices) of validity ``valid`` (``all_valid``: all)."""
         return valid.to(torch.float64)
 
     def count_valid(self, kind: int) -> int:
-        """Valid starts of ``kind`` (from the ring range while they are one, else from the kept
-        validity)."""
+        """Valid starts of ``kind`` (from the ring range while they are one, else from the kept validity)."""
         if self.ring.one_range(kind):
             return self.ring.range_starts(kind)[1]
         self.activate(kind)
         return self.ring.n_valid[kind]
 
     def check_draw(self, kind: int, B: int, with_replacement: bool) -> None:
-        """Raise ``ValueError`` unless ``B`` starts of ``kind`` can be drawn (any, or ``B``
-        distinct)."""
+        """Raise ``ValueError`` unless ``B`` starts of ``kind`` can be drawn (any, or ``B`` distinct)."""
         n = self.count_valid(kind)
         if n == 0:
             what = (" without truncation" if kind & NEXT_OBS else "") + \
@@ -140,12 +123,10 @@ class TreeSampler(RowEvents):
             raise ValueError(f"sample: no valid sequence start yet ({self.ring.count} rows written "
                              f"per env, windows of {self.ring.window(kind)} rows{what})")
         if not with_replacement and B > n:
-            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling "
-                             "without replacement needs")
+            raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement needs")
 
     def valid_mask(self, kind: int) -> torch.Tensor:
-        """(M*E,) bool on the device: the validity of every start of ``kind`` (built now unless kept already, the
-        same tensor from then on, kept current)."""
+        """(M*E,) bool on the device: ``kind``'s validity per start (built on first use, then kept current in place)."""
         self.activate(kind)
         return self._valid[kind]
 
@@ -159,12 +140,10 @@ class TreeSampler(RowEvents):
         return self.tree(kind).total()
 
     def descend(self, kind: int, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(flat starts (K,) int64, their masses (K,) float64)`` picked by uniforms ``u`` (K,)
-        float64 in [0, 1) in proportion to the masses of ``kind``."""
+        """``(flat starts (K,) int64, masses (K,) float64)`` of ``kind`` by mass, for uniforms ``u`` (K,) in [0, 1)."""
         return self.tree(kind).sample_masses(u)
 
-    def descend_excluding(self, kind: int, old: torch.Tensor,
-                          u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def descend_excluding(self, kind: int, old: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`descend` with the mass of flat starts ``old`` (K,) int64 (distinct) set aside:
         zeroed for the descent and restored after it, whatever happens (:class:`MassSetAside`)."""
         tree = self.tree(kind)
@@ -186,19 +165,16 @@ class TreeSampler(RowEvents):
         return self._staging.to_device(u, "__uniform__")
 
     def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
-        """``(flat starts (B,) int64, their masses (B,) float64)`` drawn with generator ``g`` in
-        proportion to their mass (the prioritized draw): ``B`` descents of the tree of ``kind``
-        (with replacement), else :meth:`_draw_without_replacement`."""
+        """``(flat starts (B,) int64, their masses (B,) float64)`` drawn with ``g`` in proportion to their mass: ``B``
+        descents of the tree of ``kind`` (with replacement), else :meth:`_draw_without_replacement`."""
         tree = self.tree(kind)
         if with_replacement:
             return tree.sample_masses(self.uniforms(g, B))
         return self._draw_without_replacement(tree, B, g)
 
     def _draw_without_replacement(self, tree: PrefixSumTree, B: int, g: torch.Generator):
-        """Exact sequential sampling without replacement: rounds of draws with replacement, keeping first
-        appearances (:meth:`_distinct_draws`). A first round with enough distinct draws touches no mass; else the
-        drawn starts' mass is set aside between rounds and restored at the end (:class:`MassSetAside`: whatever
-        happens, signals held meanwhile)."""
+        """Exact sequential sampling without replacement: rounds of :meth:`_distinct_draws`; from the second round on,
+        the drawn starts' mass is set aside between rounds and restored at the end (:class:`MassSetAside`)."""
         new, mass = self._distinct_draws(tree, B, g)
         if new.numel() == B:
             return new, mass
@@ -213,17 +189,14 @@ class TreeSampler(RowEvents):
         return torch.cat(chosen), torch.cat(masses)
 
     def _distinct_draws(self, tree: PrefixSumTree, need: int, g: torch.Generator):
-        """``(starts (K,) int64, their masses (K,) float64)``: the distinct starts of one round of ``max(2 * need,
-        16)`` draws with replacement from ``tree``, in order of first appearance, at most ``need`` of them (one
-        device read)."""
+        """``(starts (K,) int64, their masses (K,) float64)``: the distinct starts of one round of ``max(2 * need, 16)``
+        draws with replacement from ``tree``, first appearances first, at most ``need`` (one device read)."""
         draws = tree.sample(self.uniforms(g, max(2 * need, 16)))
         uniq, inv = torch.unique(draws, return_inverse=True)
         first_seen = torch.full_like(uniq, draws.numel()).scatter_reduce_(
             0, inv, torch.arange(draws.numel(), device=draws.device), "amin")
         new = uniq[torch.argsort(first_seen)][:need]
         return new, tree.leaves(new)
-
-    # ------------------------------------------------------------------ state (uniform: none)
 
     def state(self) -> dict:
         """The policy's entries of a buffer's ``state_dict``."""
@@ -234,34 +207,30 @@ class TreeSampler(RowEvents):
         before any write; returns what :meth:`load_state` takes."""
 
     def load_state(self, state: dict, checked, owned: tuple) -> None:
-        """Write the entries :meth:`check_state` accepted (``owned``: memory ranges a source may
-        alias)."""
+        """Write the entries :meth:`check_state` accepted (``owned``: memory ranges a source may alias)."""
 
     def flushed(self) -> dict:
         """The policy's entries of a ``storage_dir`` flush (host values)."""
         return {}
 
     def reopen(self, state: dict | None, since: int) -> None:
-        """Restore a re-opened directory's flushed entries (``None``: never flushed); the ``since``
-        newest held rows were written after that flush."""
+        """Restore flushed entries of a re-opened directory (``None``: none); its ``since`` newest rows came later."""
 
 
 class UniformSampler(TreeSampler):
     """Uniform sampling over the valid starts: mass 1 each."""
 
     def draw(self, kind: int, B: int, g: torch.Generator, with_replacement: bool):
-        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator
-        ``g``. With replacement, while the valid starts are one ring range of rows, they are drawn
-        from the range directly (no tree descent, no masses); otherwise the tree is descended
-        (:meth:`TreeSampler.draw`)."""
+        """``(flat starts (B,) int64, their masses (B,) float64 or None)`` drawn with generator ``g``. With replacement,
+        while the valid starts are one ring range of rows, they are drawn from the range directly (no tree descent, no
+        masses); otherwise the tree is descended (:meth:`TreeSampler.draw`)."""
         if with_replacement and self.ring.one_range(kind):
             return self._range_draw(kind, B, g), None
         return super().draw(kind, B, g, with_replacement)
 
     def _range_draw(self, kind: int, B: int, g: torch.Generator) -> torch.Tensor:
-        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where
-        ``g`` draws (for a host generator, on the host, so one copy of the starts reaches the
-        device)."""
+        """(B,) flat starts drawn uniformly among the ring range of valid starts: computed where ``g`` draws (for a host
+        generator, on the host, so one copy of the starts reaches the device)."""
         M, E = self.ring.max_rows, self.ring.n_envs
         base, n = self.ring.range_starts(kind)
         u = torch.rand(B, dtype=torch.float64, generator=g, device=g.device)
@@ -273,8 +242,7 @@ class UniformSampler(TreeSampler):
             k %= M * E
             return self._staging.to_device(torch.from_numpy(k), "__starts__")
         k = u.mul(n).long().clamp_max_(n - 1)
-        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(
-            k.remainder(E)).to(self.device)
+        return k.div(E, rounding_mode="floor").add_(base).remainder_(M).mul_(E).add_(k.remainder(E)).to(self.device)
 
 
 class PrioritizedSampler(TreeSampler):
@@ -291,14 +259,11 @@ class PrioritizedSampler(TreeSampler):
         device = table.device
         self.alpha, self.eps, self.size = alpha, eps, ring.max_rows * ring.n_envs
         self._beta, self._beta_tensor = beta, None
-        self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32},
-                                     device)["priority"]
-        # (1,) max_priority on the host (the device's own memory on a CPU buffer once device updates ran): the
-        # priority write raises it; ``_max_np`` views it
+        self.priority = ops.allocate({"priority": (self.size,)}, {"priority": torch.float32}, device)["priority"]
+        # (1,) max_priority on the host, raised by the priority write (a CPU buffer's device updates own it once made)
         self._max_box, self._device_updates = torch.ones(1, dtype=torch.float64), None
         self._max_np = self._max_box.numpy()
-        # (2,) float64 on the device: the code and largest new priority of the last write (``_result_np``: its
-        # numpy view on the host)
+        # (2,) float64 on the device: the code and largest new priority of the last write (``_result_np``: host view)
         self._result = torch.zeros(2, dtype=torch.float64, device=device)
         self._result_np = self._result.numpy() if device.type == "cpu" else None
         self._scratch_box = None  # (1,) float32 on a GPU: the maximum a checked write raises before device updates
@@ -329,26 +294,19 @@ class PrioritizedSampler(TreeSampler):
 
     @property
     def beta_tensor(self) -> torch.Tensor:
-        """``()`` float64 on the device holding :attr:`beta`, the same tensor for the sampler's
-        life."""
+        """``()`` float64 on the device holding :attr:`beta`, the same tensor for the sampler's life."""
         if self._beta_tensor is None:
             self._beta_tensor = torch.full((), self._beta, dtype=torch.float64, device=self.device)
         return self._beta_tensor
 
-    def weights(self, mass: torch.Tensor) -> torch.Tensor:
-        """``PER_weights`` (B,) float32 of drawn starts of ``mass`` (B,): ``(P_i / min_batch
-        P)**-beta``."""
-        return self.table.importance_weights(mass, self._beta)
-
     def weigh(self, batch, mass: torch.Tensor) -> None:
-        """``batch.PER_weights``: :meth:`weights` of ``mass``."""
-        batch.PER_weights = self.weights(mass)
+        """``batch.PER_weights`` (B,) float32 of drawn masses ``mass`` (B,): ``(P_i / min_batch P)**-beta``."""
+        batch.PER_weights = self.table.importance_weights(mass, self._beta)
 
     @property
     def max_priority(self) -> float:
-        """The running maximum priority (new starts get it). Once updates ran on the device
-        (:meth:`device_updates`) it lives there: reading it reads the device, and first raises what
-        those updates dropped
+        """The running maximum priority (new starts get it). Once updates ran on the device (:meth:`device_updates`) it
+        lives there: reading it reads the device, and first raises what those updates dropped
         (:meth:`~gpubuf.replay.sampling.device_priorities.DevicePriorityUpdates.raise_pending`)."""
         dev = self._device_updates
         if dev is None:
@@ -374,8 +332,7 @@ class PrioritizedSampler(TreeSampler):
             self._device_updates.raise_pending()
 
     def device_updates(self) -> DevicePriorityUpdates:
-        """The sync-free priority updates of this sampler (made on first use; from then on ``max_priority`` lives
-        on the device and inserts read it there)."""
+        """The sync-free priority updates (made on first use; from then on ``max_priority`` lives on the device)."""
         if self._device_updates is None:
             self._device_updates = DevicePriorityUpdates(self, float(self._max_np[0]))
             if self.device.type == "cpu":  # one home for max_priority: the checked writes raise the device's
@@ -399,11 +356,8 @@ class PrioritizedSampler(TreeSampler):
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         return self.table.masses(self.priority[starts], valid, self.alpha, all_valid)  # invalid starts: zero mass
 
-    # ------------------------------------------------------------------ checks
-
     def check_mass(self, name: str, top: float) -> None:
-        """Raise unless ``top**alpha`` summed over every start stays finite in float64 (``top`` below
-        :attr:`mass_limit`)."""
+        """Raise unless ``top**alpha`` over every start sums to a finite float64 (``top`` below :attr:`mass_limit`)."""
         if top >= self.mass_limit:
             raise ops.overflow_error(name, top, self.alpha, self.size)
 
@@ -426,41 +380,32 @@ class PrioritizedSampler(TreeSampler):
             if not bool(torch.isfinite(piece).all()) \
                     or not (float(piece.min()) >= 0 and float(piece.max()) <= top) \
                     or (held.numel() and float(held.min()) < eps):
-                raise ValueError(f"{where}: expected priorities of held starts in [{eps:g}, "
-                                 f"max_priority {top:g}] and of the others in [0, max_priority], "
-                                 "all finite")
+                raise ValueError(f"{where}: expected priorities of held starts in [{eps:g}, max_priority {top:g}] and "
+                                 "of the others in [0, max_priority], all finite")
             at += piece.numel()
-
-    # ------------------------------------------------------------------ state
 
     def state(self) -> dict:
         return {"beta": self.beta, "priority": self.priority, "max_priority": self.max_priority}
 
-    def check_state(self, state: dict, pos: int, count: int) -> tuple[float, float]:
-        beta = finite_float("state_dict['beta']", state["beta"], 0.0)
-        top = finite_float("state_dict['max_priority']", state["max_priority"], 1.0)
-        self.check_mass("state_dict['max_priority']", top)
-        self.check_priorities("state_dict['priority']", state["priority"], top, pos, count)
+    def check_state(self, state: dict, pos: int, count: int, named: str = "state_dict['{}']") -> tuple[float, float]:
+        beta = finite_float(named.format("beta"), state["beta"], 0.0)
+        top = finite_float(named.format("max_priority"), state["max_priority"], 1.0)
+        self.check_mass(named.format("max_priority"), top)
+        self.check_priorities(named.format("priority"), state["priority"], top, pos, count)
         return beta, top
 
     def load_state(self, state: dict, checked: tuple[float, float], owned: tuple) -> None:
         copy_into(self.priority,
-                  unaliased({"priority": state["priority"]}, {"priority": self.priority},
-                            owned)["priority"])
+                  unaliased({"priority": state["priority"]}, {"priority": self.priority}, owned)["priority"])
         self.beta, self.max_priority = checked
 
     def flushed(self) -> dict:
-        return {"priority": self.priority.cpu(), "max_priority": self.max_priority,
-                "beta": self.beta}
+        return {"priority": self.priority.cpu(), "max_priority": self.max_priority, "beta": self.beta}
 
     def reopen(self, state: dict | None, since: int) -> None:
         if state is not None:  # checked as a load_state_dict would, before anything is restored
-            beta = finite_float("beta", state["beta"], 0.0)
-            top = finite_float("max_priority", state["max_priority"], 1.0)
-            self.check_mass("max_priority", top)
             ring = self.ring  # the rows held at the flush: those held now, less the `since` newest
-            self.check_priorities("priority", state["priority"], top,
-                                  (ring.pos - since) % ring.max_rows, ring.count - since)
+            beta, top = self.check_state(state, (ring.pos - since) % ring.max_rows, ring.count - since, "{}")
             self.priority.copy_(state["priority"])
             self.max_priority, self.beta = top, beta
         if since:  # rows written after the flush: new starts take the running max priority

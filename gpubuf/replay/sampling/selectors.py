@@ -75,7 +75,10 @@ class Selector(RowEvents):
         raise NotImplementedError
 
     def check(self, kind: int, B: int, with_replacement: bool) -> None:
-        """``ValueError`` unless a draw of ``B`` starts of ``kind`` can run."""
+        """``ValueError`` unless a draw of ``B`` starts of ``kind`` can run (``replacement_only``: with replacement)."""
+        if self.replacement_only and not with_replacement:
+            raise ValueError(f"with_replacement: a {type(self).__name__} selector draws with replacement; "
+                             "pass with_replacement=True (or leave it None)")
 
     def distinct(self, with_replacement: bool) -> bool:
         """Whether a draw (``with_replacement`` as asked) returns ``B`` distinct starts, so needs that many valid."""
@@ -111,8 +114,6 @@ class Selector(RowEvents):
     def load(self, state: dict) -> None:
         """Take the entries :meth:`state` saved (absent ones: their defaults), checked by :meth:`check_state`."""
 
-    # ------------------------------------------------------------------ masses (device)
-
     def _valid(self, kind: int) -> torch.Tensor:
         return self.buffer.sampler.valid_mask(kind)
 
@@ -125,8 +126,7 @@ class Selector(RowEvents):
 
 
 class Recency(Selector):
-    """Start ``i`` with probability ``(age_i + 1) ** -exponent`` over the valid starts (``exponent > 0``; DreamerV3
-    uses 1), with replacement."""
+    """Start ``i`` in proportion to ``(age_i + 1) ** -exponent`` (``exponent > 0``; DreamerV3: 1), with replacement."""
 
     capturable = replacement_only = True
 
@@ -138,9 +138,6 @@ class Recency(Selector):
 
     def fresh(self) -> "Recency":
         return Recency(self.exponent)
-
-    def check(self, kind: int, B: int, with_replacement: bool) -> None:
-        _with_replacement(self, with_replacement)
 
     def draw_u(self, kind: int, u: torch.Tensor, groups: int = 1):  # independent draws: groups change nothing
         mass = self._recency_mass(kind, self.exponent)
@@ -192,9 +189,6 @@ class Mixture(Selector):
             n[k] += 1
         return n
 
-    def check(self, kind: int, B: int, with_replacement: bool) -> None:
-        _with_replacement(self, with_replacement)
-
     def draw_u(self, kind: int, u: torch.Tensor, groups: int = 1):
         """Each of the ``groups`` batches of ``u`` holds :meth:`counts` starts of each component (in component
         order), so every minibatch is the mixture its probabilities assume."""
@@ -211,8 +205,7 @@ class Mixture(Selector):
     def _component(self, name: str, kind: int, u: torch.Tensor) -> torch.Tensor:
         if name == "prioritized":
             return self.buffer.sampler.descend(kind, u)[0]
-        mass = self._valid(kind).to(torch.float64) if name == "uniform" else \
-            self._recency_mass(kind, self.exponent)
+        mass = self._valid(kind).to(torch.float64) if name == "uniform" else self._recency_mass(kind, self.exponent)
         return proportional_draw(mass, u)[0]
 
     def prob(self, kind: int, idx: torch.Tensor, n: dict | None = None) -> torch.Tensor:
@@ -284,7 +277,6 @@ class _Queue(Selector):
         self.served[:] = False if served is None else host_tensor(served).numpy()
 
 
-
 class Fifo(_Queue):
     """A queue: the oldest valid starts not yet served, ``B`` distinct per call, each served once."""
 
@@ -315,8 +307,7 @@ class Lifo(Fifo):
 
 
 class Online(_Queue):
-    """Each batch: first the valid starts not yet served, oldest first (at most ``B``), then ``base`` (a
-    :class:`Recency` or :class:`Mixture`; ``None``: the buffer's own draw)."""
+    """First the unserved valid starts, oldest first (at most ``B``), then ``base`` (``None``: the buffer's draw)."""
 
     def __init__(self, base: Selector | None = None):
         super().__init__()
@@ -382,12 +373,6 @@ def _distinct_rest(sampler, kind: int, k: int, g: torch.Generator, taken: torch.
 
 def _number(x) -> bool:
     return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, float, np.integer, np.floating))
-
-
-def _with_replacement(selector: Selector, with_replacement: bool) -> None:
-    if not with_replacement:
-        raise ValueError(f"with_replacement: a {type(selector).__name__} selector draws with replacement; "
-                         "pass with_replacement=True (or leave it None)")
 
 
 def check_selector(selector) -> Selector | None:

@@ -1,11 +1,9 @@
-"""Sampling with frame stacks and n-step returns built from the single frames a replay buffer
-stores.
+"""Sampling with frame stacks and n-step returns built from the single frames a replay buffer stores.
 
-:class:`StackSpec` holds a sample call's ``frame_stack``, ``frame_stride`` and ``n_step_return``,
-checked against the buffer; :class:`StackedGather` gathers one batch for sampled flat starts:
-observation leaves as stacks, the other leaves as plain windows, and with ``n_step_return`` the
-return, its discount and the bootstrap observation (the rules: :mod:`gpubuf.ops.stacks`), into the outputs a
-:class:`~gpubuf.replay.sampling.plan.SamplePlan` gives it.
+:class:`StackSpec` holds a sample call's ``frame_stack``, ``frame_stride`` and ``n_step_return``, checked against the
+buffer; :class:`StackedGather` gathers one batch for sampled flat starts: observation leaves as stacks, the other leaves
+as plain windows, and with ``n_step_return`` the return, its discount and the bootstrap observation (the rules:
+:mod:`gpubuf.ops.stacks`), into the outputs a :class:`~gpubuf.replay.sampling.plan.SamplePlan` gives it.
 """
 
 import dataclasses
@@ -32,8 +30,7 @@ _GAMMAS = ops.LRU(8)
 
 def gamma_tensor(gamma: float, device: torch.device) -> torch.Tensor:
     """``(1,)`` float64 tensor of ``gamma`` on ``device`` (cached: :data:`_GAMMAS`)."""
-    return _GAMMAS.get((gamma, device),
-                       lambda: torch.tensor([gamma], dtype=torch.float64, device=device))
+    return _GAMMAS.get((gamma, device), lambda: torch.tensor([gamma], dtype=torch.float64, device=device))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +45,9 @@ class StackSpec:
 
     @classmethod
     def build(cls, config, frame_stack, frame_stride, n_step_return) -> "StackSpec | None":
-        """The spec of a sample call (``None`` when it asks for neither), or ``ValueError`` naming
-        the argument."""
+        """The spec of a sample call (``None`` when it asks for neither), or ``ValueError`` naming the argument."""
         if frame_stack is None:  # a stride means nothing without stacks, returns or not
-            if isinstance(frame_stride, bool) or not isinstance(frame_stride, (int, np.integer)) \
-                    or frame_stride != 1:
+            if isinstance(frame_stride, bool) or not isinstance(frame_stride, (int, np.integer)) or frame_stride != 1:
                 raise ValueError("frame_stride: needs frame_stack, got "
                                  f"frame_stride={frame_stride!r} and frame_stack=None")
             if n_step_return is None:
@@ -66,26 +61,23 @@ class StackSpec:
         if not config.paths("observation"):
             raise ValueError("frame_stack/n_step_return: the buffer stores no observation")
         if config.stores_next_obs:
-            raise ValueError("frame_stack/n_step_return: build next observations from the "
-                             "following rows; this buffer stores next_observation (store each "
-                             "frame once, in observation)" + ("" if config.vectorized_env else SINGLE_TRANSITIONS))
+            raise ValueError("frame_stack/n_step_return: build next observations from the following rows; this buffer "
+                             "stores next_observation (store each frame once, in observation)"
+                             + ("" if config.vectorized_env else SINGLE_TRANSITIONS))
         n, gamma = None, 1.0
         if n_step_return is not None:
             if not isinstance(n_step_return, (tuple, list)) or len(n_step_return) != 2:
-                raise ValueError("n_step_return: expected (n, gamma), got "
-                                 f"{n_step_return!r}")
+                raise ValueError(f"n_step_return: expected (n, gamma), got {n_step_return!r}")
             n = _int("n_step_return[0]", n_step_return[0], 1, M)
             gamma = n_step_return[1]
             if isinstance(gamma, bool) or not isinstance(gamma, (int, float, np.floating)) \
                     or not 0.0 <= float(gamma) <= 1.0 or math.isnan(float(gamma)):
-                raise ValueError(f"n_step_return[1]: expected a discount gamma in [0, 1], got "
-                                 f"{gamma!r}")
+                raise ValueError(f"n_step_return[1]: expected a discount gamma in [0, 1], got {gamma!r}")
             gamma = float(gamma)
             rewards = config.paths("reward")
             if len(rewards) != 1 or config.by_path[rewards[0]].shape != ():
                 got = [(config.by_path[p].name, config.by_path[p].shape) for p in rewards]
-                raise ValueError("n_step_return: needs one scalar reward per row, the buffer "
-                                 f"stores {got}")
+                raise ValueError(f"n_step_return: needs one scalar reward per row, the buffer stores {got}")
             if config.by_path[rewards[0]].dtype in (torch.bool, torch.complex64, torch.complex128):
                 raise ValueError("n_step_return: needs a real-valued reward, the buffer stores "
                                  f"{config.by_path[rewards[0]].dtype}")
@@ -93,15 +85,13 @@ class StackSpec:
                 raise ValueError("n_step_return: needs a terminated leaf (returns stop at a "
                                  "termination, with discount 0); the buffer stores none")
             if config.n_steps != 1:
-                raise ValueError("n_step_return: returns are per transition; this buffer samples "
-                                 f"windows of n_steps={config.n_steps} rows (build it with "
-                                 "n_steps=1)")
+                raise ValueError(f"n_step_return: returns are per transition; this buffer samples windows of "
+                                 f"n_steps={config.n_steps} rows (build it with n_steps=1)")
         return cls(k, stride, n, gamma)
 
 
 def _int(name: str, value, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-            or not lo <= value <= hi:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value!r}")
     return int(value)
 
@@ -109,13 +99,8 @@ def _int(name: str, value, lo: int, hi: int) -> int:
 class StackedGather:
     """The stacks and returns of ``B`` flat starts for ``spec``, a read stage of a
     :class:`~gpubuf.replay.sampling.plan.SamplePlan`: observation leaves as stacks, and with ``n_step_return`` the
-    return, its discount and the bootstrap stacks. :attr:`plain` lists the other leaves' jobs ``(output path, stored
-    path, shift, shape)``, which the plan reads as plain windows.
-
-    It takes its outputs: :meth:`outputs` allocates one set (the plan keeps it when fixed, else allocates one per
-    sample, before the draw), :meth:`tables` uploads the Triton copy tables of a set once, and :meth:`run` fills a
-    set for the drawn starts.
-    """
+    return, its discount and the bootstrap stacks, into the outputs it is given (:meth:`outputs`). :attr:`plain` lists
+    the other leaves' jobs ``(output path, stored path, shift, shape)``, which the plan reads as plain windows."""
 
     def __init__(self, reader, spec: StackSpec, B: int, with_next_obs: bool):
         config, storage = reader.config, reader.storage
@@ -145,8 +130,7 @@ class StackedGather:
             self.gamma = gamma_tensor(spec.gamma, storage.device)  # held: a captured graph reads it
 
     def outputs(self) -> dict:
-        """Fresh output tensors: ``{path: tensor}`` on the storage's device (pinned for a CUDA buffer on host
-        storage), with the returns' under ``"returns"``."""
+        """Fresh outputs ``{path: tensor}`` on the storage's device (pinned for CUDA), returns' under ``"returns"``."""
         here, dtypes = self.storage.device, {leaf.path: leaf.dtype for leaf in self.config.leaves}
         out = {d: torch.empty(shape, dtype=dtypes[s], device=here, pin_memory=self.pin)
                for d, s, _, shape in self.stacks + self.boots}
@@ -166,8 +150,7 @@ class StackedGather:
         return [(self.storage.flat[s], out[d], shift) for d, s, shift, _ in jobs]
 
     def run(self, starts: torch.Tensor, out: dict, tables: dict | None = None) -> None:
-        """Fill ``out`` (:meth:`outputs`) for flat ``starts`` (B,) int64 on the buffer's device (``tables``: those
-        of ``out``, launched instead)."""
+        """Fill ``out`` (:meth:`outputs`) for flat ``starts`` (B,) int64 (``tables``: ``out``'s, launched instead)."""
         config, spec, storage, marks = self.config, self.spec, self.storage, self.marks
         n, k, E, M = config.n_steps, spec.k or 1, config.n_envs, config.max_rows
         local = starts.to(storage.device)  # host storage: the starts are read back once
@@ -187,8 +170,7 @@ class StackedGather:
                                    spec.stride, E, M)
 
     def assemble(self, out: dict, plain: dict) -> Transition:
-        """The batch of :meth:`outputs`' tensors ``out`` and the plain windows ``plain``, on the buffer's device
-        (``out``'s tensors themselves when they are there)."""
+        """The batch of ``out`` (:meth:`outputs`) and the plain windows ``plain``, on the buffer's device."""
         result = dict(plain)
         for d, *_ in self.stacks + self.boots:
             result[d] = out[d].to(self.device, non_blocking=True)

@@ -1,11 +1,10 @@
 """The wide prefix-sum tree the replay buffers sample from (uniform and prioritized alike).
 
-One float64 mass per sequence start (``priority**alpha``, or 1 for uniform sampling, times 0/1
-validity). Level ``k+1`` holds the sums of consecutive groups of ``fanout`` entries of level ``k``;
-the top level is a single node of ``fanout`` entries; all levels live in one flat tensor. Sampling
-walks the levels with a prefix sum over each visited node's children; updating writes leaves, then
-recomputes only the touched parents from their children, so the tree is a deterministic function of
-its leaves: float rounding cannot accumulate across updates, and a zero leaf is never sampled.
+One float64 mass per sequence start (``priority**alpha``, or 1 for uniform sampling, times 0/1 validity). Level ``k+1``
+holds the sums of consecutive groups of ``fanout`` entries of level ``k``; the top level is a single node of ``fanout``
+entries; all levels live in one flat tensor. Sampling walks the levels with a prefix sum over each visited node's
+children; updating writes leaves, then recomputes only the touched parents from their children, so the tree is a
+deterministic function of its leaves: float rounding cannot accumulate across updates, and a zero leaf is never sampled.
 """
 
 import torch
@@ -44,8 +43,7 @@ class PrefixSumTree:
         return self.tree[self.offsets[-2]:].sum()
 
     def update(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        """Leaves ``idx`` (K,) int64 = ``values`` (K,) float64 (equal values for duplicates), then
-        their parents."""
+        """Leaves ``idx`` (K,) int64 = ``values`` (K,) float64 (equal values for duplicates), then their parents."""
         self.table.tree_update(self.tree, self.offsets, self.fanout, idx, values)
 
     def update_range(self, lo: int, values: torch.Tensor) -> None:
@@ -61,6 +59,5 @@ class PrefixSumTree:
         return out
 
     def sample_masses(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(leaves (B,) int64, their masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 (on the CPU, one
-        compiled loop when it can)."""
+        """``(leaves (B,) int64, masses (B,) float64)`` picked by uniforms ``u`` (B,) float64 (CPU: a compiled loop)."""
         return self.table.tree_sample_masses(self.tree, self.offsets, self.fanout, u)

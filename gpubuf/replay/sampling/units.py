@@ -14,14 +14,13 @@ A start ``s`` (a flat ``row * n_envs + env``) is read as one of four units:
   previous episode (an episode ends after a ``terminated`` or ``truncated`` row, or, when the buffer stores
   ``info["is_last"]``, after that row only), nor a row the ring no longer holds (its oldest frame held pads).
   Validity and probabilities of the starts are those of the plain unit.
-- ``Unit.n_step(n, gamma, frames=None, stride=1)`` (a buffer of ``n_steps=1`` with a ``terminated`` leaf): the
-  n-step transition: ``reward`` the discounted sum of the rewards of up to ``n`` rows from the start (float32;
-  float64 for a float64 reward), ``discount`` the bootstrap value's factor ``gamma**m`` after ``m`` rewards, 0 when
-  they end in a termination, ``next_observation`` the observation to bootstrap from (stacked with ``frames``),
-  ``truncated`` True where fewer than ``n`` rewards were taken without a termination: at a truncation (or an
-  ``info["is_last"]`` row) the return stops before that row and bootstraps from its observation; likewise before
-  the newest row held, whose next observation is not stored yet. Other leaves are the start row's. Starts are
-  drawn as for ``Unit.transition()``.
+- ``Unit.n_step(n, gamma, frames=None, stride=1)`` (a buffer of ``n_steps=1`` with a ``terminated`` leaf): the n-step
+  transition: ``reward`` the discounted sum of the rewards of up to ``n`` rows from the start (float32; float64 for a
+  float64 reward), ``discount`` the bootstrap value's factor ``gamma**m`` after ``m`` rewards, 0 when they end in a
+  termination, ``next_observation`` the observation to bootstrap from (stacked with ``frames``), ``truncated`` True
+  where fewer than ``n`` rewards were taken without a termination: at a truncation (or an ``info["is_last"]`` row) the
+  return stops before that row and bootstraps from its observation; likewise before the newest row held, whose next
+  observation is not stored yet. Other leaves are the start row's. Starts are drawn as for ``Unit.transition()``.
 
 A unit checks its own values when built (``ValueError`` naming the argument, ``TypeError`` for a flag that is not a
 bool); what depends on the buffer (a stack longer than the ring, returns of a buffer of windows, no observation
@@ -83,20 +82,17 @@ class Unit:
 
     @classmethod
     def transition(cls) -> "Unit":
-        """The ``n_steps`` rows from each start with ``next_observation``, never from a start the data cannot
-        follow (a truncation inside its rows)."""
+        """The ``n_steps`` rows from each start with ``next_observation``; never a start with a truncation in them."""
         return cls(next_obs=True)
 
     @classmethod
     def frames(cls, k: int, stride: int = 1, next_obs: bool = False) -> "Unit":
-        """Observations as stacks of ``k`` frames ``stride`` rows apart (``next_observation`` stacked too with
-        ``next_obs``)."""
+        """Observations as stacks of ``k`` frames ``stride`` rows apart (``next_observation`` too with ``next_obs``)."""
         return cls(next_obs, positive_int("k", k), positive_int("stride", stride))
 
     @classmethod
     def n_step(cls, n: int, gamma: float, frames: int | None = None, stride: int = 1) -> "Unit":
-        """The n-step transition: up to ``n`` rewards discounted by ``gamma`` in ``[0, 1]`` (observations stacked
-        as :meth:`frames` with ``frames``)."""
+        """The n-step transition: up to ``n`` rewards discounted by ``gamma`` in ``[0, 1]`` (``frames``: stacked)."""
         if frames is not None:
             frames = positive_int("frames", frames)
         elif stride != 1:
