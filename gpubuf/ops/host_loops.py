@@ -184,6 +184,12 @@ def _priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets,
     result[1] = top
 
 
-# the public names: tree_update, tree_update_range, tree_sample, tree_sample_masses, importance_weights,
-# priority_write, priority_masses, masses, priority_update
-globals().update({name: _first_call(name) for name in _LOOPS})
+tree_update = _first_call("tree_update")
+tree_update_range = _first_call("tree_update_range")
+tree_sample = _first_call("tree_sample")
+tree_sample_masses = _first_call("tree_sample_masses")
+importance_weights = _first_call("importance_weights")
+priority_write = _first_call("priority_write")
+priority_masses = _first_call("priority_masses")
+masses = _first_call("masses")
+priority_update = _first_call("priority_update")
