@@ -5,17 +5,22 @@
 Prints the lines outside ``gpubuf/ops`` that ask "Triton? numba? compiling?" (the text search below; the sharded
 transport's ``route`` is a message router, not a choice), the ``is_compiling`` uses and numba importers outside
 ``gpubuf/ops``, the three largest classes and functions (lines from ``def``/``class`` to the end, docstring
-included), ``graph_sampler.py``'s length, ``gpubuf/replay``'s top modules and folders, and ``sample()``'s parameters
-(run with ROOT first on ``sys.path``: the checkout's ``gpubuf/kernels`` must exist, as a link to ``kernels/``).
+included), ``graph_sampler.py``'s length, ``gpubuf/replay``'s top modules and folders, the size of ``gpubuf/`` and
+``kernels/`` (lines: code, docstring, comment, blank; code tokens without docstrings, comments and layout; docstring
+words) and ``sample()``'s parameters (run with ROOT first on ``sys.path``: the checkout's ``gpubuf/kernels`` must
+exist, as a link to ``kernels/``).
 """
 
 import ast
 import inspect
+import io
 import re
 import sys
+import tokenize
 import warnings
 from pathlib import Path
 
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 DECIDING = re.compile(r'is_compiling|host_loops|triton_runs_on|interpreting\(|\broute\(|backend_for|backend ?[!=]= ?"')
 
 
@@ -51,6 +56,32 @@ def definitions(texts: dict[str, str]) -> list[tuple[int, str, str]]:
     return found
 
 
+def size(root: Path) -> dict[str, int]:
+    """Lines of ``gpubuf/`` and ``kernels/`` by kind, code tokens (docstrings, comments and layout left out) and
+    docstring words."""
+    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    count = dict.fromkeys(("lines", "code", "docstring", "comment", "blank", "code tokens", "docstring words"), 0)
+    for path in sorted(root.glob("gpubuf/**/*.py")) + sorted(root.glob("kernels/**/*.py")):
+        if path.parent.name == "kernels" and path.parent.is_symlink():
+            continue
+        text = path.read_text()
+        docs = [n.body[0] for n in ast.walk(ast.parse(text)) if isinstance(n, DOCUMENTED) and ast.get_docstring(n)]
+        doc_lines = {i for d in docs for i in range(d.lineno, d.end_lineno + 1)}
+        starts = {(d.lineno, d.col_offset) for d in docs}
+        lines = text.splitlines()
+        comment = sum(line.strip().startswith("#") for i, line in enumerate(lines, 1) if i not in doc_lines)
+        blank = sum(not line.strip() for i, line in enumerate(lines, 1) if i not in doc_lines)
+        count["lines"] += len(lines)
+        count["docstring"] += len(doc_lines)
+        count["comment"] += comment
+        count["blank"] += blank
+        count["code"] += len(lines) - len(doc_lines) - comment - blank
+        count["docstring words"] += sum(len(ast.literal_eval(d.value).split()) for d in docs)
+        count["code tokens"] += sum(t.type not in layout and not (t.type == tokenize.STRING and t.start in starts)
+                                    for t in tokenize.generate_tokens(io.StringIO(text).readline))
+    return count
+
+
 def main(root: Path) -> None:
     texts = sources(root)
     sites = deciding_lines(texts)
@@ -68,6 +99,7 @@ def main(root: Path) -> None:
     print("graph_sampler.py lines:", len(sampler.read_text().splitlines()))
     print("replay top modules:", sorted(p.name for p in replay.glob("*.py") if p.name != "__init__.py"),
           "folders:", sorted(p.name for p in replay.iterdir() if p.is_dir() and p.name != "__pycache__"))
+    print("size of gpubuf/ and kernels/:", size(root))
     sys.path.insert(0, str(root))
     warnings.simplefilter("ignore")
     import gpubuf
