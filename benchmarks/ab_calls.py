@@ -1,6 +1,6 @@
 """Large-input calls of one checkout, for before/after comparisons of two checkouts on one quiet machine.
 
-    PYTHONPATH=CHECKOUT python benchmarks/ab_calls.py [BLOCKS]     # one JSON line
+    PYTHONPATH=CHECKOUT python benchmarks/ab_calls.py [BLOCKS] [GROUP ...]    # one JSON line; GROUP: per window history
 
 Times, in microseconds per call, the median and the minimum over BLOCKS blocks (default 100) of: PER ``sample``,
 ``insert`` and ``update_priorities`` of 256 rows on a full buffer of 2**17 (obs float32[17], action float32[6]); a
@@ -65,13 +65,16 @@ def history_calls(rng: np.random.Generator) -> dict:
     return {"history append 1024": lambda: buf.append(info), "history get(3) 1024": lambda: buf.get(3)}
 
 
-def main(blocks: int) -> None:
+GROUPS = {"per": per_calls, "window": window_calls, "history": history_calls}
+
+
+def main(blocks: int, groups: list[str]) -> None:
     warnings.simplefilter("ignore")  # deprecated spellings of an older checkout
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     result = {}
-    for calls in (per_calls(rng), window_calls(rng), history_calls(rng)):
-        for name, call in calls.items():
+    for group in groups:
+        for name, call in GROUPS[group](rng).items():
             for _ in range(10):
                 call()
             times = []
@@ -85,4 +88,4 @@ def main(blocks: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100, sys.argv[2:] or list(GROUPS))
