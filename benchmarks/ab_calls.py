@@ -3,7 +3,8 @@
     PYTHONPATH=CHECKOUT python benchmarks/ab_calls.py [BLOCKS] [GROUP ...]    # one JSON line; GROUP: per window history
 
 Times, in microseconds per call, the median and the minimum over BLOCKS blocks (default 100) of: PER ``sample``,
-``insert`` and ``update_priorities`` of 256 rows on a full buffer of 2**17 (obs float32[17], action float32[6]); a
+``insert`` and ``update_priorities`` of 256 rows on a full buffer of 2**17 (obs float32[17], action float32[6]; the
+update's priorities are drawn in the timed call, ``torch.rand(256) + 0.1``, alike in both checkouts); a
 window ``sample`` of 32 x 16 steps from 64 envs x 1024 steps of 64x64x3 uint8 frames; ``HistoryBuffer`` ``append``
 and ``get(3)`` at 1024 envs (the peer harness's shapes). Run it alternately on the two checkouts, several times each,
 and compare the medians of the per-run minimums: on a shared machine a block's minimum is the statistic that the

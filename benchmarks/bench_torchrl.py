@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpubuf.apps.benchmarking.per import prepared_priorities
 from gpubuf.apps.benchmarking.timing import machine, median_us, versions
 
 B, EPISODE, SLICE = 256, 1024, 32
@@ -51,14 +52,15 @@ def replay(n: int, sampler, storage=None):
 
 
 def prioritized_calls(rb) -> dict:
-    batch, g, state = rows(0, B), torch.Generator().manual_seed(1), {}
+    batch, state = rows(0, B), {}
+    priorities = prepared_priorities(B, lambda a: torch.as_tensor(a, dtype=torch.float32))
 
     def sample():
         state["index"] = rb.sample()["index"]
 
     sample()
     return {"extend": lambda: rb.extend(batch), "sample": sample,
-            "update_priority": lambda: rb.update_priority(state["index"], torch.rand(B, generator=g) * 2 + 1e-6)}
+            "update_priority": lambda: rb.update_priority(state["index"], priorities())}
 
 
 def contenders(n: int, scratch: Path) -> dict:

@@ -4,6 +4,8 @@ A transition: obs float32[17], action float32[6], reward float32, terminated, tr
 PrioritizedReplayBuffer, torchrl PrioritizedReplayBuffer (LazyTensorStorage), flashbax prioritised flat buffer,
 jaxnasium PrioritizedTransitionBuffer. Each contender is a dict op -> zero-argument callable."""
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -31,6 +33,14 @@ def chunks(d: dict):
         yield {k: v[s:s + CHUNK] for k, v in d.items()}
 
 
+def prepared_priorities(n: int, convert=np.asarray):
+    """A zero-argument callable giving the next of 16 priority arrays ``(n,)`` in [1e-6, 2), each passed through
+    ``convert`` (to the contender's array type) before the clock starts: an update call times the update alone, the
+    same way for every contender."""
+    arrays = [convert(a) for a in np.random.default_rng(3).random((16, n)) * 2 + 1e-6]
+    return itertools.cycle(arrays).__next__
+
+
 def jax_block(x):
     import jax
 
@@ -55,9 +65,10 @@ def jax_contender(state, insert_fn, sample_fn, update_fn, batch, n: int, index_o
         box["idx"] = index_of(out)
         return out
 
+    priorities = prepared_priorities(n, jax.numpy.asarray)
+
     def update():
-        box["key"], k = jax.random.split(box["key"])
-        box["state"] = jax_block(update_fn(box["state"], box["idx"], jax.random.uniform(k, (n,)) * 2 + 1e-6))
+        box["state"] = jax_block(update_fn(box["state"], box["idx"], priorities()))
 
     sample()
     return {"insert": insert, "sample": sample, "update": update}
@@ -75,7 +86,7 @@ def gpubuf_per(fill: dict, batch: dict, device: torch.device) -> dict:
         buf.insert(tr(c))
     batch_t = tr(batch)
     state = {}
-    rng = torch.Generator(device=device).manual_seed(1)
+    priorities = prepared_priorities(B, lambda a: torch.as_tensor(a, dtype=torch.float32, device=device))
     gen = torch.Generator(device=device).manual_seed(2)
 
     def sample(replace=True):
@@ -85,7 +96,7 @@ def gpubuf_per(fill: dict, batch: dict, device: torch.device) -> dict:
 
     sample()
     return {"insert": lambda: buf.insert(batch_t), "sample": sample, "sample_norepl": lambda: sample(False),
-            "update": lambda: buf.update_priorities(state["idx"], torch.rand(B, generator=rng, device=device) * 2)}
+            "update": lambda: buf.update_priorities(state["idx"], priorities())}
 
 
 def cpprb_per(fill: dict, batch: dict) -> dict:
@@ -99,7 +110,7 @@ def cpprb_per(fill: dict, batch: dict) -> dict:
     for c in chunks(fill):
         rb.add(**c)
     state = {}
-    rng = np.random.default_rng(1)
+    priorities = prepared_priorities(B)
 
     def sample():
         out = rb.sample(B, beta=0.4)
@@ -108,7 +119,7 @@ def cpprb_per(fill: dict, batch: dict) -> dict:
 
     sample()
     return {"insert": lambda: rb.add(**batch), "sample": sample,
-            "update": lambda: rb.update_priorities(state["idx"], rng.random(B) * 2 + 1e-6)}
+            "update": lambda: rb.update_priorities(state["idx"], priorities())}
 
 
 def torchrl_per(fill: dict, batch: dict) -> dict:
@@ -128,7 +139,7 @@ def torchrl_per(fill: dict, batch: dict) -> dict:
         rb.extend(td(c))
     batch_td = td(batch)
     state = {}
-    g = torch.Generator().manual_seed(1)
+    priorities = prepared_priorities(B, lambda a: torch.as_tensor(a, dtype=torch.float32))
 
     def sample():
         out, info = rb.sample(return_info=True)
@@ -137,7 +148,7 @@ def torchrl_per(fill: dict, batch: dict) -> dict:
 
     sample()
     return {"insert": lambda: rb.extend(batch_td), "sample": sample,
-            "update": lambda: rb.update_priority(state["idx"], torch.rand(B, generator=g) * 2 + 1e-6)}
+            "update": lambda: rb.update_priority(state["idx"], priorities())}
 
 
 def flashbax_per(fill: dict, batch: dict) -> dict:
