@@ -2,8 +2,9 @@
 # Installs the replay-buffer peers of benchmarks/bench_replay.py into a separate venv (never the test extra).
 # Usage: bash benchmarks/setup_peers.sh [VENV]   (default .venv-peers in the repository, ignored by git; BENCH_VENV
 # also sets it). The benchmark commands in docs/benchmarks.md run .venv-peers/bin/python from the repository root.
-# CPU torch goes in first, so nothing later pulls a CUDA build. Each peer installs on its own: one that
-# fails is reported as missing by the benchmark, it does not stop the others.
+# CPU torch goes in first and stays pinned (a constraints file), so no peer swaps it for another build. gpubuf goes
+# in with its fast extra (numba's compiled host loops), as the benchmarks describe it. Each peer installs on its own:
+# one that fails is reported as missing by the benchmark, it does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-${BENCH_VENV:-.venv-peers}}"
@@ -11,9 +12,11 @@ python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q torch==2.13.0 || { echo "setup_peers: torch 2.13.0 failed"; exit 1; }
+echo "torch==2.13.0" > "$VENV/constraints.txt"
+export PIP_CONSTRAINT="$VENV/constraints.txt"
 "$PY" -m pip install -q "setuptools>=68" wheel
 rm -rf build && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$VENV/wheel" . && rm -rf build
-"$PY" -m pip install -q --force-reinstall "$VENV"/wheel/gpubuf-*.whl numpy scipy
+"$PY" -m pip install -q --force-reinstall "$(ls "$VENV"/wheel/gpubuf-*.whl)[fast]" numpy scipy
 for peer in cpprb "torchrl tensordict" "flashbax jax" "jaxnasium[algs]"; do
     # shellcheck disable=SC2086
     if "$PY" -m pip install -q $peer; then echo "setup_peers: installed $peer"; else echo "setup_peers: FAILED $peer"; fi
@@ -47,4 +50,4 @@ except Exception as err:  # noqa: BLE001
     sys.exit(3)
 PYEOF
 if [ $? -eq 3 ]; then rebuild_torchrl; fi
-"$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|torchrl|tensordict|cpprb|flashbax|jax|jaxlib|jaxnasium) "
+"$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|torchrl|tensordict|cpprb|flashbax|jax|jaxlib|jaxnasium|numba) "
