@@ -43,7 +43,7 @@ class CallGuard:
     stream the last call ran on. ``tracing()`` says whether ``torch.compile`` traces the call (its owner's
     backend table answers): traced calls run unlocked, as a replayed graph does."""
 
-    __slots__ = ("lock", "depth", "device", "cuda", "stream", "tracing", "__weakref__")
+    __slots__ = ("lock", "depth", "device", "cuda", "stream", "tracing", "behind", "__weakref__")
 
     def __init__(self, device: torch.device, tracing: Callable[[], bool]):
         self.tracing = tracing
@@ -52,6 +52,9 @@ class CallGuard:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = None  # the stream of the last call (CUDA only)
+        # once the owner's state may be ahead on its device (a GraphWriter's inserts): the call that brings the host's
+        # copy up to date, made first by every outermost locked call that reads the host's copy
+        self.behind = None
         _GUARDS.add(self)
 
     def check_nested(self, name: str, owner) -> None:
@@ -101,6 +104,7 @@ def {name}({params}):
             guard.depth = depth + 1
             if depth:
                 guard.check_nested({name!r}, self)
+            {catch_up}
             if guard.cuda:
                 guard.order_streams()
             return method({args})
@@ -109,9 +113,10 @@ def {name}({params}):
 """
 
 
-def locked(method):
+def locked(method, catch_up: bool = True):
     """``method`` run holding its object's ``_guard`` (on CUDA, streams ordered), through a
-    wrapper with the method's own signature.
+    wrapper with the method's own signature; ``catch_up``: an outermost call first runs ``guard.behind`` when set
+    (:func:`locked_on_device` is the wrapper of calls that read device state only).
 
     The lock is re-entrant for the library's own nested calls. A call that arrives while the same thread is inside
     another call of the object from outside the library, which is a signal handler's call landing mid-call, raises
@@ -135,8 +140,15 @@ def locked(method):
         params.append(text)
         args.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
     scope = {"method": method, **defaults}
-    exec(_WRAPPER.format(name=method.__name__, params=", ".join(params), args=", ".join(args)), scope)
+    catch = "elif guard.behind is not None:\n                guard.behind()" if catch_up else ""
+    exec(_WRAPPER.format(name=method.__name__, params=", ".join(params), args=", ".join(args), catch_up=catch), scope)
     return functools.wraps(method)(scope[method.__name__])
+
+
+def locked_on_device(method):
+    """:func:`locked` for a call that reads and writes the device state only (a ``GraphSampler``'s, a
+    ``GraphWriter``'s): it does not bring the host's copy up to date first."""
+    return locked(method, catch_up=False)
 
 
 def _take_all(guards: list) -> list:

@@ -193,14 +193,41 @@ def _int_extremes(t: torch.Tensor) -> tuple[int, int]:
     return int(a.min()), int(a.max())
 
 
-def _float_overflow(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a finite value (or component) of host float/complex ``t`` exceeds the largest finite ``dtype``."""
+def _float_overflow(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """() bool: whether a finite value (or component) of float/complex ``t`` exceeds the largest finite ``dtype``."""
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
     if t.dtype not in (torch.float32, torch.float64):
         t = t.to(torch.float32)
     big = torch.finfo(_real(dtype)).max
-    return bool((torch.isfinite(t) & (t.abs() > big)).any())
+    return (torch.isfinite(t) & (t.abs() > big)).any()
+
+
+def cast_refusal(src: torch.dtype, dtype: torch.dtype) -> str | None:
+    """Why storing ``src`` values as ``dtype`` is refused whatever the values (``None``: it depends on them, or
+    never)."""
+    if (src.is_floating_point or src.is_complex) and not (dtype.is_floating_point or dtype.is_complex):
+        return f"{'complex' if src.is_complex else 'float'} into an integer dtype"
+    if src.is_complex and not dtype.is_complex:
+        return "complex into a real dtype"
+    return None
+
+
+def cast_keeps_values(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """() bool on ``t``'s device, read by nothing: whether storing ``t`` (a cast :func:`check_cast` checks on the
+    values, neither lossless nor refused) as ``dtype`` keeps its values, by :func:`check_cast`'s rules, so a
+    capturable write can check it on the device."""
+    if t.is_floating_point() or t.is_complex():  # float -> narrower float
+        ok = ~_float_overflow(t, dtype)
+        if dtype == torch.float8_e4m3fn:
+            ok = ok & ~torch.isinf(t.to(torch.float32)).any()
+        return ok
+    src_lo, src_hi = _int_range(t.dtype)
+    if dtype.is_floating_point or dtype.is_complex:  # integer -> float
+        lo, hi = -_exact_ints(_real(dtype)), _exact_ints(_real(dtype))
+    else:  # integer -> narrower integer
+        lo, hi = _int_range(dtype)
+    return ((t >= max(lo, src_lo)) & (t <= min(hi, src_hi))).all()
 
 
 def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
@@ -221,18 +248,14 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     src = t.dtype
     if lossless(src, dtype):
         return
-    why = None
-    if (src.is_floating_point or src.is_complex) and not (dtype.is_floating_point or dtype.is_complex):
-        why = f"{'complex' if src.is_complex else 'float'} into an integer dtype"
-    elif src.is_complex and not dtype.is_complex:
-        why = "complex into a real dtype"
-    elif t.device.type != "cpu":
+    why = cast_refusal(src, dtype)
+    if why is None and t.device.type != "cpu":
         why = (f"a narrowing cast of a {t.device.type} tensor is not checked (it would read the device); "
                f"cast it with .to({dtype}) first")
-    elif t.numel():
+    elif why is None and t.numel():
         if src.is_floating_point or src.is_complex:  # float -> narrower float
             big = torch.finfo(_real(dtype)).max
-            why = f"a finite value exceeds the largest {dtype} ({big:g})" if _float_overflow(t, dtype) else None
+            why = f"a finite value exceeds the largest {dtype} ({big:g})" if bool(_float_overflow(t, dtype)) else None
             if why is None and dtype == torch.float8_e4m3fn and bool(torch.isinf(t.to(torch.float32)).any()):
                 why = f"{dtype} has no infinity (it would store {big:g})"
         else:

@@ -149,6 +149,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         if self.rate_limiter is not None:
             self.rate_limiter.attach(self._guard, row, config.sample_batch_size)
         self._hub = None  # the writers in other processes (WriterHub), once one was handed out
+        self._device_ring = None  # the device copy of the ring's bookkeeping, once a GraphWriter was made
 
     def _row_parts(self) -> list:
         """The parts told of every row event (:class:`~gpubuf.replay.ring.RowEvents`), in the order they are told.
@@ -182,6 +183,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
                               memory_ranges([*self.storage.tensors(), *self.sampler.tensors()]))
         return self._owned_at[1]
 
+    @locked
     def __len__(self) -> int:  # transitions stored: rows held times envs
         return self.ring.count * self.n_envs
 
@@ -266,6 +268,44 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
         return GraphSampler(self, batch_size, with_next_obs, generator, boundaries, frame_stack=frame_stack,
                             frame_stride=frame_stride, n_step_return=n_step_return, minibatches=minibatches)
+
+    @locked
+    def graph_writer(self):
+        """A :class:`~gpubuf.replay.graph_writer.GraphWriter`: inserts with device ops only (no host read, nothing the
+        host decides from the data), for a step traced by ``torch.compile(fullgraph=True)`` or captured in a CUDA
+        graph with the env step and a :meth:`graph_sampler`. From then on the host's bookkeeping is a copy that
+        :meth:`catch_up` refreshes, which every eager call of the buffer runs first."""
+        from gpubuf.replay.graph_writer import GraphWriter
+
+        return GraphWriter(self)
+
+    def device_ring(self):
+        """The :class:`~gpubuf.replay.device_ring.DeviceRing` of this buffer (made on first use, then kept current by
+        every eager write, and caught up by :meth:`catch_up`)."""
+        if self._device_ring is None:
+            from gpubuf.replay.device_ring import DeviceRing
+
+            self._device_ring = DeviceRing(self.ring, self.device)
+            self.parts.append(self._device_ring)
+            self._guard.behind = self.catch_up
+        return self._device_ring
+
+    def catch_up(self) -> None:
+        """Bring the host's bookkeeping up to the device's after :class:`~gpubuf.replay.graph_writer.GraphWriter`
+        inserts: one read of the device counters, then of the rows' flags and validity written since (nothing before
+        a graph writer was made, or while a CUDA graph is captured). Raises ``ValueError`` once for graph inserts that
+        wrote nothing since the last catch-up (a value its stored dtype cannot hold)."""
+        ring = self._device_ring
+        if ring is None or self.table.capturing():
+            return
+        with self.lock:
+            behind, dropped = ring.catch_up()
+            if behind:
+                self.sampler.valid_to_host()
+            if dropped:
+                from gpubuf.replay.graph_writer import dropped_error
+
+                raise dropped_error(dropped)
 
     @locked
     def num_unserved(self, with_next_obs: bool = False, boundaries: str = "allow") -> int:

@@ -20,6 +20,24 @@ import numpy as np
 NEXT_OBS, IN_EPISODE = 1, 2  # validity kind bits
 
 
+def start_validity(rows, oldest, count, max_rows: int, n_steps: int, kind: int, trunc, ends, last, steps) -> tuple:
+    """The validity rule of a kind, one code for the host ring (numpy arrays, ints) and the device ring (tensors, 0-d
+    tensors): ``(ok, bad)``, ``ok`` (K,) bool whether windows starting at ``rows`` (K,) int64 lie inside the ``count``
+    rows held from row ``oldest`` on, ``bad`` (K, E) bool whether a start's window holds a forbidden flag (``None``
+    when no flag was checked). ``trunc``, ``ends``, ``last``: the ring's (M, E) flags, ``None`` to skip one (none
+    stored); ``steps``: ``arange(n_steps)`` like ``rows``."""
+    ok = (rows - oldest) % max_rows <= count - (n_steps + (kind & NEXT_OBS))
+    bad = None
+    if kind & NEXT_OBS and trunc is not None:  # no truncation in the first n rows
+        bad = trunc[(rows[:, None] + steps) % max_rows].any(1)
+    if kind & IN_EPISODE and ends is not None and n_steps > 1:  # no episode end in the first n - 1 rows
+        cross = ends[(rows[:, None] + steps[:-1]) % max_rows].any(1)
+        bad = cross if bad is None else bad | cross
+    if last is not None:  # never a start on a row holding no transition
+        bad = last[rows] if bad is None else bad | last[rows]
+    return ok, bad
+
+
 class RowEvents:
     """The events a buffer tells every part that follows its rows (sampler, selector, reader, rate limiter), each part
     in its list's order, once the ring holds the change (here: nothing to do; a part overrides what it follows)."""
@@ -74,6 +92,7 @@ class StartRing:
         # (M, E) per kind
         self.valid = {k: np.zeros((max_rows, n_envs), dtype=bool) for k in self.kinds}
         self.n_valid = dict.fromkeys(self.kinds, 0)
+        self._steps = np.arange(n_steps)  # a window's row offsets, for start_validity
 
     def window(self, kind: int) -> int:
         """Rows a window of this kind reads."""
@@ -124,25 +143,13 @@ class StartRing:
 
     def validity(self, r0: int, r1: int, kind: int) -> np.ndarray:
         """((r1 - r0) * E,) bool: whether a window of this kind may start at each flat start of rows [r0, r1)."""
-        M, E = self.max_rows, self.n_envs
-        # rows r0 + i have time indices (t0 + i) % M (0 = oldest); valid ones are <= last: two slices of rows
-        t0 = (r0 - self.oldest) % M
-        last = self.count - self.window(kind)
-        ok = np.zeros(r1 - r0, dtype=bool)
-        ok[:max(last - t0 + 1, 0)] = True  # before the time index wraps past M
-        ok[M - t0:max(last - t0 + M + 1, 0)] = True  # after it
-        bad = None  # (K, E) starts whose window holds a forbidden flag
-        if kind & NEXT_OBS and self.n_trunc:
-            win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps)) % M  # (K, n) rows
-            bad = self.trunc[win].any(1)
-        if kind & IN_EPISODE and self.n_ends and self.n_steps > 1:
-            win = (np.arange(r0, r1)[:, None] + np.arange(self.n_steps - 1)) % M  # (K, n-1) rows
-            bad = self.ends[win].any(1) if bad is None else bad | self.ends[win].any(1)
-        if self.n_last:
-            bad = self.last[r0:r1] if bad is None else bad | self.last[r0:r1]
+        flags = (self.trunc if self.n_trunc else None, self.ends if self.n_ends else None,
+                 self.last if self.n_last else None)
+        ok, bad = start_validity(np.arange(r0, r1), self.oldest, self.count, self.max_rows, self.n_steps, kind, *flags,
+                                 self._steps)
         if bad is not None:
             return (ok[:, None] & ~bad).reshape(-1)
-        return ok if E == 1 else np.repeat(ok, E)
+        return ok if self.n_envs == 1 else np.repeat(ok, self.n_envs)
 
     def refresh(self, kind: int, r0: int, r1: int) -> tuple[np.ndarray, int]:
         """Recompute the validity of rows ``[r0, r1)`` for ``kind``; returns it ((r1 - r0) * E,) and its valid count."""

@@ -50,9 +50,13 @@ class EpisodeMarks:
         self.held[1] = ring.count
 
     def _refresh(self, a: int, b: int) -> None:
-        E, data = self.config.n_envs, self.storage.data
-        bits = torch.zeros(b - a, E, dtype=torch.uint8, device=self.marks.device)
+        rows = {p: self.storage.data[p][a:b] for p, _ in self._bits}
+        self.marks.view(-1, self.config.n_envs)[a:b] = self.bits(rows, b - a)
+
+    def bits(self, rows: dict, K: int) -> torch.Tensor:
+        """(K, E) uint8: the marks of ``K`` rows whose flag leaves are ``rows`` ``{path: (K, E, ...)}``."""
+        E = self.config.n_envs
+        bits = torch.zeros(K, E, dtype=torch.uint8, device=self.marks.device)
         for path, bit in self._bits:
-            rows = data[path][a:b].reshape(b - a, E, -1)
-            bits |= (rows != 0).any(2).to(torch.uint8) * bit
-        self.marks.view(-1, E)[a:b] = bits
+            bits |= (rows[path].reshape(K, E, -1) != 0).any(2).to(torch.uint8) * bit
+        return bits

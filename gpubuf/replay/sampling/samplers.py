@@ -103,6 +103,13 @@ class TreeSampler(RowEvents):
             mask.copy_(self._staging.to_device(torch.from_numpy(ok), f"__valid{kind}_{r0 == 0}__"))
         self._trees[kind].update_range(lo, self.mass(slice(lo, hi), mask, n_ok == hi - lo))
 
+    def valid_to_host(self) -> None:
+        """Copy the kept kinds' device validity into the ring's host validity (after device writes)."""
+        for kind in self._active:
+            host = self.ring.valid[kind]
+            host[:] = self._valid[kind].view(host.shape).cpu().numpy()
+            self.ring.n_valid[kind] = int(np.count_nonzero(host))
+
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         """Mass (float64, device) of flat ``starts`` (a slice or indices) of validity ``valid`` (``all_valid``: all)."""
         return valid.to(torch.float64)

@@ -123,9 +123,8 @@ class StackedGather:
             for s in config.paths("observation"):
                 stack = () if k is None else (k,)
                 self.boots.append((("next_observation",) + s[1:], s, 0, (B,) + stack + by_path[s].shape))
-            (reward,) = config.paths("reward")
-            self.reward = storage.flat[reward].view(-1)
-            rtype = torch.float64 if by_path[reward].dtype == torch.float64 else torch.float32
+            (self.reward,) = config.paths("reward")
+            rtype = torch.float64 if by_path[self.reward].dtype == torch.float64 else torch.float32
             self.return_types = (rtype, rtype, torch.int64, torch.bool, torch.bool)
             self.gamma = gamma_tensor(spec.gamma, storage.device)  # held: a captured graph reads it
 
@@ -147,7 +146,7 @@ class StackedGather:
                 "boots": stack_tables(self._jobs(self.boots, out), self.B, 1, k, self.device)}
 
     def _jobs(self, jobs: list, out: dict) -> list:
-        return [(self.storage.flat[s], out[d], shift) for d, s, shift, _ in jobs]
+        return [(self.storage.rows(s), out[d], shift) for d, s, shift, _ in jobs]
 
     def run(self, starts: torch.Tensor, out: dict, tables: dict | None = None) -> None:
         """Fill ``out`` (:meth:`outputs`) for flat ``starts`` (B,) int64 (``tables``: ``out``'s, launched instead)."""
@@ -162,7 +161,8 @@ class StackedGather:
         if spec.n is None:
             return
         returns = out["returns"]
-        self.table.n_step_return(local, self.reward, marks.marks, marks.held, returns, self.gamma, spec.n, E, M)
+        reward = storage.rows(self.reward).view(-1)
+        self.table.n_step_return(local, reward, marks.marks, marks.held, returns, self.gamma, spec.n, E, M)
         if tables is not None:
             self.table.frame_stack_fixed(tables["boots"], returns[2], marks.marks, marks.held, 1, k, spec.stride, E, M)
         else:

@@ -53,6 +53,14 @@ class MemoryStorage:
     def tensors(self) -> list[torch.Tensor]:
         return list(self.data.values())
 
+    def rows(self, path: tuple) -> torch.Tensor:
+        """(M*E, D) rows of leaf ``path`` in its dtype. Traced by ``torch.compile``: viewed from the words inside the
+        traced code, so that a step writing the words and reading the rows sees one graph input per leaf (compiling
+        backends cannot follow a write to one input through another of a different dtype)."""
+        if not self.table.tracing() or self.words[path].dtype == self.flat[path].dtype:
+            return self.flat[path]
+        return self.words[path].view(torch.uint8).view(self.flat[path].dtype).view(self.flat[path].shape)
+
     def stage(self, values: dict, given: dict, owned: tuple) -> dict:
         """Each leaf of an insert converted for storage (where any conversion fails, before any write): a numpy array
         for a same-dtype host input into host storage, else a staged tensor."""

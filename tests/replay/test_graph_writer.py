@@ -1,0 +1,363 @@
+"""GraphWriter: inserts with the bookkeeping on the device, and the whole step as one graph.
+
+A graph writer's insert writes what ``buffer.insert`` writes (rows, flags, counters, priorities, validity, marks) with
+device ops only; the host's copy catches up at the buffer's next eager call. The whole step of a GPU-simulator loop
+(simulator step with same-step resets -> insert -> sample -> loss -> priority update) traces under
+``torch.compile(fullgraph=True)`` with no graph break and no recompile across ring wraps and episode ends, and computes
+what the eager step computes; a buffer filled by ``buffer.insert`` with the same rows and updates ends equal.
+"""
+
+import copy
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+from fixtures import make_transition
+
+from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer, Unit
+from gpubuf._core.inputs import cast_keeps_values, check_cast, lossless
+from gpubuf.replay.sampling.selectors import Recency
+
+pytestmark = pytest.mark.usefixtures("host_loops")  # with the compiled host loops and with the torch twins
+
+E, M = 3, 16
+
+
+def assert_same_buffers(a, b):
+    """Equal state, lengths, sampling masses and valid counts of every kind, and episode marks."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if k == "rng":
+            continue
+        va, vb = sa[k], sb[k]
+        if isinstance(va, dict):
+            assert va.keys() == vb.keys()
+            for kk in va:
+                same = torch.equal(va[kk], vb[kk]) if isinstance(va[kk], torch.Tensor) else va[kk] == vb[kk]
+                assert same, (k, kk)
+        elif isinstance(va, torch.Tensor):
+            assert torch.equal(va, vb), k
+        else:
+            assert va == vb, (k, va, vb)
+    assert len(a) == len(b)
+    flags = a.config.flag_paths[1]
+    for nxt in (False, True):
+        for bounds in ("allow", "forbid") if flags else ("allow",):
+            assert a.num_valid(nxt, bounds) == b.num_valid(nxt, bounds)
+            torch.testing.assert_close(a.sampling_mass(nxt, bounds), b.sampling_mass(nxt, bounds), rtol=1e-14, atol=0)
+    ma, mb = a.episode_marks(), b.episode_marks()
+    assert torch.equal(ma.marks, mb.marks) and torch.equal(ma.held, mb.held)
+
+
+def rows_with_ends(g0, T, vectorized=True, last=False):
+    """T rows from global step g0: truncations and terminations at some steps, is_last rows when ``last``."""
+    e = E if vectorized else 1
+    tr = make_transition(g0, T, e, trunc_steps=[s for s in range(g0, g0 + T) if s % 7 == 3], vectorized=vectorized)
+    steps = torch.arange(g0, g0 + T)
+    term = (steps % 5 == 1)
+    tr.terminated = term[:, None].expand(T, e).clone() if vectorized else term.clone()
+    if vectorized:
+        tr.terminated[:, 0] = False  # envs differ
+    if last:
+        is_last = steps % 6 == 4
+        tr.info = {**tr.info, "is_last": is_last[:, None].expand(T, e).clone() if vectorized else is_last.clone()}
+    return tr
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+@pytest.mark.parametrize("n_steps", [1, 3])
+@pytest.mark.parametrize("layout", ["vectorized", "single", "is_last"])
+def test_graph_inserts_write_what_insert_writes(prioritized, n_steps, layout):
+    vec, last = layout != "single", layout == "is_last"
+    cls = PrioritizedTransitionBuffer if prioritized else TransitionBuffer
+    e = E if vec else 1
+    sample = rows_with_ends(0, 1, vec, last)
+    a, b = (cls(e * M, 4, sample, vectorized_env=vec, n_steps=n_steps, seed=0) for _ in range(2))
+    if prioritized:  # new rows take a raised max_priority
+        for buf in (a, b):
+            buf.insert(rows_with_ends(0, 2, vec, last))
+            buf.update_priorities([0, 1], [3.0, 0.5])
+    w = b.graph_writer()
+    g = 2
+    for t in range(25):  # 1-3 rows per insert: the 16-row ring wraps about four times
+        T = 1 + t % 3
+        rows = rows_with_ends(g, T, vec, last)
+        a.insert(rows)
+        w.insert(rows)
+        g += T
+        if t % 6 == 5:
+            assert_same_buffers(a, b)
+    assert_same_buffers(a, b)
+    ba, bb = (x.sample(batch_size=8, unit=Unit.window(), key=3) for x in (a, b))
+    assert torch.equal(ba.indices, bb.indices) and torch.equal(ba.observation, bb.observation)
+
+
+def test_eager_inserts_between_graph_inserts_keep_both_copies_equal():
+    a = PrioritizedTransitionBuffer(E * M, 4, rows_with_ends(0, 1), n_steps=2, seed=0)
+    b = PrioritizedTransitionBuffer(E * M, 4, rows_with_ends(0, 1), n_steps=2, seed=0)
+    w = b.graph_writer()
+    for t in range(12):
+        rows = rows_with_ends(2 * t, 2)
+        a.insert(rows)
+        (w.insert if t % 3 else b.insert)(rows)
+        if t % 4 == 1:
+            idx = torch.tensor([t, t + 5])
+            a.update_priorities(idx, torch.tensor([2.0, 0.1 * t]))
+            b.update_priorities(idx, torch.tensor([2.0, 0.1 * t]))
+    assert_same_buffers(a, b)
+
+
+def test_state_copies_and_loads_after_graph_inserts():
+    b = PrioritizedTransitionBuffer(E * M, 4, rows_with_ends(0, 1), n_steps=2, seed=0)
+    w = b.graph_writer()
+    for t in range(10):
+        w.insert(rows_with_ends(3 * t, 3))
+    for c in (copy.deepcopy(b), pickle.loads(pickle.dumps(b))):
+        assert_same_buffers(b, c)
+    fresh = PrioritizedTransitionBuffer(E * M, 4, rows_with_ends(0, 1), n_steps=2, seed=0)
+    fresh.load_state_dict(b.state_dict())
+    assert_same_buffers(b, fresh)
+    b.load_state_dict(PrioritizedTransitionBuffer(E * M, 4, rows_with_ends(0, 1), n_steps=2).state_dict())
+    assert len(b) == 0
+    w.insert(rows_with_ends(0, 2))  # after a load, the device copy starts from the loaded state
+    assert len(b) == 2 * E
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(w)
+
+
+def test_a_value_its_dtype_cannot_hold_writes_nothing_and_is_raised_once():
+    buf = TransitionBuffer(E * M, 4, rows_with_ends(0, 1), seed=0)
+    w = buf.graph_writer()
+    w.insert(rows_with_ends(0, 2))
+    before = buf.state_dict()
+    bad = rows_with_ends(2, 2)
+    bad.reward = bad.reward.to(torch.float64)
+    bad.reward[1, 2] = 1e300  # beyond float32: refused by the device check
+    w.insert(bad)
+    ok = rows_with_ends(2, 2)
+    ok.reward = ok.reward.to(torch.float64)  # in range: stored as buffer.insert stores it
+    w.insert(ok)
+    with pytest.raises(ValueError, match="1 insert\\(s\\) since the last check wrote nothing"):
+        w.check()
+    w.check()  # raised once
+    after = buf.state_dict()
+    assert after["count"] == before["count"] + 2
+    ref = TransitionBuffer(E * M, 4, rows_with_ends(0, 1), seed=0)
+    ref.insert(rows_with_ends(0, 2))
+    ref.insert(rows_with_ends(2, 2))
+    assert_same_buffers(buf, ref)
+    w.insert(bad)
+    with pytest.raises(ValueError, match="wrote nothing"):
+        len(buf)  # the buffer's next eager call raises it too
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    ("missing leaf", ValueError, "expected the leaves"),
+    ("numpy leaf", ValueError, "reward: expected a tensor"),
+    ("wrong shape", ValueError, "observation: expected shape"),
+    ("rows differ", ValueError, "reward: expected shape \\(2,"),
+    ("float into int", TypeError, "cannot store torch.float32 in the stored dtype torch.int64"),
+    ("too many rows", ValueError, "1 <= T <= 16"),
+])
+def test_bad_inserts_raise_naming_the_leaf_and_write_nothing(bad, error, words):
+    buf = TransitionBuffer(E * M, 4, rows_with_ends(0, 1), seed=0)
+    w = buf.graph_writer()
+    w.insert(rows_with_ends(0, 2))
+    before = buf.state_dict()
+    rows = rows_with_ends(2, 2)
+    if bad == "missing leaf":
+        rows.reward = None
+    elif bad == "numpy leaf":
+        rows.reward = rows.reward.numpy()
+    elif bad == "wrong shape":
+        rows.observation = rows.observation[..., :1]
+    elif bad == "rows differ":
+        rows.reward = rows_with_ends(2, 3).reward
+    elif bad == "float into int":
+        rows.info = {"step": rows.info["step"].float()}
+    else:
+        rows = rows_with_ends(2, M + 1)
+    with pytest.raises(error, match=words):
+        w.insert(rows)
+    after = buf.state_dict()
+    assert after["count"] == before["count"] and torch.equal(after["data"]["reward"], before["data"]["reward"])
+
+
+@pytest.mark.parametrize("what", ["storage_dir", "rate_limiter", "selector"])
+def test_a_buffer_that_decides_on_the_host_refuses_a_graph_writer(what, tmp_path):
+    kw = {"storage_dir": tmp_path / "d"} if what == "storage_dir" else \
+        {"rate_limiter": RateLimiter(1.0, 1, -10, 10)} if what == "rate_limiter" else \
+        {"selector": Recency()}
+    buf = TransitionBuffer(E * M, 4, rows_with_ends(0, 1), **kw)
+    with pytest.raises(ValueError, match="buffer: a GraphWriter writes from device state only"):
+        buf.graph_writer()
+    buf.close()
+
+
+def test_two_threads_writing_through_graph_writers_lose_no_row():
+    buf = TransitionBuffer(E * 64, 4, rows_with_ends(0, 1), seed=0)
+    writers = [buf.graph_writer(), buf.graph_writer()]
+
+    def run(w):
+        for t in range(10):
+            w.insert(rows_with_ends(t, 1))
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in writers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(buf) == 20 * E and buf.ring.total == 20
+
+
+CASTS = [(torch.float64, torch.float32, [0.5, -3e38, float("nan"), float("inf")]),
+         (torch.float64, torch.float32, [1e39]),
+         (torch.float32, torch.float16, [60000.0, -1.0]),
+         (torch.float32, torch.float16, [70000.0]),
+         (torch.float32, torch.float8_e4m3fn, [1.0, float("inf")]),
+         (torch.int64, torch.int32, [-2**31, 2**31 - 1]),
+         (torch.int64, torch.int32, [2**31]),
+         (torch.int64, torch.uint8, [-1]),
+         (torch.int32, torch.float32, [2**24, -2**24]),
+         (torch.int32, torch.float32, [2**24 + 1]),
+         (torch.int16, torch.bool, [0, 1]),
+         (torch.int16, torch.bool, [2])]
+
+
+@pytest.mark.parametrize("src, dst, values", CASTS)
+def test_the_device_cast_check_is_the_host_check(src, dst, values):
+    t = torch.tensor(values, dtype=src)
+    assert not lossless(src, dst)
+    try:
+        check_cast(t, dst, "x")
+        host = True
+    except TypeError:
+        host = False
+    assert bool(cast_keeps_values(t, dst)) == host
+
+
+# ---------------------------------------------------------------------------------------------- the whole step
+
+
+class TorchSim:
+    """A batched point-mass simulator in torch with same-step resets (as GPU simulators reset): state ``x`` (E, 2),
+    episode step ``t`` (E,); terminated when ``|x|`` leaves 3, truncated after 9 steps; a reset state depends on the
+    env and its episode count (no random numbers). Observations are the state, or an (E, 3, 6, 6) uint8 image."""
+
+    def __init__(self, pixels: bool):
+        self.pixels = pixels
+        self.x = torch.stack([torch.arange(E) * 0.3, torch.ones(E)], 1)
+        self.t = torch.zeros(E, dtype=torch.int64)
+        self.episodes = torch.zeros(E, dtype=torch.int64)
+
+    def obs(self) -> torch.Tensor:
+        if not self.pixels:
+            return self.x.clone()
+        level = (self.x.abs().sum(1) * 40).clamp(0, 255).to(torch.uint8)  # (E,)
+        grid = torch.arange(3 * 6 * 6, dtype=torch.int64).view(1, 3, 6, 6)
+        return ((level[:, None, None, None].to(torch.int64) + grid) % 256).to(torch.uint8)
+
+    def step(self, action: torch.Tensor):
+        self.x = self.x * 1.1 + action
+        self.t = self.t + 1
+        reward = -self.x.norm(dim=1)
+        terminated = self.x.abs().amax(1) > 3
+        truncated = (self.t >= 9) & ~terminated
+        done = terminated | truncated
+        self.episodes = self.episodes + done.to(torch.int64)
+        reset = torch.stack([torch.arange(E) * 0.3 - 0.1 * (self.episodes % 4), torch.ones(E)], 1)
+        self.x = torch.where(done[:, None], reset, self.x)
+        self.t = torch.where(done, torch.zeros_like(self.t), self.t)
+        return reward, terminated, truncated
+
+
+# name -> (prioritized, pixels, buffer kwargs, graph_sampler kwargs)
+WHOLE = {
+    "uniform vector": (False, False, {}, {}),
+    "per vector windows": (True, False, {"n_steps": 3}, {"with_next_obs": True}),
+    "per pixels stacks returns": (True, True, {}, {"frame_stack": 3, "n_step_return": (3, 0.9)}),
+    "uniform pixels minibatches": (False, True, {"n_steps": 2}, {"minibatches": 2, "boundaries": "forbid"}),
+}
+
+
+def build_step(prioritized, pixels, buf_kw, gs_kw):
+    """``(buffer, step)``: the loop's step over a fresh simulator and buffer; ``step()`` returns the loss, the drawn
+    starts, the rows inserted and the TD errors (so a plain buffer can replay them)."""
+    sim = TorchSim(pixels)
+    obs = sim.obs()
+    sample = Transition(observation=obs[None], action=torch.zeros(1, E, 2), reward=torch.zeros(1, E),
+                        terminated=torch.zeros(1, E, dtype=torch.bool), truncated=torch.zeros(1, E, dtype=torch.bool))
+    cls = PrioritizedTransitionBuffer if prioritized else TransitionBuffer
+    buf = cls(E * M, 4, sample, seed=0, **buf_kw)
+    writer = buf.graph_writer()
+    policy = torch.tensor([[0.2, -0.1], [0.05, 0.3]])
+
+    def step():
+        obs = sim.obs()
+        feat = obs.float().reshape(E, -1)[:, :2] / (100.0 if pixels else 1.0)
+        action = torch.tanh(feat @ policy)
+        reward, terminated, truncated = sim.step(action)
+        rows = Transition(observation=obs[None], action=action[None], reward=reward[None],
+                          terminated=terminated[None], truncated=truncated[None])
+        writer.insert(rows)
+        out, idx = gs.sample()
+        x = out.observation.float().reshape(*idx.shape, -1).mean(-1)
+        td = x * 0.01 + out.reward.float().reshape(*idx.shape, -1).mean(-1)
+        if prioritized:
+            gs.update_priorities(idx, td.detach())
+        weights = out.PER_weights if prioritized else torch.ones_like(td)
+        return (td**2 * weights).mean(), idx.clone(), rows, td.detach().clone()
+
+    for _ in range(5):  # rows to draw from before the first sample
+        obs = sim.obs()
+        r, te, tr = sim.step(torch.zeros(E, 2))
+        writer.insert(Transition(observation=obs[None], action=torch.zeros(1, E, 2), reward=r[None],
+                                 terminated=te[None], truncated=tr[None]))
+    gs = buf.graph_sampler(batch_size=4, **gs_kw)
+    return buf, step
+
+
+@pytest.mark.parametrize("name", list(WHOLE))
+def test_the_whole_step_traces_as_one_graph_and_matches_the_eager_step(name):
+    torch._dynamo.reset()
+    eager_buf, eager = build_step(*WHOLE[name])
+    buf, step = build_step(*WHOLE[name])
+    explanation = torch._dynamo.explain(build_step(*WHOLE[name])[1])()
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    plain = copy.deepcopy(buf)  # filled by buffer.insert and buffer.update_priorities with the same rows
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(40):  # 5 + 40 rows: the 16-row ring wraps more than twice, episodes end every few steps
+            torch.manual_seed(t)
+            want = eager()
+            torch.manual_seed(t)
+            got = compiled()
+            torch.testing.assert_close(got[0], want[0])
+            assert torch.equal(got[1], want[1])
+            plain.insert(got[2])
+            if plain.sampler.prioritized:
+                plain.update_priorities(got[1].reshape(-1), got[3].reshape(-1))
+    assert buf.ring.total == 5  # the host's copy is behind until an eager call
+    assert_same_buffers(buf, eager_buf)
+    assert buf.ring.total == 45
+    assert_same_buffers(buf, plain)
+    if buf.sampler.prioritized:
+        assert buf.max_priority > 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_the_whole_step_compiles_with_the_backends_that_functionalize_it(backend):
+    torch._dynamo.reset()
+    buf, step = build_step(*WHOLE["per pixels stacks returns"])
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(30):
+            loss, idx, _, _ = compiled()
+            assert torch.isfinite(loss)
+    assert len(buf) == 35 * E - (35 - M) * E
+    assert bool((buf.sampling_mass()[idx] > 0).all())
+    assert np.isfinite(buf.max_priority)
