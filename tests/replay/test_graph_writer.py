@@ -247,17 +247,17 @@ class TorchSim:
     episode step ``t`` (E,); terminated when ``|x|`` leaves 3, truncated after 9 steps; a reset state depends on the
     env and its episode count (no random numbers). Observations are the state, or an (E, 3, 6, 6) uint8 image."""
 
-    def __init__(self, pixels: bool):
-        self.pixels = pixels
-        self.x = torch.stack([torch.arange(E) * 0.3, torch.ones(E)], 1)
-        self.t = torch.zeros(E, dtype=torch.int64)
-        self.episodes = torch.zeros(E, dtype=torch.int64)
+    def __init__(self, pixels: bool, device="cpu"):
+        self.pixels, self.envs = pixels, torch.arange(E, device=device)
+        self.x = torch.stack([self.envs * 0.3, torch.ones(E, device=device)], 1)
+        self.t = torch.zeros(E, dtype=torch.int64, device=device)
+        self.episodes = torch.zeros(E, dtype=torch.int64, device=device)
 
     def obs(self) -> torch.Tensor:
         if not self.pixels:
             return self.x.clone()
         level = (self.x.abs().sum(1) * 40).clamp(0, 255).to(torch.uint8)  # (E,)
-        grid = torch.arange(3 * 6 * 6, dtype=torch.int64).view(1, 3, 6, 6)
+        grid = torch.arange(3 * 6 * 6, dtype=torch.int64, device=self.x.device).view(1, 3, 6, 6)
         return ((level[:, None, None, None].to(torch.int64) + grid) % 256).to(torch.uint8)
 
     def step(self, action: torch.Tensor):
@@ -268,7 +268,7 @@ class TorchSim:
         truncated = (self.t >= 9) & ~terminated
         done = terminated | truncated
         self.episodes = self.episodes + done.to(torch.int64)
-        reset = torch.stack([torch.arange(E) * 0.3 - 0.1 * (self.episodes % 4), torch.ones(E)], 1)
+        reset = torch.stack([self.envs * 0.3 - 0.1 * (self.episodes % 4), torch.ones_like(reward)], 1)
         self.x = torch.where(done[:, None], reset, self.x)
         self.t = torch.where(done, torch.zeros_like(self.t), self.t)
         return reward, terminated, truncated
@@ -283,17 +283,18 @@ WHOLE = {
 }
 
 
-def build_step(prioritized, pixels, buf_kw, gs_kw):
+def build_step(prioritized, pixels, buf_kw, gs_kw, device="cpu"):
     """``(buffer, step)``: the loop's step over a fresh simulator and buffer; ``step()`` returns the loss, the drawn
     starts, the rows inserted and the TD errors (so a plain buffer can replay them)."""
-    sim = TorchSim(pixels)
+    sim = TorchSim(pixels, device)
     obs = sim.obs()
-    sample = Transition(observation=obs[None], action=torch.zeros(1, E, 2), reward=torch.zeros(1, E),
-                        terminated=torch.zeros(1, E, dtype=torch.bool), truncated=torch.zeros(1, E, dtype=torch.bool))
+    zeros = torch.zeros(1, E, device=device)
+    sample = Transition(observation=obs[None], action=zeros[..., None].expand(1, E, 2), reward=zeros,
+                        terminated=zeros.bool(), truncated=zeros.bool())
     cls = PrioritizedTransitionBuffer if prioritized else TransitionBuffer
-    buf = cls(E * M, 4, sample, seed=0, **buf_kw)
+    buf = cls(E * M, 4, sample, seed=0, device=device, **buf_kw)
     writer = buf.graph_writer()
-    policy = torch.tensor([[0.2, -0.1], [0.05, 0.3]])
+    policy = torch.tensor([[0.2, -0.1], [0.05, 0.3]], device=device)
 
     def step():
         obs = sim.obs()
@@ -313,8 +314,8 @@ def build_step(prioritized, pixels, buf_kw, gs_kw):
 
     for _ in range(5):  # rows to draw from before the first sample
         obs = sim.obs()
-        r, te, tr = sim.step(torch.zeros(E, 2))
-        writer.insert(Transition(observation=obs[None], action=torch.zeros(1, E, 2), reward=r[None],
+        r, te, tr = sim.step(torch.zeros(E, 2, device=device))
+        writer.insert(Transition(observation=obs[None], action=torch.zeros(1, E, 2, device=device), reward=r[None],
                                  terminated=te[None], truncated=tr[None]))
     gs = buf.graph_sampler(batch_size=4, **gs_kw)
     return buf, step
@@ -361,3 +362,40 @@ def test_the_whole_step_compiles_with_the_backends_that_functionalize_it(backend
     assert len(buf) == 35 * E - (35 - M) * E
     assert bool((buf.sampling_mass()[idx] > 0).all())
     assert np.isfinite(buf.max_priority)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["per vector windows", "per pixels stacks returns"])
+def test_the_whole_step_is_one_cuda_graph_and_its_eager_calls_never_sync(name):
+    """Simulator step -> insert -> sample -> loss -> priority update captured in one CUDA graph; each replay's rows and
+    updates, replayed into a plain buffer by ``insert`` and ``update_priorities``, leave it equal. The eager step
+    runs under ``torch.cuda.set_sync_debug_mode("error")``."""
+    from gpubuf.ops import capture_graph
+
+    buf, step = build_step(*WHOLE[name], device="cuda")
+    plain = copy.deepcopy(buf)
+
+    def replayed(out):
+        plain.insert(out[2])
+        plain.update_priorities(out[1].reshape(-1), out[3].reshape(-1))
+
+    def recorded():
+        out = step()
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+            replayed(out)
+        return out
+
+    graph, out = capture_graph(recorded)
+    for _ in range(30):  # the 16-row ring wraps, episodes end
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed(out)
+    assert_same_buffers(buf, plain)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
