@@ -271,19 +271,19 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
     @locked
     def graph_writer(self):
-        """A :class:`~gpubuf.replay.graph_writer.GraphWriter`: inserts with device ops only (no host read, nothing the
-        host decides from the data), for a step traced by ``torch.compile(fullgraph=True)`` or captured in a CUDA
-        graph with the env step and a :meth:`graph_sampler`. From then on the host's bookkeeping is a copy that
-        :meth:`catch_up` refreshes, which every eager call of the buffer runs first."""
-        from gpubuf.replay.graph_writer import GraphWriter
+        """A :class:`~gpubuf.replay.capturable.writer.GraphWriter`: inserts with device ops only (no host
+        read, nothing the host decides from the data), for a step traced by ``torch.compile(fullgraph=True)`` or
+        captured in a CUDA graph with the env step and a :meth:`graph_sampler`. From then on the host's bookkeeping
+        is a copy that :meth:`catch_up` refreshes, which every eager call of the buffer runs first."""
+        from gpubuf.replay.capturable.writer import GraphWriter
 
         return GraphWriter(self)
 
     def device_ring(self):
-        """The :class:`~gpubuf.replay.device_ring.DeviceRing` of this buffer (made on first use, then kept current by
-        every eager write, and caught up by :meth:`catch_up`)."""
+        """The :class:`~gpubuf.replay.capturable.device_ring.DeviceRing` of this buffer (made on first use, then kept
+        current by every eager write, and caught up by :meth:`catch_up`)."""
         if self._device_ring is None:
-            from gpubuf.replay.device_ring import DeviceRing
+            from gpubuf.replay.capturable.device_ring import DeviceRing
 
             self._device_ring = DeviceRing(self.ring, self.device)
             self.parts.append(self._device_ring)
@@ -291,7 +291,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         return self._device_ring
 
     def catch_up(self) -> None:
-        """Bring the host's bookkeeping up to the device's after :class:`~gpubuf.replay.graph_writer.GraphWriter`
+        """Bring the host's bookkeeping up to the device's after :class:`~gpubuf.replay.capturable.writer.GraphWriter`
         inserts: one read of the device counters, then of the rows' flags and validity written since (nothing before
         a graph writer was made, or while a CUDA graph is captured). Raises ``ValueError`` once for graph inserts that
         wrote nothing since the last catch-up (a value its stored dtype cannot hold)."""
@@ -303,7 +303,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
             if behind:
                 self.sampler.valid_to_host()
             if dropped:
-                from gpubuf.replay.graph_writer import dropped_error
+                from gpubuf.replay.capturable.writer import dropped_error
 
                 raise dropped_error(dropped)
 

@@ -1,9 +1,9 @@
 """DeviceRing: the device copy of a replay ring's bookkeeping, for writes that never read the host.
 
 A :class:`~gpubuf.replay.ring.StartRing` keeps the write position, row counts, episode flags and validity on the host.
-Once a buffer hands out a :class:`~gpubuf.replay.graph_writer.GraphWriter`, a copy of the position, counts and flags
-lives on the buffer's device too: the graph writer's inserts advance the copy alone (device ops, no host reads), and
-every eager write keeps the copy equal to the host's (it is a part told of row events). The host's copy falls behind
+Once a buffer hands out a :class:`~gpubuf.replay.capturable.writer.GraphWriter`, a copy of the position, counts and
+flags lives on the buffer's device too: the graph writer's inserts advance the copy alone (device ops, no host reads),
+and every eager write keeps the copy equal to the host's (it is a part told of row events). The host's copy falls behind
 only while graph-written rows are not yet read back; :meth:`DeviceRing.catch_up` reads them back (the buffer's eager
 calls run it first, through ``guard.behind``).
 """

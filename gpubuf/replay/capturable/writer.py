@@ -1,11 +1,11 @@
 """GraphWriter: replay inserts whose bookkeeping stays on the buffer's device, so that the step that writes them can be
 traced whole by ``torch.compile(fullgraph=True)`` or captured in a CUDA graph, beside a ``GraphSampler``.
 
-An insert here is device ops on fixed shapes: the rows go to ``(position + arange(T)) % M`` read from the device
-copy of the ring (:class:`~gpubuf.replay.device_ring.DeviceRing`); the row flags, the counters, the new starts'
+An insert here is device ops on fixed shapes: the rows go to ``(position + arange(T)) % M`` read from the device copy of
+the ring (:class:`~gpubuf.replay.capturable.device_ring.DeviceRing`); the row flags, the counters, the new starts'
 priorities (``max_priority``, on the device), the validity masks and prefix-sum trees of every sampling kind and the
-episode marks are updated from device values; nothing is read back and nothing the host decides depends on the data.
-The host's copy of the bookkeeping catches up when the buffer is next called eagerly (one read of the device).
+episode marks are updated from device values; nothing is read back and nothing the host decides depends on the data. The
+host's copy of the bookkeeping catches up when the buffer is next called eagerly (one read of the device).
 
 Value checks run on the device: a cast that must look at the values (``float64`` into ``float32`` storage, ``int64``
 into ``int32``) is checked there, and an insert with a value that does not fit writes nothing (no row, no counter);
