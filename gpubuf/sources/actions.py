@@ -7,7 +7,7 @@ env executes (checked, clipped to a ``Box``) and its float32 echo ``(R, A)``."""
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import as_tensor, check_cast, lossless
+from gpubuf._core.inputs import as_tensor, cast_keeps_values, cast_refusal, check_cast, lossless
 
 # torch dtypes of actions that read as a numpy array without a copy (the steady state of ActionCodec.host)
 _NUMPY_READABLE = (torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -116,6 +116,7 @@ class ActionCodec:
         self._torch_dtype = torch.from_numpy(np.zeros(0, self.dtype)).dtype
         self._sig = None  # the last accepted actions' (type, dtype, shape, lossless) (see _fast)
         self._buf = np.zeros((n_envs, *self.shape), dtype=self.dtype)
+        self._on_devices = {}  # device -> the box's bounds there (device_checked)
 
     def zeros(self, lead: tuple) -> np.ndarray:
         """``(*lead, *shape)`` zero actions."""
@@ -232,3 +233,38 @@ class ActionCodec:
             if n is not None and arr.size and not (0 <= arr.min() and arr.max() < n):
                 raise ValueError(f"actions: expected actions in [0, {self.n}), got [{arr.min()}, {arr.max()}]")
         return arr.reshape(want).astype(self.dtype, copy=False)
+
+    def device_checked(self, actions: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(actions (R, *shape) in the space's dtype, clipped for a Box; () bool)`` of device ``actions``, the checks
+        of :meth:`host` that read values run on the device (the bool: whether they pass); those that need no values
+        raise here, as there."""
+        want, dims = (R, *self.shape), [d for d in self.shape if d != 1]
+        if not isinstance(actions, torch.Tensor) or actions.is_complex() or actions.dim() == 0 \
+                or actions.shape[0] != R or [d for d in actions.shape[1:] if d != 1] != dims:
+            got = tuple(actions.shape) if isinstance(actions, torch.Tensor) else type(actions).__name__
+            raise ValueError(f"actions: expected a real tensor shaped {want}, got {got}")
+        a = actions.detach().reshape(want)
+        if self.dtype.kind == "f":  # finite values the space's dtype holds, clipped to the box
+            why = cast_refusal(a.dtype, self._torch_dtype)
+            if why:
+                raise TypeError(f"actions: cannot send {a.dtype} as {self._torch_dtype} ({why})")
+            ok = torch.isfinite(a).all() if a.is_floating_point() else torch.ones((), dtype=torch.bool, device=a.device)
+            if not lossless(a.dtype, self._torch_dtype):
+                ok = ok & cast_keeps_values(a, self._torch_dtype)
+            a = a.to(self._torch_dtype)
+            if self._bounds is not None:
+                low, high = self._device_bounds(a.device)
+                a = torch.minimum(torch.maximum(a, low), high)
+            return a, ok
+        ok = torch.ones((), dtype=torch.bool, device=a.device)
+        if a.is_floating_point():  # integral values only
+            ok = (a == torch.trunc(a)).all()
+        if self.n is not None:
+            ok = ok & ((a >= 0) & (a < self.n)).all()
+        return a.to(self._torch_dtype), ok
+
+    def _device_bounds(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The box's ``(low, high)`` on ``device``, copied there once."""
+        if device not in self._on_devices:
+            self._on_devices[device] = tuple(torch.from_numpy(b).to(device) for b in self._bounds)
+        return self._on_devices[device]

@@ -172,6 +172,17 @@ class RowWriter:
                                np.ones(n, bool), info))
             self._fresh[:] = True
 
+    def mark_stepped(self) -> None:
+        """Every env's episode as after a step of an env that resets inside it: its rows are in the buffer from the
+        next step on, and no env ignores its next action (a capturable source's steps keep no host state)."""
+        self._fresh[:] = False
+        self._ended[:] = False
+
+    @property
+    def pending_obs(self) -> torch.Tensor | None:
+        """``(n_envs, *obs)`` each env's pending observation on the device (``None`` before the first reset)."""
+        return self._prev_obs
+
     def restart(self) -> None:
         """Every env restarts (a reset): the episodes end, nothing is pending."""
         self.end_episodes()

@@ -27,8 +27,9 @@ import torch
 
 from gpubuf._core.concurrency import locked
 from gpubuf._core.copies import refuse_copies
-from gpubuf._core.inputs import as_tensor, check_cast, positive_int
+from gpubuf._core.inputs import as_tensor, check_bool, check_cast, positive_int
 from gpubuf.sources.actions import check_action_space
+from gpubuf.sources.device_steps import DeviceSteps
 from gpubuf.sources.layout import exact_info, example_info_spec
 from gpubuf.sources.source import RowSource
 from gpubuf.sources.staging import Step
@@ -60,13 +61,17 @@ class TensorSource(RowSource):
         info_keys: ``{name: example}`` per-step info fields to store (one env's example value: shape and dtype),
             passed to :meth:`step` as ``infos={name: (n_envs, ...)}``, stored in the example's dtype where no value
             changes (else ``TypeError`` naming ``infos[name]``).
+        capturable: :meth:`step` reads nothing back from the device, so a loop calling it can be traced whole by
+            ``torch.compile(fullgraph=True)`` or captured in a CUDA graph (:mod:`gpubuf.sources.device_steps`:
+            ``final_obs=False``, a vectorized ``transitions`` buffer written through its ``graph_writer()``, no
+            history, info fields or extra data; value checks on the device; ``Step.first`` a device tensor).
 
     ``step = src.reset(obs)``, then per simulator step ``step = src.step(actions, obs, reward, terminated, truncated,
     final_obs=...)`` with the actions that produced them. Threads: one call at a time; copies and pickles are refused.
     """
 
     def __init__(self, n_envs: int, observation_space, action_space, *, final_obs: bool, obs_key: str = "observation",
-                 device=None, history=None, transitions=None, info_keys=None, action_fill=None):
+                 device=None, history=None, transitions=None, info_keys=None, action_fill=None, capturable=False):
         n_envs = positive_int("n_envs", n_envs)
         if not isinstance(final_obs, bool):
             raise TypeError(f"final_obs: expected True or False, got {final_obs!r}")
@@ -86,6 +91,14 @@ class TensorSource(RowSource):
         self._started = False
         self.history = history
         self.transitions = transitions
+        self._device_steps = None
+        if check_bool("capturable", capturable):
+            if final_obs:
+                raise ValueError("final_obs: a capturable TensorSource writes a vectorized buffer, which stores no "
+                                 "final observation; build it with final_obs=False")
+            if spec:
+                raise ValueError(f"info_keys: a capturable TensorSource stores no info fields, got {sorted(spec)}")
+            self._device_steps = DeviceSteps(self, self._rows, self._actions, self._obs_shape, self._obs_dtype)
 
     @locked
     def reset(self, obs, infos=None) -> Step:
@@ -93,10 +106,15 @@ class TensorSource(RowSource):
         holding rows, each env's pending observation first ends its episode."""
         self._check_obs(obs, "obs")
         infos = self._infos(infos)
+        if self._device_steps is not None:
+            self._device_steps.check()
         self._rows.restart()
         self._started = True
-        return self._rows.receive(obs, self._zeros, self._no, self._no, self.stager.all_ids, ~self._no,
+        step = self._rows.receive(obs, self._zeros, self._no, self._no, self.stager.all_ids, ~self._no,
                                   self._actions.zeros((self.n_envs,)), infos, True)
+        if self._device_steps is not None:
+            self._device_steps.bind()
+        return step
 
     @locked
     def step(self, actions, obs, reward, terminated, truncated, final_obs=None, infos=None, extra=None) -> Step:
@@ -107,6 +125,10 @@ class TensorSource(RowSource):
         naming the argument before anything is written."""
         if not self._started:
             raise RuntimeError("step: reset(obs) the source first")
+        if self._device_steps is not None:
+            if final_obs is not None or infos is not None or extra is not None:
+                raise ValueError("final_obs, infos, extra: a capturable TensorSource takes none of them")
+            return self._device_steps.step(actions, obs, reward, terminated, truncated)
         n = self.n_envs
         acts = self._actions.host(actions, n)
         flags = {}

@@ -63,11 +63,12 @@ class GraphWriter:
         self._envs = torch.arange(E, device=buffer.device)
 
     @locked_on_device
-    def insert(self, transition) -> None:
+    def insert(self, transition, valid: torch.Tensor | None = None) -> None:
         """Write ``T`` rows per env at the device's write position, as ``buffer.insert(transition)`` does, with no
         host read: leaves ``(T, E, ...)`` (``(T, ...)`` not vectorized) on the buffer's device with the stored leaves
         and shapes, and dtypes that keep their values in the stored ones (checked on the host when the cast is
-        refused whatever the values, else on the device: see :meth:`check`). All or nothing."""
+        refused whatever the values, else on the device: see :meth:`check`). All or nothing; ``valid``: a () bool
+        on the device, the caller's own checks (false: the insert writes nothing and counts as dropped)."""
         values, T = self._checked(transition)
         c, ring, b = self.config, self.ring, self.buffer
         M = c.max_rows
@@ -75,6 +76,8 @@ class GraphWriter:
         rows = (pos + torch.arange(T, device=b.device)) % M
         flat = (rows[:, None] * c.n_envs + self._envs).reshape(-1)  # (T * E,) flat rows
         ok = self._values_fit(values)
+        if valid is not None:
+            ok = valid if ok is None else ok & valid
         stored = {}
         for leaf in c.leaves:
             new = values[leaf.path].to(leaf.dtype)
