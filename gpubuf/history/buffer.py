@@ -184,6 +184,18 @@ class HistoryBuffer(checkpoint.Checkpointable, CopiedByState):
         if env_ids is None and fast is not None:
             fast.accept(info_dict, values)
 
+    @locked
+    def graph_writer(self):
+        """A :class:`~gpubuf.history.graph_append.HistoryGraphWriter`: appends of one entry per env with device ops
+        only, for a step traced by ``torch.compile(fullgraph=True)`` or captured in a CUDA graph; the keys, shapes
+        and dtypes are those of the first (eager) append. From then on eager calls first read the device's heads and
+        counts (one read)."""
+        from gpubuf.history.graph_append import HistoryGraphWriter
+
+        if not self._schema.data:
+            raise ValueError("history: append once first (its keys, shapes and dtypes fix what a graph writer appends)")
+        return HistoryGraphWriter(self, self._schema, self._ring, self._guard)
+
     # ------------------------------------------------------------------ get
 
     @torch.compiler.disable

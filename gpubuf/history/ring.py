@@ -18,6 +18,7 @@ class Ring:
         self.heads = np.zeros(n_envs, dtype=np.int64)
         self.all_ids = np.arange(n_envs, dtype=np.int64)
         self.lockstep_at = None
+        self.mirror = None  # a device copy told of every change (gpubuf.history.graph_append.DeviceHeads), once made
 
     def lockstep(self) -> tuple[int, int]:
         """``(head, count)`` shared by every env (-1 where they differ), kept in ``lockstep_at``."""
@@ -43,6 +44,8 @@ class Ring:
             first = counts[0]
             c = int(first) if (counts == first).all() else -1
         self.lockstep_at = (h, c)
+        if self.mirror is not None:
+            self.mirror.push()
 
     def plan_append(self, ids: np.ndarray):
         """Storage rows for each input row, which rows to keep (None = all), and the mirror's next
@@ -69,11 +72,15 @@ class Ring:
         """Set the mirror to ``heads`` and ``counts`` (kept as given: pass arrays no one else writes)."""
         self.heads, self.counts = heads, counts
         self.lockstep_at = None
+        if self.mirror is not None:
+            self.mirror.push()
 
     def reset(self, ids: np.ndarray) -> None:
         """Forget the entries of envs ``ids``; their heads stay."""
         self.counts[ids] = 0
         self.lockstep_at = None
+        if self.mirror is not None:
+            self.mirror.push()
 
     def clear(self) -> None:
         """Every env empty, every head at slot 0."""

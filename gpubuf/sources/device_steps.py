@@ -3,14 +3,16 @@ graph with its simulator.
 
 A simulator that resets finished envs inside the step (Isaac Lab, MuJoCo Playground, Brax) hands over device tensors
 every step. With ``TensorSource(..., capturable=True)`` its :meth:`~gpubuf.TensorSource.step` writes the row each env
-completed into the vectorized ``transitions`` buffer through the buffer's
-:class:`~gpubuf.replay.capturable.writer.GraphWriter` and keeps each env's pending observation, all with device ops:
-the value checks the eager step makes on the host (non-finite actions, actions outside a ``Discrete`` space, flags
-other than 0/1, casts that change a value) run on the device, and a step that fails one writes nothing and keeps the
-pending observations (the insert is counted as dropped and raised by the writer's ``check()`` or the buffer's next
-eager call). It stores what the eager step stores (:mod:`gpubuf.sources.rows`, a vectorized buffer of an env that
-resets inside the step) and returns the same :class:`~gpubuf.sources.staging.Step`, whose ``first`` is then a device
-bool tensor (the envs that ended, read by nothing).
+completed into the vectorized ``transitions`` buffer (through its
+:class:`~gpubuf.replay.capturable.writer.GraphWriter`), appends the step to the ``history`` (through its
+:class:`~gpubuf.history.graph_append.HistoryGraphWriter`, the ended envs' histories restarting at their reset frames)
+and keeps each env's pending observation, all with device ops. The value checks the eager step makes on the host
+(non-finite actions, actions outside a ``Discrete`` space, flags other than 0/1, casts that change a value) run on
+the device: a step that fails one writes nothing anywhere and keeps the pending observations; it is counted as dropped
+and raised by the buffers' next eager call (or the writers' ``check()``). It stores what the eager step stores
+(:mod:`gpubuf.sources.rows`, a vectorized buffer of an env that resets inside the step) and returns the same
+:class:`~gpubuf.sources.staging.Step`, whose ``first`` is then a device bool tensor (the envs that ended, read by
+nothing).
 """
 
 import torch
@@ -28,15 +30,13 @@ class DeviceSteps:
 
     def __init__(self, source, rows, codec, obs_shape: tuple, obs_dtype: torch.dtype):
         self.source, self.rows, self.codec, self.obs_shape, self.obs_dtype = source, rows, codec, obs_shape, obs_dtype
-        self.tb = self.writer = None
+        self.tb = self.writer = self.history = self.appender = None
         self.fill = torch.tensor(source.stager.action_fill, dtype=torch.float32, device=source.device)
 
     def check(self) -> None:
         """Before a reset: ``ValueError`` naming the argument unless the attached buffers can be written on the
-        device (no history; a vectorized buffer a graph writer can write)."""
+        device (a vectorized buffer a graph writer can write)."""
         tb = self.source.transitions
-        if self.source.history is not None:
-            raise ValueError("history: a capturable TensorSource writes no history (its append reads the host)")
         if tb is not None and not tb.vectorized_env:
             raise ValueError("transitions: a capturable TensorSource writes a vectorized buffer (one row per env per "
                              "step), got one with vectorized_env=False")
@@ -46,15 +46,17 @@ class DeviceSteps:
     def bind(self) -> None:
         """After a reset: the graph writer of the attached buffer, and the row writer's episode state as after a step
         (every env's episode holds rows from the next step on)."""
-        tb = self.source.transitions
+        tb, history = self.source.transitions, self.source.history
         if tb is not self.tb:
             self.tb, self.writer = tb, None if tb is None else tb.graph_writer()
+        if history is not self.history:
+            self.history, self.appender = history, None if history is None else history.graph_writer()
         self.rows.mark_stepped()
 
     def step(self, actions, obs, reward, terminated, truncated) -> Step:
         """One simulator step of every env, as :meth:`~gpubuf.TensorSource.step` takes it (device tensors)."""
         src, n = self.source, self.source.n_envs
-        if self.tb is not src.transitions or src.history is not None:
+        if self.tb is not src.transitions or self.history is not src.history:
             raise RuntimeError("step: a capturable TensorSource's buffers changed since its reset(); reset() again")
         acts, ok = self.codec.device_checked(actions, n)
         reward, fits = self._values(reward, "reward", (n,), torch.float32)
@@ -76,6 +78,8 @@ class DeviceSteps:
         info = {src.stager.obs_key: obs[:, None], "action": echo[:, None],
                 "reward": torch.where(ended, 0.0, reward)[:, None], "terminated": (term & ~ended)[:, None],
                 "truncated": (trunc & ~ended)[:, None]}
+        if self.appender is not None:  # the ended envs' reset frames start new histories
+            self.appender.append(info, reset=ended, valid=ok)
         return Step(info, src.stager.all_ids, ended)
 
     def _values(self, value, name: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

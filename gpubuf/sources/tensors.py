@@ -63,8 +63,9 @@ class TensorSource(RowSource):
             changes (else ``TypeError`` naming ``infos[name]``).
         capturable: :meth:`step` reads nothing back from the device, so a loop calling it can be traced whole by
             ``torch.compile(fullgraph=True)`` or captured in a CUDA graph (:mod:`gpubuf.sources.device_steps`:
-            ``final_obs=False``, a vectorized ``transitions`` buffer written through its ``graph_writer()``, no
-            history, info fields or extra data; value checks on the device; ``Step.first`` a device tensor).
+            ``final_obs=False``, a vectorized ``transitions`` buffer and a ``history`` written through their
+            ``graph_writer()``, no info fields or extra data; value checks on the device; ``Step.first`` a device
+            tensor).
 
     ``step = src.reset(obs)``, then per simulator step ``step = src.step(actions, obs, reward, terminated, truncated,
     final_obs=...)`` with the actions that produced them. Threads: one call at a time; copies and pickles are refused.

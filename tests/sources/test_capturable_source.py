@@ -28,8 +28,9 @@ def obs_space(pixels):
 
 
 def make(capturable, prioritized=True, pixels=False, actions=BOX, device="cpu", **buf_kw):
-    """``(source, buffer, simulator)``, reset."""
-    src = TensorSource(E, obs_space(pixels), actions, final_obs=False, capturable=capturable, device=device)
+    """``(source, buffer, simulator)``, reset; the source appends to a history too (``source.history``)."""
+    src = TensorSource(E, obs_space(pixels), actions, final_obs=False, capturable=capturable, device=device,
+                       history=HistoryBuffer(E, 6, 2, ("action",), device=device))
     cls = PrioritizedTransitionBuffer if prioritized else TransitionBuffer
     buf = cls(E * M, 4, src.transition_sample(), seed=0, device=device, **buf_kw)
     src.transitions = buf
@@ -70,7 +71,22 @@ def test_a_capturable_source_writes_and_returns_what_the_eager_one_does(prioriti
         if t == 20:  # a reset mid-run ends the episodes the same way
             a.reset(sa.obs())
             b.reset(sb.obs())
+        if t % 9 == 0:
+            assert_same_histories(a.history, b.history)
     assert_same_buffers(ba, bb)
+    assert_same_histories(a.history, b.history)
+
+
+def assert_same_histories(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert torch.equal(sa["counts"], sb["counts"]) and torch.equal(sa["heads"], sb["heads"])
+    for key in sa["data"]:
+        torch.testing.assert_close(sa["data"][key], sb["data"][key], rtol=0, atol=0, equal_nan=True)
+    for n in (1, 3):
+        ga, gb = a.get(n), b.get(n)
+        assert (ga is None) == (gb is None)
+        for key in ga or ():
+            torch.testing.assert_close(ga[key], gb[key], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -89,6 +105,8 @@ def test_a_bad_step_writes_nothing(bad, words):
     for _ in range(3):
         policy_step(src, sim, DISCRETE if discrete else BOX)
     before, pending = buf.state_dict(), src._rows.pending_obs.clone()  # noqa: SLF001 (the source's pending rows)
+    history = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in src.history.state_dict().items()
+               if k != "data"}
     act = torch.zeros(E, dtype=torch.int64) if discrete else torch.zeros(E, 2)
     obs, r, te, tr = sim.obs() + 1, torch.zeros(E), torch.zeros(E, dtype=torch.bool), torch.zeros(E, dtype=torch.bool)
     kw = {}
@@ -112,12 +130,16 @@ def test_a_bad_step_writes_nothing(bad, words):
         src.step(act, obs, r, te, tr)
         with pytest.raises(ValueError, match="1 insert\\(s\\) since the last check wrote nothing"):
             len(buf)
+        with pytest.raises(ValueError, match="1 append\\(s\\) since the last check wrote nothing"):
+            src.history.get(1)
     else:
         with pytest.raises((ValueError, TypeError), match=words):
             src.step(act, obs, r, te, tr, **kw)
     after = buf.state_dict()
     assert after["count"] == before["count"] and torch.equal(after["data"]["reward"], before["data"]["reward"])
     assert torch.equal(src._rows.pending_obs, pending)  # noqa: SLF001
+    now = src.history.state_dict()
+    assert torch.equal(now["counts"], history["counts"]) and torch.equal(now["heads"], history["heads"])
 
 
 def test_what_a_capturable_source_refuses():
@@ -125,10 +147,6 @@ def test_what_a_capturable_source_refuses():
         TensorSource(E, obs_space(False), BOX, final_obs=True, capturable=True)
     with pytest.raises(ValueError, match="info_keys: a capturable TensorSource"):
         TensorSource(E, obs_space(False), BOX, final_obs=False, capturable=True, info_keys={"x": np.float32(0)})
-    src = TensorSource(E, obs_space(False), BOX, final_obs=False, capturable=True,
-                       history=HistoryBuffer(E, 4, device="cpu"))
-    with pytest.raises(ValueError, match="history: a capturable TensorSource writes no history"):
-        src.reset(torch.zeros(E, 2))
     src, buf, sim = make(True)
     src.transitions = TransitionBuffer(E * M, 4, src.transition_sample(), seed=0)  # attached after the reset
     with pytest.raises(RuntimeError, match="reset\\(\\) again"):

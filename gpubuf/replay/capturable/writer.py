@@ -189,5 +189,6 @@ class GraphWriter:
 
 def dropped_error(dropped: int) -> ValueError:
     """The error of ``dropped`` graph inserts that wrote nothing."""
-    return ValueError(f"GraphWriter.insert: {dropped} insert(s) since the last check wrote nothing: a value does not "
-                      "fit its stored dtype (cast it before, or store a wider dtype)")
+    return ValueError(f"GraphWriter.insert: {dropped} insert(s) since the last check wrote nothing: a value failed its "
+                      "check on the device (one its stored dtype cannot hold, or a check of the caller's such as a "
+                      "TensorSource's non-finite actions)")
