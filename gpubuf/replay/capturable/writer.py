@@ -60,6 +60,9 @@ class GraphWriter:
         self._marks = buffer.episode_marks()
         self._max = sampler.device_updates().max if sampler.prioritized else None
         self.ring = buffer.device_ring()
+        # what the configuration derives, read now (a traced call cannot compute a cached property: it takes a lock)
+        c = buffer.config
+        self._paths, self._flag_paths = set(c.by_path), (*c.flag_paths, c.term_paths)
         self._envs = torch.arange(E, device=buffer.device)
 
     @locked_on_device
@@ -134,7 +137,7 @@ class GraphWriter:
     def _checked(self, transition) -> tuple[dict, int]:
         """``({path: tensor}, T)`` after the checks that need no values: leaves, shapes, devices, dtypes."""
         given, c = flatten(transition), self.config
-        if given.keys() != c.by_path.keys():
+        if given.keys() != self._paths:
             raise ValueError(f"transition: expected the leaves {[leaf.name for leaf in c.leaves]}, got "
                              f"{[leaf_name(p) for p in given]}")
         env = (c.n_envs,) if c.vectorized_env else ()
@@ -169,8 +172,8 @@ class GraphWriter:
 
     def _row_flags(self, stored: dict, T: int) -> torch.Tensor:
         """(3, T, E) bool: the ring's flags of the rows ``stored`` (a row set where any value of the leaf is)."""
-        c, E = self.config, self.config.n_envs
-        trunc, ends, last = c.flag_paths
+        E = self.config.n_envs
+        trunc, ends, last, term = self._flag_paths
 
         def any_set(paths):
             out = torch.zeros(T, E, dtype=torch.bool, device=self.buffer.device)
@@ -178,7 +181,7 @@ class GraphWriter:
                 out = out | (stored[p].reshape(T, E, -1) != 0).any(2)
             return out
 
-        return torch.stack([any_set(trunc) & ~any_set(c.term_paths), any_set(ends), any_set(last)])
+        return torch.stack([any_set(trunc) & ~any_set(term), any_set(ends), any_set(last)])
 
     def check(self) -> None:
         """Raise ``ValueError`` when inserts wrote nothing since the last check (a value its stored dtype cannot hold,
