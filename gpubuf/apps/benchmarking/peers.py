@@ -6,7 +6,7 @@ import traceback
 from collections.abc import Callable
 
 # peer -> (modules it needs, how to install it); "deque" is the pure-Python baseline, always there
-PEERS = {"deque": ((), None), "cpprb": (("cpprb",), "pip install cpprb"),
+PEERS = {"deque": ((), None), "cpprb": (("cpprb",), "pip install cpprb"), "rlox": (("rlox",), "pip install rlox"),
          "torchrl": (("torchrl", "tensordict"), "pip install torchrl tensordict"),
          "flashbax": (("flashbax", "jax"), "pip install flashbax jax"),
          "jaxnasium": (("jaxnasium", "jax"), "pip install 'jaxnasium[algs]'")}

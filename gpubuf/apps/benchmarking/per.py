@@ -1,8 +1,9 @@
 """Prioritized replay: insert, sample (importance weights) and update ``batch`` transitions on a full buffer.
 
 A transition: obs float32[17], action float32[6], reward float32, terminated, truncated. Peers: cpprb
-PrioritizedReplayBuffer, torchrl PrioritizedReplayBuffer (LazyTensorStorage), flashbax prioritised flat buffer,
-jaxnasium PrioritizedTransitionBuffer. Each contender is a dict op -> zero-argument callable."""
+PrioritizedReplayBuffer, rlox PrioritizedReplayBuffer (a Rust core; one ``push`` per transition, its API),
+torchrl PrioritizedReplayBuffer (LazyTensorStorage), flashbax prioritised flat buffer, jaxnasium
+PrioritizedTransitionBuffer. Each contender is a dict op -> zero-argument callable."""
 
 import itertools
 
@@ -122,6 +123,32 @@ def cpprb_per(fill: dict, batch: dict) -> dict:
             "update": lambda: rb.update_priorities(state["idx"], priorities())}
 
 
+def rlox_per(fill: dict, batch: dict) -> dict:
+    import rlox
+
+    B = len(batch["rew"])
+    rb = rlox.PrioritizedReplayBuffer(len(fill["rew"]), OBS, ACT, alpha=0.6, beta=0.4)
+
+    def push(d):  # its API takes one transition per call
+        push_one = rb.push
+        for o, a, r, te, tr in zip(d["obs"], d["act"], d["rew"].tolist(), d["term"].tolist(), d["trunc"].tolist(),
+                                   strict=True):
+            push_one(o, a, r, te, tr)
+
+    push(fill)
+    state, seeds = {}, itertools.count(1)
+    priorities = prepared_priorities(B)
+
+    def sample():
+        out = rb.sample(B, next(seeds))
+        state["idx"] = out["indices"]
+        return out
+
+    sample()
+    return {"insert": lambda: push(batch), "sample": sample,
+            "update": lambda: rb.update_priorities(state["idx"], priorities())}
+
+
 def torchrl_per(fill: dict, batch: dict) -> dict:
     # the compiled segment trees; benchmarks/setup_peers.sh rebuilds them
     import torchrl._torchrl  # noqa: F401
@@ -189,7 +216,8 @@ def jaxnasium_per(fill: dict, batch: dict) -> dict:
     return jax_contender(buf, ins, smp, upd, tr(batch), B, lambda out: out.PER_index)
 
 
-PEER_BUILDERS = {"cpprb": cpprb_per, "torchrl": torchrl_per, "flashbax": flashbax_per, "jaxnasium": jaxnasium_per}
+PEER_BUILDERS = {"cpprb": cpprb_per, "rlox": rlox_per, "torchrl": torchrl_per, "flashbax": flashbax_per,
+                 "jaxnasium": jaxnasium_per}
 
 
 def run(log2_capacity: int, batch: int, device: torch.device, repeats: int, peers: Peers) -> list[dict]:

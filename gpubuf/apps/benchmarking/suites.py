@@ -56,5 +56,5 @@ def run(suites, sizes: Sizes, device: torch.device, threads: int = 1, peers=tupl
     return {"machine": machine(device),
             "settings": asdict(sizes) | {"suites": list(suites), "threads": threads},
             "versions": {"gpubuf": gpubuf.__version__}
-            | versions(["torch", "numpy", "cpprb", "torchrl", "tensordict", "flashbax", "jax", "jaxnasium"]),
+            | versions(["torch", "numpy", "cpprb", "rlox", "torchrl", "tensordict", "flashbax", "jax", "jaxnasium"]),
             "missing": found.missing, "failed": found.failed, "rows": rows}
