@@ -67,6 +67,8 @@ plan_bench() {
     step graph 15 graph_cuda.md "$PY benchmarks/bench_graph.py --device cuda --repeats 30 --out \$W/graph_cuda.json"
     step learner_step 17 learner_step_cuda.md "$PY benchmarks/bench_learner_step.py --device cuda --repeats 20 \
 --out \$W/learner_step_cuda.json"
+    step whole_step 15 whole_step_cuda.md "$PY benchmarks/bench_whole_step.py --device cuda --repeats 15 \
+--out \$W/whole_step_cuda.json"
     step overhead 15 overhead_cuda.md "$PY benchmarks/bench_overhead.py --device cuda --repeats 200 && \
 cp benchmarks/results/overhead_cuda.json \$W/"
     step tree_update 20 tree_update_cuda.md "$PY benchmarks/bench_tree_update.py --device cuda --log2-sizes 20,24 \
@@ -77,7 +79,6 @@ then $PY benchmarks/bench_distributed.py --backend nccl --device cuda --ranks 2 
 --ranks 1,2 --log2-size 20 --batch 4096 --iters 30 --out \$W/distributed_gloo_cuda.json; fi"
     step demo 35 demo_cuda.md "if $PY -c 'import envpool' 2>/dev/null; then $PY -m gpubuf.apps.cli demo --device cuda \
 --env-steps 5000 --out \$W/demo_cuda.json --plot \$W/demo_cuda.png; else echo 'envpool missing: demo skipped'; fi"
-    step bench_quick 15 bench_cuda.log "$PY -m gpubuf.apps.cli bench --quick --device cuda --peers '' --out \$W/bench_cuda.md"
 }
 
 TOTAL=0
