@@ -222,12 +222,20 @@ def cast_keeps_values(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if dtype == torch.float8_e4m3fn:
             ok = ok & ~torch.isinf(t.to(torch.float32)).any()
         return ok
+    ok = None
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # compared as int64 (torch compares few unsigned types)
+        if t.dtype == torch.uint64:  # values from 2**63 on read negative: beyond every narrower type's exact range
+            t = t.view(torch.int64)
+            ok = (t >= 0).all()
+        else:
+            t = t.to(torch.int64)
     src_lo, src_hi = _int_range(t.dtype)
     if dtype.is_floating_point or dtype.is_complex:  # integer -> float
         lo, hi = -_exact_ints(_real(dtype)), _exact_ints(_real(dtype))
     else:  # integer -> narrower integer
         lo, hi = _int_range(dtype)
-    return ((t >= max(lo, src_lo)) & (t <= min(hi, src_hi))).all()
+    fits = ((t >= max(lo, src_lo)) & (t <= min(hi, src_hi))).all()
+    return fits if ok is None else ok & fits
 
 
 def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:

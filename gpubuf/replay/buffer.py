@@ -183,8 +183,9 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
                               memory_ranges([*self.storage.tensors(), *self.sampler.tensors()]))
         return self._owned_at[1]
 
-    @locked
-    def __len__(self) -> int:  # transitions stored: rows held times envs
+    def __len__(self) -> int:  # transitions stored: rows held times envs (after graph inserts: caught up first)
+        if self._device_ring is not None:
+            self.catch_up()
         return self.ring.count * self.n_envs
 
     @property

@@ -170,6 +170,68 @@ def test_a_buffer_that_decides_on_the_host_refuses_a_graph_writer(what, tmp_path
     buf.close()
 
 
+@pytest.mark.parametrize("shape", ["column of a wider tensor", "expanded scalar", "a view of the storage"])
+def test_inputs_of_any_layout_are_written_whole_as_insert_writes_them(shape):
+    """A leaf with a size-1 dim of another stride, an expanded scalar, or a view of the rows being overwritten: what
+    ``buffer.insert`` stores, and nothing half-written (every leaf is staged before any write)."""
+    a, b = (TransitionBuffer(2 * 4, 4, make_transition(0, 1, 2), seed=0) for _ in range(2))
+    w = b.graph_writer()
+    for t in range(4):  # full: the next insert overwrites row 0
+        a.insert(make_transition(t, 1, 2))
+        w.insert(make_transition(t, 1, 2))
+    rows = make_transition(9, 1, 2)
+    if shape == "column of a wider tensor":
+        rows.reward = torch.tensor([[7.0, 0.0, 8.0, 0.0]])[:, ::2]  # (1, 2), stride 2
+    elif shape == "expanded scalar":
+        rows.reward = torch.tensor(7.0).expand(1, 2)
+    else:
+        rows.observation = b.storage.data[("observation",)][1:2].clone()
+        for buf in (a, b):  # the rows being overwritten are read by the leaf
+            rows.reward = buf.storage.data[("reward",)][0:1]
+            (buf.insert if buf is a else w.insert)(rows)
+        assert_same_buffers(a, b)
+        return
+    a.insert(rows)
+    w.insert(rows)
+    assert_same_buffers(a, b)
+
+
+@pytest.mark.parametrize("valid, words", [(torch.tensor([True]), "valid: expected a \\(\\) bool tensor"),
+                                          (True, "valid: expected"), (torch.tensor(1), "valid: expected")])
+def test_a_bad_valid_flag_raises_naming_it_and_writes_nothing(valid, words):
+    b = TransitionBuffer(E * M, 4, rows_with_ends(0, 1), seed=0)
+    w = b.graph_writer()
+    w.insert(rows_with_ends(0, 2))
+    before = b.state_dict()["data"]["observation"].clone()
+    with pytest.raises(ValueError, match=words):
+        w.insert(rows_with_ends(2, 2), valid=valid)
+    assert torch.equal(b.state_dict()["data"]["observation"], before) and len(b) == 2 * E
+
+
+def test_a_sparse_leaf_is_refused_before_any_write():
+    b = TransitionBuffer(E * M, 4, rows_with_ends(0, 1), seed=0)
+    w = b.graph_writer()
+    w.insert(rows_with_ends(0, 2))
+    before = b.state_dict()["data"]["observation"].clone()
+    rows = rows_with_ends(2, 2)
+    rows.reward = rows.reward.to_sparse()
+    with pytest.raises(ValueError, match="reward: expected a tensor"):
+        w.insert(rows)
+    assert torch.equal(b.state_dict()["data"]["observation"], before) and len(b) == 2 * E
+
+
+def test_graph_sampler_calls_do_not_bring_the_host_up_to_date():
+    b = PrioritizedTransitionBuffer(E * M, 4, rows_with_ends(0, 1), seed=0)
+    w = b.graph_writer()
+    w.insert(rows_with_ends(0, 3))
+    gs = b.graph_sampler(4)
+    w.insert(rows_with_ends(3, 2))
+    _, idx = gs.sample()
+    gs.update_priorities(idx, torch.ones(4))
+    assert b.ring.total == 3  # behind until an eager call of the buffer
+    assert len(b) == 5 * E and b.ring.total == 5
+
+
 def test_two_threads_writing_through_graph_writers_lose_no_row():
     buf = TransitionBuffer(E * 64, 4, rows_with_ends(0, 1), seed=0)
     writers = [buf.graph_writer(), buf.graph_writer()]
@@ -197,7 +259,13 @@ CASTS = [(torch.float64, torch.float32, [0.5, -3e38, float("nan"), float("inf")]
          (torch.int32, torch.float32, [2**24, -2**24]),
          (torch.int32, torch.float32, [2**24 + 1]),
          (torch.int16, torch.bool, [0, 1]),
-         (torch.int16, torch.bool, [2])]
+         (torch.int16, torch.bool, [2]),
+         (torch.uint32, torch.int32, [5, 2**31 - 1]),
+         (torch.uint32, torch.int32, [2**31]),
+         (torch.uint16, torch.int8, [200]),
+         (torch.uint64, torch.int64, [2**63 - 1]),
+         (torch.uint64, torch.int64, [2**63]),
+         (torch.uint64, torch.float64, [2**53 + 1])]
 
 
 @pytest.mark.parametrize("src, dst, values", CASTS)

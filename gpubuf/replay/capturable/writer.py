@@ -17,6 +17,7 @@ import torch
 from gpubuf._core.concurrency import locked_on_device
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.inputs import cast_keeps_values, cast_refusal, lossless
+from gpubuf._core.staging import memory_ranges, overlaps
 from gpubuf._core.transition import flatten, leaf_name
 
 
@@ -64,6 +65,9 @@ class GraphWriter:
         c = buffer.config
         self._paths, self._flag_paths = set(c.by_path), (*c.flag_paths, c.term_paths)
         self._envs = torch.arange(E, device=buffer.device)
+        # every tensor the buffer holds (none is allocated from now on): eager inputs reaching them are copied
+        self._owned = memory_ranges([*buffer.storage.tensors(), *sampler.tensors(), *buffer.reader.tensors(),
+                                     self.ring.counters, self.ring.flags])
 
     @locked_on_device
     def insert(self, transition, valid: torch.Tensor | None = None) -> None:
@@ -73,22 +77,21 @@ class GraphWriter:
         refused whatever the values, else on the device: see :meth:`check`). All or nothing; ``valid``: a () bool
         on the device, the caller's own checks (false: the insert writes nothing and counts as dropped)."""
         values, T = self._checked(transition)
+        ok = self._values_fit(values, valid)
         c, ring, b = self.config, self.ring, self.buffer
         M = c.max_rows
         pos, count, total, dropped = ring.counters.clone().unbind()  # as before this insert
         rows = (pos + torch.arange(T, device=b.device)) % M
         flat = (rows[:, None] * c.n_envs + self._envs).reshape(-1)  # (T * E,) flat rows
-        ok = self._values_fit(values)
-        if valid is not None:
-            ok = valid if ok is None else ok & valid
-        stored = {}
-        for leaf in c.leaves:
-            new = values[leaf.path].to(leaf.dtype)
-            self._write_words(b.storage.words[leaf.path], flat, new, ok)
-            stored[leaf.path] = new
+        # phase 1: every leaf staged as storage words, and the flags (what can fail, fails here)
+        stored = {leaf.path: values[leaf.path].to(leaf.dtype) for leaf in c.leaves}
+        words = {p: self._as_words(b.storage.words[p], flat, new, ok) for p, new in stored.items()}
         flags = self._row_flags(stored, T)
         if ok is not None:  # a dropped insert leaves the rows' own flags
             flags = torch.where(ok, flags, ring.flags.index_select(1, rows))
+        # phase 2: the writes, which cannot fail on staged data
+        for p, src in words.items():
+            b.storage.words[p].index_copy_(0, flat, src)
         ring.flags.index_copy_(1, rows, flags)
         step = T if ok is None else T * ok.to(torch.int64)
         count = torch.clamp(count + step, max=M)
@@ -119,20 +122,24 @@ class GraphWriter:
         marks.marks.view(M, E).index_copy_(0, rows, bits)
         marks.held.copy_(torch.stack([oldest, count]))
 
-    def _write_words(self, words: torch.Tensor, flat: torch.Tensor, new: torch.Tensor, ok) -> None:
-        """Rows ``flat`` (K,) of a leaf's storage words (M*E, D) = ``new`` (K rows of the stored dtype), unless ``ok``
-        (() bool) is false. Written as the words the gathers read, never through a view of another dtype (which
-        ``torch.compile``'s functionalization cannot follow)."""
+    def _as_words(self, words: torch.Tensor, flat: torch.Tensor, new: torch.Tensor, ok) -> torch.Tensor:
+        """``new`` (K rows of the stored dtype) as rows of a leaf's storage ``words`` (M*E, D), to be written at rows
+        ``flat`` (K,) (where ``ok``, a () bool, is false: those rows' own words). The words the gathers read are
+        written, never a view of another dtype (which ``torch.compile``'s functionalization cannot follow); an eager
+        input reaching the buffer's own memory is copied first."""
         src = new.reshape(flat.shape[0], -1)
+        traced = self.buffer.table.tracing()
+        if not traced and overlaps(src, self._owned):
+            src = src.clone()
         if src.dtype != words.dtype:
-            # viewed as words from offset 0 (a traced step cannot ask the offset; its compiler fuses the copy)
-            if self.buffer.table.tracing() or not src.is_contiguous() \
+            # viewed as words from offset 0 with row-major strides (a traced step cannot ask; its compiler fuses it)
+            if traced or src.stride() != (src.shape[1], 1) \
                     or src.storage_offset() * src.element_size() % words.element_size():
                 src = src.clone(memory_format=torch.contiguous_format)
             src = src.view(torch.uint8).view(words.dtype)
         if ok is not None:
             src = torch.where(ok, src, words.index_select(0, flat))
-        words.index_copy_(0, flat, src)
+        return src
 
     def _checked(self, transition) -> tuple[dict, int]:
         """``({path: tensor}, T)`` after the checks that need no values: leaves, shapes, devices, dtypes."""
@@ -145,8 +152,8 @@ class GraphWriter:
         for leaf in c.leaves:
             t = given[leaf.path]
             want = env + leaf.shape
-            if not isinstance(t, torch.Tensor) or t.device.type != self.buffer.device.type:
-                got = f"a tensor on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            if not isinstance(t, torch.Tensor) or t.device.type != self.buffer.device.type or t.layout != torch.strided:
+                got = f"a {t.layout} tensor on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{leaf.name}: expected a tensor on {self.buffer.device}, got {got}")
             if t.dim() != len(want) + 1 or tuple(t.shape[1:]) != want or (T is not None and t.shape[0] != T):
                 raise ValueError(f"{leaf.name}: expected shape ({T or 'T'}, {', '.join(map(str, want))}), got "
@@ -159,10 +166,17 @@ class GraphWriter:
             raise ValueError(f"transition: expected 1 <= T <= {c.max_rows} rows per insert, got T = {T}")
         return given, T
 
-    def _values_fit(self, values: dict):
-        """() bool on the device: whether every leaf whose cast depends on its values keeps them (``None``: none
-        does)."""
+    def _values_fit(self, values: dict, valid):
+        """() bool on the device: whether every leaf whose cast depends on its values keeps them, and ``valid`` (the
+        caller's () bool) holds; ``None``: nothing to check."""
         ok = None
+        if valid is not None:
+            if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.shape != () \
+                    or valid.device.type != self.buffer.device.type:
+                got = f"{valid.dtype} {tuple(valid.shape)} on {valid.device}" if isinstance(valid, torch.Tensor) \
+                    else type(valid).__name__
+                raise ValueError(f"valid: expected a () bool tensor on {self.buffer.device}, got {got}")
+            ok = valid
         for leaf in self.config.leaves:
             t = values[leaf.path]
             if not lossless(t.dtype, leaf.dtype):

@@ -8,7 +8,7 @@ kept current by every insert and priority update, so a graph replayed after more
 
 import torch
 
-from gpubuf._core.concurrency import locked
+from gpubuf._core.concurrency import locked, locked_on_device
 from gpubuf._core.copies import refuse_copies
 from gpubuf._core.inputs import check_bool, check_device_updates
 from gpubuf._core.transition import Transition
@@ -34,8 +34,9 @@ class GraphSampler:
     must not be emptied while a captured graph is replayed. ``minibatches=K`` draws ``K * batch_size`` starts at once
     (:meth:`sample`); :meth:`update_priorities` is the prioritized update a captured or compiled step holds.
 
-    :meth:`sample`, :meth:`update_priorities` and :meth:`set_beta` hold the buffer's lock; a captured graph replays,
-    and a compiled step runs, without it: run them under ``buffer.lock`` when other threads write the buffer.
+    :meth:`sample`, :meth:`update_priorities` and :meth:`set_beta` hold the buffer's lock (the first two read nothing
+    of the host's bookkeeping: after a graph writer's inserts they do not bring it up to date); a captured graph
+    replays, and a compiled step runs, without it: run them under ``buffer.lock`` when other threads write the buffer.
     """
 
     def __init__(self, buffer, batch_size: int | None = None, with_next_obs: bool = False,
@@ -71,7 +72,7 @@ class GraphSampler:
         self.buffer.update_beta(beta)
         return self
 
-    @locked
+    @locked_on_device
     def sample(self) -> tuple[Transition, torch.Tensor]:
         """``(out, indices)``: ``B`` fresh windows (plus ``PER_weights`` when prioritized) and their flat starts (B,)
         int64, the same tensors at every call (traced: views of them); with ``minibatches=K``, ``K`` minibatches of one
@@ -88,7 +89,7 @@ class GraphSampler:
             return self.out, self.indices
         return split(batch, self.minibatches), draw.starts.view(self.indices.shape)
 
-    @locked
+    @locked_on_device
     def update_priorities(self, indices: torch.Tensor, td_errors: torch.Tensor) -> None:
         """Priorities ``|td| + eps`` of flat starts ``indices`` with no host sync (checks and ``max_priority`` on the
         device), so a captured or compiled learner step holds it. ``indices``, ``td_errors``: integer and real
@@ -102,7 +103,7 @@ class GraphSampler:
         self.buffer.storage.check_open()
         self._updates.apply(indices.reshape(-1).to(torch.int64), td_errors.detach().reshape(-1))
 
-    @locked
+    @locked_on_device
     def check_updates(self) -> None:
         """Raise what :meth:`update_priorities` (or its replays in a captured graph) dropped since the last check
         (``IndexError`` for indices outside the buffer, else ``ValueError``), once; one read of the device."""
