@@ -160,7 +160,7 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     torch.set_num_threads(1)
     sections, cpu = args.sections.split(","), torch.device("cpu")
-    found = Peers(["deque", "cpprb", "torchrl", "flashbax"])
+    found = Peers(["deque", "cpprb", "rlox", "torchrl", "flashbax"])
     load, rows, t0 = [os.getloadavg()[0]], [], time.time()
     if "per" in sections:
         for lg in (17, 20):

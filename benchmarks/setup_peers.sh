@@ -17,7 +17,7 @@ export PIP_CONSTRAINT="$VENV/constraints.txt"
 "$PY" -m pip install -q "setuptools>=68" wheel
 rm -rf build && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$VENV/wheel" . && rm -rf build
 "$PY" -m pip install -q --force-reinstall "$(ls "$VENV"/wheel/gpubuf-*.whl)[fast]" numpy scipy
-for peer in cpprb rlox "torchrl tensordict" "flashbax jax" "jaxnasium[algs]"; do
+for peer in cpprb rlox envpool "torchrl tensordict" "flashbax jax" "jaxnasium[algs]"; do
     # shellcheck disable=SC2086
     if "$PY" -m pip install -q $peer; then echo "setup_peers: installed $peer"; else echo "setup_peers: FAILED $peer"; fi
 done

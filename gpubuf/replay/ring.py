@@ -21,22 +21,31 @@ NEXT_OBS, IN_EPISODE = 1, 2  # validity kind bits
 
 
 def start_validity(rows, oldest, count, max_rows: int, n_steps: int, kind: int, trunc, ends, last, steps) -> tuple:
-    """The validity rule of a kind, one code for the host ring (numpy arrays, ints) and the device ring (tensors, 0-d
-    tensors): ``(ok, bad)``, ``ok`` (K,) bool whether windows starting at ``rows`` (K,) int64 lie inside the ``count``
-    rows held from row ``oldest`` on, ``bad`` (K, E) bool whether a start's window holds a forbidden flag (``None``
-    when no flag was checked). ``trunc``, ``ends``, ``last``: the ring's (M, E) flags, ``None`` to skip one (none
-    stored); ``steps``: ``arange(n_steps)`` like ``rows``."""
-    ok = (rows - oldest) % max_rows <= count - (n_steps + (kind & NEXT_OBS))
+    """The validity rule of a kind, one code for the host ring (a ``range`` of rows, numpy flags, ints) and the device
+    ring (tensors, 0-d tensors): ``(ok, bad)``, ``ok`` (K,) bool whether windows starting at ``rows`` (K,) lie inside
+    the ``count`` rows held from row ``oldest`` on, ``bad`` (K, E) bool whether a start's window holds a forbidden
+    flag (``None`` when no flag was checked). ``trunc``, ``ends``, ``last``: the ring's (M, E) flags, ``None`` to skip
+    one (none stored); ``steps``: ``arange(n_steps)`` like the flags."""
+    M, held = max_rows, count - (n_steps + (kind & NEXT_OBS))  # the last time index a window may start at
+    if isinstance(rows, range):  # host rows r0 + i have time indices (t0 + i) % M: two slices of them are held
+        t0, K = (rows.start - oldest) % M, len(rows)
+        ok = np.zeros(K, dtype=bool)
+        ok[:max(held - t0 + 1, 0)] = True  # before the time index wraps past M
+        ok[M - t0:max(held - t0 + M + 1, 0)] = True  # after it
+        if trunc is None and ends is None and last is None:
+            return ok, None
+        rows = np.arange(rows.start, rows.stop)
+    else:
+        ok = (rows - oldest) % M <= held
     bad = None
     if kind & NEXT_OBS and trunc is not None:  # no truncation in the first n rows
-        bad = trunc[(rows[:, None] + steps) % max_rows].any(1)
+        bad = trunc[(rows[:, None] + steps) % M].any(1)
     if kind & IN_EPISODE and ends is not None and n_steps > 1:  # no episode end in the first n - 1 rows
-        cross = ends[(rows[:, None] + steps[:-1]) % max_rows].any(1)
+        cross = ends[(rows[:, None] + steps[:-1]) % M].any(1)
         bad = cross if bad is None else bad | cross
     if last is not None:  # never a start on a row holding no transition
         bad = last[rows] if bad is None else bad | last[rows]
     return ok, bad
-
 
 class RowEvents:
     """The events a buffer tells every part that follows its rows (sampler, selector, reader, rate limiter), each part
@@ -145,7 +154,7 @@ class StartRing:
         """((r1 - r0) * E,) bool: whether a window of this kind may start at each flat start of rows [r0, r1)."""
         flags = (self.trunc if self.n_trunc else None, self.ends if self.n_ends else None,
                  self.last if self.n_last else None)
-        ok, bad = start_validity(np.arange(r0, r1), self.oldest, self.count, self.max_rows, self.n_steps, kind, *flags,
+        ok, bad = start_validity(range(r0, r1), self.oldest, self.count, self.max_rows, self.n_steps, kind, *flags,
                                  self._steps)
         if bad is not None:
             return (ok[:, None] & ~bad).reshape(-1)
