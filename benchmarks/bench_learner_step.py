@@ -16,12 +16,11 @@ with ``--minibatches 4``).
 """
 
 import argparse
-import json
 
 import torch
 
 from gpubuf import PrioritizedTransitionBuffer, Transition, Unit
-from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
+from gpubuf.apps.benchmarking.timing import step_variants
 from gpubuf.ops import capture_graph
 
 E, ROWS, OBS, N = 64, 2**14, 17, 2
@@ -94,20 +93,9 @@ def main():
     if dev.type == "cuda":
         graph, _ = capture_graph(graph_step)  # the whole step, backward and optimizer step included
         fns["cuda graph"] = with_insert(graph.replay)
-    for fn in fns.values():  # compiles, warms up
-        for _ in range(3):
-            fn()
-    med = median_us(fns, args.repeats, 5, syncer(dev))
+    step_variants(fns, args.repeats, dev, f"learner step on {dev} (batch {args.batch}, {K} minibatches, one insert)",
+                  {"batch": args.batch, "minibatches": K}, args.out)
     gs.check_updates()
-    result = {"machine": machine(dev), "batch": args.batch, "minibatches": K, "us": med,
-              "speedup_vs_eager": {k: med["eager"] / v for k, v in med.items()}}
-    print(f"learner step on {dev} (batch {args.batch}, {K} minibatches), median us per step incl. one insert:")
-    for k, v in med.items():
-        print(f"  {k:14s} {v:9.1f} us   {med['eager'] / v:5.2f}x eager")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

@@ -18,14 +18,13 @@ Sizes: 1024 envs (``--envs``), observations float32[17], actions float32[6], 2**
 """
 
 import argparse
-import json
 
 import gymnasium as gym
 import numpy as np
 import torch
 
 from gpubuf import PrioritizedTransitionBuffer, TensorSource, Unit
-from gpubuf.apps.benchmarking.timing import machine, median_us, syncer
+from gpubuf.apps.benchmarking.timing import step_variants
 from gpubuf.ops import capture_graph
 
 OBS, ACT, ROWS, BATCH = 17, 6, 2**10, 256
@@ -136,19 +135,8 @@ def main():
         graph_forward, graph_backward = capturable_steps(E, dev)
         graph, _ = capture_graph(graph_backward(graph_forward))
         fns["cuda graph"] = graph.replay
-    for fn in fns.values():  # compiles, warms up
-        for _ in range(3):
-            fn()
-    med = median_us(fns, args.repeats, 5, syncer(dev))
-    result = {"machine": machine(dev), "envs": E, "batch": BATCH, "us": med,
-              "speedup_vs_eager": {k: med["eager"] / v for k, v in med.items()}}
-    print(f"whole step on {dev} ({E} envs, batch {BATCH}), median us per step:")
-    for k, v in med.items():
-        print(f"  {k:12s} {v:9.1f} us   {med['eager'] / v:5.2f}x eager")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
+    step_variants(fns, args.repeats, dev, f"whole step on {dev} ({E} envs, batch {BATCH})",
+                  {"envs": E, "batch": BATCH}, args.out)
 
 if __name__ == "__main__":
     main()

@@ -64,3 +64,19 @@ class TorchSim:
         self.x = torch.where(done[:, None], reset, self.x)
         self.t = torch.where(done, torch.zeros_like(self.t), self.t)
         return reward, terminated, truncated
+
+
+def assert_compiled_matches_eager(compiled, eager, steps: int, each=None) -> None:
+    """Run ``steps`` of both steps (each returning ``(loss, drawn starts, ...)``) from the same seeds, with no
+    recompile allowed: equal losses and starts; ``each(got)`` after every compiled step."""
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(steps):
+            torch.manual_seed(t)
+            want = eager()
+            torch.manual_seed(t)
+            got = compiled()
+            torch.testing.assert_close(got[0], want[0])
+            assert torch.equal(got[1], want[1])
+            if each is not None:
+                each(got)
+

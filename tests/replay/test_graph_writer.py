@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures import make_transition
-from torch_sim import E, M, TorchSim, assert_same_buffers
+from torch_sim import E, M, TorchSim, assert_compiled_matches_eager, assert_same_buffers
 
 from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer, Unit
 from gpubuf._core.inputs import cast_keeps_values, check_cast, lossless
@@ -340,17 +340,14 @@ def test_the_whole_step_traces_as_one_graph_and_matches_the_eager_step(name):
     assert explanation.graph_count == 1
     plain = copy.deepcopy(buf)  # filled by buffer.insert and buffer.update_priorities with the same rows
     compiled = torch.compile(step, backend="eager", fullgraph=True)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for t in range(40):  # 5 + 40 rows: the 16-row ring wraps more than twice, episodes end every few steps
-            torch.manual_seed(t)
-            want = eager()
-            torch.manual_seed(t)
-            got = compiled()
-            torch.testing.assert_close(got[0], want[0])
-            assert torch.equal(got[1], want[1])
-            plain.insert(got[2])
-            if plain.sampler.prioritized:
-                plain.update_priorities(got[1].reshape(-1), got[3].reshape(-1))
+
+    def replayed(got):  # the same rows and updates, by insert and update_priorities
+        plain.insert(got[2])
+        if plain.sampler.prioritized:
+            plain.update_priorities(got[1].reshape(-1), got[3].reshape(-1))
+
+    # 5 + 40 rows: the 16-row ring wraps more than twice, episodes end every few steps
+    assert_compiled_matches_eager(compiled, eager, 40, replayed)
     assert buf.ring.total == 5  # the host's copy is behind until an eager call
     assert_same_buffers(buf, eager_buf)
     assert buf.ring.total == 45

@@ -13,7 +13,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from torch_sim import E, M, TorchSim, assert_same_buffers
+from torch_sim import E, M, TorchSim, assert_compiled_matches_eager, assert_same_buffers
 
 from gpubuf import HistoryBuffer, PrioritizedTransitionBuffer, TensorSource, TransitionBuffer
 
@@ -182,15 +182,7 @@ def test_the_loop_with_the_source_traces_whole_and_matches_the_eager_loop(priori
     buf, step = build()
     explanation = torch._dynamo.explain(build()[1])()  # noqa: SLF001
     assert explanation.graph_break_count == 0, explanation.break_reasons
-    compiled = torch.compile(step, backend="eager", fullgraph=True)
-    with torch._dynamo.config.patch(error_on_recompile=True):  # noqa: SLF001
-        for t in range(40):
-            torch.manual_seed(t)
-            want = eager()
-            torch.manual_seed(t)
-            got = compiled()
-            torch.testing.assert_close(got[0], want[0])
-            assert torch.equal(got[1], want[1])
+    assert_compiled_matches_eager(torch.compile(step, backend="eager", fullgraph=True), eager, 40)
     assert_same_buffers(buf, eager_buf)
 
 

@@ -5,6 +5,7 @@ Contenders run in the same process, interleaved in rotating order, and are repor
 wall time, the device synced around the call) or :func:`cuda_event_clock` (device time between two CUDA events).
 :func:`interleaved` collects the samples, :func:`median_us` their medians."""
 
+import json
 import os
 import platform
 import statistics
@@ -89,6 +90,26 @@ def median_us(fns: dict, repeats: int, block: int = 1, sync: Callable[[], None] 
     ``block + 1`` consecutive calls, the first untimed, after one untimed call of each fn."""
     samples = interleaved(fns, repeats, clock or wall_clock(sync), block, skip=skip, calls=calls, warmup=warmup)
     return {k: statistics.median(v) / calls for k, v in samples.items()}
+
+
+def step_variants(fns: dict, repeats: int, device: torch.device, title: str, about: dict, out: str | None) -> dict:
+    """Warm each of ``fns`` (variant -> one training step; the first is the baseline) up, time them interleaved
+    (medians of ``repeats`` blocks of 5), print each against the baseline under ``title`` and write the result (the
+    machine, ``about``, the medians, the speed-ups) to ``out`` as JSON when given; returns the result."""
+    for fn in fns.values():  # compiles, warms up
+        for _ in range(3):
+            fn()
+    med = median_us(fns, repeats, 5, syncer(device))
+    base = next(iter(med))
+    result = {"machine": machine(device), **about, "us": med,
+              f"speedup_vs_{base}": {k: med[base] / v for k, v in med.items()}}
+    print(f"{title}, median us per step:")
+    for k, v in med.items():
+        print(f"  {k:14s} {v:9.1f} us   {med[base] / v:5.2f}x {base}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
 
 
 def machine(device: torch.device) -> dict:
