@@ -338,6 +338,16 @@ def priority_updates(indices, td_errors) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, td
 
 
+def check_device_flags(name: str, flags, shape: tuple, device: torch.device) -> None:
+    """``ValueError`` naming ``name`` unless ``flags`` is a dense bool tensor of ``shape`` on ``device``'s type: a mask
+    a capturable call takes (it reads no value of it on the host)."""
+    if not isinstance(flags, torch.Tensor) or flags.dtype != torch.bool or tuple(flags.shape) != shape \
+            or flags.device.type != device.type or flags.layout != torch.strided:
+        got = f"{flags.dtype} {tuple(flags.shape)} on {flags.device}" if isinstance(flags, torch.Tensor) \
+            else type(flags).__name__
+        raise ValueError(f"{name}: expected a bool tensor shaped {shape} on {device}, got {got}")
+
+
 def check_device_updates(indices, td_errors, device: torch.device) -> None:
     """``ValueError`` naming the argument unless ``indices`` and ``td_errors`` are non-empty tensors on ``device``'s
     type of one shape, integer and real: what a sync-free priority update checks on the host."""

@@ -17,7 +17,7 @@ import torch
 
 from gpubuf._core.concurrency import locked_on_device
 from gpubuf._core.copies import refuse_copies
-from gpubuf._core.inputs import cast_keeps_values, cast_refusal, lossless
+from gpubuf._core.inputs import cast_keeps_values, cast_refusal, check_device_flags, lossless
 
 
 class DeviceHeads:
@@ -87,40 +87,60 @@ class HistoryGraphWriter:
     @locked_on_device
     def append(self, info_dict: dict, reset: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
         """Append ``info_dict`` ``{key: (n_envs, *entry)}`` (device tensors of every stored key) as one entry per env,
-        after forgetting the entries of the envs ``reset`` ``(n_envs,)`` bool marks; ``valid``: a () bool, the
-        caller's own checks (false: nothing is written). All or nothing, no host read."""
+        after forgetting the entries of the envs ``reset`` (an ``(n_envs,)`` bool tensor) marks; ``valid``: a ()
+        bool tensor, the caller's own checks (false: nothing is written). All or nothing, no host read."""
+        staged = self._stage(self.check_inputs(info_dict, reset, valid), reset, valid)
+        heads = self.heads
+        for key, (rows, new) in staged[0].items():
+            self.schema.data[key].index_copy_(0, rows, new)
+        if staged[1] is not None:
+            heads.dropped.add_((~staged[1]).to(torch.int64))
+        heads.state.copy_(staged[2])
+
+    def check_inputs(self, info_dict: dict, reset=None, valid=None) -> dict:
+        """Raise what :meth:`append` raises on the host (``ValueError``/``TypeError`` naming the key, ``reset`` or
+        ``valid``), writing nothing; returns the values, detached."""
         h, schema, E = self.history, self.schema, self.history.n_envs
         if not isinstance(info_dict, dict) or info_dict.keys() != schema.shapes.keys():
             got = sorted(info_dict) if isinstance(info_dict, dict) else type(info_dict).__name__
             raise ValueError(f"info_dict: expected the stored keys {sorted(schema.shapes)}, got {got}")
-        ok = valid
-        staged = {}
+        for name, flags, shape in (("reset", reset, (E,)), ("valid", valid, ())):
+            if flags is not None:
+                check_device_flags(name, flags, shape, h.device)
         for key, value in info_dict.items():
             store = schema.data[key]
             if not isinstance(value, torch.Tensor) or value.device.type != h.device.type \
-                    or tuple(value.shape) != (E, *schema.shapes[key]):
+                    or tuple(value.shape) != (E, *schema.shapes[key]) or value.layout != torch.strided:
                 got = f"{tuple(value.shape)} on {value.device}" if isinstance(value, torch.Tensor) else \
                     type(value).__name__
                 raise ValueError(f"{key}: expected a tensor shaped {(E, *schema.shapes[key])} on {h.device}, got {got}")
             why = cast_refusal(value.dtype, store.dtype)
             if why:
                 raise TypeError(f"{key}: cannot store {value.dtype} in the stored dtype {store.dtype} ({why})")
-            if not lossless(value.dtype, store.dtype):
-                fits = cast_keeps_values(value, store.dtype)
+        return {key: value.detach() for key, value in info_dict.items()}
+
+    def _stage(self, values: dict, reset, valid) -> tuple:
+        """``({key: (rows, new rows)}, ok, new heads and counts)``: every conversion and device check, nothing
+        written."""
+        h, schema, E = self.history, self.schema, self.history.n_envs
+        ok = valid
+        for key, value in values.items():
+            if not lossless(value.dtype, schema.data[key].dtype):
+                fits = cast_keeps_values(value, schema.data[key].dtype)
                 ok = fits if ok is None else ok & fits
-            staged[key] = value.reshape(E, -1).to(store.dtype)
         heads, counts = self.heads.state.clone().unbind()
         rows = heads * E + self._envs
-        for key, new in staged.items():
+        staged = {}
+        for key, value in values.items():
             store = schema.data[key]
-            store.index_copy_(0, rows, new if ok is None else torch.where(ok, new, store.index_select(0, rows)))
+            new = value.reshape(E, -1).to(store.dtype)
+            staged[key] = (rows, new if ok is None else torch.where(ok, new, store.index_select(0, rows)))
         if reset is not None:
             counts = torch.where(reset, 0, counts)
-        new = torch.stack([(heads + 1) % h.max_len, torch.clamp(counts + 1, max=h.max_len)])
+        state = torch.stack([(heads + 1) % h.max_len, torch.clamp(counts + 1, max=h.max_len)])
         if ok is not None:
-            new = torch.where(ok, new, self.heads.state)
-            self.heads.dropped.add_((~ok).to(torch.int64))
-        self.heads.state.copy_(new)
+            state = torch.where(ok, state, self.heads.state)
+        return staged, ok, state
 
     def check(self) -> None:
         """Raise ``ValueError`` once for appends that wrote nothing since the last check (the buffer's next eager call

@@ -240,10 +240,13 @@ class ActionCodec:
         raise here, as there."""
         want, dims = (R, *self.shape), [d for d in self.shape if d != 1]
         if not isinstance(actions, torch.Tensor) or actions.is_complex() or actions.dim() == 0 \
-                or actions.shape[0] != R or [d for d in actions.shape[1:] if d != 1] != dims:
+                or actions.layout != torch.strided or actions.shape[0] != R \
+                or [d for d in actions.shape[1:] if d != 1] != dims:
             got = tuple(actions.shape) if isinstance(actions, torch.Tensor) else type(actions).__name__
-            raise ValueError(f"actions: expected a real tensor shaped {want}, got {got}")
+            raise ValueError(f"actions: expected a dense real tensor shaped {want}, got {got}")
         a = actions.detach().reshape(want)
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # widened exactly (few ops take them)
+            a = a.to(torch.float32)
         if self.dtype.kind == "f":  # finite values the space's dtype holds, clipped to the box
             why = cast_refusal(a.dtype, self._torch_dtype)
             if why:
@@ -259,8 +262,11 @@ class ActionCodec:
         ok = torch.ones((), dtype=torch.bool, device=a.device)
         if a.is_floating_point():  # integral values only
             ok = (a == torch.trunc(a)).all()
+        wide = a
+        if a.dtype in (torch.uint16, torch.uint32, torch.uint64):  # compared as int64 (few ops take them)
+            wide = a.view(torch.int64) if a.dtype == torch.uint64 else a.to(torch.int64)  # from 2**63: negative
         if self.n is not None:
-            ok = ok & ((a >= 0) & (a < self.n)).all()
+            ok = ok & ((wide >= 0) & (wide < self.n)).all()
         return a.to(self._torch_dtype), ok
 
     def _device_bounds(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,32 +65,38 @@ class DeviceSteps:
             t, good = self._values(value, name, (n,), torch.bool)
             flags.append(t)
             fits = fits & good
-        obs, good = self._values(obs, "obs", (n, *self.obs_shape), self.obs_dtype)
-        ok = ok & fits & good
+        _, good = self._values(obs, "obs", (n, *self.obs_shape), self.obs_dtype)  # kept as given, as the eager step
+        obs, ok = obs.detach(), ok & fits & good
         term, trunc = flags
-        prev = self.rows.pending_obs
-        if self.writer is not None:
-            self.writer.insert(Transition(observation=prev[None], action=acts[None], reward=reward[None],
-                                          terminated=term[None], truncated=trunc[None]), valid=ok)
-        prev.copy_(torch.where(ok, obs, prev))
-        ended = term | trunc
+        prev, ended = self.rows.pending_obs, term | trunc
+        row = Transition(observation=prev[None], action=acts[None], reward=reward[None], terminated=term[None],
+                         truncated=trunc[None])
         echo = torch.where(ended[:, None], self.fill, acts.reshape(n, -1).to(torch.float32))
         info = {src.stager.obs_key: obs[:, None], "action": echo[:, None],
                 "reward": torch.where(ended, 0.0, reward)[:, None], "terminated": (term & ~ended)[:, None],
                 "truncated": (trunc & ~ended)[:, None]}
+        # what can fail on the host fails before anything is written
+        if self.writer is not None:
+            self.writer.check_inputs(row, ok)
+        if self.appender is not None:
+            self.appender.check_inputs(info, ended, ok)
+        if self.writer is not None:
+            self.writer.insert(row, valid=ok)
         if self.appender is not None:  # the ended envs' reset frames start new histories
             self.appender.append(info, reset=ended, valid=ok)
+        prev.copy_(torch.where(ok, obs.to(prev.dtype), prev))
         return Step(info, src.stager.all_ids, ended)
 
     def _values(self, value, name: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(value as dtype, () bool whether its values fit)``: a device tensor of ``shape`` (``ValueError``/
         ``TypeError`` naming ``name`` otherwise); flags must be 0 or 1."""
         dev = self.source.device
-        if not isinstance(value, torch.Tensor) or value.device.type != dev.type or tuple(value.shape) != shape:
+        if not isinstance(value, torch.Tensor) or value.device.type != dev.type or tuple(value.shape) != shape \
+                or value.layout != torch.strided:
             got = f"{value.dtype} {tuple(value.shape)} on {value.device}" if isinstance(value, torch.Tensor) \
                 else type(value).__name__
-            raise ValueError(f"{name}: expected a tensor shaped {shape} on {dev}, got {got}")
-        yes = torch.ones((), dtype=torch.bool, device=value.device)
+            raise ValueError(f"{name}: expected a dense tensor shaped {shape} on {dev}, got {got}")
+        value, yes = value.detach(), torch.ones((), dtype=torch.bool, device=value.device)
         if dtype == torch.bool:
             if value.dtype == torch.bool:
                 return value, yes

@@ -278,8 +278,9 @@ class RowWriter:
         for key, a in infos.items():
             self._prev_info[key][at] = a
         rows, ids = step.info[self.stager.obs_key], step.env_ids  # (R, 1, *obs)
-        if self._prev_obs is None:
-            self._prev_obs = torch.zeros((self.n_envs, *rows.shape[2:]), dtype=rows.dtype, device=self.device)
+        if self._prev_obs is None:  # in the observation space's dtype: every later step's values fit it
+            dtype = torch.from_numpy(np.zeros(0, self.obs_space.dtype)).dtype
+            self._prev_obs = torch.zeros((self.n_envs, *rows.shape[2:]), dtype=dtype, device=self.device)
             self._prev_rows = self._prev_obs[:, None]
         if in_order:  # a plain copy (index_copy_ is ~40x slower on CPU)
             self._prev_rows.copy_(rows)

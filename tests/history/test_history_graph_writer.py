@@ -135,6 +135,26 @@ def test_bad_appends_raise_naming_the_key_and_write_nothing(bad, error, words):
     assert_same(a, b)
 
 
+@pytest.mark.parametrize("name, flag", [
+    ("reset", torch.tensor([0, 1, 0, 1])), ("reset", torch.ones(E)), ("reset", torch.ones(E, 1, dtype=torch.bool)),
+    ("reset", torch.ones(1, dtype=torch.bool)), ("reset", torch.tensor(True)), ("reset", [True] * E),
+    ("valid", torch.tensor([True])), ("valid", True), ("valid", torch.tensor(1)),
+])
+def test_a_bad_mask_raises_naming_it_and_writes_nothing(name, flag):
+    a, b, w = pair()
+    with pytest.raises(ValueError, match=f"{name}: expected a bool tensor"):
+        w.append(info(99), **{name: flag})
+    assert_same(a, b)
+
+
+def test_inputs_that_require_grad_are_stored_detached():
+    a, b, w = pair()
+    value = info(1)
+    value["action"] = value["action"].requires_grad_()
+    w.append(value)
+    assert not b.state_dict()["data"]["action"].requires_grad
+
+
 def test_a_graph_writer_needs_a_first_append():
     with pytest.raises(ValueError, match="history: append once first"):
         HistoryBuffer(E, L, device="cpu").graph_writer()

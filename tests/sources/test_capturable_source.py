@@ -94,8 +94,8 @@ def assert_same_histories(a, b):
     ("discrete out of range", None),
     ("flag not 0/1", None),
     ("reward overflows float32", None),
-    ("wrong obs shape", "obs: expected a tensor shaped"),
-    ("numpy reward", "reward: expected a tensor"),
+    ("wrong obs shape", "obs: expected a dense tensor shaped"),
+    ("numpy reward", "reward: expected a dense tensor"),
     ("float flags", "terminated: expected bools"),
     ("final_obs given", "final_obs, infos, extra"),
 ])
@@ -140,6 +140,69 @@ def test_a_bad_step_writes_nothing(bad, words):
     assert torch.equal(src._rows.pending_obs, pending)  # noqa: SLF001
     now = src.history.state_dict()
     assert torch.equal(now["counts"], history["counts"]) and torch.equal(now["heads"], history["heads"])
+
+
+def test_a_step_the_history_refuses_writes_nothing_anywhere():
+    """The reset fixed the history's observations as int64: a float step is refused before any write (as the eager
+    source refuses it)."""
+    src = TensorSource(E, obs_space(False), BOX, final_obs=False, capturable=True,
+                       history=HistoryBuffer(E, 4, device="cpu"))
+    src.transitions = PrioritizedTransitionBuffer(E * M, 4, src.transition_sample(), seed=0)
+    src.reset(torch.zeros(E, 2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="observation: cannot store torch.float32"):
+        src.step(torch.zeros(E, 2), torch.full((E, 2), 0.25), torch.zeros(E), torch.zeros(E, dtype=torch.bool),
+                 torch.zeros(E, dtype=torch.bool))
+    assert len(src.transitions) == 0 and src.history.num_strided() == [1] * E
+    assert torch.equal(src._rows.pending_obs, torch.zeros(E, 2))  # noqa: SLF001
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_integer_reset_frames_do_not_truncate_later_float_observations(capturable):
+    src = TensorSource(E, obs_space(False), BOX, final_obs=False, capturable=capturable)
+    buf = TransitionBuffer(E * M, 4, src.transition_sample(), seed=0)
+    src.transitions = buf
+    src.reset(torch.zeros(E, 2, dtype=torch.int64))
+    for t in range(3):
+        src.step(torch.zeros(E, 2), torch.full((E, 2), t + 0.25), torch.zeros(E), torch.zeros(E, dtype=torch.bool),
+                 torch.zeros(E, dtype=torch.bool))
+    assert buf.state_dict()["data"]["observation"][1:3, 0, 0].tolist() == [0.25, 1.25]
+
+
+def test_a_sparse_observation_is_refused_before_any_write():
+    src, buf, sim = make(True)
+    before = len(buf)
+    with pytest.raises(ValueError, match="obs: expected a dense tensor"):
+        src.step(torch.zeros(E, 2), sim.obs().to_sparse(), torch.zeros(E), torch.zeros(E, dtype=torch.bool),
+                 torch.zeros(E, dtype=torch.bool))
+    assert len(buf) == before
+
+
+def test_inputs_that_require_grad_are_stored_detached_and_steps_keep_the_eager_dtypes():
+    a, ba, sa = make(False)
+    b, bb, sb = make(True)
+    w = torch.ones((), requires_grad=True)
+    for source, sim in ((a, sa), (b, sb)):
+        obs = sim.obs().double()
+        step = source.step(torch.zeros(E, 2), obs * w, torch.zeros(E) * w, torch.zeros(E, dtype=torch.bool),
+                           torch.zeros(E, dtype=torch.bool))
+        assert step.info["observation"].dtype == torch.float64
+    assert not any(t.requires_grad for t in bb.state_dict()["data"].values())
+    assert not any(t.requires_grad for t in b.history.state_dict()["data"].values())
+    assert_same_buffers(ba, bb)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.int8])
+def test_discrete_actions_of_any_integer_dtype(dtype):
+    a, ba, sa = make(False, actions=DISCRETE)
+    b, bb, sb = make(True, actions=DISCRETE)
+    for source, sim in ((a, sa), (b, sb)):
+        source.step(torch.tensor([0, 2, 1], dtype=dtype), sim.obs(), torch.zeros(E),
+                    torch.zeros(E, dtype=torch.bool), torch.zeros(E, dtype=torch.bool))
+    assert_same_buffers(ba, bb)
+    b.step(torch.tensor([0, 3, 1], dtype=dtype), sb.obs(), torch.zeros(E), torch.zeros(E, dtype=torch.bool),
+           torch.zeros(E, dtype=torch.bool))
+    with pytest.raises(ValueError, match="wrote nothing"):
+        len(bb)
 
 
 def test_what_a_capturable_source_refuses():

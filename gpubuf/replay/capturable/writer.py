@@ -16,7 +16,7 @@ import torch
 
 from gpubuf._core.concurrency import locked_on_device
 from gpubuf._core.copies import refuse_copies
-from gpubuf._core.inputs import cast_keeps_values, cast_refusal, lossless
+from gpubuf._core.inputs import cast_keeps_values, cast_refusal, check_device_flags, lossless
 from gpubuf._core.staging import memory_ranges, overlaps
 from gpubuf._core.transition import flatten, leaf_name
 
@@ -76,22 +76,37 @@ class GraphWriter:
         and shapes, and dtypes that keep their values in the stored ones (checked on the host when the cast is
         refused whatever the values, else on the device: see :meth:`check`). All or nothing; ``valid``: a () bool
         on the device, the caller's own checks (false: the insert writes nothing and counts as dropped)."""
+        self._write(self._stage(*self.check_inputs(transition, valid)))
+
+    def check_inputs(self, transition, valid: torch.Tensor | None = None) -> tuple:
+        """Raise what :meth:`insert` raises on the host (``ValueError``/``TypeError`` naming the leaf or ``valid``),
+        writing nothing: a caller writing several buffers in one step checks each before writing any. Returns
+        ``(leaves, T, valid)``."""
         values, T = self._checked(transition)
+        if valid is not None:
+            check_device_flags("valid", valid, (), self.buffer.device)
+        return values, T, valid
+
+    def _stage(self, values: dict, T: int, valid) -> tuple:
+        """What :meth:`insert` writes, staged: every conversion and device check, nothing written."""
         ok = self._values_fit(values, valid)
         c, ring, b = self.config, self.ring, self.buffer
-        M = c.max_rows
         pos, count, total, dropped = ring.counters.clone().unbind()  # as before this insert
-        rows = (pos + torch.arange(T, device=b.device)) % M
+        rows = (pos + torch.arange(T, device=b.device)) % c.max_rows
         flat = (rows[:, None] * c.n_envs + self._envs).reshape(-1)  # (T * E,) flat rows
-        # phase 1: every leaf staged as storage words, and the flags (what can fail, fails here)
-        stored = {leaf.path: values[leaf.path].to(leaf.dtype) for leaf in c.leaves}
+        stored = {leaf.path: values[leaf.path].detach().to(leaf.dtype) for leaf in c.leaves}
         words = {p: self._as_words(b.storage.words[p], flat, new, ok) for p, new in stored.items()}
         flags = self._row_flags(stored, T)
         if ok is not None:  # a dropped insert leaves the rows' own flags
             flags = torch.where(ok, flags, ring.flags.index_select(1, rows))
-        # phase 2: the writes, which cannot fail on staged data
+        return T, ok, rows, flat, stored, words, flags, (pos, count, total, dropped)
+
+    def _write(self, staged: tuple) -> None:
+        """Write what :meth:`_stage` staged (device ops that cannot fail on staged data)."""
+        T, ok, rows, flat, stored, words, flags, (pos, count, total, dropped) = staged
+        M, ring = self.config.max_rows, self.ring
         for p, src in words.items():
-            b.storage.words[p].index_copy_(0, flat, src)
+            self.buffer.storage.words[p].index_copy_(0, flat, src)
         ring.flags.index_copy_(1, rows, flags)
         step = T if ok is None else T * ok.to(torch.int64)
         count = torch.clamp(count + step, max=M)
@@ -169,14 +184,7 @@ class GraphWriter:
     def _values_fit(self, values: dict, valid):
         """() bool on the device: whether every leaf whose cast depends on its values keeps them, and ``valid`` (the
         caller's () bool) holds; ``None``: nothing to check."""
-        ok = None
-        if valid is not None:
-            if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.shape != () \
-                    or valid.device.type != self.buffer.device.type:
-                got = f"{valid.dtype} {tuple(valid.shape)} on {valid.device}" if isinstance(valid, torch.Tensor) \
-                    else type(valid).__name__
-                raise ValueError(f"valid: expected a () bool tensor on {self.buffer.device}, got {got}")
-            ok = valid
+        ok = valid
         for leaf in self.config.leaves:
             t = values[leaf.path]
             if not lossless(t.dtype, leaf.dtype):
