@@ -6,8 +6,9 @@ Variants, interleaved, medians per step:
 - ``eager``: ``TensorSource.step`` (reads rewards, flags and actions to the host), ``buffer.sample`` and
   ``buffer.update_priorities`` (checked on the host);
 - ``capturable``: ``TensorSource(capturable=True).step`` (the buffer's graph writer) and a ``GraphSampler``, eager;
-- ``compiled``: the capturable step's simulator -> source -> sample -> loss -> update part under
-  ``torch.compile(fullgraph=True)`` (inductor; backward and optimizer step eager);
+- ``compiled, 1 graph``: the capturable step's simulator -> source -> sample -> loss -> update part as one
+  ``torch.compile(fullgraph=True)`` graph (inductor; backward and optimizer step eager);
+- ``compiled, 2 graphs``: the same part as two compiled graphs, simulator -> source, and sample -> loss -> update;
 - ``cuda graph`` (CUDA only): the whole capturable step, backward and optimizer step included, captured once and
   replayed.
 
@@ -92,19 +93,30 @@ def eager_step(E, dev):
     return step
 
 
-def capturable_steps(E, dev) -> tuple:
-    """``(forward, step)``: the capturable loop's part without the backward, and the whole step."""
+def capturable_steps(E, dev, compile_parts=None) -> tuple:
+    """``(forward, with_backward)``: the capturable loop's part without the backward (simulator and source step, then
+    sample, loss and update; ``compile_parts``: a function compiling each part on its own), and a maker of the whole
+    step from it."""
     src, buf, sim, pi, q, opt = build(E, dev, True)
     gs = buf.graph_sampler(BATCH, with_next_obs=True)
 
-    def forward():
+    def env_part():
         with torch.no_grad():
             act = torch.tanh(pi(sim.x))
         src.step(act, *sim.step(act))
+
+    def learn_part():
         batch, idx = gs.sample()
         loss, td = td_loss(q, batch)
         gs.update_priorities(idx, td)
         return loss
+
+    if compile_parts is not None:
+        env_part, learn_part = compile_parts(env_part), compile_parts(learn_part)
+
+    def forward():
+        env_part()
+        return learn_part()
 
     def with_backward(fwd):
         def step():
@@ -128,9 +140,11 @@ def main():
     dev = torch.device(args.device)
     E = args.envs
     forward, with_backward = capturable_steps(E, dev)
-    compiled_forward, compiled_backward = capturable_steps(E, dev)
+    one, one_backward = capturable_steps(E, dev)
+    two, two_backward = capturable_steps(E, dev, lambda part: torch.compile(part, fullgraph=True))
     fns = {"eager": eager_step(E, dev), "capturable": with_backward(forward),
-           "compiled": compiled_backward(torch.compile(compiled_forward, fullgraph=True))}
+           "compiled, 1 graph": one_backward(torch.compile(one, fullgraph=True)),
+           "compiled, 2 graphs": two_backward(two)}
     if dev.type == "cuda":
         graph_forward, graph_backward = capturable_steps(E, dev)
         graph, _ = capture_graph(graph_backward(graph_forward))
