@@ -112,6 +112,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size, data_sample,
                                                   vectorized_env, n_steps, self._config_extra())
         self._init_storage = (storage_device, storage_dir)  # as given, for copies
+        self._device_ring = None  # the device copy of the ring's bookkeeping, once a GraphWriter was made
         for name in ReplayConfig.STATE_FIELDS:
             setattr(self, name, getattr(config, name))
         self.device = ops.resolve_device(device)
@@ -149,7 +150,6 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         if self.rate_limiter is not None:
             self.rate_limiter.attach(self._guard, row, config.sample_batch_size)
         self._hub = None  # the writers in other processes (WriterHub), once one was handed out
-        self._device_ring = None  # the device copy of the ring's bookkeeping, once a GraphWriter was made
 
     def _row_parts(self) -> list:
         """The parts told of every row event (:class:`~gpubuf.replay.ring.RowEvents`), in the order they are told.

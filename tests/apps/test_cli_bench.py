@@ -75,7 +75,7 @@ def test_peers_can_be_left_out_and_a_suite_chosen(tmp_path, capsys):
     (["--n-envs", ""], "--n-envs: expected comma-separated ints, got ''"),
     (["--n-envs", "100000000"], "--n-envs: expected at most 8192, got 100000000"),
     (["--device", "meta"], "--device: expected a cpu or cuda device, got 'meta'"),
-    (["--peers", "cpprb,nope"], "--peers: expected a comma-separated subset of deque,cpprb,torchrl,flashbax,"),
+    (["--peers", "cpprb,nope"], "--peers: expected a comma-separated subset of deque,cpprb,rlox,torchrl,flashbax,"),
     (["--device", "tpu9"], "--device: cannot use 'tpu9'"),
     (["--out", "/no/such/dir/b.md"], "--out: cannot write '/no/such/dir/b.md'"),
     (["--out", "b.json"], "--out: expected a markdown path ending in .md, got 'b.json'"),
