@@ -20,24 +20,12 @@ import numpy as np
 NEXT_OBS, IN_EPISODE = 1, 2  # validity kind bits
 
 
-def start_validity(rows, oldest, count, max_rows: int, n_steps: int, kind: int, trunc, ends, last, steps) -> tuple:
-    """The validity rule of a kind, one code for the host ring (a ``range`` of rows, numpy flags, ints) and the device
-    ring (tensors, 0-d tensors): ``(ok, bad)``, ``ok`` (K,) bool whether windows starting at ``rows`` (K,) lie inside
-    the ``count`` rows held from row ``oldest`` on, ``bad`` (K, E) bool whether a start's window holds a forbidden
-    flag (``None`` when no flag was checked). ``trunc``, ``ends``, ``last``: the ring's (M, E) flags, ``None`` to skip
-    one (none stored); ``steps``: ``arange(n_steps)`` like the flags."""
-    M, held = max_rows, count - (n_steps + (kind & NEXT_OBS))  # the last time index a window may start at
-    if isinstance(rows, range):  # host rows r0 + i have time indices (t0 + i) % M: two slices of them are held
-        t0, K = (rows.start - oldest) % M, len(rows)
-        ok = np.zeros(K, dtype=bool)
-        ok[:max(held - t0 + 1, 0)] = True  # before the time index wraps past M
-        ok[M - t0:max(held - t0 + M + 1, 0)] = True  # after it
-        if trunc is None and ends is None and last is None:
-            return ok, None
-        rows = np.arange(rows.start, rows.stop)
-    else:
-        ok = (rows - oldest) % M <= held
-    bad = None
+def forbidden_starts(rows, max_rows: int, n_steps: int, kind: int, trunc, ends, last, steps):
+    """The flag rule of a kind, one code for the host ring (numpy) and the device ring (tensors): (K, E) bool, whether
+    the window of ``kind`` starting at each env's start of ``rows`` (K,) int64 holds a forbidden flag (``None`` when
+    no flag is checked). ``trunc``, ``ends``, ``last``: the ring's (M, E) flags, ``None`` to skip one (none stored);
+    ``steps``: ``arange(n_steps)`` like the flags."""
+    M, bad = max_rows, None
     if kind & NEXT_OBS and trunc is not None:  # no truncation in the first n rows
         bad = trunc[(rows[:, None] + steps) % M].any(1)
     if kind & IN_EPISODE and ends is not None and n_steps > 1:  # no episode end in the first n - 1 rows
@@ -45,7 +33,7 @@ def start_validity(rows, oldest, count, max_rows: int, n_steps: int, kind: int, 
         bad = cross if bad is None else bad | cross
     if last is not None:  # never a start on a row holding no transition
         bad = last[rows] if bad is None else bad | last[rows]
-    return ok, bad
+    return bad
 
 class RowEvents:
     """The events a buffer tells every part that follows its rows (sampler, selector, reader, rate limiter), each part
@@ -101,7 +89,7 @@ class StartRing:
         # (M, E) per kind
         self.valid = {k: np.zeros((max_rows, n_envs), dtype=bool) for k in self.kinds}
         self.n_valid = dict.fromkeys(self.kinds, 0)
-        self._steps = np.arange(n_steps)  # a window's row offsets, for start_validity
+        self._steps = np.arange(n_steps)  # a window's row offsets, for forbidden_starts
 
     def window(self, kind: int) -> int:
         """Rows a window of this kind reads."""
@@ -152,13 +140,21 @@ class StartRing:
 
     def validity(self, r0: int, r1: int, kind: int) -> np.ndarray:
         """((r1 - r0) * E,) bool: whether a window of this kind may start at each flat start of rows [r0, r1)."""
-        flags = (self.trunc if self.n_trunc else None, self.ends if self.n_ends else None,
-                 self.last if self.n_last else None)
-        ok, bad = start_validity(range(r0, r1), self.oldest, self.count, self.max_rows, self.n_steps, kind, *flags,
-                                 self._steps)
+        M, E = self.max_rows, self.n_envs
+        # rows r0 + i have time indices (t0 + i) % M (0 = oldest); valid ones are <= last: two slices of rows
+        t0 = (r0 - self.oldest) % M
+        last = self.count - self.window(kind)
+        ok = np.zeros(r1 - r0, dtype=bool)
+        ok[:max(last - t0 + 1, 0)] = True  # before the time index wraps past M
+        ok[M - t0:max(last - t0 + M + 1, 0)] = True  # after it
+        bad = None  # (K, E) starts whose window holds a forbidden flag
+        if self.n_trunc or self.n_ends or self.n_last:
+            flags = (self.trunc if self.n_trunc else None, self.ends if self.n_ends else None,
+                     self.last if self.n_last else None)
+            bad = forbidden_starts(np.arange(r0, r1), M, self.n_steps, kind, *flags, self._steps)
         if bad is not None:
             return (ok[:, None] & ~bad).reshape(-1)
-        return ok if self.n_envs == 1 else np.repeat(ok, self.n_envs)
+        return ok if E == 1 else np.repeat(ok, E)
 
     def refresh(self, kind: int, r0: int, r1: int) -> tuple[np.ndarray, int]:
         """Recompute the validity of rows ``[r0, r1)`` for ``kind``; returns it ((r1 - r0) * E,) and its valid count."""

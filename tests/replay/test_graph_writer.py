@@ -8,6 +8,7 @@ what the eager step computes; a buffer filled by ``buffer.insert`` with the same
 """
 
 import copy
+import os
 import pickle
 import threading
 
@@ -230,6 +231,25 @@ def test_graph_sampler_calls_do_not_bring_the_host_up_to_date():
     gs.update_priorities(idx, torch.ones(4))
     assert b.ring.total == 3  # behind until an eager call of the buffer
     assert len(b) == 5 * E and b.ring.total == 5
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_the_host_is_behind_sees_every_graph_insert():
+    b = PrioritizedTransitionBuffer(E * M, 4, rows_with_ends(0, 1), n_steps=2, seed=0)
+    w = b.graph_writer()
+    for t in range(7):
+        w.insert(rows_with_ends(2 * t, 2))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its host copy catches up from its own copy of the device state
+        try:
+            os.write(write, f"{len(b)},{b.num_valid(True, 'forbid')}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = os.read(read, 100).decode()
+    os.waitpid(pid, 0)
+    assert got == f"{len(b)},{b.num_valid(True, 'forbid')}" and len(b) == 14 * E
 
 
 def test_two_threads_writing_through_graph_writers_lose_no_row():

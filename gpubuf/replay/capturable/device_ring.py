@@ -11,7 +11,7 @@ calls run it first, through ``guard.behind``).
 import numpy as np
 import torch
 
-from gpubuf.replay.ring import RowEvents, StartRing, start_validity
+from gpubuf.replay.ring import NEXT_OBS, RowEvents, StartRing, forbidden_starts
 
 
 class DeviceRing(RowEvents):
@@ -58,9 +58,12 @@ class DeviceRing(RowEvents):
 
     def validity(self, rows: torch.Tensor, kind: int, oldest: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """(K, E) bool: whether a window of ``kind`` may start at each env's start of ``rows`` (K,) int64, the ring
-        holding the ``count`` rows from row ``oldest`` on (0-d tensors): the ring's rule, on the device."""
+        holding the ``count`` rows from row ``oldest`` on (0-d tensors): the rule of :meth:`StartRing.validity`, on the
+        device (the window inside the held rows by time index; the flags by the ring's own :func:`forbidden_starts`)."""
         ring = self.ring
-        ok, bad = start_validity(rows, oldest, count, ring.max_rows, ring.n_steps, kind, *self.flags, self.steps)
+        # inside the held rows: the time index of each start (0 = oldest) at most the last a window may start at
+        ok = (rows - oldest) % ring.max_rows <= count - (ring.n_steps + (kind & NEXT_OBS))
+        bad = forbidden_starts(rows, ring.max_rows, ring.n_steps, kind, *self.flags, self.steps)
         return ok[:, None] & ~bad
 
     # ------------------------------------------------------------------ the host catching up
