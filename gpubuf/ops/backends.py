@@ -76,7 +76,9 @@ class Backend:
     rows, which their storage gathers), ``frame_stack`` and ``n_step_return`` (:mod:`gpubuf.ops.stacks`); the fixed
     pointer tables of the Triton gathers, ``window_tables`` / ``window_gather_fixed`` / ``stack_tables`` /
     ``frame_stack_fixed`` (``None`` where they do not run); ``history_append``, ``history_gather_frames``,
-    ``history_pack_blocks`` (:mod:`gpubuf.ops.history`).
+    ``history_pack_blocks`` (:mod:`gpubuf.ops.history`); ``insert_loops``: the compiled ``(ring_write,
+    refresh_starts)`` of an insert's bookkeeping on the CPU (:mod:`gpubuf.replay.sampling.host_commit`), ``None``
+    where the reference path (numpy and torch ops) runs.
     """
 
     def __init__(self, device: torch.device, name: str, loops: bool, env_major: bool):
@@ -97,6 +99,7 @@ class Backend:
         else:
             self.priority_write = _traced_else(write, _signals_held(write))
         self.masses = self._host_or(priorities.masses_host, priorities.masses_twin)
+        self.insert_loops = (host_loops.ring_write, host_loops.refresh_starts) if self.host_loops else None
         self.importance_weights = self._host_or(priorities.weights_host, priorities.weights_twin)
         self.history_append, self.history_gather_frames = bind(history.APPEND), bind(history.GATHER_FRAMES)
         self.history_pack_blocks = bind(history.PACK_BLOCKS)
@@ -165,7 +168,7 @@ class Backend:
         where one compiled loop runs each, else ``"torch ops"``."""
         report = {name: self.ran[name] for name in sorted(OPS)}
         loops = "numba loop" if self.host_loops else "torch ops"
-        return {**report, "priority_update": loops, "importance_weights": loops}
+        return {**report, "priority_update": loops, "importance_weights": loops, "insert_bookkeeping": loops}
 
 
 def _bind(table: Backend, op: Op) -> Callable:

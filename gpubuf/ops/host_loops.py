@@ -22,20 +22,27 @@ from gpubuf.kernels import BAD_INDEX, NOT_FINITE, OVERFLOW  # the checks of a pr
 
 ENABLED = os.environ.get("GPUBUF_NUMBA", "1").strip() != "0" and importlib.util.find_spec("numba") is not None
 _LOOPS = ("tree_update", "tree_update_range", "tree_sample", "tree_sample_masses", "importance_weights",
-          "priority_write", "priority_masses", "masses", "priority_update")  # callees before their callers
+          "priority_write", "priority_masses", "masses", "priority_update", "put_flags", "ring_write",
+          "refresh_starts")  # callees before their callers
+
+
+_COMPILED = False
 
 
 def _compile_all() -> None:
     """Compile every loop and bind ``name`` and ``_name`` to it (the loops call each other by ``_name``); division
     as in numpy (a zero divisor gives inf or NaN, as the torch twins do, not an exception)."""
+    scope = globals()
+    if scope["_COMPILED"]:  # a caller kept a first-call wrapper (the backend table's insert loops)
+        return
     try:
         import numba
     except ImportError as err:
         raise RuntimeError(f"gpubuf's compiled host loops need numba, which failed to import ({err}); set "
                            "GPUBUF_NUMBA=0 to run the torch paths") from err
-    scope = globals()
     for name in _LOOPS:
         scope[name] = scope["_" + name] = numba.njit(cache=True, nogil=True, error_model="numpy")(scope["_" + name])
+    scope["_COMPILED"] = True
 
 
 def _first_call(name: str):
@@ -184,6 +191,71 @@ def _priority_update(priority, idx, td, eps, limit, alpha, valid, tree, offsets,
     result[1] = top
 
 
+def _put_flags(flags, new, pos):  # pragma: no cover (compiled)
+    """Rows ``pos, pos + 1, ...`` (mod M) of ``flags`` (M, E) bool = ``new`` (T, E); returns the change in set flags."""
+    M, change = flags.shape[0], 0
+    for t in range(new.shape[0]):
+        r = (pos + t) % M
+        for e in range(new.shape[1]):
+            change += np.int64(new[t, e]) - np.int64(flags[r, e])
+            flags[r, e] = new[t, e]
+    return change
+
+
+def _ring_write(trunc, ends, last, new_trunc, new_ends, new_last, pos, counts, priority, top):  # pragma: no cover
+    """The row flags of ``T`` rows written at row ``pos`` of a ring: ``trunc``, ``ends``, ``last`` (M, E) bool = the
+    new rows' ``new_*`` (T, E) (a (0, E) array: no such leaf), ``counts`` (3,) int64 += the changes in set flags; the
+    new starts' ``priority`` (M*E,) float32 = ``top`` (an empty ``priority``: none kept)."""
+    counts[0] += _put_flags(trunc, new_trunc, pos)
+    counts[1] += _put_flags(ends, new_ends, pos)
+    counts[2] += _put_flags(last, new_last, pos)
+    M, E = trunc.shape
+    if priority.shape[0]:
+        T = max(new_trunc.shape[0], new_ends.shape[0], new_last.shape[0])
+        for t in range(T):
+            r = (pos + t) % M
+            for e in range(E):
+                priority[r * E + e] = np.float32(top)
+
+
+def _refresh_starts(valid, mask, trunc, ends, last, kind, n_steps, last_t, oldest, a, K, priority, alpha, tree,
+                    offsets, fanout):  # pragma: no cover (compiled)
+    """The validity of kind ``kind`` (bit 0: next observations read, bit 1: inside one episode) of every start of
+    the ``K`` rows ``a, a + 1, ...`` (mod M), written to the ring's ``valid`` and the sampler's ``mask`` (M*E,) bool,
+    and their masses (``priority ** alpha``, an empty ``priority``: 1; 0 where invalid) to the tree's leaves, then
+    their parents; returns the change in valid starts. A start is valid when its row's time index (0 = ``oldest``)
+    is at most ``last_t`` and its window holds no forbidden flag (:func:`gpubuf.replay.ring.forbidden_starts`)."""
+    M, E = trunc.shape
+    change = 0
+    mass = np.empty(K * E)
+    for i in range(K):
+        r = (a + i) % M
+        in_time = (r - oldest) % M <= last_t
+        for e in range(E):
+            ok = in_time and not last[r, e]
+            if ok and kind & 1:
+                for s in range(n_steps):
+                    ok = ok and not trunc[(r + s) % M, e]
+            if ok and kind & 2:
+                for s in range(n_steps - 1):
+                    ok = ok and not ends[(r + s) % M, e]
+            j = r * E + e
+            change += np.int64(ok) - np.int64(valid[j])
+            valid[j] = ok
+            mask[j] = ok
+            if not ok:
+                mass[i * E + e] = 0.0
+            elif priority.shape[0]:
+                mass[i * E + e] = np.float64(priority[j]) ** alpha
+            else:
+                mass[i * E + e] = 1.0
+    head = min(K, M - a)  # rows before the wrap
+    _tree_update_range(tree, offsets, fanout, a * E, mass[:head * E])
+    if head < K:
+        _tree_update_range(tree, offsets, fanout, 0, mass[head * E:])
+    return change
+
+
 tree_update = _first_call("tree_update")
 tree_update_range = _first_call("tree_update_range")
 tree_sample = _first_call("tree_sample")
@@ -193,3 +265,5 @@ priority_write = _first_call("priority_write")
 priority_masses = _first_call("priority_masses")
 masses = _first_call("masses")
 priority_update = _first_call("priority_update")
+ring_write = _first_call("ring_write")
+refresh_starts = _first_call("refresh_starts")

@@ -55,6 +55,7 @@ from gpubuf.replay.feeds.writer_doors import WriterDoors
 from gpubuf.replay.provenance import Provenance
 from gpubuf.replay.ring import LimiterSize, StartRing
 from gpubuf.replay.sampling.eager import EagerSample
+from gpubuf.replay.sampling.host_commit import HostCommit
 from gpubuf.replay.sampling.readers import BatchReader
 from gpubuf.replay.sampling.sample_args import Samples
 from gpubuf.replay.sampling.samplers import TreeSampler, UniformSampler
@@ -133,6 +134,7 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
                     self.default_with_replacement = True
             self.reader = BatchReader(config, self.storage, self.ring, self.sampler, self.table)
             self.parts = self._row_parts()
+            self._commit = HostCommit.of(self.ring, self.sampler)  # parts[0]'s bookkeeping, compiled (CPU, numba)
             self._owned_at = (-1, ())  # (sampler allocations, memory ranges) of _owned
             self._steady = SteadyInsert(config, self.storage)
             # a host generator draws: one seed, the same starts on every device
@@ -241,9 +243,14 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         ring = self.ring
         with signals_held():  # phase 2: commit
             self.storage.before_write(ring.pos, ring.count, ring.total, T)
-            pos, before_wrap = ring.write(T, trunc, ends, last)
+            if self._commit is None:
+                pos, before_wrap = ring.write(T, trunc, ends, last)
+                told = self.parts
+            else:  # the ring's write and the sampler's refresh in compiled loops
+                pos, before_wrap = self._commit.write(T, trunc, ends, last)
+                told = self.parts[1:]
             self.storage.write(staged, pos, before_wrap, T)
-            for part in self.parts:
+            for part in told:
                 part.rows_written(pos, before_wrap, T)
             self.storage.after_write(ring.pos, ring.count, ring.total)  # the journal's commit of the rows
         if not steady:

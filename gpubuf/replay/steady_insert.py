@@ -60,11 +60,20 @@ class SteadyInsert:
             a = fields[p[0]]
             for k in p[1:]:
                 a = a[k]
-            if not a.flags.c_contiguous:
-                return None
-            lo = a.__array_interface__["data"][0]
-            i = bisect.bisect_left(owned, (lo + a.nbytes,)) - 1
-            if i >= 0 and owned[i][1] > lo:
+            if not a.flags.c_contiguous or _may_reach(a, owned):
                 return None
             arrays[p] = a
         return arrays
+
+
+def _may_reach(a: np.ndarray, owned: tuple) -> bool:
+    """Whether array ``a``'s memory may overlap ``owned`` (sorted byte ranges of the buffer's tensors): never when
+    the array it views (or itself) allocated its own memory, which no tensor holds; else its bytes are compared."""
+    root = a
+    while type(root.base) is np.ndarray:
+        root = root.base
+    if root.flags.owndata:
+        return False
+    lo = a.__array_interface__["data"][0]
+    i = bisect.bisect_left(owned, (lo + a.nbytes,)) - 1
+    return i >= 0 and owned[i][1] > lo

@@ -111,3 +111,21 @@ def test_a_closed_storage_dir_refuses_a_steady_insert(tmp_path):
     buf.close()
     with pytest.raises(ValueError, match="was closed"):
         buf.insert(rows(4, 2))
+
+
+def test_views_of_arrays_owning_their_memory_stay_steady_and_views_of_the_storage_do_not():
+    buf = TransitionBuffer(E * 16, 4, rows(0, 1), device="cpu")
+    buf.insert(rows(0, 2)).insert(rows(2, 2))
+    fresh = rows(4, 4)  # arrays that own their memory: sliced views of them cannot reach the storage
+    half = Transition(observation=fresh.observation[:2], action=fresh.action[:2], reward=fresh.reward[:2],
+                      terminated=fresh.terminated[:2], truncated=fresh.truncated[:2], info={"id": fresh.info["id"][:2]})
+    assert buf._steady.match(half, buf._owned) is not None
+    data = buf.storage.host
+    twice = {p: np.asarray(a[0:2])[:] for p, a in data.items()}  # views of views of the storage
+    own = Transition(observation=twice[("observation",)], action=twice[("action",)], reward=twice[("reward",)],
+                     terminated=twice[("terminated",)], truncated=twice[("truncated",)],
+                     info={"id": twice[("info", "id")]})
+    assert buf._steady.match(own, buf._owned) is None
+    buf.insert(own)
+    got = buf.state_dict()["data"]["action"][:, 0].tolist()
+    assert got[4:6] == got[0:2] == [0, E]

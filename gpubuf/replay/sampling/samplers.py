@@ -88,7 +88,7 @@ class TreeSampler(RowEvents):
         if not self._active:
             return
         segments = self.ring.changed_rows(old_pos, T, self._active)
-        for kind in sorted(self._active):
+        for kind in self.kept_kinds():
             for r0, r1 in segments:
                 self.refresh_rows(kind, r0, r1)
 
@@ -131,6 +131,10 @@ class TreeSampler(RowEvents):
                              f"per env, windows of {self.ring.window(kind)} rows{what})")
         if not with_replacement and B > n:
             raise ValueError(f"batch_size: {B} exceeds the {n} valid starts, which sampling without replacement needs")
+
+    def kept_kinds(self) -> list[int]:
+        """The kinds whose validity and tree are kept current, in the order writes refresh them."""
+        return sorted(self._active)
 
     def valid_mask(self, kind: int) -> torch.Tensor:
         """(M*E,) bool on the device: ``kind``'s validity per start (built on first use, then kept current in place)."""
@@ -353,12 +357,16 @@ class PrioritizedSampler(TreeSampler):
 
     def rows_written(self, pos: int, before_wrap: int, T: int) -> None:
         """New rows take the running ``max_priority`` (order matters: before their masses are refreshed)."""
-        # the device's copy once device updates exist: no read-back
-        top = float(self._max_np[0]) if self._device_updates is None else self._device_updates.max
+        top = self.new_row_priority()
         self._rows[pos:pos + before_wrap].fill_(top)
         if before_wrap < T:  # wrapped
             self._rows[:T - before_wrap].fill_(top)
         self.refresh_after_write(pos, T)
+
+    def new_row_priority(self) -> float | torch.Tensor:
+        """The priority new starts get, the running maximum: a float, or once device updates exist the device's ()
+        tensor (no read-back)."""
+        return float(self._max_np[0]) if self._device_updates is None else self._device_updates.max
 
     def mass(self, starts, valid: torch.Tensor, all_valid: bool) -> torch.Tensor:
         return self.table.masses(self.priority[starts], valid, self.alpha, all_valid)  # invalid starts: zero mass
