@@ -149,6 +149,38 @@ def check_storable(dtype: torch.dtype, name: str) -> None:
                         f"float8_e4m3fn, float8_e5m2 and complex values, got {dtype}")
 
 
+def dtype_kind(dtype: torch.dtype) -> str:
+    """``"bool"``, ``"integer"``, ``"float"`` or ``"complex"``: what values a dtype holds."""
+    if dtype == torch.bool:
+        return "bool"
+    return "complex" if dtype.is_complex else "float" if dtype.is_floating_point else "integer"
+
+
+def check_storage_dtypes(storage_dtypes, leaves: dict) -> dict:
+    """``{leaf name: storage dtype}`` of a constructor's ``storage_dtypes`` (``None``: ``{}``), checked against
+    ``leaves`` ``{name: dtype of the data sample}``: a known leaf, a storable dtype of the leaf's kind (a float
+    leaf may be stored as any float dtype, an integer leaf as any integer dtype; a bool leaf only as bool)."""
+    if storage_dtypes is None:
+        return {}
+    if not isinstance(storage_dtypes, dict):
+        raise TypeError("storage_dtypes: expected a dict {leaf name: torch.dtype}, got "
+                        f"{type(storage_dtypes).__name__}")
+    chosen = {}
+    for name, dtype in storage_dtypes.items():
+        where = f"storage_dtypes[{name!r}]"
+        if name not in leaves:
+            raise ValueError(f"storage_dtypes: {name!r} is not a leaf of data_sample; its leaves are {list(leaves)}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{where}: expected a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        check_storable(dtype, where)
+        kind, given = dtype_kind(dtype), dtype_kind(leaves[name])
+        if kind != given:
+            raise ValueError(f"{where}: a {kind} dtype ({dtype}) cannot store the {given} leaf {name} "
+                             f"({leaves[name]}); its storage dtype must be {given} too")
+        chosen[name] = dtype
+    return chosen
+
+
 def _int_range(dtype: torch.dtype) -> tuple[int, int]:
     return (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
 
@@ -238,7 +270,7 @@ def cast_keeps_values(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return fits if ok is None else ok & fits
 
 
-def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str, read_device: bool = False) -> None:
     """Raise ``TypeError`` naming ``name`` unless storing ``t`` as ``dtype`` keeps its values.
 
     Casts that keep every value of the source type (``lossless``) pass without looking at the data.
@@ -251,13 +283,14 @@ def check_cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
       (``float64`` rewards stored as ``float32``), and so is a tiny value that rounds to zero; ``nan`` and ``inf`` stay
       what they are (``inf`` into ``float8_e4m3fn``, which has no infinity, is rejected).
 
-    Always rejected: float or complex -> integer or bool, complex -> real, and any cast that is not lossless for a
-    tensor on a GPU (checking it would read the device; cast it yourself with ``.to``)."""
+    Always rejected: float or complex -> integer or bool, complex -> real, and, unless ``read_device`` (a leaf whose
+    storage dtype was chosen narrower on purpose: the check reads the device once), any cast that is not lossless
+    for a tensor on a GPU (checking it would read the device; cast it yourself with ``.to``)."""
     src = t.dtype
     if lossless(src, dtype):
         return
     why = cast_refusal(src, dtype)
-    if why is None and t.device.type != "cpu":
+    if why is None and t.device.type != "cpu" and not read_device:
         why = (f"a narrowing cast of a {t.device.type} tensor is not checked (it would read the device); "
                f"cast it with .to({dtype}) first")
     elif why is None and t.numel():

@@ -72,7 +72,7 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
     host = isinstance(s, np.ndarray)
     if host:  # written through numpy views of the outputs
         factors, where = np.cumprod(np.concatenate([[1.0], np.full(n, float(gamma[0]))])), np.where
-        rewards = reward.numpy().reshape(-1)[rows].astype(np.float64)
+        rewards = _host_rewards(reward, rows)
     else:  # gamma read where it lives: a captured graph reads it at replay
         factors = torch.cat([torch.ones(1, dtype=torch.float64, device=starts.device), gamma.expand(n)]).cumprod(0)
         where, rewards = torch.where, reward.view(-1)[rows].to(torch.float64)
@@ -86,6 +86,15 @@ def return_twin(starts: torch.Tensor, reward: torch.Tensor, marks: torch.Tensor,
             out.numpy()[:] = value
         else:
             out.copy_(value)
+
+
+def _host_rewards(reward: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+    """float64 ``reward`` (M*E,) (host) at flat ``rows`` (any shape); a dtype numpy lacks (bfloat16, float8) is read
+    through torch at those rows only."""
+    if reward.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        taken = reward.reshape(-1)[torch.from_numpy(rows.reshape(-1))]
+        return taken.to(torch.float64).numpy().reshape(rows.shape)
+    return reward.numpy().reshape(-1)[rows].astype(np.float64)
 
 
 def return_cpu(starts, reward, marks, held, ret, disc, boot, term, cut, gamma, n, E, M) -> None:

@@ -39,6 +39,8 @@ in its order; the storage's journal brackets a write (``before_write``, ``after_
 with their jobs: :class:`~gpubuf.replay.feeds.write_backs.WriteBackDoors` (``update_rows``, ``cut_episodes``),
 :class:`~gpubuf.replay.provenance.Provenance` (``locate``)."""
 
+import warnings
+
 import torch
 
 from gpubuf import ops
@@ -97,6 +99,16 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         selector: which valid starts :meth:`sample` draws (:mod:`gpubuf.replay.sampling.selectors`: ``Recency``,
             ``Mixture`` of uniform, prioritized and recency, ``Fifo``/``Lifo`` queues, DreamerV3's ``Online`` queue; one
             per buffer). ``None``: the buffer's own draw.
+        storage_dtypes: ``{leaf name: torch.dtype}`` storing some leaves in another dtype of their kind than
+            ``data_sample``'s, to fit more transitions in memory: ``{"observation": torch.bfloat16}`` halves a float32
+            observation. Names as printed (``"observation"``, ``"info['lives']"``); a float leaf takes any float
+            dtype, an integer leaf any integer dtype, a bool leaf only bool (anything else, or an unknown name,
+            raises at construction naming the leaf). Inserts cast on write, rounding to the nearest value of the
+            storage dtype (bfloat16 keeps 8 significant bits, float16 11); values it cannot hold still raise and
+            write nothing (a finite float beyond its largest value, an integer out of its range), and on a GPU
+            that check reads the device once per insert. Samples return the storage dtype (windows, stacks and
+            next observations; n-step returns, discounts and importance weights are computed in float64 and
+            returned as float32); ``state_dict``, copies and a ``storage_dir`` keep it.
 
     Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the capacity. Without
     replacement the draw is exact sequential sampling without replacement (:mod:`gpubuf.replay.sampling.samplers`).
@@ -106,12 +118,14 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
     :mod:`gpubuf._core.concurrency`). ``copy.deepcopy``, ``pickle`` and ``torch.save`` give an independent, complete
     buffer (:mod:`gpubuf._core.copies`); a ``storage_dir`` buffer refuses (use :meth:`save` or ``state_dict``)."""
 
+    prioritized = False  # the sampler keeps a priority per start (memory_plan counts it)
+
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, *, device=None, seed: int | None = None, storage_device=None, storage_dir=None,
-                 rate_limiter=None, selector=None):
+                 rate_limiter=None, selector=None, storage_dtypes=None):
         seed = None if seed is None else int_seed("seed", seed)
         self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size, data_sample,
-                                                  vectorized_env, n_steps, self._config_extra())
+                                                  vectorized_env, n_steps, self._config_extra(), storage_dtypes)
         self._init_storage = (storage_device, storage_dir)  # as given, for copies
         self._device_ring = None  # the device copy of the ring's bookkeeping, once a GraphWriter was made
         for name in ReplayConfig.STATE_FIELDS:
@@ -189,6 +203,26 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         if self._device_ring is not None:
             self.catch_up()
         return self.ring.count * self.n_envs
+
+    @classmethod
+    def memory_plan(cls, data_sample: Transition, vectorized_env: bool = True, *, max_size=None, budget=None,
+                    storage_dtypes=None, kinds: int = 1, episode_marks: bool = False):
+        """The bytes this class allocates for ``data_sample`` (and ``vectorized_env``, ``storage_dtypes`` as the
+        constructor takes them) before building it: a :class:`~gpubuf.replay.storage.plan.MemoryPlan` of
+        ``max_size`` transitions, or of the largest ``max_size`` whose bytes fit ``budget`` (bytes; exactly one of
+        the two). ``kinds``: the validity kinds sampled (``with_next_obs`` / ``boundaries`` pairs, 1 to 4; each keeps
+        a tree and a mask); ``episode_marks``: frame stacks or n-step returns sampled. Its ``nbytes`` is what
+        :attr:`nbytes` reads once those samples ran."""
+        from gpubuf.replay.storage.plan import Planner, check_plan_args
+
+        max_size, budget, kinds, marks = check_plan_args(max_size, budget, kinds, episode_marks)
+        with warnings.catch_warnings():  # a budget's rows are whole: no remainder to warn about
+            warnings.simplefilter("ignore" if budget else "default")
+            config = ReplayConfig.build(cls.__name__, max_size or 2**62, 1, data_sample, vectorized_env, 1, (),
+                                        storage_dtypes)
+        leaves = [(leaf.shape, leaf.dtype.itemsize) for leaf in config.leaves]
+        planner = Planner(leaves, config.n_envs, cls.prioritized, kinds, marks)
+        return planner.plan(config.max_rows) if budget is None else planner.largest(budget)
 
     @property
     @locked

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import as_tensor, check_bool, check_cast, check_storable, positive_int
+from gpubuf._core.inputs import as_tensor, check_bool, check_cast, check_storable, check_storage_dtypes, positive_int
 from gpubuf._core.state import check_range, check_rng, check_state, host_tensor
 from gpubuf._core.transition import Transition, flatten, leaf_name
 from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS
@@ -56,12 +56,14 @@ def cut_rows(rows: dict, trunc: list, term: list) -> np.ndarray | None:
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``) and ``dtype``."""
+    """One stored leaf: its ``path``, printable ``name``, per-row ``shape`` (without ``E``), storage ``dtype`` and
+    whether that dtype was ``chosen`` by the constructor's ``storage_dtypes`` (else: the data sample's)."""
 
     path: tuple
     name: str
     shape: tuple
     dtype: torch.dtype
+    chosen: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,7 @@ class ReplayConfig:
 
     @classmethod
     def build(cls, buffer: str, max_size, sample_batch_size, data_sample: Transition,
-              vectorized_env: bool, n_steps, extra: tuple = ()) -> "ReplayConfig":
+              vectorized_env: bool, n_steps, extra: tuple = (), storage_dtypes=None) -> "ReplayConfig":
         """Check the constructor's arguments (``ValueError`` naming the argument) and derive ``E`` and ``M``."""
         max_size = positive_int("max_size", max_size)
         sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
@@ -95,6 +97,7 @@ class ReplayConfig:
         lead = 2 if vectorized_env else 1
         for p, t in samples.items():
             check_storable(t.dtype, f"data_sample.{leaf_name(p)}")
+        chosen = check_storage_dtypes(storage_dtypes, {leaf_name(p): t.dtype for p, t in samples.items()})
         for p, t in samples.items():
             if t.dim() < lead:
                 want = "(T, E, ...)" if vectorized_env else "(T, ...)"
@@ -121,7 +124,8 @@ class ReplayConfig:
         most = E * (M - n_steps + 1)
         if sample_batch_size > most:
             raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got {sample_batch_size}")
-        leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), t.dtype) for p, t in samples.items())
+        leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), chosen.get(leaf_name(p), t.dtype),
+                            leaf_name(p) in chosen) for p, t in samples.items())
         return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves, tuple(extra))
 
     # ------------------------------------------------------------------ what the leaves imply
@@ -193,7 +197,7 @@ class ReplayConfig:
                 T = t.shape[0]
             elif t.shape[0] != T:
                 raise ValueError(f"{leaf.name}: expected T = {T} rows like the other leaves, got {t.shape[0]}")
-            check_cast(t, leaf.dtype, leaf.name)
+            check_cast(t, leaf.dtype, leaf.name, read_device=leaf.chosen)
             values[p] = t
         if not 1 <= T <= self.max_rows:
             raise ValueError(f"transition: expected 1 <= T <= {self.max_rows} rows per insert, got T = {T}")

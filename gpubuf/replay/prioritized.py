@@ -41,13 +41,15 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     (``ValueError`` naming ``td_errors`` and ``alpha``). :meth:`update_priorities` validates its inputs where they live:
     host inputs on the host (no device read), device inputs with one read-back."""
 
+    prioritized = True
     default_with_replacement = False  # sample: as the original PER buffer
     default_return_indices = True  # sample() without a unit: 0.2.0's (batch, flat_indices), until 0.3.0
     sampler: PrioritizedSampler
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *, device=None,
-                 seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None, selector=None):
+                 seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None, selector=None,
+                 storage_dtypes=None):
         self.alpha = finite_float("alpha", alpha, 0.0)
         self._initial_beta = finite_float("beta", beta, 0.0)
         self.eps = finite_float("eps", eps, 0.0, low_open=True)
@@ -59,7 +61,8 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
                              "with a zero TD error could never be drawn; raise eps or lower alpha")
         super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps,
                          device=device, seed=seed, storage_device=storage_device,
-                         storage_dir=storage_dir, rate_limiter=rate_limiter, selector=selector)
+                         storage_dir=storage_dir, rate_limiter=rate_limiter, selector=selector,
+                         storage_dtypes=storage_dtypes)
 
     def _config_extra(self) -> tuple:
         return (("alpha", self.alpha), ("eps", self.eps))

@@ -14,18 +14,23 @@ from gpubuf.ops import Backend, allocate
 FANOUT = 32
 
 
+def level_sizes(capacity: int, fanout: int = FANOUT) -> list[int]:
+    """Entries of each level of a tree over ``capacity`` leaves, leaves first: each level padded to a multiple of
+    ``fanout``, up to a top level of ``fanout`` entries."""
+    sizes = [max(1, -(-capacity // fanout)) * fanout]
+    while sizes[-1] > fanout:
+        sizes.append(-(-sizes[-1] // fanout // fanout) * fanout)
+    return sizes
+
+
 class PrefixSumTree:
     """Wide prefix-sum tree over ``capacity`` leaves on the device of backend ``table``, zero-filled: ``tree`` is
     its ``(size,)`` float64 storage, levels leaves-first; ``table`` runs its ops."""
 
     def __init__(self, capacity: int, table: Backend, fanout: int = FANOUT):
-        F = fanout
-        sizes = [max(1, -(-capacity // F)) * F]
-        while sizes[-1] > F:
-            sizes.append(-(-sizes[-1] // F // F) * F)
-        self.capacity, self.fanout, self.device, self.table = capacity, F, table.device, table
+        self.capacity, self.fanout, self.device, self.table = capacity, fanout, table.device, table
         self.offsets = [0]
-        for s in sizes:
+        for s in level_sizes(capacity, fanout):
             self.offsets.append(self.offsets[-1] + s)
         self.size = self.offsets[-1]
         self.tree = allocate({"tree": (self.size,)}, {"tree": torch.float64}, self.device)["tree"]

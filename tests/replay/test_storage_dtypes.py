@@ -1,0 +1,125 @@
+"""Per-leaf storage dtypes: a leaf stored narrower than its data sample on purpose (``storage_dtypes``).
+
+Inserts cast on write (rounding to the nearest storage value); a value the storage dtype cannot hold raises naming
+the leaf and writes nothing; samples (windows, frame stacks, next observations, n-step returns, PER) return the storage
+dtype with the values a cast of the inserted rows gives, on the torch twins and through the Triton kernels (2-byte
+leaves, odd sizes); state_dict, copies and a storage_dir keep the dtype. Bad ``storage_dtypes`` are refused at
+construction naming the leaf."""
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer, Unit
+
+E = 3
+
+
+def rows(g0: int, T: int, obs_dim: int = 5, scale: float = 1.0) -> Transition:
+    """T rows from global step g0, every float leaf ``(g * E + env) * scale`` (an index, exact in float16 and, up
+    to 256, in bfloat16), int64 action ``g``, episode ends every 7 steps."""
+    g = np.arange(g0, g0 + T)[:, None]
+    v = ((g * E + np.arange(E)) * scale).astype(np.float32)
+    return Transition(observation=np.repeat(v[..., None], obs_dim, -1), action=np.repeat(g, E, 1).astype(np.int64),
+                      reward=v.copy(), terminated=np.repeat(g % 7 == 6, E, 1), truncated=np.zeros((T, E), bool))
+
+
+def narrow(dtype=torch.bfloat16, action=None):
+    return {"observation": dtype} | ({"action": action} if action is not None else {})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
+def test_samples_return_the_storage_dtype_with_the_cast_values(host_backend, dtype, cls):
+    M = 23  # odd sizes: 23 rows of 3 envs, 5-element observations of 2 bytes
+    buf = cls(M * E, 7, rows(0, 1), n_steps=1, seed=0, storage_dtypes=narrow(dtype, torch.int16))
+    g = 0
+    for T in (5, 9, 4, 8):  # 26 rows: the ring wraps
+        buf.insert(rows(g, T))
+        g += T
+    for unit in (Unit.window(), Unit.transition(), Unit.frames(3, 2, next_obs=True), Unit.n_step(3, 0.5, frames=2)):
+        batch = buf.sample(batch_size=11, unit=unit, key=1, with_replacement=True)
+        assert batch.observation.dtype == dtype and batch.action.dtype == torch.int16
+        row, env = batch.indices // E, batch.indices % E  # flat start = row * E + env
+        step = row + M * ((g - 1 - row) // M)  # the global step each row holds
+        newest = batch.observation.reshape(11, -1, 5)[:, -1, 0]  # a stack's newest frame is its start's
+        assert torch.equal(newest, (step * E + env).to(torch.float32).to(dtype))
+        assert torch.equal(batch.action.reshape(11, -1)[:, 0].long(), step)
+        if unit.next_obs:
+            assert batch.next_observation.dtype == dtype
+
+
+def test_an_insert_rounds_to_the_nearest_storage_value():
+    buf = TransitionBuffer(4 * E, 2, rows(0, 1), storage_dtypes=narrow(torch.bfloat16))
+    tr = rows(0, 2)
+    tr.observation = np.random.default_rng(0).standard_normal(tr.observation.shape).astype(np.float32)
+    buf.insert(tr)
+    stored = buf.state_dict()["data"]["observation"][:2]
+    assert stored.dtype == torch.bfloat16
+    assert torch.equal(stored, torch.from_numpy(tr.observation).to(torch.bfloat16))
+    assert not torch.equal(stored.float(), torch.from_numpy(tr.observation))  # rounded, as documented
+
+
+@pytest.mark.parametrize(("field", "value", "storage", "match"), [
+    ("observation", 1e5, narrow(torch.float16), "observation.*largest torch.float16"),
+    ("observation", 3.4e38, narrow(torch.bfloat16), "observation.*largest torch.bfloat16"),
+    ("action", 40000, narrow(torch.float16, torch.int16), "action.*do not fit"),
+])
+def test_a_value_the_storage_dtype_cannot_hold_raises_and_writes_nothing(field, value, storage, match):
+    buf = TransitionBuffer(8 * E, 2, rows(0, 1), storage_dtypes=storage)
+    buf.insert(rows(0, 3))
+    before = {k: v.clone() for k, v in buf.state_dict()["data"].items()}
+    bad = rows(3, 2)
+    getattr(bad, field)[1, 2] = value
+    with pytest.raises(TypeError, match=match):
+        buf.insert(bad)
+    assert len(buf) == 3 * E
+    after = buf.state_dict()["data"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(("storage", "error", "match"), [
+    ({"obs": torch.bfloat16}, ValueError, r"storage_dtypes: 'obs' is not a leaf of data_sample; its leaves are "
+                                          r"\['observation', 'action'"),
+    ({"action": torch.float16}, ValueError, r"storage_dtypes\['action'\]: a float dtype \(torch.float16\) cannot "
+                                            r"store the integer leaf action"),
+    ({"observation": torch.int8}, ValueError, r"storage_dtypes\['observation'\]: a integer dtype"),
+    ({"terminated": torch.uint8}, ValueError, r"storage_dtypes\['terminated'\]: .* the bool leaf terminated"),
+    ({"reward": "bfloat16"}, TypeError, r"storage_dtypes\['reward'\]: expected a torch.dtype, got str"),
+    ({"reward": torch.float8_e4m3fnuz}, TypeError, r"storage_dtypes\['reward'\]: buffers store"),
+    ([("reward", torch.float16)], TypeError, r"storage_dtypes: expected a dict"),
+])
+def test_bad_storage_dtypes_are_refused_at_construction_naming_the_leaf(storage, error, match):
+    with pytest.raises(error, match=match):
+        TransitionBuffer(8 * E, 2, rows(0, 1), storage_dtypes=storage)
+
+
+def test_state_dict_copies_and_pickles_keep_the_storage_dtype():
+    buf = PrioritizedTransitionBuffer(9 * E, 2, rows(0, 1), seed=0, storage_dtypes=narrow(torch.bfloat16, torch.int8))
+    buf.insert(rows(0, 5))
+    for other in (copy.deepcopy(buf), pickle.loads(pickle.dumps(buf))):
+        assert other.state_dict()["data"]["observation"].dtype == torch.bfloat16
+        other.insert(rows(5, 2))  # a float32 insert still casts on write in the copy
+        assert len(other) == 7 * E
+    fresh = PrioritizedTransitionBuffer(9 * E, 2, rows(0, 1), storage_dtypes=narrow(torch.bfloat16, torch.int8))
+    fresh.load_state_dict(buf.state_dict())
+    assert torch.equal(fresh.state_dict()["data"]["observation"], buf.state_dict()["data"]["observation"])
+    wide = PrioritizedTransitionBuffer(9 * E, 2, rows(0, 1))
+    with pytest.raises(ValueError, match="observation"):
+        wide.load_state_dict(buf.state_dict())
+
+
+def test_a_storage_dir_reopens_with_its_storage_dtype_and_refuses_another(tmp_path):
+    d = tmp_path / "replay"
+    buf = TransitionBuffer(9 * E, 2, rows(0, 1), storage_dir=d, storage_dtypes=narrow(torch.float16))
+    buf.insert(rows(0, 4))
+    saved = buf.state_dict()["data"]["observation"].clone()
+    buf.close()
+    again = TransitionBuffer(9 * E, 2, rows(0, 1), storage_dir=d, storage_dtypes=narrow(torch.float16))
+    assert len(again) == 4 * E and torch.equal(again.state_dict()["data"]["observation"], saved)
+    again.close()
+    with pytest.raises(ValueError, match="observation"):
+        TransitionBuffer(9 * E, 2, rows(0, 1), storage_dir=d)
