@@ -108,11 +108,11 @@ def source_rows(rounds: int, steps: int = 100) -> list[dict]:
 
 
 TARGETS = {  # (suite, op-prefix) -> (peers gpubuf must be at most as slow as, allowance per peer)
-    ("replay", "insert"): {"torchrl": 1, "flashbax": 1, "cpprb": 1},
+    ("replay", "insert"): {"torchrl": 1, "flashbax": 1, "cpprb": 1.5, "rlox": 1},
     ("replay", "sample"): {"torchrl": 1, "flashbax": 1, "cpprb": 1, "rlox": 1},
     ("replay", "update"): {"torchrl": 1, "flashbax": 1, "cpprb": 1.5},
     ("replay", "sample 32x16"): {"flashbax": 1},
-    ("history", "append"): {"deque": 1},
+    ("history", "append"): {"deque": 1, "copy floor": 1.1},
     ("pixels", "sample"): {"cpprb": 1},
     ("source", "step"): {"raw envpool step": 2},
 }
