@@ -6,7 +6,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import as_tensor, check_cast
+from gpubuf._core.inputs import as_tensor, check_cast, dtype_kind
 from gpubuf._core.transition import Transition, flatten, leaf_name
 
 # names a source's own fields take: never an info key nor an extra leaf
@@ -51,9 +51,15 @@ def buffer_leaves(tb) -> dict:
     return {tuple(leaf.path): (tuple(leaf.shape), leaf.dtype) for leaf in leaves}
 
 
-def check_leaves(leaves: dict, sample: Transition, vectorized: bool) -> None:
+def chosen_leaves(tb) -> set:
+    """Paths of the leaves a buffer stores in a dtype chosen by its ``storage_dtypes``."""
+    return {tuple(leaf.path) for leaf in tb.config.leaves if getattr(leaf, "chosen", False)}
+
+
+def check_leaves(leaves: dict, sample: Transition, vectorized: bool, chosen: set = frozenset()) -> None:
     """``ValueError`` naming the first of a buffer's ``leaves`` (:func:`buffer_leaves`) that differs from the rows of
-    ``sample`` (:func:`transition_sample`); further ``info`` leaves are extra data."""
+    ``sample`` (:func:`transition_sample`); further ``info`` leaves are extra data. A leaf of ``chosen`` (stored in a
+    dtype the buffer's ``storage_dtypes`` chose) may hold another dtype of the same kind: inserts cast into it."""
     lead = 2 if vectorized else 1
     want = {p: (tuple(t.shape[lead:]), t.dtype) for p, t in flatten(sample).items()}
     arg = "" if vectorized else "vectorized=False"
@@ -62,7 +68,9 @@ def check_leaves(leaves: dict, sample: Transition, vectorized: bool) -> None:
         if path not in leaves:
             raise ValueError(f"transitions: the buffer has no leaf {leaf_name(path)}, which this source's rows "
                              f"hold ({how})")
-        if leaves[path] != (shape, dtype):
+        stored = leaves[path]
+        narrowed = path in chosen and stored[0] == shape and dtype_kind(stored[1]) == dtype_kind(dtype)
+        if stored != (shape, dtype) and not narrowed:
             raise ValueError(f"transitions: leaf {leaf_name(path)} is {leaves[path][1]} {leaves[path][0]} per row, "
                              f"this source's rows hold {dtype} {shape} ({how})")
     for path in leaves:

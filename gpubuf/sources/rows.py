@@ -58,7 +58,7 @@ from gpubuf._core.staging import Staging
 from gpubuf._core.transition import Transition
 from gpubuf.sources.actions import ActionCodec
 from gpubuf.sources.extra import ExtraData
-from gpubuf.sources.layout import buffer_leaves, check_leaves, extra_leaves, transition_sample
+from gpubuf.sources.layout import buffer_leaves, check_leaves, chosen_leaves, extra_leaves, transition_sample
 from gpubuf.sources.staging import Step, StepStager
 
 
@@ -144,7 +144,7 @@ class RowWriter:
         if vectorized and tb.n_envs != self.n_envs:
             raise ValueError(f"transitions: expected a TransitionBuffer over {self.n_envs} envs "
                              f"(build it from transition_sample()), got {tb.n_envs}")
-        check_leaves(leaves, self.transition_sample(vectorized), vectorized)
+        check_leaves(leaves, self.transition_sample(vectorized), vectorized, chosen_leaves(tb))
 
     def check_envs(self, n: int) -> None:
         """``ValueError`` unless a step of ``n`` envs can be written (a vectorized buffer needs every env)."""

@@ -123,3 +123,44 @@ def test_a_storage_dir_reopens_with_its_storage_dtype_and_refuses_another(tmp_pa
     again.close()
     with pytest.raises(ValueError, match="observation"):
         TransitionBuffer(9 * E, 2, rows(0, 1), storage_dir=d)
+
+
+def test_a_source_writes_into_a_buffer_with_a_narrower_observation():
+    gym = pytest.importorskip("gymnasium")
+    from gpubuf import VectorEnvSource
+
+    src = VectorEnvSource(gym.make_vec("CartPole-v1", 2, vectorization_mode="sync"), device="cpu")
+    buf = TransitionBuffer(2 * 64, 4, src.transition_sample(), storage_dtypes={"observation": torch.bfloat16})
+    src.transitions = buf
+    src.reset(seed=0)
+    seen = [src.last[0].copy()]
+    for _ in range(20):
+        src.step(np.zeros(2, np.int64))
+        seen.append(src.last[0].copy())
+    stored = buf.state_dict()["data"]["observation"][:20]  # row t: the observation step t acted on
+    assert stored.dtype == torch.bfloat16 and len(buf) == 2 * 20
+    assert torch.equal(stored, torch.from_numpy(np.stack(seen[:20])).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="transitions: leaf observation is torch.float16"):
+        src.transitions = _float16_sample_buffer(src)
+
+
+def _float16_sample_buffer(src):
+    """A buffer whose observation leaf was built float16 from its data sample (not chosen): refused as before."""
+    sample = src.transition_sample()
+    sample.observation = sample.observation.astype(np.float16) if isinstance(sample.observation, np.ndarray) \
+        else sample.observation.to(torch.float16)
+    return TransitionBuffer(2 * 64, 4, sample)
+
+
+def test_graph_inserts_cast_into_a_narrower_storage_as_inserts_do():
+    a, b = (TransitionBuffer(11 * E, 2, rows(0, 1), seed=0, storage_dtypes=narrow(torch.bfloat16)) for _ in range(2))
+    w = b.graph_writer()
+    g = 0
+    for T in (3, 5, 4, 6):
+        tr = rows(g, T, scale=1.37)  # values that round
+        a.insert(tr)
+        w.insert(Transition(**{k: torch.as_tensor(getattr(tr, k)) for k in
+                               ("observation", "action", "reward", "terminated", "truncated")}))
+        g += T
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa["data"][k], sb["data"][k]) for k in sa["data"]) and len(a) == len(b)
