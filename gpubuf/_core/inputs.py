@@ -156,10 +156,11 @@ def dtype_kind(dtype: torch.dtype) -> str:
     return "complex" if dtype.is_complex else "float" if dtype.is_floating_point else "integer"
 
 
-def check_storage_dtypes(storage_dtypes, leaves: dict) -> dict:
+def check_storage_dtypes(storage_dtypes, leaves: dict, given: str = "data_sample") -> dict:
     """``{leaf name: storage dtype}`` of a constructor's ``storage_dtypes`` (``None``: ``{}``), checked against
-    ``leaves`` ``{name: dtype of the data sample}``: a known leaf, a storable dtype of the leaf's kind (a float
-    leaf may be stored as any float dtype, an integer leaf as any integer dtype; a bool leaf only as bool)."""
+    ``leaves`` ``{name: dtype}`` of ``given`` (what fixed them, for messages): a known leaf, a storable dtype of the
+    leaf's kind (a float leaf may be stored as any float dtype, an integer leaf as any integer dtype; a bool leaf only
+    as bool)."""
     if storage_dtypes is None:
         return {}
     if not isinstance(storage_dtypes, dict):
@@ -169,7 +170,7 @@ def check_storage_dtypes(storage_dtypes, leaves: dict) -> dict:
     for name, dtype in storage_dtypes.items():
         where = f"storage_dtypes[{name!r}]"
         if name not in leaves:
-            raise ValueError(f"storage_dtypes: {name!r} is not a leaf of data_sample; its leaves are {list(leaves)}")
+            raise ValueError(f"storage_dtypes: {name!r} is not a leaf of {given}; its leaves are {list(leaves)}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{where}: expected a torch.dtype, got {type(dtype).__name__} {dtype!r}")
         check_storable(dtype, where)

@@ -40,7 +40,7 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter, Writer
 
 from gpubuf._core.devices import parse_device
 from gpubuf._core.host_memory import advise_huge
-from gpubuf._core.inputs import check_cast
+from gpubuf._core.inputs import check_cast, check_storage_dtypes
 from gpubuf.replay.storage.directory import StorageDir
 
 _KIND = "gpubuf.torchrl.ReplayStorage"
@@ -63,10 +63,11 @@ def _leaves(row: TensorDictBase) -> dict:
             for k, v in row.items(include_nested=True, leaves_only=True)}
 
 
-def _exact_rows(data, spec: dict):
+def _exact_rows(data, spec: dict, chosen: frozenset = frozenset()):
     """``data`` (a ``TensorDict``; anything else as it is) with each stored leaf in its stored dtype (``spec``: ``{key
     (tuple): (shape, dtype)}``), cast only where no value changes (the rule of every gpubuf buffer,
-    :func:`~gpubuf._core.inputs.check_cast`), else ``TypeError`` naming the leaf, before anything is written."""
+    :func:`~gpubuf._core.inputs.check_cast`; for ``chosen`` keys, whose dtype ``storage_dtypes`` chose, rounding is
+    accepted and a device input's range is read), else ``TypeError`` naming the leaf, before anything is written."""
     if not isinstance(data, TensorDictBase):
         return data
     out = None
@@ -74,7 +75,8 @@ def _exact_rows(data, spec: dict):
         want = spec.get((key,) if isinstance(key, str) else tuple(key))
         if want is None or t.dtype == want[1]:
             continue
-        check_cast(t, want[1], f"data[{key!r}]")
+        path = (key,) if isinstance(key, str) else tuple(key)
+        check_cast(t, want[1], f"data[{key!r}]", read_device=path in chosen)
         out = data.clone(recurse=False) if out is None else out
         out.set(key, t.to(want[1]))
     return data if out is None else out
@@ -116,17 +118,26 @@ class ReplayStorage(TensorStorage):
         storage_device: where rows live (default: ``device``); ``"cpu"`` with a CUDA ``device`` is the host tier.
         storage_dir: a directory of memory-mapped files (rows on the host, ``storage_device`` must be the CPU); an
             existing one is re-opened with its rows (its ``max_size`` must match).
+        storage_dtypes: ``{key: torch.dtype}`` storing some keys (a string, or a tuple for a nested key) in another
+            dtype of their kind than the first row's, as the replay buffers' ``storage_dtypes`` do: rows cast on write
+            (rounded to the nearest storage value), values the dtype cannot hold refused naming the key; checked when
+            the first row arrives (an unknown key or a dtype of another kind raises then, nothing allocated).
     """
 
-    def __init__(self, max_size: int, *, device=None, storage_device=None, storage_dir=None):
+    def __init__(self, max_size: int, *, device=None, storage_device=None, storage_dir=None, storage_dtypes=None):
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_size: expected an int >= 1, got {max_size!r}")
         device = parse_device("cpu" if device is None else device)
         storage_device = device if storage_device is None else parse_device(storage_device)
         if storage_dir is not None and storage_device.type != "cpu":
             raise ValueError(f"storage_device: a storage_dir keeps rows on the host (cpu), got {storage_device}")
+        if storage_dtypes is not None and not isinstance(storage_dtypes, dict):
+            raise TypeError("storage_dtypes: expected a dict {key: torch.dtype}, got "
+                            f"{type(storage_dtypes).__name__}")
         super().__init__(storage=None, max_size=max_size, device=device)
         self.storage_device, self.storage_dir = storage_device, storage_dir
+        self.storage_dtypes = {(k,) if isinstance(k, str) else tuple(k): v for k, v in (storage_dtypes or {}).items()}
+        self._chosen = frozenset()  # keys stored in a dtype storage_dtypes chose
         self._dir = None
         self._ring = (0, 0, 0)  # a storage_dir's (head, rows held, rows ever written), as its journal holds them
         self._head_known = True
@@ -146,6 +157,10 @@ class ReplayStorage(TensorStorage):
         if not isinstance(row, TensorDictBase):
             raise TypeError(f"data: expected a TensorDict, got {type(row).__name__}")
         leaves = _leaves(row)
+        chosen = check_storage_dtypes(self.storage_dtypes or None, {k: dtype for k, (_, dtype) in leaves.items()},
+                                      "the first row")
+        leaves = {k: (shape, chosen.get(k, dtype)) for k, (shape, dtype) in leaves.items()}
+        self._chosen = frozenset(chosen)
         if self.storage_dir is not None:
             self._open_dir(leaves)
             self._dir.claim()
@@ -194,12 +209,16 @@ class ReplayStorage(TensorStorage):
             leaves = {tuple(k): (tuple(stored[f"key{i}"]["shape"][2:]), getattr(torch, stored[f"key{i}"]["dtype"]
                                                                                .removeprefix("torch.")))
                       for i, k in enumerate(config["keys"])}
+            differ = {k: v for k, v in self.storage_dtypes.items() if k not in leaves or leaves[k][1] != v}
+            if differ:
+                raise ValueError(f"storage_dtypes {differ} differ from its stored keys' dtypes")
         except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
             raise ValueError(f"storage_dir: {str(path / StorageDir.META)!r} cannot be read "
                              f"({type(err).__name__}: {err})") from None
         except ValueError as err:
             raise ValueError(f"storage_dir: {str(path)!r} cannot re-open as this storage: {err}") from None
         self._open_dir(leaves)
+        self._chosen = frozenset(self.storage_dtypes)
         if self._redo[0]:  # a block armed but perhaps not copied: copy it again (the same bytes), then commit
             self._copy_staged(*(int(x) for x in self._redo[1:]))
         pos, count, total, _ = self._dir.opened_counters(self.max_size)
@@ -229,8 +248,10 @@ class ReplayStorage(TensorStorage):
 
     def set(self, cursor, data, *, set_cursor: bool = True):
         if self.storage_dir is None:
+            if not self.initialized and self.storage_dtypes and isinstance(data, TensorDictBase):
+                self._init(data if isinstance(cursor, int) else data[0])  # the first rows cast as the rest
             try:
-                data = _exact_rows(data, self._spec) if self.initialized else data
+                data = _exact_rows(data, self._spec, self._chosen) if self.initialized else data
             except TypeError:
                 self._rewind_writers(cursor if set_cursor else None)  # set_cursor: a writer's add or extend
                 raise
@@ -239,7 +260,7 @@ class ReplayStorage(TensorStorage):
             self._init(data[0] if not isinstance(cursor, int) and isinstance(data, TensorDictBase) else data)
         self._check_open()  # in a forked child: refused before anything (the writer's cursor there is shared)
         try:
-            data = _exact_rows(data, self._spec)
+            data = _exact_rows(data, self._spec, self._chosen)
             self._write(_rows(cursor, self.max_size), cursor, data, set_cursor)
         except BaseException:
             self._rewind_writers()

@@ -331,3 +331,39 @@ def test_every_tier_refuses_a_cast_that_changes_values_with_nothing_written(tier
     assert rb.extend(TensorDict({"k": torch.zeros(1, dtype=dtype), ("n", "x"): torch.zeros(1)}, [1])).tolist() == [6]
     assert rb[:]["n", "x"].tolist() == [0.0, 0.0, 0.0, 0.5, 2.0, 3.0, 0.0] and len(rb) == 7
     assert rb[:]["k"].dtype == dtype
+
+
+@pytest.mark.parametrize("tier", ["device", "dir"])
+def test_storage_dtypes_narrow_keys_on_every_write_and_refuse_what_they_cannot_hold(tier, tmp_path):
+    kw = {"storage_dir": tmp_path / "d"} if tier == "dir" else {}
+    narrow = {"obs": torch.bfloat16, ("next", "done"): torch.bool, "episode": torch.int16}
+    rb = TensorDictReplayBuffer(storage=ReplayStorage(CAP, storage_dtypes=narrow, **kw), batch_size=4)
+    first = rows(0, 5)
+    first["obs"] = first["obs"] * 1.37  # values that round in bfloat16
+    rb.extend(first)
+    rb.extend(rows(5, 7))
+    stored = rb.storage[:12]
+    assert stored["obs"].dtype == torch.bfloat16 and stored["episode"].dtype == torch.int16
+    want = torch.cat([first["obs"], rows(5, 7)["obs"]]).to(torch.bfloat16)
+    assert torch.equal(stored["obs"], want)  # the first rows too were cast on write
+    bad = rows(12, 3)
+    bad["episode"][1] = 40000
+    with pytest.raises(TypeError, match=r"data\['episode'\].*do not fit"):
+        rb.extend(bad)
+    assert len(rb) == 12
+    if tier == "dir":
+        rb.storage.flush()
+        del rb
+        with pytest.raises(ValueError, match="storage_dtypes .* differ from its stored keys' dtypes"):
+            ReplayStorage(CAP, storage_dir=tmp_path / "d", storage_dtypes={"obs": torch.float16})
+
+
+def test_bad_storage_dtypes_are_refused_naming_the_key():
+    with pytest.raises(TypeError, match="storage_dtypes: expected a dict"):
+        ReplayStorage(CAP, storage_dtypes=[("obs", torch.bfloat16)])
+    rb = ReplayBuffer(storage=ReplayStorage(CAP, storage_dtypes={"episode": torch.float16}), batch_size=2)
+    with pytest.raises(ValueError, match=r"storage_dtypes\[\('episode',\)\]: a float dtype"):
+        rb.extend(rows(0, 3))
+    rb = ReplayBuffer(storage=ReplayStorage(CAP, storage_dtypes={"nope": torch.float16}), batch_size=2)
+    with pytest.raises(ValueError, match=r"storage_dtypes: \('nope',\) is not a leaf of the first row"):
+        rb.extend(rows(0, 3))
