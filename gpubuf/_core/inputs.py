@@ -156,30 +156,47 @@ def dtype_kind(dtype: torch.dtype) -> str:
     return "complex" if dtype.is_complex else "float" if dtype.is_floating_point else "integer"
 
 
+def _leaf_dtypes(arg: str, mapping, leaves: dict, given: str):
+    """``(name, where, dtype)`` of each entry of a constructor's ``{leaf name: torch.dtype}`` argument ``arg``, checked:
+    a dict, known leaf names (``leaves``: ``{name: dtype}`` of ``given``, for messages), storable torch dtypes."""
+    if not isinstance(mapping, dict):
+        raise TypeError(f"{arg}: expected a dict {{leaf name: torch.dtype}}, got {type(mapping).__name__}")
+    for name, dtype in mapping.items():
+        where = f"{arg}[{name!r}]"
+        if name not in leaves:
+            raise ValueError(f"{arg}: {name!r} is not a leaf of {given}; its leaves are {list(leaves)}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{where}: expected a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        check_storable(dtype, where)
+        yield name, where, dtype
+
+
 def check_storage_dtypes(storage_dtypes, leaves: dict, given: str = "data_sample") -> dict:
     """``{leaf name: storage dtype}`` of a constructor's ``storage_dtypes`` (``None``: ``{}``), checked against
     ``leaves`` ``{name: dtype}`` of ``given`` (what fixed them, for messages): a known leaf, a storable dtype of the
     leaf's kind (a float leaf may be stored as any float dtype, an integer leaf as any integer dtype; a bool leaf only
     as bool)."""
-    if storage_dtypes is None:
-        return {}
-    if not isinstance(storage_dtypes, dict):
-        raise TypeError("storage_dtypes: expected a dict {leaf name: torch.dtype}, got "
-                        f"{type(storage_dtypes).__name__}")
     chosen = {}
-    for name, dtype in storage_dtypes.items():
-        where = f"storage_dtypes[{name!r}]"
-        if name not in leaves:
-            raise ValueError(f"storage_dtypes: {name!r} is not a leaf of {given}; its leaves are {list(leaves)}")
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"{where}: expected a torch.dtype, got {type(dtype).__name__} {dtype!r}")
-        check_storable(dtype, where)
-        kind, given = dtype_kind(dtype), dtype_kind(leaves[name])
-        if kind != given:
-            raise ValueError(f"{where}: a {kind} dtype ({dtype}) cannot store the {given} leaf {name} "
-                             f"({leaves[name]}); its storage dtype must be {given} too")
+    for name, where, dtype in _leaf_dtypes("storage_dtypes", storage_dtypes or {}, leaves, given):
+        kind, have = dtype_kind(dtype), dtype_kind(leaves[name])
+        if kind != have:
+            raise ValueError(f"{where}: a {kind} dtype ({dtype}) cannot store the {have} leaf {name} "
+                             f"({leaves[name]}); its storage dtype must be {have} too")
         chosen[name] = dtype
     return chosen
+
+
+def check_sample_dtypes(sample_dtypes, stored: dict) -> dict:
+    """``{leaf name: dtype}`` of a constructor's ``sample_dtypes`` (``None``: ``{}``): for leaves of storage dtypes
+    ``stored`` ``{name: dtype}``, a dtype that holds every stored value (``bfloat16`` -> ``float32``, not
+    ``float16``)."""
+    wanted = {}
+    for name, where, dtype in _leaf_dtypes("sample_dtypes", sample_dtypes or {}, stored, "the stored leaves"):
+        if not lossless(stored[name], dtype) or dtype_kind(dtype) != dtype_kind(stored[name]):
+            raise ValueError(f"{where}: {dtype} cannot hold every value of the leaf's storage dtype "
+                             f"{stored[name]}; ask for a wider dtype of its kind")
+        wanted[name] = dtype
+    return wanted
 
 
 def _int_range(dtype: torch.dtype) -> tuple[int, int]:

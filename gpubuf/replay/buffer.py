@@ -109,6 +109,11 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
             that check reads the device once per insert. Samples return the storage dtype (windows, stacks and
             next observations; n-step returns, discounts and importance weights are computed in float64 and
             returned as float32); ``state_dict``, copies and a ``storage_dir`` keep it.
+        sample_dtypes: ``{leaf name: torch.dtype}``: :meth:`sample` returns these leaves (an observation's next
+            observation and frame stacks too) in a dtype that holds every value of their storage dtype
+            (``{"observation": torch.float32}`` over bfloat16 storage; a narrower or other-kind dtype raises at
+            construction naming the leaf), cast after the gather. A sample into ``out=`` tensors, a
+            :meth:`graph_sampler` and a ``ShardedBuffer`` return the storage dtype.
 
     Sampling costs O(B * levels * fanout) for the tree descent plus the windows' bytes, whatever the capacity. Without
     replacement the draw is exact sequential sampling without replacement (:mod:`gpubuf.replay.sampling.samplers`).
@@ -122,10 +127,11 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
 
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, *, device=None, seed: int | None = None, storage_device=None, storage_dir=None,
-                 rate_limiter=None, selector=None, storage_dtypes=None):
+                 rate_limiter=None, selector=None, storage_dtypes=None, sample_dtypes=None):
         seed = None if seed is None else int_seed("seed", seed)
         self.config = config = ReplayConfig.build(type(self).__name__, max_size, sample_batch_size, data_sample,
-                                                  vectorized_env, n_steps, self._config_extra(), storage_dtypes)
+                                                  vectorized_env, n_steps, self._config_extra(), storage_dtypes,
+                                                  sample_dtypes)
         self._init_storage = (storage_device, storage_dir)  # as given, for copies
         self._device_ring = None  # the device copy of the ring's bookkeeping, once a GraphWriter was made
         for name in ReplayConfig.STATE_FIELDS:

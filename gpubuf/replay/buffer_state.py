@@ -29,7 +29,8 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
                 "vectorized_env": c.vectorized_env, "n_steps": c.n_steps, "device": str(self.device),
                 "storage_device": self._init_storage[0], "rate_limiter": None if limiter is None else limiter.fresh(),
                 "selector": None if self.selector is None else self.selector.fresh(),
-                "storage_dtypes": {leaf.name: leaf.dtype for leaf in c.leaves if leaf.chosen} or None, **dict(c.extra)}
+                "storage_dtypes": {leaf.name: leaf.dtype for leaf in c.leaves if leaf.chosen} or None,
+                "sample_dtypes": {c.by_path[p].name: d for p, d in c.sample_dtypes} or None, **dict(c.extra)}
 
     def copy_refusal(self) -> str | None:
         if self.storage.dir is None:

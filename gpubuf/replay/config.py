@@ -27,7 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import as_tensor, check_bool, check_cast, check_storable, check_storage_dtypes, positive_int
+from gpubuf._core.inputs import (
+    as_tensor,
+    check_bool,
+    check_cast,
+    check_sample_dtypes,
+    check_storable,
+    check_storage_dtypes,
+    positive_int,
+)
 from gpubuf._core.state import check_range, check_rng, check_state, host_tensor
 from gpubuf._core.transition import Transition, flatten, leaf_name
 from gpubuf.replay.ring import IN_EPISODE, NEXT_OBS
@@ -80,12 +88,14 @@ class ReplayConfig:
     max_rows: int
     leaves: tuple[Leaf, ...]
     extra: tuple[tuple[str, Any], ...] = ()
+    sample_dtypes: tuple[tuple[tuple, torch.dtype], ...] = ()  # (leaf path, dtype) samples return instead
 
     STATE_FIELDS = ("max_size", "sample_batch_size", "vectorized_env", "n_steps", "n_envs", "max_rows")
 
     @classmethod
     def build(cls, buffer: str, max_size, sample_batch_size, data_sample: Transition,
-              vectorized_env: bool, n_steps, extra: tuple = (), storage_dtypes=None) -> "ReplayConfig":
+              vectorized_env: bool, n_steps, extra: tuple = (), storage_dtypes=None,
+              sample_dtypes=None) -> "ReplayConfig":
         """Check the constructor's arguments (``ValueError`` naming the argument) and derive ``E`` and ``M``."""
         max_size = positive_int("max_size", max_size)
         sample_batch_size = positive_int("sample_batch_size", sample_batch_size)
@@ -126,7 +136,9 @@ class ReplayConfig:
             raise ValueError(f"sample_batch_size: expected at most {most} (= E*(M-n_steps+1)), got {sample_batch_size}")
         leaves = tuple(Leaf(p, leaf_name(p), tuple(t.shape[lead:]), chosen.get(leaf_name(p), t.dtype),
                             leaf_name(p) in chosen) for p, t in samples.items())
-        return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves, tuple(extra))
+        wanted = check_sample_dtypes(sample_dtypes, {leaf.name: leaf.dtype for leaf in leaves})
+        widen = tuple((leaf.path, wanted[leaf.name]) for leaf in leaves if leaf.name in wanted)
+        return cls(buffer, M * E, sample_batch_size, vectorized_env, n_steps, E, M, leaves, tuple(extra), widen)
 
     # ------------------------------------------------------------------ what the leaves imply
 
@@ -160,6 +172,16 @@ class ReplayConfig:
         the following row, ``IN_EPISODE`` when windows may not cross an episode end."""
         kinds = (0,) if self.stores_next_obs or not self.paths("observation") else (0, NEXT_OBS)
         return kinds + tuple(k | IN_EPISODE for k in kinds) if self.flag_paths[1] else kinds
+
+    def widened(self, batch: Transition) -> Transition:
+        """``batch`` (a sample's, built here) with each leaf of :attr:`sample_dtypes` (and the next observation of an
+        observation leaf) cast to its sample dtype (fields replaced in place; nested dicts rebuilt, not mutated)."""
+        for path, dtype in self.sample_dtypes:
+            for field in (path[0], "next_observation") if path[0] == "observation" else (path[0],):
+                value = getattr(batch, field, None)
+                if value is not None:
+                    setattr(batch, field, _cast_at(value, path[1:], dtype))
+        return batch
 
     def as_dict(self, *, batch: bool = True) -> dict:
         """Plain values to compare: type, version, sizes and ``extra`` (``batch``: with ``sample_batch_size``)."""
@@ -332,3 +354,10 @@ class ReplayConfig:
             torch.logical_not(last, out=has)
         else:
             has.copy_((last == 0).reshape(*has.shape, -1).all(2))
+
+
+def _cast_at(value, keys: tuple, dtype: torch.dtype):
+    """``value`` (a tensor, or nested dicts of them) with the tensor at ``keys`` cast to ``dtype`` (dicts copied)."""
+    if not keys:
+        return value.to(dtype)
+    return {**value, keys[0]: _cast_at(value[keys[0]], keys[1:], dtype)}

@@ -49,7 +49,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
     def __init__(self, max_size: int, sample_batch_size: int, data_sample: Transition, vectorized_env: bool = True,
                  n_steps: int = 1, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6, *, device=None,
                  seed: int | None = None, storage_device=None, storage_dir=None, rate_limiter=None, selector=None,
-                 storage_dtypes=None):
+                 storage_dtypes=None, sample_dtypes=None):
         self.alpha = finite_float("alpha", alpha, 0.0)
         self._initial_beta = finite_float("beta", beta, 0.0)
         self.eps = finite_float("eps", eps, 0.0, low_open=True)
@@ -62,7 +62,7 @@ class PrioritizedTransitionBuffer(TransitionBuffer):
         super().__init__(max_size, sample_batch_size, data_sample, vectorized_env, n_steps,
                          device=device, seed=seed, storage_device=storage_device,
                          storage_dir=storage_dir, rate_limiter=rate_limiter, selector=selector,
-                         storage_dtypes=storage_dtypes)
+                         storage_dtypes=storage_dtypes, sample_dtypes=sample_dtypes)
 
     def _config_extra(self) -> tuple:
         return (("alpha", self.alpha), ("eps", self.eps))

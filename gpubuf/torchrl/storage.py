@@ -63,6 +63,13 @@ def _leaves(row: TensorDictBase) -> dict:
             for k, v in row.items(include_nested=True, leaves_only=True)}
 
 
+def _by_key(storage_dtypes) -> dict:
+    """``storage_dtypes`` (``None`` or a dict) keyed by tuples, as the stored keys are."""
+    if storage_dtypes is not None and not isinstance(storage_dtypes, dict):
+        raise TypeError(f"storage_dtypes: expected a dict {{key: torch.dtype}}, got {type(storage_dtypes).__name__}")
+    return {(k,) if isinstance(k, str) else tuple(k): v for k, v in (storage_dtypes or {}).items()}
+
+
 def _exact_rows(data, spec: dict, chosen: frozenset = frozenset()):
     """``data`` (a ``TensorDict``; anything else as it is) with each stored leaf in its stored dtype (``spec``: ``{key
     (tuple): (shape, dtype)}``), cast only where no value changes (the rule of every gpubuf buffer,
@@ -131,13 +138,9 @@ class ReplayStorage(TensorStorage):
         storage_device = device if storage_device is None else parse_device(storage_device)
         if storage_dir is not None and storage_device.type != "cpu":
             raise ValueError(f"storage_device: a storage_dir keeps rows on the host (cpu), got {storage_device}")
-        if storage_dtypes is not None and not isinstance(storage_dtypes, dict):
-            raise TypeError("storage_dtypes: expected a dict {key: torch.dtype}, got "
-                            f"{type(storage_dtypes).__name__}")
+        self.storage_dtypes, self._chosen = _by_key(storage_dtypes), frozenset()  # _chosen: set at the first row
         super().__init__(storage=None, max_size=max_size, device=device)
         self.storage_device, self.storage_dir = storage_device, storage_dir
-        self.storage_dtypes = {(k,) if isinstance(k, str) else tuple(k): v for k, v in (storage_dtypes or {}).items()}
-        self._chosen = frozenset()  # keys stored in a dtype storage_dtypes chose
         self._dir = None
         self._ring = (0, 0, 0)  # a storage_dir's (head, rows held, rows ever written), as its journal holds them
         self._head_known = True

@@ -164,3 +164,35 @@ def test_graph_inserts_cast_into_a_narrower_storage_as_inserts_do():
         g += T
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa["data"][k], sb["data"][k]) for k in sa["data"]) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("cls", [TransitionBuffer, PrioritizedTransitionBuffer])
+def test_sample_dtypes_return_a_wider_dtype_with_the_stored_values(host_backend, cls):
+    buf = cls(13 * E, 5, rows(0, 1), seed=0, storage_dtypes=narrow(torch.bfloat16, torch.int16),
+              sample_dtypes={"observation": torch.float32, "action": torch.int64})
+    buf.insert(rows(0, 9, scale=1.37))
+    for unit in (Unit.window(), Unit.transition(), Unit.frames(2, next_obs=True), Unit.n_step(2, 0.9)):
+        wide = buf.sample(5, unit, key=4, with_replacement=True)
+        assert wide.observation.dtype == torch.float32 and wide.action.dtype == torch.int64
+        if unit.next_obs:
+            assert wide.next_observation.dtype == torch.float32
+        stored = buf.state_dict()["data"]["observation"].reshape(-1, 5)  # (M * E, 5) bfloat16, flat starts
+        newest = wide.observation.reshape(5, -1, 5)[:, -1]
+        assert torch.equal(newest, stored[wide.indices].float())  # the stored values, exactly
+    wide = buf.sample(5, Unit.window(), key=4, with_replacement=True)
+    with pytest.raises(ValueError, match="out.observation: expected a contiguous torch.bfloat16 tensor"):
+        buf.sample(5, Unit.window(), key=4, with_replacement=True, out=wide)  # out= holds the storage dtype
+    again = copy.deepcopy(buf)
+    assert again.sample(5, Unit.window(), key=4, with_replacement=True).observation.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("wanted", "match"), [
+    ({"observation": torch.float16}, r"sample_dtypes\['observation'\]: torch.float16 cannot hold every value of "
+                                     r"the leaf's storage dtype torch.bfloat16"),
+    ({"observation": torch.int64}, r"sample_dtypes\['observation'\]: torch.int64 cannot hold"),
+    ({"action": torch.float64}, r"sample_dtypes\['action'\]: torch.float64 cannot hold"),
+    ({"obs": torch.float32}, r"sample_dtypes: 'obs' is not a leaf of the stored leaves"),
+])
+def test_sample_dtypes_that_cannot_hold_the_stored_values_are_refused(wanted, match):
+    with pytest.raises(ValueError, match=match):
+        TransitionBuffer(8 * E, 2, rows(0, 1), storage_dtypes=narrow(torch.bfloat16), sample_dtypes=wanted)

@@ -76,6 +76,8 @@ class EagerSample:
             idx, mass = (self.selector or self.sampler).draw(kind, B, g, with_replacement)
             batch = plan.read(idx, outputs)
             plan.weigh(batch, mass)
+            if out is None and self.config.sample_dtypes:
+                batch = self.config.widened(batch)
         except BaseException as err:
             if rng is not None:
                 g.set_state(rng)
