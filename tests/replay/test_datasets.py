@@ -51,7 +51,7 @@ def test_hdf5_round_trip_into_one_env_or_several(tmp_path, n_envs):
     assert len(loaded) == rows if n_envs == 1 else rows <= len(loaded) < rows + n_envs * 60
 
 
-def test_minari_round_trip_and_sampling_never_starts_at_a_final_observation(tmp_path, monkeypatch):
+def test_minari_round_trip_and_sampling_never_starts_at_a_final_observation(host_backend, tmp_path, monkeypatch):
     needs("minari")
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
     buf, _ = run()

@@ -31,7 +31,7 @@ def buffers(offline_per: bool, online_per: bool, n_off: int = 40, n_on: int = 24
 
 
 @pytest.mark.parametrize(("fraction", "B"), [(0.5, 256), (0.25, 7), (0.0, 5), (1.0, 9), (0.3, 1)])
-def test_every_batch_holds_the_exact_offline_fraction_offline_rows_first(fraction, B):
+def test_every_batch_holds_the_exact_offline_fraction_offline_rows_first(host_backend, fraction, B):
     off, on = buffers(True, False)
     mixed = OfflineToOnline(off, on, fraction)
     n_off = round(B * fraction)
