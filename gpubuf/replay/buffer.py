@@ -216,9 +216,11 @@ class TransitionBuffer(Samples, EagerSample, WriterDoors, WriteBackDoors, Proven
         """The bytes this class allocates for ``data_sample`` (and ``vectorized_env``, ``storage_dtypes`` as the
         constructor takes them) before building it: a :class:`~gpubuf.replay.storage.plan.MemoryPlan` of
         ``max_size`` transitions, or of the largest ``max_size`` whose bytes fit ``budget`` (bytes; exactly one of
-        the two). ``kinds``: the validity kinds sampled (``with_next_obs`` / ``boundaries`` pairs, 1 to 4; each keeps
-        a tree and a mask); ``episode_marks``: frame stacks or n-step returns sampled. Its ``nbytes`` is what
-        :attr:`nbytes` reads once those samples ran."""
+        the two). ``kinds``: the validity kinds kept, 0 to 4 (each a tree and a mask: one per ``with_next_obs`` /
+        ``boundaries`` pair sampled from a prioritized buffer; a uniform buffer keeps one only once its valid starts
+        for that pair are no longer one range of rows, after a truncation, an episode end or an ``is_last`` row:
+        plan the kinds it will keep at scale); ``episode_marks``: frame stacks or n-step returns sampled. Its
+        ``nbytes`` is what :attr:`nbytes` reads once those kinds are kept."""
         from gpubuf.replay.storage.plan import Planner, check_plan_args
 
         max_size, budget, kinds, marks = check_plan_args(max_size, budget, kinds, episode_marks)

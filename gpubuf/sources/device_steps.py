@@ -66,6 +66,8 @@ class DeviceSteps:
             flags.append(t)
             fits = fits & good
         _, good = self._values(obs, "obs", (n, *self.obs_shape), self.obs_dtype)  # kept as given, as the eager step
+        if self.rows.obs_storage is not None:  # stored a step later, in the buffer's narrower dtype: fits it now
+            good = good & cast_keeps_values(obs.detach(), self.rows.obs_storage)
         obs, ok = obs.detach(), ok & fits & good
         term, trunc = flags
         prev, ended = self.rows.pending_obs, term | trunc

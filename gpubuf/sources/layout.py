@@ -56,6 +56,13 @@ def chosen_leaves(tb) -> set:
     return {tuple(leaf.path) for leaf in tb.config.leaves if getattr(leaf, "chosen", False)}
 
 
+def narrowed_obs(tb) -> torch.dtype | None:
+    """The storage dtype of ``tb``'s observation leaf where its ``storage_dtypes`` chose one (``None``: none, or no
+    buffer): a step's observation must fit it before anything of the step is kept."""
+    leaf = None if tb is None else tb.config.by_path.get(("observation",))
+    return leaf.dtype if leaf is not None and getattr(leaf, "chosen", False) else None
+
+
 def check_leaves(leaves: dict, sample: Transition, vectorized: bool, chosen: set = frozenset()) -> None:
     """``ValueError`` naming the first of a buffer's ``leaves`` (:func:`buffer_leaves`) that differs from the rows of
     ``sample`` (:func:`transition_sample`); further ``info`` leaves are extra data. A leaf of ``chosen`` (stored in a

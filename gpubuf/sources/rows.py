@@ -53,12 +53,19 @@ sent with (as sent, on ``is_last`` rows too; the fill on the rows a reset adds).
 import numpy as np
 import torch
 
-from gpubuf._core.inputs import check_bool
+from gpubuf._core.inputs import as_tensor, check_bool, check_cast
 from gpubuf._core.staging import Staging
 from gpubuf._core.transition import Transition
 from gpubuf.sources.actions import ActionCodec
 from gpubuf.sources.extra import ExtraData
-from gpubuf.sources.layout import buffer_leaves, check_leaves, chosen_leaves, extra_leaves, transition_sample
+from gpubuf.sources.layout import (
+    buffer_leaves,
+    check_leaves,
+    chosen_leaves,
+    extra_leaves,
+    narrowed_obs,
+    transition_sample,
+)
 from gpubuf.sources.staging import Step, StepStager
 
 
@@ -91,7 +98,7 @@ class RowWriter:
         self._prev_info = {k: np.zeros((n, *s), d) for k, (s, d) in info_spec.items()}
         self._fresh = np.ones(n, dtype=bool)  # the buffer holds no row of the env's current episode
         self._ended = np.zeros(n, dtype=bool)  # the env's last row ended: the env ignores its next action
-        self.history = self.transitions = None
+        self.history = self.transitions = self.obs_storage = None  # obs_storage: the buffer's narrowed obs dtype
 
     # ------------------------------------------------------------------ buffers
 
@@ -110,7 +117,7 @@ class RowWriter:
         if tb is not None:
             self._check_transitions(tb)
         self.end_episodes()
-        self.transitions = tb
+        self.transitions, self.obs_storage = tb, narrowed_obs(tb)
         self.extra.attach(None if tb is None else extra_leaves(buffer_leaves(tb), {*self.info_spec, "is_last",
                                                                                    "env_id"}))
         self._fresh[:] = True  # the new buffer holds no row of the current episodes
@@ -197,6 +204,7 @@ class RowWriter:
         bool reset frames, ``sent (R, *action)`` the actions executed, ``infos`` ``{key: (R, ...)}`` host arrays of
         :attr:`info_spec`; ``obs``, ``reward``, ``terminated``, ``truncated`` as the stager takes them. ``in_order``:
         ``ids`` are every env in order (whole-array updates instead of scatters)."""
+        self.check_obs(obs)
         # the rows whose action the env ignored: reset frames, and the soft reset that follows an end without one
         was_ended = self._ended if in_order else self._ended[ids]
         ignored = first | was_ended if np.count_nonzero(was_ended) else first
@@ -243,6 +251,7 @@ class RowWriter:
         """Stage and write a step of every env in order whose ended envs returned their reset frame in ``obs``, into a
         vectorized buffer: each env's row holds its pending observation and this step's action, reward and flags; the
         ended envs' reset frames start new histories (reward 0 and the action fill there, as in a reset)."""
+        self.check_obs(obs)
         terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
         reward = np.asarray(reward)
         ended = terminated | truncated
@@ -260,6 +269,13 @@ class RowWriter:
         self._fresh[:] = False
         self._ended[:] = False  # no step of such an env ignores its action
         return step
+
+    def check_obs(self, obs) -> None:
+        """``TypeError`` naming ``obs`` unless the attached buffer's narrower observation storage
+        (``storage_dtypes``) holds these observations, before anything of the step is kept (an observation is stored
+        a step later, as the next row's)."""
+        if self.obs_storage is not None:
+            check_cast(as_tensor(obs, "obs"), self.obs_storage, "obs", read_device=True)
 
     def _stage(self, obs, reward, terminated, truncated, ids, first, sent, infos, ignored) -> Step:
         """Stage a batch (the action echo of the ``ignored`` rows: the fill) and append it to the history, flushing the

@@ -56,7 +56,8 @@ def test_peers_can_be_left_out_and_a_suite_chosen(tmp_path, capsys):
     out = tmp_path / "h.md"
     assert main([*TINY, "--suite", "history", "--peers", "", "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
-    assert {r["impl"] for r in result["rows"]} == {"gpubuf", "gpubuf (out=)", "copy floor", "copy floor, one destination"}
+    assert {r["impl"] for r in result["rows"]} == {"gpubuf", "gpubuf (out=)", "copy floor",
+                                                   "copy floor, one destination"}
     assert result["missing"] == {} and "not installed" not in out.read_text()
     assert str(out) in capsys.readouterr().out
 

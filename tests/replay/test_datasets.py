@@ -114,3 +114,60 @@ def test_buffers_that_cannot_hold_episodes_are_refused():
         datasets.load_episodes(lanes, eps)
     with pytest.raises(TypeError, match="buffer: expected a TransitionBuffer, got list"):
         datasets.load_episodes([], eps)
+
+
+def test_loading_after_rows_of_an_open_episode_ends_it_first():
+    buf, _ = run()
+    eps = list(export.episodes(buf, first_is_reset=True))[:3]
+    loaded = fresh(buf, 1)
+    loaded.insert(run_rows(buf, 3))  # 3 rows, no episode end
+    datasets.load_episodes(loaded, eps)
+    batch = loaded.sample(512, Unit.transition(), key=0, with_replacement=True)
+    old = batch.indices < 3  # rows 0..2: the old stretch, cut at its newest row
+    assert not (old & (batch.indices == 2)).any()  # its newest row has no successor: never a transition
+    assert loaded.state_dict()["data"]["truncated"][2, 0]
+
+
+def run_rows(buf, n: int) -> Transition:
+    """``buf``'s first ``n`` rows of env 0, as an insert into one env (no episode ends)."""
+    d = {k: v[:n, :1] for k, v in buf.state_dict()["data"].items()}
+    return Transition(observation=d["observation"], action=d["action"], reward=d["reward"],
+                      terminated=torch.zeros_like(d["terminated"]), truncated=torch.zeros_like(d["truncated"]),
+                      info={"is_last": torch.zeros_like(d["info['is_last']"]), "t": d["info['t']"]})
+
+
+def test_an_unsigned_action_takes_a_fill_it_can_hold():
+    buf, _ = run()
+    eps = list(export.episodes(buf, first_is_reset=True))[:4]
+    d = buf.state_dict()["data"]
+    sample = Transition(observation=d["observation"][:1, :1], action=torch.zeros(1, 1, dtype=torch.uint8),
+                        reward=d["reward"][:1, :1], terminated=d["terminated"][:1, :1],
+                        truncated=d["truncated"][:1, :1],
+                        info={"is_last": d["info['is_last']"][:1, :1], "t": d["info['t']"][:1, :1]})
+    loaded = TransitionBuffer(400, 4, sample, device="cpu")
+    datasets.load_episodes(loaded, eps)
+    got = loaded.state_dict()["data"]
+    assert (got["action"][got["info['is_last']"]] == 255).all()
+
+
+def test_malformed_files_and_layouts_are_refused_naming_what(tmp_path):
+    h5py = needs("h5py")
+    buf, _ = run()
+    eps = list(export.episodes(buf, first_is_reset=True))[:2]
+    path = tmp_path / "eps.h5"
+    export.to_hdf5(buf, path, first_is_reset=True)
+    with h5py.File(path, "a") as f:
+        f.create_group("episode_final")
+    with pytest.raises(ValueError, match=r"path: .* holds groups \['episode_final'\] that are not episode_<i>"):
+        list(datasets.from_hdf5(path))
+    wide = dict(eps[1], observations=np.concatenate([eps[1]["observations"]] * 2, 1))
+    loaded = fresh(buf, 2)
+    with pytest.raises(ValueError, match=r"episodes\[1\]\['observations'\]: expected \(4,\) per step"):
+        datasets.load_episodes(loaded, [eps[0], wide])
+    assert len(loaded) == 0
+    d = buf.state_dict()["data"]
+    both = Transition(observation=d["observation"][:1, :1], action=d["action"][:1, :1], reward=d["reward"][:1, :1],
+                      terminated=d["terminated"][:1, :1], truncated=d["truncated"][:1, :1],
+                      next_observation=d["observation"][:1, :1], info={"is_last": d["info['is_last']"][:1, :1]})
+    with pytest.raises(ValueError, match="buffer: it stores both next_observation and info\\['is_last'\\] rows"):
+        datasets.load_episodes(TransitionBuffer(40, 4, both), eps)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer
+from gpubuf import PrioritizedTransitionBuffer, Transition, TransitionBuffer, Unit
 
 E = 3
 
@@ -68,11 +68,20 @@ def test_a_single_env_plan_and_bytes_per_transition():
     ({"budget": 0}, ValueError, "budget"),
     ({"budget": 100}, ValueError, "budget: 100 bytes hold not even one row of 3 envs"),
     ({"max_size": 2}, ValueError, "max_size: expected at least one row per env"),
-    ({"budget": 10**6, "kinds": 5}, ValueError, "kinds: a buffer keeps at most 4"),
-    ({"budget": 10**6, "kinds": 0}, ValueError, "kinds"),
+    ({"budget": 10**6, "kinds": 5}, ValueError, "kinds: expected 0 to 4 validity kinds kept"),
+    ({"budget": 10**6, "kinds": -1}, ValueError, "kinds"),
     ({"budget": 10**6, "episode_marks": "yes"}, TypeError, "episode_marks"),
     ({"budget": 10**6, "storage_dtypes": {"action": torch.float16}}, ValueError, r"storage_dtypes\['action'\]"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         TransitionBuffer.memory_plan(sample(), **kwargs)
+
+
+def test_a_uniform_buffer_keeps_no_tree_while_its_valid_starts_are_one_range():
+    plan = TransitionBuffer.memory_plan(sample(), max_size=30 * E, kinds=0)
+    buf = TransitionBuffer(30 * E, 4, sample())
+    buf.insert(sample())
+    buf.sample(4, Unit.window(), key=0)  # a range of rows: no tree
+    assert buf.nbytes == plan.nbytes == plan.storage_bytes
+    assert TransitionBuffer.memory_plan(sample(), max_size=30 * E, kinds=1).nbytes > plan.nbytes

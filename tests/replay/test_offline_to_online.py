@@ -107,3 +107,24 @@ def test_buffers_that_do_not_match_and_bad_fractions_are_refused():
             OfflineToOnline(off, on, bad)
     with pytest.raises(TypeError, match="offline: expected a TransitionBuffer, got dict"):
         OfflineToOnline({}, on, 0.5)
+
+
+def test_an_update_with_a_bad_value_in_one_part_writes_neither():
+    off, on = buffers(True, True)
+    mixed = OfflineToOnline(off, on, 0.5)
+    batch = mixed.sample(4, key=0)
+    before = off.state_dict()["priority"].clone(), on.state_dict()["priority"].clone()
+    with pytest.raises(ValueError, match="td_errors: .* for the online part; nothing written"):
+        mixed.update_priorities(batch, torch.tensor([3.0, 3.0, float("nan"), 1.0]))
+    assert torch.equal(off.state_dict()["priority"], before[0]) and torch.equal(on.state_dict()["priority"], before[1])
+
+
+def test_numpy_int_keys_seed_one_generator_and_bad_batch_sizes_are_named():
+    off, on = buffers(False, False, 24, 24)
+    mixed = OfflineToOnline(off, on, 0.5)
+    a, b = mixed.sample(8, key=5), mixed.sample(8, key=np.int64(5))
+    assert torch.equal(a.offline.indices, b.offline.indices) and torch.equal(a.online.indices, b.online.indices)
+    assert not torch.equal(a.offline.indices, a.online.indices)  # one generator: the second draw goes on from it
+    for bad in (0, 2.7, "8", True):
+        with pytest.raises(ValueError, match="batch_size: expected a positive int"):
+            mixed.sample(bad)

@@ -196,3 +196,28 @@ def test_sample_dtypes_return_a_wider_dtype_with_the_stored_values(host_backend,
 def test_sample_dtypes_that_cannot_hold_the_stored_values_are_refused(wanted, match):
     with pytest.raises(ValueError, match=match):
         TransitionBuffer(8 * E, 2, rows(0, 1), storage_dtypes=narrow(torch.bfloat16), sample_dtypes=wanted)
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_source_step_whose_observation_the_narrower_storage_cannot_hold_keeps_nothing(capturable):
+    gym = pytest.importorskip("gymnasium")
+    from gpubuf import TensorSource
+
+    src = TensorSource(2, gym.spaces.Box(-1e6, 1e6, (3,), np.float32), gym.spaces.Discrete(4), final_obs=False,
+                       device="cpu", capturable=capturable)
+    buf = TransitionBuffer(16 * 2, 2, src.transition_sample(), storage_dtypes={"observation": torch.float16})
+    src.transitions = buf
+    src.reset(torch.zeros(2, 3))
+    z, f, a = torch.zeros(2), torch.zeros(2, dtype=torch.bool), torch.ones(2, dtype=torch.int64)
+    src.step(a, torch.full((2, 3), 1.0), z, f, f)
+    if capturable:  # checked on the device: the step is dropped, and the next eager call says so
+        src.step(a, torch.full((2, 3), 1e5), z, f, f)
+        with pytest.raises(ValueError, match="wrote nothing"):
+            len(buf)
+    else:
+        with pytest.raises(TypeError, match="obs: cannot store torch.float32 in the stored dtype torch.float16"):
+            src.step(a, torch.full((2, 3), 1e5), z, f, f)
+    for o in (2.0, 3.0):  # the source goes on, the refused step as if it never came
+        src.step(a, torch.full((2, 3), o), z, f, f)
+    assert len(buf) == 2 * 3
+    assert buf.state_dict()["data"]["observation"][:3, 0, 0].tolist() == [0.0, 1.0, 2.0]

@@ -21,6 +21,7 @@ export again as the same episodes. ``h5py`` (HDF5) and ``minari`` are optional, 
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+import torch
 
 from gpubuf._core.transition import Transition
 
@@ -33,8 +34,12 @@ def from_hdf5(path) -> Iterator[dict]:
     import h5py
 
     with h5py.File(path, "r") as f:
-        names = sorted((k for k in f if k.startswith("episode_")), key=lambda k: int(k.split("_")[1]))
-        for name in names:
+        numbered = {k: k[len("episode_"):] for k in f if k.startswith("episode_")}
+        odd = [k for k, n in numbered.items() if not n.isdigit()]
+        if odd:
+            raise ValueError(f"path: {str(path)!r} holds groups {odd[:3]} that are not episode_<i>, as to_hdf5 "
+                             "names its episodes")
+        for name in sorted(numbered, key=lambda k: int(numbered[k])):
             g = f[name]
             missing = [k for k in KEYS if k not in g]
             if missing:
@@ -63,21 +68,24 @@ def from_minari(dataset) -> Iterator[dict]:
 
 def load_episodes(buffer, episodes: Iterable[dict], *, action_fill=None) -> int:
     """Insert every episode of ``episodes`` into ``buffer`` (module docstring for the rows); returns the episodes
-    loaded. ``action_fill``: the action of an ``is_last`` row (default NaN for a float action, -1 for an integer
-    one). Each episode is checked whole before anything of it is written (``ValueError`` naming the episode and key);
-    then its rows go through ``buffer.insert`` (one env: an episode at a time; ``E`` envs: the lanes at the end, in
-    blocks of the ring's rows), which checks and casts them as any insert (a value the buffer cannot store raises
-    there, with the blocks before it written). A ring smaller than the data keeps the newest rows."""
+    loaded. ``action_fill``: the action of an ``is_last`` row (default NaN for a float action, -1 for a signed integer
+    one, the largest value of an unsigned one). A buffer holding rows has its open episodes ended at their newest
+    rows first (``cut_episodes``), so no window joins them to the first loaded episode. Each episode is checked whole
+    before anything of it is written (``ValueError`` naming the episode and key); then its rows go through
+    ``buffer.insert`` (one env: an episode at a time; ``E`` envs: the lanes at the end, in blocks of the ring's rows),
+    which checks and casts them as any insert (a value the buffer cannot store raises there, with the blocks before it
+    written). A ring smaller than the data keeps the newest rows."""
     layout = _Layout(buffer, action_fill)
     n = 0
     for n, ep in enumerate(episodes, 1):
-        layout.add(_checked(ep, n - 1, layout.infos))
+        layout.add(_checked(ep, n - 1, layout.infos, layout.shapes))
     layout.flush()
     return n
 
 
-def _checked(ep: dict, i: int, infos: list) -> dict:
-    """Episode ``i`` as numpy arrays, its lengths checked: ``T + 1`` observations and infos, ``T`` of the rest."""
+def _checked(ep: dict, i: int, infos: list, shapes: dict) -> dict:
+    """Episode ``i`` as numpy arrays, its lengths checked (``T + 1`` observations and infos, ``T`` of the rest) and
+    its observations' and actions' shapes per step (``shapes``: ``{key: the buffer's leaf shape}``)."""
     if not isinstance(ep, dict) or any(k not in ep for k in KEYS):
         raise ValueError(f"episodes[{i}]: expected a dict with keys {list(KEYS)}, got "
                          f"{sorted(ep) if isinstance(ep, dict) else type(ep).__name__}")
@@ -89,6 +97,10 @@ def _checked(ep: dict, i: int, infos: list) -> dict:
     for k in KEYS[2:]:
         if out[k].shape != (T,):
             raise ValueError(f"episodes[{i}]['{k}']: expected shape ({T},), got {out[k].shape}")
+    for k, shape in shapes.items():
+        if out[k].shape[1:] != shape:
+            raise ValueError(f"episodes[{i}]['{k}']: expected {shape} per step, as the buffer stores it, got "
+                             f"{out[k].shape[1:]}")
     given = ep.get("infos") or {}
     missing = [name for name in infos if name not in given]
     if missing:
@@ -113,6 +125,9 @@ class _Layout:
             raise ValueError(f"buffer: nested leaves ({nested[:3]}) are not loaded; load into a buffer of one "
                              "observation, one action and flat info leaves")
         self.source_rows, self.next_obs = "info['is_last']" in names, "next_observation" in names
+        if self.source_rows and self.next_obs:
+            raise ValueError("buffer: it stores both next_observation and info['is_last'] rows; load into a buffer "
+                             "of one of the two layouts (an env source's rows, or stored next observations)")
         if not self.source_rows and not self.next_obs:
             raise ValueError("buffer: it keeps no final observations (no info['is_last'] leaf, as an env source's "
                              "buffer has, and no next_observation), so an episode's last observation has no row")
@@ -123,8 +138,11 @@ class _Layout:
                              "info['is_last'] rows")
         self.infos = [_info_key(n) for n in names if n.startswith("info[") and n != "info['is_last']"]
         action = config.by_path[("action",)].dtype
-        self.fill = action_fill if action_fill is not None else (np.nan if action.is_floating_point else -1)
+        self.fill = action_fill if action_fill is not None else _default_fill(action)
+        self.shapes = {"observations": config.by_path[("observation",)].shape,
+                       "actions": config.by_path[("action",)].shape}
         self.vectorized = config.vectorized_env
+        self.written = False  # whether anything was inserted yet
         self.lanes: list[list[dict]] = [[] for _ in range(self.E)]
         self.lengths = [0] * self.E
 
@@ -162,12 +180,25 @@ class _Layout:
         template = next(lane for lane in lanes if lane is not None)
         lanes = [_pad(lane, template, longest, self.fill) for lane in lanes]
         M = self.buffer.config.max_rows
+        if not self.written and len(self.buffer):  # an episode still open at the newest rows ends there, before the
+            self.buffer.cut_episodes()            # first loaded reset frame
+        self.written = True
         for a in range(0, longest, M):
             block = _tree_map(lambda *xs, a=a: np.stack([x[a:a + M] for x in xs], 1), *lanes)
             if not self.vectorized:
                 block = _tree_map(lambda x: x[:, 0], block)
             self.buffer.insert(Transition(**{k: _nest(v) for k, v in block.items()}))
         self.lanes, self.lengths = [[] for _ in range(self.E)], [0] * self.E
+
+
+def _default_fill(dtype) -> float | int:
+    """The action of an ``is_last`` row: NaN for a float action, -1 for a signed integer one, the largest value of an
+    unsigned one (-1 wrapped), ``False`` for a bool one."""
+    if dtype.is_floating_point:
+        return np.nan
+    if dtype == torch.bool:
+        return False
+    return -1 if torch.iinfo(dtype).min < 0 else torch.iinfo(dtype).max
 
 
 def _info_key(leaf: str) -> str:

@@ -9,9 +9,12 @@ fixed by design (RLPD's symmetric sampling), not drawn: the importance weights (
 as its buffer computes them for its draw (1 for a uniform part), and correct the prioritized draw within that part.
 ``update_priorities(batch, td_errors)`` sends each part's errors back to its buffer (a uniform part takes none)."""
 
+import numbers
+
+import numpy as np
 import torch
 
-from gpubuf._core.inputs import check_bool, finite_float
+from gpubuf._core.inputs import check_bool, finite_float, int_seed, positive_int
 from gpubuf._core.transition import Transition
 from gpubuf.replay.sampling.batch import Batch
 
@@ -64,14 +67,14 @@ class OfflineToOnline:
         one), ``None``: each buffer's own; ``with_replacement``, ``boundaries``: as each buffer's ``sample``."""
         from gpubuf.replay.sampling.units import Unit
 
-        if batch_size is None:
-            batch_size = self.online.config.sample_batch_size
-        if isinstance(key, int) and not isinstance(key, bool):
-            key = torch.Generator().manual_seed(key)
+        batch_size = self.online.config.sample_batch_size if batch_size is None else \
+            positive_int("batch_size", batch_size)
+        if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):  # one generator, both draws
+            key = torch.Generator().manual_seed(int_seed("key", key))
         with_replacement = check_bool("with_replacement", with_replacement)
         args = {"unit": Unit.window() if unit is None else unit, "key": key, "with_replacement": with_replacement,
                 "boundaries": boundaries}
-        n_off, n_on = self.split(int(batch_size))
+        n_off, n_on = self.split(batch_size)
         parts = [buf.sample(batch_size=n, **args) if n else None
                  for buf, n in ((self.offline, n_off), (self.online, n_on))]
         return _joined(*parts, n_off, n_on)
@@ -86,9 +89,16 @@ class OfflineToOnline:
         n_on = 0 if batch.online is None else batch.online.indices.shape[0]
         if td.shape != (n_off + n_on,):
             raise ValueError(f"td_errors: expected shape ({n_off + n_on},), got {tuple(td.shape)}")
-        for buf, part, errors in ((self.offline, batch.offline, td[:n_off]), (self.online, batch.online, td[n_off:])):
-            if part is not None and buf.prioritized:
-                buf.update_priorities(part.indices, errors, generations=part.generations)
+        parts = [(buf, part, errors) for buf, part, errors in ((self.offline, batch.offline, td[:n_off]),
+                                                               (self.online, batch.online, td[n_off:]))
+                 if part is not None and buf.prioritized]
+        for buf, _, errors in parts:  # both parts' values checked before either is written
+            new = errors.detach().to(torch.float32).abs() + np.float32(buf.eps)
+            if not bool(torch.isfinite(new).all()) or (new.numel() and float(new.max()) >= buf.sampler.mass_limit):
+                raise ValueError(f"td_errors: |td| + eps must be finite and below {buf.sampler.mass_limit:g} (float32) "
+                                 f"for the {'offline' if buf is self.offline else 'online'} part; nothing written")
+        for buf, part, errors in parts:
+            buf.update_priorities(part.indices, errors, generations=part.generations)
 
 
 def _joined(offline: Batch | None, online: Batch | None, n_off: int, n_on: int) -> MixedBatch:

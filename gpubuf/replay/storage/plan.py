@@ -3,8 +3,11 @@
 A buffer of ``M`` rows per env and ``E`` envs (``L = M * E`` starts) allocates, zero-filled and up front:
 
 - storage: ``L`` rows of every leaf, ``prod(shape) * itemsize`` bytes each, in its storage dtype;
-- per validity kind sampled (one per ``with_next_obs`` / ``boundaries`` pair used, each made on its first sample): a
-  float64 prefix-sum tree over the ``L`` starts (leaves padded to the fan-out, then its parents) and a bool mask;
+- per validity kind kept (one per ``with_next_obs`` / ``boundaries`` pair a draw needs a tree for, each made on that
+  draw): a float64 prefix-sum tree over the ``L`` starts (leaves padded to the fan-out, then its parents) and a bool
+  mask. A prioritized buffer keeps one for every pair it samples; a uniform one draws from a range of rows while the
+  valid starts are one, and keeps a kind only once they are not (a stored truncation for next observations, an
+  episode end for ``boundaries="forbid"``, an ``info["is_last"]`` row for any);
 - prioritized: one float32 priority per start;
 - episode marks (once frame stacks or n-step returns were sampled): one byte per start and 16 bytes.
 
@@ -82,13 +85,12 @@ class Planner:
 
 def check_plan_args(max_size, budget, kinds, episode_marks) -> tuple:
     """``(max_size or None, budget or None, kinds, episode_marks)`` checked: exactly one of ``max_size`` and
-    ``budget`` (positive ints), ``kinds`` in 1..4, ``episode_marks`` a bool."""
+    ``budget`` (positive ints), ``kinds`` in 0..4, ``episode_marks`` a bool."""
     if (max_size is None) == (budget is None):
         raise ValueError(f"memory_plan: give exactly one of max_size and budget, got max_size={max_size!r}, "
                          f"budget={budget!r}")
     max_size = None if max_size is None else positive_int("max_size", max_size)
     budget = None if budget is None else positive_int("budget", budget)
-    kinds = positive_int("kinds", kinds)
-    if kinds > 4:
-        raise ValueError(f"kinds: a buffer keeps at most 4 validity kinds (with_next_obs x boundaries), got {kinds}")
+    if isinstance(kinds, bool) or not isinstance(kinds, int) or not 0 <= kinds <= 4:
+        raise ValueError(f"kinds: expected 0 to 4 validity kinds kept (with_next_obs x boundaries), got {kinds!r}")
     return max_size, budget, kinds, check_bool("episode_marks", episode_marks)
