@@ -34,6 +34,7 @@ from gpubuf._core.inputs import (
     check_sample_dtypes,
     check_storable,
     check_storage_dtypes,
+    lossless,
     positive_int,
 )
 from gpubuf._core.state import check_range, check_rng, check_state, host_tensor
@@ -174,10 +175,13 @@ class ReplayConfig:
         return kinds + tuple(k | IN_EPISODE for k in kinds) if self.flag_paths[1] else kinds
 
     def widened(self, batch: Transition) -> Transition:
-        """``batch`` (a sample's, built here) with each leaf of :attr:`sample_dtypes` (and the next observation of an
-        observation leaf) cast to its sample dtype (fields replaced in place; nested dicts rebuilt, not mutated)."""
+        """``batch`` (a sample's, built here) with each leaf of :attr:`sample_dtypes` (and, when next observations are
+        read from the following rows, the next observation of an observation leaf) cast to its sample dtype where
+        that widens it (a computed output, an n-step return say, is left as it is); fields replaced in place, nested
+        dicts rebuilt, not mutated."""
+        derived = not self.stores_next_obs
         for path, dtype in self.sample_dtypes:
-            for field in (path[0], "next_observation") if path[0] == "observation" else (path[0],):
+            for field in (path[0], "next_observation") if path[0] == "observation" and derived else (path[0],):
                 value = getattr(batch, field, None)
                 if value is not None:
                     setattr(batch, field, _cast_at(value, path[1:], dtype))
@@ -359,5 +363,5 @@ class ReplayConfig:
 def _cast_at(value, keys: tuple, dtype: torch.dtype):
     """``value`` (a tensor, or nested dicts of them) with the tensor at ``keys`` cast to ``dtype`` (dicts copied)."""
     if not keys:
-        return value.to(dtype)
+        return value.to(dtype) if value.dtype != dtype and lossless(value.dtype, dtype) else value
     return {**value, keys[0]: _cast_at(value[keys[0]], keys[1:], dtype)}

@@ -231,7 +231,10 @@ class RowWriter:
         (the step's reward and flags), then every env's row of this step (the ended envs' reset frames, reward 0). A
         vectorized buffer gets the rows of :meth:`receive_resets_in_step` (the final observations are appended to the
         history only, where the reset frames flush them). Returns the second batch."""
+        self.check_obs(obs)  # both batches fit before either is kept
         ended = terminated | truncated
+        if np.count_nonzero(ended):
+            self.check_obs(final)
         vectorized = self.transitions is not None and self.transitions.vectorized_env
         if np.count_nonzero(ended):
             ids, none = np.flatnonzero(ended), np.zeros(int(np.count_nonzero(ended)), bool)

@@ -171,3 +171,22 @@ def test_malformed_files_and_layouts_are_refused_naming_what(tmp_path):
                       next_observation=d["observation"][:1, :1], info={"is_last": d["info['is_last']"][:1, :1]})
     with pytest.raises(ValueError, match="buffer: it stores both next_observation and info\\['is_last'\\] rows"):
         datasets.load_episodes(TransitionBuffer(40, 4, both), eps)
+
+
+def test_a_load_refused_at_its_first_rows_leaves_an_open_episode_uncut():
+    lead = (1, 1)
+    sample = Transition(observation=torch.zeros(*lead, 2), action=torch.zeros(lead, dtype=torch.int64),
+                        reward=torch.zeros(lead), terminated=torch.zeros(lead, dtype=torch.bool),
+                        truncated=torch.zeros(lead, dtype=torch.bool), info={"is_last": torch.zeros(lead, dtype=bool)})
+    buf = TransitionBuffer(64, 1, sample, storage_dtypes={"observation": torch.float16})
+    buf.insert(Transition(observation=np.ones((3, 1, 2), np.float32), action=np.zeros((3, 1), np.int64),
+                          reward=np.zeros((3, 1), np.float32), terminated=np.zeros((3, 1), bool),
+                          truncated=np.zeros((3, 1), bool), info={"is_last": np.zeros((3, 1), bool)}))
+    before = {k: v.clone() for k, v in buf.state_dict()["data"].items()}
+    ep = {"observations": np.full((4, 2), 1e5, np.float32), "actions": np.zeros(3, np.int64),
+          "rewards": np.zeros(3, np.float32), "terminations": np.array([False, False, True]),
+          "truncations": np.zeros(3, bool), "infos": {}}
+    with pytest.raises(TypeError, match="observation"):
+        datasets.load_episodes(buf, [ep])
+    after = buf.state_dict()["data"]
+    assert len(buf) == 3 and all(torch.equal(before[k], after[k]) for k in before)

@@ -128,3 +128,12 @@ def test_numpy_int_keys_seed_one_generator_and_bad_batch_sizes_are_named():
     for bad in (0, 2.7, "8", True):
         with pytest.raises(ValueError, match="batch_size: expected a positive int"):
             mixed.sample(bad)
+
+
+def test_buffers_whose_samples_differ_in_dtype_are_refused():
+    wide = TransitionBuffer(24, 8, rows(np.zeros(1)), vectorized_env=False, storage_dtypes={"observation":
+                            torch.bfloat16}, sample_dtypes={"observation": torch.float32})
+    narrow = TransitionBuffer(24, 8, rows(np.zeros(1)), vectorized_env=False,
+                              storage_dtypes={"observation": torch.bfloat16})
+    with pytest.raises(ValueError, match="online: its sample_dtypes {} differ from offline's"):
+        OfflineToOnline(wide, narrow, 0.5)

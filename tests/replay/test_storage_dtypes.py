@@ -221,3 +221,44 @@ def test_a_source_step_whose_observation_the_narrower_storage_cannot_hold_keeps_
         src.step(a, torch.full((2, 3), o), z, f, f)
     assert len(buf) == 2 * 3
     assert buf.state_dict()["data"]["observation"][:3, 0, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_sample_dtypes_only_widen_and_leave_a_stored_next_observation_and_returns_alone():
+    tr = rows(0, 6)
+    tr.next_observation = tr.observation.astype(np.float64)  # stored, wider than the observation
+    sample = Transition(**{k: getattr(tr, k)[:1] for k in
+                           ("observation", "action", "reward", "terminated", "truncated", "next_observation")})
+    buf = TransitionBuffer(8 * E, 2, sample, storage_dtypes={"observation": torch.bfloat16, "reward": torch.float16},
+                           sample_dtypes={"observation": torch.float32, "reward": torch.float16})
+    tr.reward[:] = 60000
+    buf.insert(tr)
+    b = buf.sample(4, Unit.window(), key=0, with_replacement=True)
+    assert b.observation.dtype == torch.float32 and b.next_observation.dtype == torch.float64  # its own leaf
+    plain = TransitionBuffer(8 * E, 2, rows(0, 1), storage_dtypes={"reward": torch.float16},
+                             sample_dtypes={"reward": torch.float16})
+    big = rows(0, 6)
+    big.reward[:] = 60000
+    big.terminated[:] = False
+    plain.insert(big)
+    returns = plain.sample(4, Unit.n_step(3, 1.0), key=0, with_replacement=True).reward
+    assert returns.dtype == torch.float32 and torch.isfinite(returns).all() and (returns > 65504).any()
+
+
+def test_a_final_observation_step_refused_by_the_narrower_storage_writes_no_terminal_row():
+    gym = pytest.importorskip("gymnasium")
+    from gpubuf import TensorSource
+
+    src = TensorSource(2, gym.spaces.Box(-1e6, 1e6, (3,), np.float32), gym.spaces.Discrete(4), final_obs=True,
+                       device="cpu")
+    buf = TransitionBuffer(32, 2, src.transition_sample(vectorized=False), vectorized_env=False,
+                           storage_dtypes={"observation": torch.float16})
+    src.transitions = buf
+    src.reset(np.zeros((2, 3), np.float32))
+    z, f = np.zeros(2, np.float32), np.zeros(2, bool)
+    src.step(np.array([1, 1]), np.ones((2, 3), np.float32), z, f, f, final_obs=np.zeros((2, 3), np.float32))
+    n = len(buf)
+    obs = np.full((2, 3), 2.0, np.float32)
+    obs[0] = 1e5  # env 0's reset frame after its episode ended
+    with pytest.raises(TypeError, match="obs: cannot store"):
+        src.step(np.array([1, 1]), obs, z, np.array([True, False]), f, final_obs=np.full((2, 3), 2.0, np.float32))
+    assert len(buf) == n

@@ -180,14 +180,16 @@ class _Layout:
         template = next(lane for lane in lanes if lane is not None)
         lanes = [_pad(lane, template, longest, self.fill) for lane in lanes]
         M = self.buffer.config.max_rows
-        if not self.written and len(self.buffer):  # an episode still open at the newest rows ends there, before the
-            self.buffer.cut_episodes()            # first loaded reset frame
-        self.written = True
         for a in range(0, longest, M):
             block = _tree_map(lambda *xs, a=a: np.stack([x[a:a + M] for x in xs], 1), *lanes)
             if not self.vectorized:
                 block = _tree_map(lambda x: x[:, 0], block)
-            self.buffer.insert(Transition(**{k: _nest(v) for k, v in block.items()}))
+            rows = Transition(**{k: _nest(v) for k, v in block.items()})
+            if not self.written and len(self.buffer):  # an episode still open at the newest rows ends there, before
+                self.buffer.config.rows(rows)           # the first loaded reset frame (once the rows check out)
+                self.buffer.cut_episodes()
+            self.written = True
+            self.buffer.insert(rows)
         self.lanes, self.lengths = [[] for _ in range(self.E)], [0] * self.E
 
 

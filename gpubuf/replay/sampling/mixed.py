@@ -47,6 +47,9 @@ class OfflineToOnline:
             diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
             raise ValueError(f"online: its leaves differ from offline's at {diff} "
                              f"(offline {[mine.get(k) for k in diff]}, online {[theirs.get(k) for k in diff]})")
+        if a.sample_dtypes != b.sample_dtypes:
+            raise ValueError(f"online: its sample_dtypes {dict(b.sample_dtypes)} differ from offline's "
+                             f"{dict(a.sample_dtypes)} (a batch holds one dtype per leaf)")
         if a.n_steps != b.n_steps or offline.device != online.device:
             raise ValueError(f"online: n_steps {b.n_steps} on {online.device} differs from offline's "
                              f"{a.n_steps} on {offline.device}")

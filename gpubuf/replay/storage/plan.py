@@ -7,7 +7,7 @@ A buffer of ``M`` rows per env and ``E`` envs (``L = M * E`` starts) allocates, 
   draw): a float64 prefix-sum tree over the ``L`` starts (leaves padded to the fan-out, then its parents) and a bool
   mask. A prioritized buffer keeps one for every pair it samples; a uniform one draws from a range of rows while the
   valid starts are one, and keeps a kind only once they are not (a stored truncation for next observations, an
-  episode end for ``boundaries="forbid"``, an ``info["is_last"]`` row for any);
+  episode end for ``boundaries="forbid"`` with ``n_steps > 1``, an ``info["is_last"]`` row for any);
 - prioritized: one float32 priority per start;
 - episode marks (once frame stacks or n-step returns were sampled): one byte per start and 16 bytes.
 
@@ -17,6 +17,7 @@ bytes) are not counted."""
 
 import dataclasses
 import math
+import numbers
 
 from gpubuf._core.inputs import check_bool, positive_int
 from gpubuf.replay.sampling.tree import level_sizes
@@ -91,6 +92,6 @@ def check_plan_args(max_size, budget, kinds, episode_marks) -> tuple:
                          f"budget={budget!r}")
     max_size = None if max_size is None else positive_int("max_size", max_size)
     budget = None if budget is None else positive_int("budget", budget)
-    if isinstance(kinds, bool) or not isinstance(kinds, int) or not 0 <= kinds <= 4:
+    if isinstance(kinds, bool) or not isinstance(kinds, numbers.Integral) or not 0 <= kinds <= 4:
         raise ValueError(f"kinds: expected 0 to 4 validity kinds kept (with_next_obs x boundaries), got {kinds!r}")
-    return max_size, budget, kinds, check_bool("episode_marks", episode_marks)
+    return max_size, budget, int(kinds), check_bool("episode_marks", episode_marks)
