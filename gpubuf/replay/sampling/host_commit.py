@@ -59,9 +59,8 @@ class HostCommit:
     def _refresh(self, kinds: list, old_pos: int, T: int, priority: np.ndarray) -> None:
         """The starts of ``kinds`` whose windows changed (:meth:`StartRing.changed_rows`)."""
         ring, sampler = self.ring, self.sampler
-        M = ring.max_rows
-        K = min(T + max(ring.window(k) for k in kinds) - 1, M)
-        a, oldest = (old_pos + T - K) % M, ring.oldest
+        segments = ring.changed_rows(old_pos, T, kinds)  # one or two ranges from row a on, K rows in all
+        a, K, oldest = segments[0][0], sum(r1 - r0 for r0, r1 in segments), ring.oldest
         alpha = sampler.alpha if sampler.prioritized else 1.0
         for kind in kinds:
             tree = sampler.tree(kind)

@@ -95,11 +95,8 @@ class OfflineToOnline:
         parts = [(buf, part, errors) for buf, part, errors in ((self.offline, batch.offline, td[:n_off]),
                                                                (self.online, batch.online, td[n_off:]))
                  if part is not None and buf.prioritized]
-        for buf, _, errors in parts:  # both parts' values checked before either is written
-            new = errors.detach().to(torch.float32).abs() + np.float32(buf.eps)
-            if not bool(torch.isfinite(new).all()) or (new.numel() and float(new.max()) >= buf.sampler.mass_limit):
-                raise ValueError(f"td_errors: |td| + eps must be finite and below {buf.sampler.mass_limit:g} (float32) "
-                                 f"for the {'offline' if buf is self.offline else 'online'} part; nothing written")
+        for buf, part, errors in parts:  # both parts checked by their buffers' rule before either is written
+            buf.sampler.check_write(part.indices, errors)
         for buf, part, errors in parts:
             buf.update_priorities(part.indices, errors, generations=part.generations)
 

@@ -451,6 +451,14 @@ class PrioritizedSampler(TreeSampler):
                                                                                                 td.dtype)
         self._raise(*self.write(idx, td, read=True), idx, td)
 
+    def check_write(self, indices, td_errors) -> None:
+        """Raise what :meth:`update_priorities` would raise for these inputs, writing nothing (device inputs: one
+        read of the device)."""
+        idx, td = priority_updates(indices, td_errors)
+        if idx.numel():
+            _, code, top = ops.priority_checks(idx.to(torch.int64), td.detach(), self.eps, self.mass_limit, self.size)
+            self._raise(int(code), float(top), idx, td)
+
     def _raise(self, code: int, top: float, idx: torch.Tensor, td: torch.Tensor) -> None:
         """Raise what a write's nonzero ``code`` names (:func:`gpubuf.ops.priority_error`)."""
         if code:
