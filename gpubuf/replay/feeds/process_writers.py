@@ -64,6 +64,35 @@ def process_alive(pid: int) -> bool:
             return False
 
 
+def check_timeout(timeout) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
+                                or not timeout >= 0):  # NaN included
+        raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
+
+
+def insert_rows(writer, transition) -> tuple[dict, int]:
+    """``({path: (T, ...) tensor}, T)`` of an insert through ``writer`` (its ``config``, ``max_insert``), checked."""
+    values, _, T = writer.config.rows(transition)
+    if T > writer.max_insert:
+        raise ValueError(f"transition: expected at most max_insert={writer.max_insert} rows per insert into this "
+                         f"buffer (its inserts are committed whole, and its rate limiter's band holds no more "
+                         f"beside a sample of its batch), got {T}; insert fewer rows at a time")
+    return values, T
+
+
+def wait_for_room(room, T: int, timeout: float | None, writer) -> None:
+    """Wait, sleeping longer each time up to a limit, until ``room()`` (which may raise) says ``T`` rows fit;
+    ``TimeoutError`` after ``timeout`` seconds (``None``: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + float(timeout)
+    pause = _POLL_S[0]
+    while not room():
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"{writer}: the owner did not make room for {T} rows in {timeout} s "
+                               "(is it sampling or calling collect()?)")
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S[1])
+
+
 class ReplayWriter:
     """An actor's handle on a buffer owned by another process (made by ``buffer.writer(envs, rows)``: ``rows`` is the
     queue's length in rows per env, the most an insert may hold, with at most :attr:`max_insert`).
@@ -99,27 +128,26 @@ class ReplayWriter:
         returns ``self``. Waits while the queue has no room for them (``timeout`` seconds, ``None``: no limit,
         then ``TimeoutError``); nothing is published on any error."""
         self._check_writer()
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.number))
-                                    or not timeout >= 0):  # NaN included
-            raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
-        values, _, T = self.config.rows(transition)
-        if T > self.max_insert:
-            raise ValueError(f"transition: expected at most max_insert={self.max_insert} rows per insert into this "
-                             f"buffer (its inserts are committed whole, and its rate limiter's band holds no more "
-                             f"beside a sample of its batch), got {T}; insert fewer rows at a time")
+        check_timeout(timeout)
+        values, T = insert_rows(self, transition)
         control = self.control
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
-        pause = _POLL_S[0]
-        while self.rows - int(control[PUBLISHED] - control[CONSUMED]) < T:
+
+        def room() -> bool:
+            if self.rows - int(control[PUBLISHED] - control[CONSUMED]) >= T:
+                return True
             if not process_alive(self.owner_pid):
                 raise RuntimeError(f"{self}: the owner (pid {self.owner_pid}) is gone; nothing was published")
             if control[CLOSED] == OWNER_ENDED:
                 self._check_writer()  # its RuntimeError: the buffer takes no more rows
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{self}: the owner did not make room for {T} rows in {timeout} s "
-                                   "(is it sampling or calling collect()?)")
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_S[1])
+            return False
+
+        wait_for_room(room, T, timeout, self)
+        self.publish(values, T)
+        return self
+
+    def publish(self, values: dict, T: int) -> None:
+        """Copy ``T`` checked rows (``{path: (T, ...)}``) into the queue, which has room for them, and publish them."""
+        control = self.control
         published = int(control[PUBLISHED])
         start = published % self.rows
         first = min(T, self.rows - start)
@@ -135,7 +163,6 @@ class ReplayWriter:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the rows are whole before they are published
         control[PUBLISHED] = published + T
-        return self
 
     def close(self) -> None:
         """This writer inserts no more (it is not reported as dead): its published rows are still committed, then
@@ -241,6 +268,10 @@ class ReplayWriter:
     def dead(self) -> bool:
         """Not closed, and its process gone."""
         return not self.control[CLOSED] and not process_alive(self.pid())
+
+    def death(self) -> str:
+        """How it died, for the report."""
+        return f"its process {self.pid()} exited or was killed"
 
     def finished(self) -> bool:
         """Closed or retired, or its process gone."""

@@ -7,7 +7,6 @@ import torch
 
 from gpubuf._core.concurrency import locked
 from gpubuf._core.transition import Transition
-from gpubuf.replay.feeds.process_writers import ReplayWriter
 from gpubuf.replay.feeds.writer_hub import WriterHub
 
 
@@ -44,7 +43,7 @@ class WriterDoors:
 
     @torch.compiler.disable
     @locked
-    def writer(self, envs=None, rows: int | None = None) -> ReplayWriter:
+    def writer(self, envs=None, rows: int | None = None, transport: str = "shared"):
         """A :class:`~gpubuf.replay.feeds.process_writers.ReplayWriter` through which one other process (an actor, given
         it as a ``torch.multiprocessing`` process argument) inserts into this buffer.
 
@@ -55,20 +54,34 @@ class WriterDoors:
         time: ``ValueError`` for lanes overlapping another writer's, except exactly the range of a writer that ended
         (closed, or its process gone), whose last row then ends those lanes' episodes. Not vectorized, each insert is
         committed whole (with a rate limiter, one insert holds at most ``writer.max_insert`` rows). The queue lives in
-        shared host memory (CUDA memory for a buffer storing on a GPU), allocated here once."""
+        shared host memory (CUDA memory for a buffer storing on a GPU), allocated here once.
+
+        ``transport="ray"``: a :class:`~gpubuf.replay.feeds.ray_writers.RayWriter` for a Ray actor on any node of
+        the cluster this process joined (``ray.init``; needs ``pip install 'gpubuf[ray]'``, else ``ImportError``):
+        its rows travel as Ray objects through an inbox actor on this node, at most ``rows`` rows per env in
+        flight, and are committed here by the same rules as a process writer's; a dead actor is reported once
+        (``WriterDied``) after what it published was committed."""
+        if transport not in ("shared", "ray"):
+            raise ValueError(f"transport: expected 'shared' (a process on this machine) or 'ray' (a Ray actor), "
+                             f"got {transport!r}")
+        if transport == "ray":
+            from gpubuf.replay.feeds.ray_writers import import_ray
+
+            import_ray()  # ImportError naming the extra, before anything is made
         if self._hub is None:
             self._hub = WriterHub(self)
             if self.rate_limiter is not None:
                 self.rate_limiter.poll = self._hub.collect
-        return self._hub.add(envs, rows)
+        return self._hub.add(envs, rows, transport)
 
     @torch.compiler.disable
     @locked
     def collect(self) -> int:
         """Commit the rows that writers in other processes (:meth:`writer`) published, as far as the rate limiter
-        lets inserts run now; returns the transitions committed (0 without writers). ``WriterDied`` once for a
+        lets inserts run now; returns the transitions committed (0 without writers); Ray actors' rows published
+        before this call included (one round trip to their inbox). ``WriterDied`` once for a
         writer whose process ended without closing it, after its published rows were committed (or at once when
         some can never be until new writers come, saying how many wait); a ``RowsWaiting`` warning for rows that
         wait for lanes whose writers ended (:mod:`gpubuf.replay.feeds.writer_hub`). Rows still queued by writers are in
         no checkpoint: call this before ``save``/``state_dict``."""
-        return 0 if self._hub is None else self._hub.collect()
+        return 0 if self._hub is None else self._hub.collect(wait=True)

@@ -40,6 +40,7 @@ class WriterHub:
         self.reported: set[int] = set()  # ids of writers reported dead
         self.warned: set = set()  # the stalls warned about (RowsWaiting)
         self.first = None  # not vectorized: the writer whose insert the rate limiter held back (goes first)
+        self.feed = None  # the Ray actors' inbox (RayFeed), once a writer with transport="ray" was handed out
         weakref.finalize(self, end_writers, self.groups)  # the buffer dropped: its actors hear of it at once
 
     @property
@@ -47,7 +48,7 @@ class WriterHub:
         """The buffer these writers insert into."""
         return self._buffer()
 
-    def add(self, envs, rows: int) -> ReplayWriter:
+    def add(self, envs, rows: int, transport: str = "shared"):
         buffer, config = self.buffer, self.buffer.config
         envs = self._lanes(envs)
         rows = min(64, config.max_rows) if rows is None else positive_int("rows", rows)
@@ -66,13 +67,21 @@ class WriterHub:
         limiter = buffer.rate_limiter
         most = rows if limiter is None or config.vectorized_env else min(rows, limiter.insert_cap(
             config.sample_batch_size))
-        writer = ReplayWriter(config, envs, rows, buffer.storage_device, type(buffer).__name__, self.owner_pid, most)
+        make = ReplayWriter if transport == "shared" else self._ray_feed().lane
+        writer = make(config, envs, rows, buffer.storage_device, type(buffer).__name__, self.owner_pid, most)
         group = self.groups.setdefault(envs, [])
         if group and config.vectorized_env:
             group[-1].control[CLOSED] = max(int(group[-1].control[CLOSED]), RETIRED)  # its handle writes no more
             self._cut(group[-1], envs)
         group.append(writer)
-        return writer
+        return getattr(writer, "handle", writer)  # a Ray writer's actor holds its handle, not its queue
+
+    def _ray_feed(self):
+        if self.feed is None:
+            from gpubuf.replay.feeds.ray_inbox import RayFeed
+
+            self.feed = RayFeed(self.owner_pid)
+        return self.feed
 
     def _lanes(self, envs) -> range | None:
         config = self.buffer.config
@@ -102,14 +111,17 @@ class WriterHub:
 
     # ------------------------------------------------------------------ commits
 
-    def collect(self, report: bool = True) -> int:
+    def collect(self, report: bool = True, wait: bool = False) -> int:
         """Commit what the writers published (as far as the rate limiter lets inserts run now); returns the
-        transitions committed. ``WriterDied`` (``report``) for a writer that died (module docstring: when)."""
+        transitions committed. ``WriterDied`` (``report``) for a writer that died (module docstring: when). Ray
+        actors' rows come in first: those that already arrived, or (``wait``) all published before this call."""
         if os.getpid() != self.owner_pid:
             return 0  # a forked child's copy of the buffer takes nobody's rows
         if self.buffer.storage.closed:
             self.warn_closed()
             return 0
+        if self.feed is not None:
+            self.feed.pull(wait)
         vectorized = self.buffer.config.vectorized_env
         done = self._commit_lanes() if vectorized else self._commit_streams()
         self._drop_finished()
@@ -230,7 +242,7 @@ class WriterHub:
                 if w.pending and not stuck:
                     continue  # its rows still commit (the rate limiter lets them in, the other lanes catch up)
                 self.reported.add(id(w))
-                pid, pending = w.pid(), w.pending
+                pending = w.pending
                 w.control[CLOSED] = RETIRED  # another process taking the handle up cannot write through it
                 left = ("every row it published is committed" if pending == 0 else
                         f"{pending} rows it published wait for rows of lanes "
@@ -238,7 +250,7 @@ class WriterHub:
                         "of those lanes publish as many)")
                 again = (f"; hand its lanes to a new writer: buffer.writer(envs={_show(w.envs)})"
                          if w.envs is not None else "")
-                raise WriterDied(f"{w}: its process {pid} exited or was killed; {left}; rows in flight are lost{again}")
+                raise WriterDied(f"{w}: {w.death()}; {left}; rows in flight are lost{again}")
 
 
 def _most(n: int, fits) -> int:
