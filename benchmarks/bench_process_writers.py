@@ -8,11 +8,15 @@ ready (process start-up excluded) to when the last row is committed:
   other), inserts their ``T`` rows as one block of ``P * ENVS`` lanes and samples once per block, as a
   single-process loop does;
 - ``P actor processes``: ``P`` spawned actors insert through ``buffer.writer(envs=...)`` handles (lanes of one
-  vectorized buffer of ``P * ENVS`` envs) while the learner samples, which commits their rows.
+  vectorized buffer of ``P * ENVS`` envs) while the learner samples, which commits their rows;
+- ``P Ray actors`` (``--ray``): the same actors as Ray actors of a local Ray instance, inserting through
+  ``buffer.writer(envs=..., transport="ray")`` handles (their rows travel as Ray objects through the buffer's
+  inbox actor).
 
 Repeated ``--rounds`` times, modes interleaved; medians.
 
     python benchmarks/bench_process_writers.py            # -> results/process_writers_cpu.json
+    python benchmarks/bench_process_writers.py --ray      # -> results/writers_ray_cpu.json (needs gpubuf[ray])
 """
 
 import argparse
@@ -71,6 +75,21 @@ def actor(writer, seed: int, blocks: int, flags) -> None:
     writer.close()
 
 
+class RayActor:
+    """:func:`actor` as a Ray actor: ready once its env is made, then :meth:`run` inserts through its writer."""
+
+    def __init__(self, writer, seed: int):
+        torch.set_num_threads(1)
+        self.writer, self.seed, self.rng = writer, seed, np.random.default_rng(seed)
+        self.env, self.obs = make_env(seed)
+
+    def run(self, blocks: int) -> None:
+        for _ in range(blocks):
+            rows, self.obs = block(self.env, self.obs, self.rng)
+            self.writer.insert(rows, timeout=120)
+        self.writer.close()
+
+
 def one_process(P: int, blocks: int) -> float:
     buf = TransitionBuffer(P * ENVS * 4096, B, empty(P * ENVS), seed=0)
     envs = [make_env(s) for s in range(P)]
@@ -113,30 +132,67 @@ def actor_processes(P: int, blocks: int) -> float:
     return want / seconds
 
 
+def ray_actors(P: int, blocks: int) -> float:
+    import ray
+
+    buf = TransitionBuffer(P * ENVS * 4096, B, empty(P * ENVS), seed=0)
+    Actor = ray.remote(num_cpus=0)(RayActor)
+    actors = [Actor.remote(buf.writer(envs=range(i * ENVS, (i + 1) * ENVS), rows=64, transport="ray"), i)
+              for i in range(P)]
+    ray.get([a.__ray_ready__.remote() for a in actors])
+    want = P * ENVS * T * blocks
+    t0 = time.perf_counter()
+    runs = [a.run.remote(blocks) for a in actors]
+    while len(buf) < want:
+        if buf.num_valid() >= B:
+            buf.sample()  # commits what the actors published
+        else:
+            buf.collect()
+    seconds = time.perf_counter() - t0
+    ray.get(runs)
+    for a in actors:
+        ray.kill(a)
+    return want / seconds
+
+
+MODES = {"one process": one_process, "actor processes": actor_processes, "Ray actors": ray_actors}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=300, help="inserts of T rows per actor")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--actors", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "process_writers_cpu.json")
+    p.add_argument("--ray", action="store_true", help="Ray actors as a third mode (a local Ray instance)")
+    p.add_argument("--out", type=Path, default=None, help="default: results/process_writers_cpu.json, "
+                   "with --ray results/writers_ray_cpu.json")
     args = p.parse_args()
+    out = args.out or Path(__file__).parent / "results" / ("writers_ray_cpu.json" if args.ray else
+                                                           "process_writers_cpu.json")
     torch.set_num_threads(1)
+    modes = list(MODES)[:3 if args.ray else 2]
+    if args.ray:
+        import ray
+
+        ray.init(include_dashboard=False, log_to_driver=False)
     runs: dict = {}
     for _ in range(args.rounds):
         for P in args.actors:
-            for mode, fn in (("one process", one_process), ("actor processes", actor_processes)):
-                runs.setdefault((P, mode), []).append(fn(P, args.blocks))
+            for mode in modes:
+                runs.setdefault((P, mode), []).append(MODES[mode](P, args.blocks))
     table = []
-    print("| actors | envs | one process (transitions/s) | actor processes (transitions/s) | speed-up |")
+    print(f"| actors | envs | {' | '.join(f'{m} (transitions/s)' for m in modes)} | "
+          f"{' | '.join(f'{m} / one process' for m in modes[1:])} |")
     for P in args.actors:
-        one, many = (statistics.median(runs[(P, m)]) for m in ("one process", "actor processes"))
-        table.append({"actors": P, "envs": P * ENVS, "one_process_per_s": one, "actor_processes_per_s": many,
-                      "speedup": many / one})
-        print(f"| {P} | {P * ENVS} | {one:,.0f} | {many:,.0f} | {many / one:.2f} |", flush=True)
-    args.out.write_text(json.dumps({"machine": machine(torch.device("cpu")), "envs_per_actor": ENVS,
-                                    "rows_per_insert": T, "batch": B, "blocks": args.blocks, "rounds": args.rounds,
-                                    "table": table},
-                                   indent=1))
+        rates = {m: statistics.median(runs[(P, m)]) for m in modes}
+        row = {"actors": P, "envs": P * ENVS, **{m.replace(" ", "_") + "_per_s": r for m, r in rates.items()}}
+        table.append(row)
+        ratios = [rates[m] / rates["one process"] for m in modes[1:]]
+        print(f"| {P} | {P * ENVS} | {' | '.join(f'{rates[m]:,.0f}' for m in modes)} | "
+              f"{' | '.join(f'{r:.2f}' for r in ratios)} |", flush=True)
+    out.write_text(json.dumps({"machine": machine(torch.device("cpu")), "envs_per_actor": ENVS,
+                               "rows_per_insert": T, "batch": B, "blocks": args.blocks, "rounds": args.rounds,
+                               "table": table}, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 EXTRA = {
     "numba": "fast", "matplotlib": "apps", "tqdm": "apps", "envpool": "envpool", "gymnasium": "gymnasium",
     "mujoco": "gymnasium", "minari": "export", "h5py": "export", "torchrl": "torchrl", "tensordict": "tensordict",
-    "jax": "jax", "gymnax": "jax", "ale_py": "bench", "cpprb": "bench", "flashbax": "bench",
+    "jax": "jax", "gymnax": "jax", "ale_py": "bench", "cpprb": "bench", "flashbax": "bench", "ray": "ray",
 }
 
 

@@ -6,6 +6,8 @@ import gc
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -420,3 +422,16 @@ def test_a_writer_of_a_buffer_its_owner_closed_or_dropped_refuses_at_once(tmp_pa
         assert w.pending == published
     finally:
         gc.enable()
+
+
+def test_without_ray_the_transport_names_the_extra():
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import numpy as np\nfrom gpubuf import Transition, TransitionBuffer\n"
+            "b = TransitionBuffer(8, 1, Transition(observation=np.zeros((1, 2), np.float32), "
+            "action=np.zeros((1, 2), np.float32), reward=np.zeros((1, 2), np.float32), "
+            "terminated=np.zeros((1, 2), bool), truncated=np.zeros((1, 2), bool)))\n"
+            "try:\n    b.writer(transport='ray')\nexcept ImportError as e:\n    print('IMPORTERROR', e)\n"
+            "assert b._hub is None\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "IMPORTERROR" in out.stdout and "gpubuf[ray]" in out.stdout

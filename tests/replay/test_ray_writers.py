@@ -2,19 +2,18 @@
 RayWriter handles into one buffer the test process (the learner) owns and samples."""
 
 import os
-import subprocess
-import sys
 import time
 import warnings
 
 import numpy as np
 import pytest
 import torch
+from extras import needs
 
 from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer, Unit
 from gpubuf.replay.feeds.process_writers import RowsWaiting, WriterDied
 
-ray = pytest.importorskip("ray")
+ray = needs("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_S = 300.0
@@ -215,16 +214,3 @@ def test_bad_inserts_from_an_actor_are_refused_naming_the_leaf(cluster):
     ray.get(actor.close.remote())
     with pytest.raises(ray.exceptions.RayTaskError, match="closed"):
         ray.get(actor.insert.remote(cartpole_sample(2)))
-
-
-def test_without_ray_the_transport_names_the_extra():
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "import numpy as np\nfrom gpubuf import Transition, TransitionBuffer\n"
-            "b = TransitionBuffer(8, 1, Transition(observation=np.zeros((1, 2), np.float32), "
-            "action=np.zeros((1, 2), np.float32), reward=np.zeros((1, 2), np.float32), "
-            "terminated=np.zeros((1, 2), bool), truncated=np.zeros((1, 2), bool)))\n"
-            "try:\n    b.writer(transport='ray')\nexcept ImportError as e:\n    print('IMPORTERROR', e)\n"
-            "assert b._hub is None\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "IMPORTERROR" in out.stdout and "gpubuf[ray]" in out.stdout
