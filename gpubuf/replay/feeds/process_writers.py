@@ -269,6 +269,8 @@ class ReplayWriter:
         """Not closed, and its process gone."""
         return not self.control[CLOSED] and not process_alive(self.pid())
 
+    transport_arg = ""  # how buffer.writer() is asked for another writer like it (after its envs)
+
     def death(self) -> str:
         """How it died, for the report."""
         return f"its process {self.pid()} exited or was killed"

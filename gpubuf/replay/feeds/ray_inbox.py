@@ -93,6 +93,8 @@ class RayLane(ReplayWriter):
             values = {p: torch.as_tensor(v) for p, v in block.items()}
         self.publish(values, T)
 
+    transport_arg = ', transport="ray"'
+
     def dead(self) -> bool:
         return not self.control[CLOSED] and self.gone
 

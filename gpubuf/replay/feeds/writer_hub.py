@@ -248,7 +248,7 @@ class WriterHub:
                         f"{pending} rows it published wait for rows of lanes "
                         f"{', '.join(_show(g) for g in stuck)}, whose writers ended (they commit once new writers "
                         "of those lanes publish as many)")
-                again = (f"; hand its lanes to a new writer: buffer.writer(envs={_show(w.envs)})"
+                again = (f"; hand its lanes to a new writer: buffer.writer(envs={_show(w.envs)}{w.transport_arg})"
                          if w.envs is not None else "")
                 raise WriterDied(f"{w}: {w.death()}; {left}; rows in flight are lost{again}")
 
