@@ -30,6 +30,8 @@ class CartPoleActor:
             self.step += T
         if close:
             self.writer.close()
+        else:
+            self.writer.flush()  # every row sent is published: the learner commits them, whatever happens next
         return self.step
 
     def published(self) -> int:

@@ -132,6 +132,28 @@ def test_two_cartpole_actors_feed_one_per_buffer_and_a_killed_one_is_reported_on
         buf.update_priorities(idx, torch.rand(len(idx)))
 
 
+def test_rows_flushed_before_a_kill_are_all_committed(cluster):
+    Actor, ray_actors = cluster
+    buf = TransitionBuffer(2 * 500, 4, cartpole_sample(2), seed=5)
+    w = buf.writer(rows=64, transport="ray")
+    actor = Actor.remote(w, 0, 2, 50)
+    assert ray.get(actor.run.remote(5, 8, close=False)) == 40  # flushed: published, none committed yet maybe
+    ray.kill(actor)
+    died = []
+
+    def reported():
+        try:
+            buf.collect()
+        except WriterDied as err:
+            died.append(str(err))
+        return bool(died)
+
+    until(reported, "the killed actor was not reported")
+    assert "every row it published is committed" in died[0]
+    assert buf.ring.count == 40
+    check_rows(buf, {0: (ray_actors.cartpole_log(0, 2, 50, 40), 0)}, 40)
+
+
 def test_a_rate_limiter_holds_ray_actors_back(cluster):
     Actor, ray_actors = cluster
     E_w, T, inserts = 2, 4, 40

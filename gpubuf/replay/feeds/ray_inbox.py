@@ -3,17 +3,18 @@ the writers' queues in the learner's process, where :mod:`gpubuf.replay.feeds.wr
 writer's.
 
 Transport: an actor's :meth:`~gpubuf.replay.feeds.ray_writers.RayWriter.insert` sends its rows (numpy arrays) to one
-inbox actor per buffer, placed on the learner's node; the inbox keeps each insert as a Ray object it owns, so rows
-an actor published outlive the actor. The learner fetches them (object refs, read from its node's object store)
-whenever it commits: a non-blocking check of an outstanding request in :meth:`sample`, :meth:`can_sample` and a rate
-limiter's wait, a blocking round trip in :meth:`collect`. An actor's death is seen through a request pending on the
-actor itself (``__ray_ready__``), which fails once the actor is gone (killed, crashed, or its node lost); the writer
-is dead once every row it published was fetched. Ray is imported here only."""
+inbox actor per buffer, placed on the learner's node; the inbox keeps a copy of each insert, so rows an actor
+published outlive the actor. The learner fetches them whenever it commits: a non-blocking check of an outstanding
+request in :meth:`sample`, :meth:`can_sample` and a rate limiter's wait, a round trip in :meth:`collect`. An
+actor's death is seen through a request pending on the actor itself (``__ray_ready__``), which fails once the actor
+is gone (killed, crashed, or its node lost); the writer is dead once every row it published was fetched. Ray is
+imported here only."""
 
-import collections
+import threading
 import warnings
 import weakref
 
+import numpy as np
 import torch
 
 from gpubuf.replay.feeds.process_writers import CLOSED, CLOSED_BY_ACTOR, ReplayWriter
@@ -23,56 +24,85 @@ from gpubuf.replay.feeds.ray_writers import RayWriter, import_ray
 class Inbox:
     """The Ray actor (on the learner's node) that holds what writer actors published until the learner fetches it.
 
-    Per writer ``key``: its objects (one per insert), rows ``published``, rows the learner ``consumed`` (committed,
-    as it last said), the owner's ``state`` (its ``CLOSED`` word: nonzero refuses further rows), whether its actor
-    closed it, and the actor's handle (claimed by the first actor that inserts)."""
+    Per writer ``key``: its inserts (copies in this process: they outlive the actor that sent them), rows
+    ``published``, rows the learner ``consumed`` (committed, as it last said), the owner's ``state`` (its ``CLOSED``
+    word: nonzero refuses further rows), whether its actor closed it, and the actor's handle (claimed by the first
+    actor that inserts). Runs its calls in threads (each caller waits for its call before the next): a take or a
+    wait for room lingers until there is something to answer, so neither side polls."""
 
     def __init__(self):
-        self.streams = {}
+        self.streams, self.changed, self.handed = {}, threading.Condition(), 0  # takes answered
 
     def _stream(self, key: int) -> dict:
-        return self.streams.setdefault(key, dict(blocks=collections.deque(), published=0, consumed=0, state=0,
-                                                 closed=False, actor=None, actor_id=None, sent_actor=False))
+        return self.streams.setdefault(key, dict(blocks=[], published=0, consumed=0, state=0, closed=False,
+                                                 actor=None, actor_id=None, sent_actor=False, sent_closed=False))
 
     def claim(self, key: int, actor, actor_id: str) -> str | None:
         """Bind writer ``key`` to one actor; the id of another actor that holds it already, else None."""
-        s = self._stream(key)
-        if s["actor_id"] is not None and s["actor_id"] != actor_id:
-            return s["actor_id"]
-        s["actor"], s["actor_id"] = actor, actor_id
-        return None
+        with self.changed:
+            s = self._stream(key)
+            if s["actor_id"] is not None and s["actor_id"] != actor_id:
+                return s["actor_id"]
+            s["actor"], s["actor_id"] = actor, actor_id
+            self.changed.notify_all()
+            return None
 
-    def publish(self, key: int, block: dict, T: int) -> tuple[int, int]:
-        """Keep ``T`` rows (``block``: ``{path: array}``) unless the owner ended the writer; ``(in flight, state)``."""
-        import ray
-
-        s = self._stream(key)
-        if s["state"] == 0 and not s["closed"]:
-            s["blocks"].append((ray.put(block), T))  # owned here: it outlives the actor that sent it
+    def publish(self, key: int, at: int, block: dict, T: int) -> tuple[int, int]:
+        """Keep ``T`` rows (``block``: ``{path: array}``), the writer's rows from ``at`` on, unless the owner ended
+        the writer; ``(rows committed, state)``. Sends may run out of order (threads): a send waits for the sends
+        before it, as the writer numbered them."""
+        kept = {p: np.array(v) for p, v in block.items()}  # a copy: Ray's views of the sender's objects end with it
+        with self.changed:
+            s = self._stream(key)
+            self.changed.wait_for(lambda: s["published"] >= at or s["state"] or s["closed"], timeout=60)
+            if s["state"] or s["closed"] or s["published"] != at:
+                return self._said(s)
+            s["blocks"].append((kept, T))
             s["published"] += T
-            return s["published"] - s["consumed"], 0
-        return self.room(key)
+            self.changed.notify_all()
+            return self._said(s)
 
-    def room(self, key: int) -> tuple[int, int]:
-        s = self._stream(key)
-        return s["published"] - s["consumed"], s["state"] or (CLOSED_BY_ACTOR if s["closed"] else 0)
+    def room(self, key: int, most: int, linger: float) -> tuple[int, int]:
+        """``(rows committed, state)`` once at most ``most`` rows are in flight, the writer ended, or ``linger`` s
+        passed."""
+        with self.changed:
+            s = self._stream(key)
+            self.changed.wait_for(lambda: s["published"] - s["consumed"] <= most or s["state"] or s["closed"],
+                                  timeout=linger)
+            return self._said(s)
+
+    @staticmethod
+    def _said(s: dict) -> tuple[int, int]:
+        return s["consumed"], s["state"] or (CLOSED_BY_ACTOR if s["closed"] else 0)
 
     def close(self, key: int) -> None:
-        self._stream(key)["closed"] = True
+        with self.changed:
+            self._stream(key)["closed"] = True
+            self.changed.notify_all()
 
-    def take(self, acks: dict, states: dict) -> dict:
-        """Hand over what was published since the last take: ``{key: (objects and row counts, closed, actor)}``
-        (the actor's handle once); ``acks``: rows the learner committed per writer, ``states``: their words."""
-        out = {}
-        for key, consumed in acks.items():
-            s = self._stream(key)
-            s["consumed"], s["state"] = max(s["consumed"], consumed), states[key]
-            blocks = list(s["blocks"])
-            s["blocks"].clear()
-            actor = s["actor"] if not s["sent_actor"] and s["actor"] is not None else None
-            s["sent_actor"] = s["sent_actor"] or actor is not None
-            out[key] = (blocks, s["closed"], actor, s["actor_id"])
-        return out
+    def take(self, asked: int, acks: dict, states: dict, linger: float) -> tuple[int, int, dict]:
+        """Hand over what was published since the last take, once there is any (or ``linger`` s passed): ``(its
+        place among the answers, asked, {key: (inserts with their row counts, closed (once), actor handle (once),
+        actor id)})``; ``asked``: the learner's number for the take, ``acks``: rows the learner committed per
+        writer, ``states``: their ``CLOSED`` words."""
+        with self.changed:
+            for key, consumed in acks.items():
+                s = self._stream(key)
+                s["consumed"], s["state"] = max(s["consumed"], consumed), states[key]
+            self.changed.notify_all()  # room for writers waiting on it
+            self.changed.wait_for(lambda: any(self._news(self._stream(k)) for k in acks), timeout=linger)
+            out = {}
+            for key in acks:
+                s = self._stream(key)
+                actor = s["actor"] if not s["sent_actor"] else None
+                out[key] = (s["blocks"], s["closed"] and not s["sent_closed"], actor, s["actor_id"])
+                s["sent_actor"], s["sent_closed"], s["blocks"] = s["actor"] is not None, s["closed"], []
+            self.handed += 1
+            return self.handed, asked, out
+
+    @staticmethod
+    def _news(s: dict) -> bool:
+        return bool(s["blocks"]) or s["sent_actor"] != (s["actor"] is not None) or s["sent_closed"] != s["closed"]
 
 
 class RayLane(ReplayWriter):
@@ -107,18 +137,25 @@ class RayLane(ReplayWriter):
 
 
 class RayFeed:
-    """The learner's end of the inbox: hands out :class:`RayLane` writers and moves their actors' rows in."""
+    """The learner's end of the inbox: hands out :class:`RayLane` writers and moves their actors' rows in.
+
+    One take is outstanding at a time, lingering in the inbox until there is news; :meth:`pull` processes it when
+    it came back (``wait``: plus a take that answers at once). Answers are processed in the order the inbox gave
+    them (its count), so each writer's inserts arrive in order."""
+
+    LINGER_S = 0.05  # how long an outstanding take waits in the inbox for news
 
     def __init__(self, owner_pid: int):
         ray = self.ray = import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.inbox = ray.remote(num_cpus=0)(Inbox).options(scheduling_strategy=here).remote()
+        self.inbox = ray.remote(num_cpus=0, max_concurrency=1000)(Inbox).options(scheduling_strategy=here).remote()
         self.lanes: dict[int, RayLane] = {}
         self.actors: dict[int, object] = {}  # key -> its actor's handle, once it claimed the writer
         self.watches: dict[int, object] = {}  # key -> a pending request on its actor (fails once it is gone)
-        self.request, self.serial, self.done = None, 0, 0  # the outstanding take; takes issued; takes processed
+        self.request, self.asked = None, 0  # the outstanding take; takes asked for
+        self.processed, self.early = 0, {}  # answers processed (the inbox's count); answers come before their turn
         self.owner_pid = owner_pid
         weakref.finalize(self, _end, ray, self.inbox)
 
@@ -129,36 +166,38 @@ class RayFeed:
         return lane
 
     def pull(self, wait: bool = False) -> None:
-        """Move what actors published into their lanes' queues: what an outstanding request brought (``wait``:
-        after a fresh round trip, so that everything published before this call is in)."""
+        """Move what actors published into their lanes' queues: what the outstanding take brought (``wait``: and
+        everything published before this call)."""
         ray = self.ray
         self._watch()
-        if self.request is None:
-            self._ask()
         if wait:
-            self._process(ray.get(self.request))
-            self._ask()
-            self._process(ray.get(self.request))
-            self._ask()
-        elif ray.wait([self.request], timeout=0)[0]:
-            self._process(ray.get(self.request))
-            self._ask()
+            self._answer(ray.get(self._ask(0.0)))
+            while self.early:  # the outstanding take was answered before this one: its rows go first
+                self._answer(ray.get(self.request))
+                self.request = None
+        elif self.request is not None and ray.wait([self.request], timeout=0)[0]:
+            self._answer(ray.get(self.request))
+            self.request = None
+        if self.request is None:
+            self.request = self._ask(self.LINGER_S)
 
-    def _ask(self) -> None:
+    def _ask(self, linger: float):
         acks = {k: int(lane.control[1]) for k, lane in self.lanes.items()}  # CONSUMED
         states = {k: int(lane.control[CLOSED]) if lane.control[CLOSED] != CLOSED_BY_ACTOR else 0
                   for k, lane in self.lanes.items()}
-        self.serial += 1
-        self.request = self.inbox.take.remote(acks, states)
+        self.asked += 1
+        return self.inbox.take.remote(self.asked, acks, states, linger)
 
-    def _process(self, taken: dict) -> None:
-        self.done += 1
-        refs = [ref for blocks, *_ in taken.values() for ref, _ in blocks]
-        values = iter(self.ray.get(refs)) if refs else iter(())
+    def _answer(self, answer: tuple) -> None:
+        self.early[answer[0]] = answer
+        while self.processed + 1 in self.early:
+            self.processed += 1
+            self._process(*self.early.pop(self.processed)[1:])
+
+    def _process(self, asked: int, taken: dict) -> None:
         for key, (blocks, closed, actor, actor_id) in taken.items():
             lane = self.lanes[key]
-            for _, T in blocks:
-                block = next(values)
+            for block, T in blocks:
                 if not lane.gone:  # rows a dead actor's last calls delivered late are not its published ones
                     lane.receive(block, T)
             if actor is not None:
@@ -166,8 +205,8 @@ class RayFeed:
                 self.watches[key] = actor.__ray_ready__.remote()
             if closed and not lane.control[CLOSED]:
                 lane.control[CLOSED] = CLOSED_BY_ACTOR
-            if lane.gone_seen is not None and self.done > lane.gone_seen:
-                lane.gone = True  # a take asked for after its death came back: all it published is in
+            if lane.gone_seen is not None and asked > lane.gone_seen:
+                lane.gone = True  # a take asked for after its death was answered: all it published is in
 
     def _watch(self) -> None:
         ray = self.ray
@@ -182,7 +221,7 @@ class RayFeed:
                 self.watches[key] = self.actors[key].__ray_ready__.remote()  # it was idle: watch it again
             except ray.exceptions.RayActorError:
                 del self.watches[key]
-                self.lanes[key].gone_seen = self.serial  # the take after the current one brings all it sent
+                self.lanes[key].gone_seen = self.asked  # a take asked for from now on brings all it sent
 
 
 def _end(ray, inbox) -> None:

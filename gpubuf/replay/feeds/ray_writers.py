@@ -2,13 +2,14 @@
 
 The learner hands one :class:`RayWriter` to each Ray actor, on any node of the cluster (as an argument of the
 actor's constructor or of a method). The actor's :meth:`RayWriter.insert` checks the rows as the buffer would and
-sends them to the buffer's inbox (:mod:`gpubuf.replay.feeds.ray_inbox`); an insert is **published** once that call
-returned. The learner commits published rows with the same hub, the same rules and the same reports as
-``buffer.writer()`` processes (:mod:`gpubuf.replay.feeds.writer_hub`): rows are sampleable whole, a vectorized
-buffer's lanes commit in lockstep so each lane keeps its env's episode order, a rate limiter holds actors back, and a
-dead actor (killed, crashed, its node lost) loses only the rows it had not published and is reported once by
-``WriterDied``, after everything it published was committed. At most ``rows`` rows per env are in flight
-(published, not yet committed); an insert waits for room (``timeout=``)."""
+sends them to the buffer's inbox (:mod:`gpubuf.replay.feeds.ray_inbox`) without waiting for its answer; rows are
+**published** once the inbox holds them (:meth:`RayWriter.flush` waits for that). The learner commits published
+rows with the same hub, the same rules and the same reports as ``buffer.writer()`` processes
+(:mod:`gpubuf.replay.feeds.writer_hub`): rows are sampleable whole, a vectorized buffer's lanes commit in lockstep so
+each lane keeps its env's episode order, a rate limiter holds actors back, and a dead actor (killed, crashed, its
+node lost) loses only the rows it had not published and is reported once by ``WriterDied``, after everything it
+published was committed. At most ``rows`` rows per env are in flight (sent, not yet committed); an insert waits for
+room (``timeout=``)."""
 
 import os
 
@@ -30,42 +31,64 @@ class RayWriter:
     """A Ray actor's handle on a buffer owned by the learner process (made by ``buffer.writer(..., transport="ray")``).
 
     Picklable: hand it to one Ray actor, on any node. The first actor that inserts through it holds it; another
-    actor's insert is refused. ``rows``: the most rows per env in flight; :attr:`max_insert`: the most per insert."""
+    actor's insert is refused. ``rows``: the most rows per env in flight (sent, not yet committed by the learner);
+    :attr:`max_insert`: the most per insert. Inserts are sent without waiting for the inbox to answer, as Reverb's
+    writers do: rows are **published** once the inbox holds them, which :meth:`flush` (and :meth:`close`) wait for."""
 
     def __init__(self, lane, inbox):
         self.config, self.envs, self.rows, self.max_insert = lane.config, lane.envs, lane.rows, lane.max_insert
         self.key, self.name, self.owner_pid, self.inbox = lane.key, lane.name, lane.owner_pid, inbox
-        self.in_flight, self.claimed = 0, False
+        self.sent, self.consumed, self.claimed = 0, 0, False  # rows sent; rows the learner committed, as last heard
+        self.closed = False
+        self.replies = []  # the inbox's answers to sends not yet read
         self._lane = lane  # in the learner's process only (not pickled)
 
     def insert(self, transition, timeout: float | None = None) -> "RayWriter":
-        """Publish ``T`` rows (leaves ``(T, len(envs), ...)``, ``(T, ...)`` not vectorized; the buffer's leaves,
+        """Send ``T`` rows (leaves ``(T, len(envs), ...)``, ``(T, ...)`` not vectorized; the buffer's leaves,
         shapes and value-preserving dtypes; numpy arrays or CPU tensors; ``1 <= T <=`` :attr:`max_insert`) to the
-        learner; returns ``self``. Waits while ``rows`` rows are in flight (``timeout`` seconds, ``None``: no
-        limit, then ``TimeoutError``). Nothing is published on any error; ``RuntimeError`` once the learner
-        ended this writer or its buffer."""
+        learner; returns ``self`` once they are sent. Waits while ``rows`` rows are in flight (``timeout`` seconds,
+        ``None``: no limit, then ``TimeoutError``). Bad rows are refused here (``ValueError``/``TypeError`` naming the
+        leaf), nothing sent; ``RuntimeError`` once the learner ended this writer or its buffer (rows sent after
+        that are not published)."""
         pw.check_timeout(timeout)
+        if self.closed:
+            raise RuntimeError(f"{self}: closed")
         values, T = pw.insert_rows(self, transition)
         self._claim()
+        self._read(wait=False)
 
-        def room() -> bool:
-            if self.in_flight + T <= self.rows:
+        def room() -> bool:  # the answers to earlier sends first; then asks the inbox, which answers once there is
+            if self.sent - self.consumed + T <= self.rows:  # room (or after a while)
                 return True
-            self._answer(self._call(self.inbox.room, self.key))
-            return self.in_flight + T <= self.rows
+            self._read(wait=True)
+            if self.sent - self.consumed + T > self.rows:
+                self._heard(self._call(self.inbox.room, self.key, self.rows - T, 0.05))
+            return self.sent - self.consumed + T <= self.rows
 
         pw.wait_for_room(room, T, timeout, self)
         block = {p: _array(t) for p, t in values.items()}
-        self._answer(self._call(self.inbox.publish, self.key, block, T), T)
+        self.replies.append(self.inbox.publish.remote(self.key, self.sent, block, T))
+        self.sent += T
+        return self
+
+    def flush(self) -> "RayWriter":
+        """Wait until the inbox holds every row sent (published: a dead actor's published rows are committed);
+        ``RuntimeError`` as :meth:`insert`."""
+        self._read(wait=True)
         return self
 
     def close(self) -> None:
-        """This writer inserts no more (it is not reported as dead): what it published is still committed."""
+        """:meth:`flush`, then this writer inserts no more (it is not reported as dead): what it published is still
+        committed."""
         ray = import_ray()
+        self.closed = True
         try:
-            ray.get(self.inbox.close.remote(self.key))
-        except ray.exceptions.RayActorError:
-            pass  # the buffer is gone: nothing to close
+            self._read(wait=True)
+        finally:
+            try:
+                ray.get(self.inbox.close.remote(self.key))
+            except ray.exceptions.RayActorError:
+                pass  # the buffer is gone: nothing to close
 
     @property
     def vectorized_env(self) -> bool:
@@ -78,9 +101,9 @@ class RayWriter:
 
     @property
     def pending(self) -> int:
-        """Rows published and not yet committed: as the learner last said, in the actor; in the learner, those it
-        fetched and did not commit yet (a dead actor's, once reported: all it published and the buffer lacks)."""
-        return self.in_flight if self._lane is None else self._lane.pending
+        """Rows sent and not yet committed (as the learner last said), in the actor; in the learner, rows fetched and
+        not committed yet (a dead actor's, once reported: all it published that the buffer lacks)."""
+        return self.sent - self.consumed if self._lane is None else self._lane.pending
 
     def __getstate__(self):
         return {**self.__dict__, "_lane": None}
@@ -105,15 +128,37 @@ class RayWriter:
         try:
             return ray.get(method.remote(*args))
         except ray.exceptions.RayActorError as err:
-            raise RuntimeError(f"{self}: the learner's buffer is gone (its process ended, or it dropped the buffer); "
-                               "nothing was published") from err
+            raise self._gone() from err
 
-    def _answer(self, answer: tuple, T: int = 0) -> None:
-        """Read the inbox's ``(in flight, state)`` after a call that would have published ``T`` rows."""
-        self.in_flight, state = answer
+    def _gone(self) -> RuntimeError:
+        return RuntimeError(f"{self}: the learner's buffer is gone (its process ended, or it dropped the buffer); "
+                            "rows not yet published are lost")
+
+    def _read(self, wait: bool) -> None:
+        """Read the inbox's answers to earlier sends (``wait``: all of them, else those already in)."""
+        if not self.replies:
+            return
+        ray = import_ray()
+        ready = self.replies if wait else ray.wait(self.replies, num_returns=len(self.replies), timeout=0)[0]
+        if not ready:
+            return
+        try:
+            answers = ray.get(ready)
+        except ray.exceptions.RayActorError as err:
+            self.replies = []
+            raise self._gone() from err
+        done = set(ready)
+        self.replies = [r for r in self.replies if r not in done]
+        for answer in answers:
+            self._heard(answer)
+
+    def _heard(self, answer: tuple) -> None:
+        """Take in the inbox's ``(rows committed, state)``; ``RuntimeError`` for a writer the learner ended."""
+        consumed, state = answer
+        self.consumed = max(self.consumed, consumed)
         if state == pw.OWNER_ENDED:
             raise RuntimeError(f"{self}: its buffer was closed or dropped by the learner and takes no more rows; "
-                               "nothing was published")
+                               "rows sent since are not published")
         if state == pw.RETIRED:
             raise RuntimeError(f"{self}: retired by the learner (its lanes went to another writer); ask the "
                                "learner for a new writer")

@@ -58,9 +58,9 @@ class WriterDoors:
 
         ``transport="ray"``: a :class:`~gpubuf.replay.feeds.ray_writers.RayWriter` for a Ray actor on any node of
         the cluster this process joined (``ray.init``; needs ``pip install 'gpubuf[ray]'``, else ``ImportError``):
-        its rows travel as Ray objects through an inbox actor on this node, at most ``rows`` rows per env in
-        flight, and are committed here by the same rules as a process writer's; a dead actor is reported once
-        (``WriterDied``) after what it published was committed."""
+        its rows travel through an inbox actor on this node (published once it holds them: ``writer.flush()``),
+        at most ``rows`` rows per env in flight, and are committed here by the same rules as a process writer's; a
+        dead actor is reported once (``WriterDied``) after what it published was committed."""
         if transport not in ("shared", "ray"):
             raise ValueError(f"transport: expected 'shared' (a process on this machine) or 'ray' (a Ray actor), "
                              f"got {transport!r}")
