@@ -16,7 +16,8 @@ from gpubuf.ops import backend_table, resolve_device
 
 # extra -> the packages it brings (an extra imports when every one of them does)
 EXTRAS = {"fast": ("numba",), "apps": ("matplotlib", "tqdm"), "envpool": ("envpool",), "gymnasium": ("gymnasium",),
-          "jax": ("jax",), "export": ("minari", "h5py"), "torchrl": ("torchrl",), "tensordict": ("tensordict",)}
+          "jax": ("jax",), "export": ("minari", "h5py"), "torchrl": ("torchrl",), "tensordict": ("tensordict",),
+          "ray": ("ray",)}
 
 
 class Report(dict):

@@ -27,7 +27,8 @@ def test_the_report_has_every_section_and_every_op():
     assert report["versions"]["torch"] == torch.__version__ and report["versions"]["gpubuf"] == gpubuf.__version__
     assert report["device"]["device"] == "cpu" and report["device"]["capability"] is None
     assert set(OPS) <= set(report["ops"]) and {"priority_update", "importance_weights"} <= set(report["ops"])
-    assert set(report["extras"]) == {"fast", "apps", "envpool", "gymnasium", "jax", "export", "torchrl", "tensordict"}
+    assert set(report["extras"]) == {"fast", "apps", "envpool", "gymnasium", "jax", "export", "torchrl", "tensordict",
+                                      "ray"}
     assert all(line.startswith(("  ", *SECTIONS)) for line in str(report).splitlines())
 
 
