@@ -108,6 +108,17 @@ def one_process(P: int, blocks: int) -> float:
     return P * ENVS * T * blocks / (time.perf_counter() - t0)
 
 
+def learn_until(buf, want: int, t0: float) -> float:
+    """The learner: sample (which commits what the actors published) until ``want`` transitions are in; the
+    seconds since ``t0``."""
+    while len(buf) < want:
+        if buf.num_valid() >= B:
+            buf.sample()
+        else:
+            buf.collect()
+    return time.perf_counter() - t0
+
+
 def actor_processes(P: int, blocks: int) -> float:
     ctx = mp.get_context("spawn")
     buf = TransitionBuffer(P * ENVS * 4096, B, empty(P * ENVS), seed=0)
@@ -121,12 +132,7 @@ def actor_processes(P: int, blocks: int) -> float:
     want = P * ENVS * T * blocks
     t0 = time.perf_counter()
     flags[0] = 1
-    while len(buf) < want:
-        if buf.num_valid() >= B:
-            buf.sample()  # commits what the actors published
-        else:
-            buf.collect()
-    seconds = time.perf_counter() - t0
+    seconds = learn_until(buf, want, t0)
     for p in procs:
         p.join(30)
     return want / seconds
@@ -143,12 +149,7 @@ def ray_actors(P: int, blocks: int) -> float:
     want = P * ENVS * T * blocks
     t0 = time.perf_counter()
     runs = [a.run.remote(blocks) for a in actors]
-    while len(buf) < want:
-        if buf.num_valid() >= B:
-            buf.sample()  # commits what the actors published
-        else:
-            buf.collect()
-    seconds = time.perf_counter() - t0
+    seconds = learn_until(buf, want, t0)
     ray.get(runs)
     for a in actors:
         ray.kill(a)

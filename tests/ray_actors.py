@@ -75,3 +75,21 @@ class NumberedActor:
                 action=np.broadcast_to(at, (T, *lanes)).copy(), reward=np.zeros((T, *lanes), np.float32),
                 terminated=np.zeros((T, *lanes), bool), truncated=np.zeros((T, *lanes), bool)), timeout=120)
         return time.perf_counter() - began
+
+
+def reported_dead(buf, hang_s: float = 300.0) -> str:
+    """The learner commits until its buffer reports a writer dead (``WriterDied``); the report."""
+    import warnings
+
+    from gpubuf.replay.feeds.process_writers import RowsWaiting, WriterDied
+
+    end = time.monotonic() + hang_s
+    while time.monotonic() < end:
+        try:
+            with warnings.catch_warnings():  # other writers' rows may wait for the dead one's lanes
+                warnings.simplefilter("ignore", RowsWaiting)
+                buf.collect()
+        except WriterDied as err:
+            return str(err)
+        time.sleep(0.02)
+    raise AssertionError("no writer was reported dead")

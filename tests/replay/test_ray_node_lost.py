@@ -11,7 +11,6 @@ import torch
 from extras import needs
 
 from gpubuf import PrioritizedTransitionBuffer, Transition
-from gpubuf.replay.feeds.process_writers import WriterDied
 
 ray = needs("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -49,16 +48,7 @@ def test_a_lost_node_reports_its_writer_once_and_keeps_what_it_published():
         actor.run.remote(10_000, T, close=False)
         until(lambda: buf.collect() >= 0 and len(buf) >= 40 * E, "the far actor's rows did not come in")
         cluster.remove_node(node)
-        died = []
-
-        def reported():
-            try:
-                buf.collect()
-            except WriterDied as err:
-                died.append(str(err))
-            return bool(died)
-
-        until(reported, "the lost node's writer was not reported")
+        died = [ray_actors.reported_dead(buf)]
         assert "died" in died[0] and 'transport="ray"' in died[0]
         assert buf.collect() == 0  # once
         held = buf.ring.count

@@ -11,7 +11,7 @@ import torch
 from extras import needs
 
 from gpubuf import PrioritizedTransitionBuffer, RateLimiter, Transition, TransitionBuffer, Unit
-from gpubuf.replay.feeds.process_writers import RowsWaiting, WriterDied
+from gpubuf.replay.feeds.process_writers import RowsWaiting
 
 ray = needs("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -95,18 +95,7 @@ def test_two_cartpole_actors_feed_one_per_buffer_and_a_killed_one_is_reported_on
     ray.kill(actors[1])
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(runs[1])
-    died = []
-
-    def reported():
-        try:
-            buf.collect()
-        except WriterDied as err:
-            died.append(str(err))
-        return bool(died)
-
-    with warnings.catch_warnings():  # the other actor's rows may wait for the dead one's lanes (RowsWaiting)
-        warnings.simplefilter("ignore", RowsWaiting)
-        until(reported, "the killed actor was not reported")
+    died = [ray_actors.reported_dead(buf)]
     assert "Ray actor" in died[0] and "died" in died[0] and "range(2, 4)" in died[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RowsWaiting)
@@ -139,16 +128,7 @@ def test_rows_flushed_before_a_kill_are_all_committed(cluster):
     actor = Actor.remote(w, 0, 2, 50)
     assert ray.get(actor.run.remote(5, 8, close=False)) == 40  # flushed: published, none committed yet maybe
     ray.kill(actor)
-    died = []
-
-    def reported():
-        try:
-            buf.collect()
-        except WriterDied as err:
-            died.append(str(err))
-        return bool(died)
-
-    until(reported, "the killed actor was not reported")
+    died = [ray_actors.reported_dead(buf)]
     assert "every row it published is committed" in died[0]
     assert buf.ring.count == 40
     check_rows(buf, {0: (ray_actors.cartpole_log(0, 2, 50, 40), 0)}, 40)

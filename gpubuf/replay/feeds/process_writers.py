@@ -93,7 +93,24 @@ def wait_for_room(room, T: int, timeout: float | None, writer) -> None:
         pause = min(2 * pause, _POLL_S[1])
 
 
-class ReplayWriter:
+class WriterShape:
+    """What a writer's ``config`` (the buffer's, narrowed to its lanes and queue) says about its inserts."""
+
+    @property
+    def vectorized_env(self) -> bool:
+        return self.config.vectorized_env
+
+    @property
+    def n_envs(self) -> int:
+        """Env lanes this writer writes (1 not vectorized)."""
+        return self.config.n_envs
+
+    @property
+    def n_steps(self) -> int:
+        return self.config.n_steps
+
+
+class ReplayWriter(WriterShape):
     """An actor's handle on a buffer owned by another process (made by ``buffer.writer(envs, rows)``: ``rows`` is the
     queue's length in rows per env, the most an insert may hold, with at most :attr:`max_insert`).
 
@@ -171,19 +188,6 @@ class ReplayWriter:
         (:class:`RowsWaiting` says so; :attr:`pending` counts them)."""
         if not self.control[CLOSED]:
             self.control[CLOSED] = CLOSED_BY_ACTOR
-
-    @property
-    def vectorized_env(self) -> bool:
-        return self.config.vectorized_env
-
-    @property
-    def n_envs(self) -> int:
-        """Env lanes this writer writes (1 not vectorized)."""
-        return self.config.n_envs
-
-    @property
-    def n_steps(self) -> int:
-        return self.config.n_steps
 
     @property
     def pending(self) -> int:

@@ -27,7 +27,7 @@ def import_ray():
     return ray
 
 
-class RayWriter:
+class RayWriter(pw.WriterShape):
     """A Ray actor's handle on a buffer owned by the learner process (made by ``buffer.writer(..., transport="ray")``).
 
     Picklable: hand it to one Ray actor, on any node. The first actor that inserts through it holds it; another
@@ -89,15 +89,6 @@ class RayWriter:
                 ray.get(self.inbox.close.remote(self.key))
             except ray.exceptions.RayActorError:
                 pass  # the buffer is gone: nothing to close
-
-    @property
-    def vectorized_env(self) -> bool:
-        return self.config.vectorized_env
-
-    @property
-    def n_envs(self) -> int:
-        """Env lanes this writer writes (1 not vectorized)."""
-        return self.config.n_envs
 
     @property
     def pending(self) -> int:
