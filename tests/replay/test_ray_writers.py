@@ -216,3 +216,20 @@ def test_bad_inserts_from_an_actor_are_refused_naming_the_leaf(cluster):
     ray.get(actor.close.remote())
     with pytest.raises(ray.exceptions.RayTaskError, match="closed"):
         ray.get(actor.insert.remote(cartpole_sample(2)))
+
+
+def test_a_narrowed_storage_takes_float32_and_bfloat16_rows_from_an_actor(cluster):
+    Actor, _ = cluster
+    buf = TransitionBuffer(2 * 64, 2, cartpole_sample(2), storage_dtypes={"observation": torch.bfloat16}, seed=6)
+    actor = Actor.remote(buf.writer(rows=16, transport="ray"), 0, 2, 60)
+    one = cartpole_sample(2)
+    first = Transition(observation=np.full((1, 2, 4), 1.5, np.float32), action=one.action, reward=one.reward,
+                       terminated=one.terminated, truncated=one.truncated, info=one.info)
+    second = Transition(observation=torch.full((1, 2, 4), 2.5, dtype=torch.bfloat16), action=one.action,
+                        reward=one.reward, terminated=one.terminated, truncated=one.truncated, info=one.info)
+    ray.get([actor.insert.remote(first), actor.insert.remote(second)])
+    ray.get(actor.close.remote())  # flushes
+    buf.collect()
+    obs = buf.storage.data[("observation",)]
+    assert obs.dtype == torch.bfloat16 and len(buf) == 4
+    assert (obs[0] == 1.5).all() and (obs[1] == 2.5).all()

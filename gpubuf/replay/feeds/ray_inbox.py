@@ -51,7 +51,8 @@ class Inbox:
         """Keep ``T`` rows (``block``: ``{path: array}``), the writer's rows from ``at`` on, unless the owner ended
         the writer; ``(rows committed, state)``. Sends may run out of order (threads): a send waits for the sends
         before it, as the writer numbered them."""
-        kept = {p: np.array(v) for p, v in block.items()}  # a copy: Ray's views of the sender's objects end with it
+        kept = {p: v.clone() if isinstance(v, torch.Tensor) else np.array(v)  # a copy: Ray's views of the sender's
+                for p, v in block.items()}  # objects end with it (a tensor: a dtype numpy lacks)
         with self.changed:
             s = self._stream(key)
             self.changed.wait_for(lambda: s["published"] >= at or s["state"] or s["closed"], timeout=60)
