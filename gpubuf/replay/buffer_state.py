@@ -139,7 +139,7 @@ class BufferState(checkpoint.Checkpointable, CopiedByState):
         hub, pending = getattr(self, "_hub", None), None
         try:
             if hub is not None:
-                hub.collect(report=False)
+                hub.collect(report=False, wait=True)  # Ray actors' rows published before the close too
             if self.sampler.prioritized:
                 try:  # reported once the directory is released
                     self.sampler.check_updates()

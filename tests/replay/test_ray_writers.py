@@ -37,6 +37,13 @@ def cartpole_sample(E):
                       info={"step": z, "actor": z})
 
 
+def flat_sample():
+    """One row of a buffer of two lanes whose observations are 3 numbers (NumberedActor's rows)."""
+    return Transition(observation=np.zeros((1, 2, 3), np.float32), action=np.zeros((1, 2), np.float32),
+                      reward=np.zeros((1, 2), np.float32), terminated=np.zeros((1, 2), bool),
+                      truncated=np.zeros((1, 2), bool))
+
+
 def until(condition, what):
     end = time.monotonic() + HANG_S
     while not condition():
@@ -233,3 +240,79 @@ def test_a_narrowed_storage_takes_float32_and_bfloat16_rows_from_an_actor(cluste
     obs = buf.storage.data[("observation",)]
     assert obs.dtype == torch.bfloat16 and len(buf) == 4
     assert (obs[0] == 1.5).all() and (obs[1] == 2.5).all()
+
+
+def test_threads_of_one_actor_insert_one_at_a_time_and_every_row_lands_once(cluster):
+    _, ray_actors = cluster
+    Numbered = ray.remote(num_cpus=1, max_concurrency=4)(ray_actors.NumberedActor)
+    buf = TransitionBuffer(2 * 4000, 2, flat_sample(), seed=7)
+    actor = Numbered.remote(buf.writer(rows=8, transport="ray"), 2, (3,))
+    runs = [actor.run.remote(4, 100, 1000 * k) for k in range(4)]
+    drain(buf, runs)
+    got = buf.storage.data[("action",)][:400, 0].tolist()
+    assert sorted(got) == sorted(float(1000 * k + i) for k in range(4) for i in range(100))
+
+
+def test_a_storage_dir_close_commits_what_ray_actors_published_and_ends_them(cluster, tmp_path):
+    Actor, _ = cluster
+    buf = TransitionBuffer(2 * 64, 2, cartpole_sample(2), storage_dir=tmp_path / "d", seed=8)
+    actor = Actor.remote(buf.writer(rows=16, transport="ray"), 0, 2, 80)
+    assert ray.get(actor.run.remote(3, 4, close=False)) == 12  # flushed: published, not collected
+    buf.close()
+    assert len(buf) == 24
+    with pytest.raises(ray.exceptions.RayTaskError, match="closed or dropped by the learner"):
+        ray.get(actor.run.remote(2, 4, close=False))
+    again = TransitionBuffer(2 * 64, 2, cartpole_sample(2), storage_dir=tmp_path / "d", seed=8)
+    assert len(again) == 24
+    again.close()
+
+
+def test_an_actor_killed_before_inserting_is_reported_and_its_lanes_go_on(cluster):
+    Actor, ray_actors = cluster
+    buf = TransitionBuffer(2 * 64, 2, cartpole_sample(2), seed=9)
+    actor = Actor.remote(buf.writer(rows=8, transport="ray"), 0, 2, 90)
+    assert ray.get(actor.published.remote()) == 0  # it holds the writer, never inserted
+    ray.kill(actor)
+    assert "died" in ray_actors.reported_dead(buf)
+    fresh = Actor.remote(buf.writer(rows=8, transport="ray"), 1, 2, 91)
+    assert drain(buf, [fresh.run.remote(2, 4)]) == [8]
+    assert len(buf) == 16
+
+
+def test_lanes_go_to_a_new_writer_right_after_close_and_a_copy_cannot_close_them(cluster):
+    Actor, _ = cluster
+    buf = TransitionBuffer(2 * 64, 2, cartpole_sample(2), seed=10)
+    w = buf.writer(rows=8, transport="ray")
+    holder, other = Actor.remote(w, 0, 2, 100), Actor.remote(w, 1, 2, 101)
+    assert drain(buf, [holder.run.remote(1, 4, close=False)]) == [4]
+    with pytest.raises(ray.exceptions.RayTaskError, match="which alone closes it"):
+        ray.get(other.close.remote())
+    ray.get(holder.close.remote())
+    nxt = Actor.remote(buf.writer(rows=8, transport="ray"), 2, 2, 102)  # no collect() between
+    assert drain(buf, [nxt.run.remote(1, 4)]) == [4]
+    assert len(buf) == 16
+
+
+def test_an_actor_restarted_by_ray_needs_a_new_writer(cluster):
+    _, ray_actors = cluster
+    Restartable = ray.remote(num_cpus=1, max_restarts=1)(ray_actors.CartPoleActor)
+    buf = TransitionBuffer(2 * 64, 2, cartpole_sample(2), seed=11)
+    w = buf.writer(rows=8, transport="ray")
+    actor = Restartable.remote(w, 0, 2, 110)
+    assert drain(buf, [actor.run.remote(1, 4, close=False)]) == [4]
+    ray.kill(actor, no_restart=False)
+    end = time.monotonic() + HANG_S
+    while True:  # calls fail while it restarts; then its insert is refused
+        assert time.monotonic() < end
+        try:
+            ray.get(actor.run.remote(1, 4, close=False))
+        except ray.exceptions.RayTaskError as err:
+            assert "restarted by Ray" in str(err)
+            break
+        except ray.exceptions.RayActorError:
+            time.sleep(0.1)
+    w.close()  # in the learner: ends the writer its first life held
+    buf.collect()
+    nxt = Restartable.remote(buf.writer(rows=8, transport="ray"), 1, 2, 111)
+    assert drain(buf, [nxt.run.remote(1, 4)]) == [4]
+    assert len(buf) == 16

@@ -47,17 +47,21 @@ class Inbox:
             self.changed.notify_all()
             return None
 
-    def publish(self, key: int, at: int, block: dict, T: int) -> tuple[int, int]:
+    def publish(self, key: int, at: int, block: dict, T: int, rows: int) -> tuple[int, int]:
         """Keep ``T`` rows (``block``: ``{path: array}``), the writer's rows from ``at`` on, unless the owner ended
         the writer; ``(rows committed, state)``. Sends may run out of order (threads): a send waits for the sends
-        before it, as the writer numbered them."""
+        before it, as the writer numbered them. ``RuntimeError`` for a send out of turn or beyond ``rows`` in
+        flight (nothing kept)."""
         kept = {p: v.clone() if isinstance(v, torch.Tensor) else np.array(v)  # a copy: Ray's views of the sender's
                 for p, v in block.items()}  # objects end with it (a tensor: a dtype numpy lacks)
         with self.changed:
             s = self._stream(key)
             self.changed.wait_for(lambda: s["published"] >= at or s["state"] or s["closed"], timeout=60)
-            if s["state"] or s["closed"] or s["published"] != at:
+            if s["state"] or s["closed"]:
                 return self._said(s)
+            if s["published"] != at or s["published"] + T - s["consumed"] > rows:
+                raise RuntimeError(f"rows {at}..{at + T - 1} sent out of turn (the inbox holds {s['published']} "
+                                   f"rows of this writer, {s['consumed']} committed, at most {rows} in flight)")
             s["blocks"].append((kept, T))
             s["published"] += T
             self.changed.notify_all()
@@ -76,10 +80,16 @@ class Inbox:
     def _said(s: dict) -> tuple[int, int]:
         return s["consumed"], s["state"] or (CLOSED_BY_ACTOR if s["closed"] else 0)
 
-    def close(self, key: int) -> None:
+    def close(self, key: int, actor_id: str | None) -> str | None:
+        """Close writer ``key`` for its actor (``actor_id``; None: the learner, or a process that is no actor);
+        the id of the actor that holds it instead, else None."""
         with self.changed:
-            self._stream(key)["closed"] = True
+            s = self._stream(key)
+            if actor_id is not None and s["actor_id"] not in (None, actor_id):
+                return s["actor_id"]
+            s["closed"] = True
             self.changed.notify_all()
+            return None
 
     def take(self, asked: int, acks: dict, states: dict, linger: float) -> tuple[int, int, dict]:
         """Hand over what was published since the last take, once there is any (or ``linger`` s passed): ``(its

@@ -12,6 +12,7 @@ published was committed. At most ``rows`` rows per env are in flight (sent, not 
 room (``timeout=``)."""
 
 import os
+import threading
 
 import numpy as np
 
@@ -42,6 +43,7 @@ class RayWriter(pw.WriterShape):
         self.closed = False
         self.replies = []  # the inbox's answers to sends not yet read
         self._lane = lane  # in the learner's process only (not pickled)
+        self._lock = threading.Lock()  # threads of one actor insert one at a time
 
     def insert(self, transition, timeout: float | None = None) -> "RayWriter":
         """Send ``T`` rows (leaves ``(T, len(envs), ...)``, ``(T, ...)`` not vectorized; the buffer's leaves,
@@ -51,9 +53,13 @@ class RayWriter(pw.WriterShape):
         leaf), nothing sent; ``RuntimeError`` once the learner ended this writer or its buffer (rows sent after
         that are not published)."""
         pw.check_timeout(timeout)
+        values, T = pw.insert_rows(self, transition)
+        with self._lock:
+            return self._send(values, T, timeout)
+
+    def _send(self, values: dict, T: int, timeout) -> "RayWriter":
         if self.closed:
             raise RuntimeError(f"{self}: closed")
-        values, T = pw.insert_rows(self, transition)
         self._claim()
         self._read(wait=False)
 
@@ -67,28 +73,33 @@ class RayWriter(pw.WriterShape):
 
         pw.wait_for_room(room, T, timeout, self)
         block = {p: _array(t) for p, t in values.items()}
-        self.replies.append(self.inbox.publish.remote(self.key, self.sent, block, T))
+        self.replies.append(self.inbox.publish.remote(self.key, self.sent, block, T, self.rows))
         self.sent += T
         return self
 
     def flush(self) -> "RayWriter":
         """Wait until the inbox holds every row sent (published: a dead actor's published rows are committed);
         ``RuntimeError`` as :meth:`insert`."""
-        self._read(wait=True)
+        with self._lock:
+            self._read(wait=True)
         return self
 
     def close(self) -> None:
         """:meth:`flush`, then this writer inserts no more (it is not reported as dead): what it published is still
-        committed."""
+        committed. In the learner's process, ends a writer whose actor never inserted (died before it could)."""
         ray = import_ray()
-        self.closed = True
-        try:
-            self._read(wait=True)
-        finally:
+        with self._lock:
+            self.closed = True
             try:
-                ray.get(self.inbox.close.remote(self.key))
-            except ray.exceptions.RayActorError:
-                pass  # the buffer is gone: nothing to close
+                self._read(wait=True)
+            finally:
+                actor_id = ray.get_runtime_context().get_actor_id()
+                try:
+                    holder = ray.get(self.inbox.close.remote(self.key, actor_id))
+                except ray.exceptions.RayActorError:
+                    holder = None  # the buffer is gone: nothing to close
+                if holder is not None:
+                    raise RuntimeError(f"{self}: held by Ray actor {holder}, which alone closes it")
 
     @property
     def pending(self) -> int:
@@ -97,7 +108,18 @@ class RayWriter(pw.WriterShape):
         return self.sent - self.consumed if self._lane is None else self._lane.pending
 
     def __getstate__(self):
-        return {**self.__dict__, "_lane": None}
+        return {**self.__dict__, "_lane": None, "_lock": None, "replies": []}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        ray = import_ray()
+        context = ray.get_runtime_context() if ray.is_initialized() else None
+        if context is not None and context.get_actor_id() is not None and not self.claimed:
+            try:  # arrived in an actor: claimed now, so that its death is seen before its first insert
+                self._claim()
+            except RuntimeError:
+                pass  # held by another actor, or the buffer is gone: its inserts say so
 
     def _claim(self) -> None:
         if self.claimed:
@@ -108,6 +130,9 @@ class RayWriter(pw.WriterShape):
         if actor_id is None:
             raise RuntimeError(f"{self}: insert from inside a Ray actor (the one it was handed to); the learner's "
                                "own process inserts into the buffer directly")
+        if context.was_current_actor_reconstructed:
+            raise RuntimeError(f"{self}: this actor was restarted by Ray, and its writer's episodes ended with its "
+                               "first life; ask the learner for a new writer (buffer.writer(..., transport='ray'))")
         holder = self._call(self.inbox.claim, self.key, context.current_actor, actor_id)
         if holder is not None:
             raise RuntimeError(f"{self}: held by Ray actor {holder}; one actor writes through a writer "

@@ -51,6 +51,8 @@ class WriterHub:
     def add(self, envs, rows: int, transport: str = "shared"):
         buffer, config = self.buffer, self.buffer.config
         envs = self._lanes(envs)
+        if self.feed is not None and os.getpid() == self.owner_pid:
+            self.feed.pull(wait=True)  # which Ray writers closed, as of now
         rows = min(64, config.max_rows) if rows is None else positive_int("rows", rows)
         if rows > config.max_rows:
             raise ValueError(f"rows: expected at most the buffer's {config.max_rows} rows per env, got {rows}")
@@ -226,6 +228,8 @@ class WriterHub:
         """The buffer's ``storage_dir`` closed: its writers insert no more (``RuntimeError`` in their actors), and a
         :class:`RowsWaiting` warning (once) names the rows still queued."""
         end_writers(self.groups)
+        if self.feed is not None:
+            self.feed.pull(wait=True)  # Ray actors hear of it; rows they published since are counted below
         queued = sum(w.pending for ws in self.groups.values() for w in ws)
         if queued and "closed" not in self.warned:
             self.warned.add("closed")
