@@ -33,6 +33,7 @@ from gpubuf import Transition, TransitionBuffer
 from gpubuf.apps.benchmarking.timing import machine
 
 ENVS, T, B = 16, 8, 256
+ROWS = 64  # each writer's rows in flight (its queue), --rows
 
 
 def make_env(seed: int):
@@ -123,7 +124,7 @@ def actor_processes(P: int, blocks: int) -> float:
     ctx = mp.get_context("spawn")
     buf = TransitionBuffer(P * ENVS * 4096, B, empty(P * ENVS), seed=0)
     flags = torch.zeros(1 + P, dtype=torch.int64).share_memory_()
-    procs = [ctx.Process(target=actor, args=(buf.writer(envs=range(i * ENVS, (i + 1) * ENVS), rows=64), i, blocks,
+    procs = [ctx.Process(target=actor, args=(buf.writer(envs=range(i * ENVS, (i + 1) * ENVS), rows=ROWS), i, blocks,
                                              flags), daemon=True) for i in range(P)]
     for p in procs:
         p.start()
@@ -143,7 +144,7 @@ def ray_actors(P: int, blocks: int) -> float:
 
     buf = TransitionBuffer(P * ENVS * 4096, B, empty(P * ENVS), seed=0)
     Actor = ray.remote(num_cpus=0)(RayActor)
-    actors = [Actor.remote(buf.writer(envs=range(i * ENVS, (i + 1) * ENVS), rows=64, transport="ray"), i)
+    actors = [Actor.remote(buf.writer(envs=range(i * ENVS, (i + 1) * ENVS), rows=ROWS, transport="ray"), i)
               for i in range(P)]
     ray.get([a.__ray_ready__.remote() for a in actors])
     want = P * ENVS * T * blocks
@@ -164,6 +165,7 @@ def main():
     p.add_argument("--blocks", type=int, default=300, help="inserts of T rows per actor")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--actors", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--rows", type=int, default=64, help="each writer's rows in flight (its queue's length)")
     p.add_argument("--ray", action="store_true", help="Ray actors as a third mode (a local Ray instance)")
     p.add_argument("--out", type=Path, default=None, help="default: results/process_writers_cpu.json, "
                    "with --ray results/writers_ray_cpu.json")
@@ -171,6 +173,8 @@ def main():
     out = args.out or Path(__file__).parent / "results" / ("writers_ray_cpu.json" if args.ray else
                                                            "process_writers_cpu.json")
     torch.set_num_threads(1)
+    global ROWS
+    ROWS = args.rows
     modes = list(MODES)[:3 if args.ray else 2]
     if args.ray:
         import ray
@@ -192,7 +196,8 @@ def main():
         print(f"| {P} | {P * ENVS} | {' | '.join(f'{rates[m]:,.0f}' for m in modes)} | "
               f"{' | '.join(f'{r:.2f}' for r in ratios)} |", flush=True)
     out.write_text(json.dumps({"machine": machine(torch.device("cpu")), "envs_per_actor": ENVS,
-                               "rows_per_insert": T, "batch": B, "blocks": args.blocks, "rounds": args.rounds,
+                               "rows_per_insert": T, "rows_in_flight": ROWS, "batch": B, "blocks": args.blocks,
+                               "rounds": args.rounds,
                                "table": table}, indent=1))
 
 
