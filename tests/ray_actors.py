@@ -2,12 +2,46 @@
 rows) and inserts through the RayWriter it was handed. Workers import this module (the tests put tests/ on their
 path)."""
 
+import os
+import sys
 import time
 
 import numpy as np
 import process_actors
 
 from gpubuf import Transition
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def start_ray(paths: tuple = (), env: dict | None = None, **kwargs) -> None:
+    """``ray.init(**kwargs)`` whose workers import the gpubuf this process imported (the installed wheel under
+    ``scripts/test``, not the checkout, which Ray would put first: it hands its workers this process's
+    ``sys.path``), this folder's modules and ``paths``; ``env``: more variables for them."""
+    import ray
+
+    import gpubuf
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(gpubuf.__file__)))
+    root = os.path.dirname(TESTS)
+    path = os.pathsep.join([home, TESTS, *paths] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    saved = sys.path[:]
+    if home != root:
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != root]
+    try:
+        ray.init(log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path, **(env or {})}}, **kwargs)
+    finally:
+        sys.path[:] = saved
+    where = ray.get(ray.remote(num_cpus=0)(_gpubuf_file).remote())
+    if where != gpubuf.__file__:
+        ray.shutdown()
+        raise AssertionError(f"Ray workers import gpubuf from {where}, this process from {gpubuf.__file__}")
+
+
+def _gpubuf_file() -> str:
+    import gpubuf
+
+    return gpubuf.__file__
 
 
 class CartPoleActor:

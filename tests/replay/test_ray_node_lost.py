@@ -14,7 +14,6 @@ from gpubuf import PrioritizedTransitionBuffer, Transition
 
 ray = needs("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_S = 300.0
 
 
@@ -32,10 +31,10 @@ def test_a_lost_node_reports_its_writer_once_and_keeps_what_it_published():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         node = cluster.add_node(num_cpus=1, resources={"far": 1})
-        path = os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-        cluster.wait_for_nodes()
         import ray_actors
+
+        ray_actors.start_ray(address=cluster.address)
+        cluster.wait_for_nodes()
 
         E, T = 2, 8
         z = np.zeros((1, E), np.int64)

@@ -29,7 +29,6 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402
 from torchrl.data.replay_buffers.samplers import SliceSampler as TorchRLSliceSampler  # noqa: E402
 from torchrl_reference import ReferenceSampler, ReferenceSliceSampler  # noqa: E402
 
-import gpubuf  # noqa: E402
 from gpubuf.torchrl import PrioritizedSampler, PrioritizedSliceSampler, ReplayStorage, SliceSampler  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # torchrl's imports warn
@@ -79,24 +78,16 @@ class Writer:
         return self.extend([clients[name]], start, n)
 
 
-def _gpubuf_file() -> str:
-    import gpubuf
-
-    return gpubuf.__file__
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray of 3 CPUs whose workers import this gpubuf, ``tests`` and this folder (the test's classes)."""
     if ray.is_initialized():
         pytest.skip("Ray is already initialized in this process")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(gpubuf.__file__)))
-    path = os.pathsep.join([root, os.path.dirname(HERE), HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, namespace="gpubuf_tests",
-             runtime_env={"env_vars": {"PYTHONPATH": path, "RL_WARNINGS": "0"}})
+    import ray_actors
+
+    ray_actors.start_ray(paths=(HERE,), env={"RL_WARNINGS": "0"}, num_cpus=3, include_dashboard=False,
+                         namespace="gpubuf_tests")
     try:
-        where = ray.get(ray.remote(num_cpus=0)(_gpubuf_file).remote())
-        assert where == gpubuf.__file__, f"Ray workers import gpubuf from {where}, this test from {gpubuf.__file__}"
         yield "gpubuf_tests"
     finally:
         ray.shutdown()

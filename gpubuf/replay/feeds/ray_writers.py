@@ -40,7 +40,7 @@ class RayWriter(pw.WriterShape):
         self.config, self.envs, self.rows, self.max_insert = lane.config, lane.envs, lane.rows, lane.max_insert
         self.key, self.name, self.owner_pid, self.inbox = lane.key, lane.name, lane.owner_pid, inbox
         self.sent, self.consumed, self.claimed = 0, 0, False  # rows sent; rows the learner committed, as last heard
-        self.closed = False
+        self.closed, self.ended = False, None  # ended: why the learner takes no more rows (the error, every call)
         self.replies = []  # the inbox's answers to sends not yet read
         self._lane = lane  # in the learner's process only (not pickled)
         self._lock = threading.Lock()  # threads of one actor insert one at a time
@@ -58,8 +58,8 @@ class RayWriter(pw.WriterShape):
             return self._send(values, T, timeout)
 
     def _send(self, values: dict, T: int, timeout) -> "RayWriter":
-        if self.closed:
-            raise RuntimeError(f"{self}: closed")
+        if self.ended or self.closed:
+            raise RuntimeError(self.ended or f"{self}: closed")
         self._claim()
         self._read(wait=False)
 
@@ -81,6 +81,8 @@ class RayWriter(pw.WriterShape):
         """Wait until the inbox holds every row sent (published: a dead actor's published rows are committed);
         ``RuntimeError`` as :meth:`insert`."""
         with self._lock:
+            if self.ended:
+                raise RuntimeError(self.ended)
             self._read(wait=True)
         return self
 
@@ -173,13 +175,15 @@ class RayWriter(pw.WriterShape):
         consumed, state = answer
         self.consumed = max(self.consumed, consumed)
         if state == pw.OWNER_ENDED:
-            raise RuntimeError(f"{self}: its buffer was closed or dropped by the learner and takes no more rows; "
-                               "rows sent since are not published")
-        if state == pw.RETIRED:
-            raise RuntimeError(f"{self}: retired by the learner (its lanes went to another writer); ask the "
-                               "learner for a new writer")
-        if state == pw.CLOSED_BY_ACTOR:
-            raise RuntimeError(f"{self}: closed")
+            self.ended = (f"{self}: its buffer was closed or dropped by the learner and takes no more rows; rows "
+                          "sent since are not published")
+        elif state == pw.RETIRED:
+            self.ended = (f"{self}: retired by the learner (its lanes went to another writer); ask the learner "
+                          "for a new writer")
+        elif state == pw.CLOSED_BY_ACTOR:
+            self.ended = f"{self}: closed"
+        if self.ended:
+            raise RuntimeError(self.ended)
 
     def __repr__(self) -> str:
         lanes = "" if self.envs is None else f"envs {self.envs.start}..{self.envs.stop - 1} of "
