@@ -2,7 +2,6 @@
 worker node, the node removed mid-run. The learner reports the writer dead once, holds whole inserts of the actor's
 rows in order, and a new actor on the head node takes the lanes over."""
 
-import os
 import time
 
 import numpy as np

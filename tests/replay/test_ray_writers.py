@@ -1,7 +1,6 @@
 """Ray actors as writers: real Ray actors on a local Ray cluster step gymnasium CartPole envs and insert through
 RayWriter handles into one buffer the test process (the learner) owns and samples."""
 
-import os
 import time
 import warnings
 
