@@ -4,6 +4,7 @@ path)."""
 
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -25,17 +26,21 @@ def start_ray(paths: tuple = (), env: dict | None = None, **kwargs) -> None:
     home = os.path.dirname(os.path.dirname(os.path.abspath(gpubuf.__file__)))
     root = os.path.dirname(TESTS)
     path = os.pathsep.join([home, TESTS, *paths] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    saved = sys.path[:]
-    if home != root:
+    saved, here = sys.path[:], os.getcwd()
+    if home != root:  # Ray's workers get this process's sys.path and its working directory
         sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != root]
+        os.chdir(tempfile.gettempdir())
     try:
         ray.init(log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path, **(env or {})}}, **kwargs)
     finally:
         sys.path[:] = saved
-    where = ray.get(ray.remote(num_cpus=0)(_gpubuf_file).remote())
-    if where != gpubuf.__file__:
+        os.chdir(here)
+    try:
+        where = ray.get(ray.remote(num_cpus=0)(_gpubuf_file).remote())
+        assert where == gpubuf.__file__, f"Ray workers import gpubuf from {where}, this process from {gpubuf.__file__}"
+    except BaseException:
         ray.shutdown()
-        raise AssertionError(f"Ray workers import gpubuf from {where}, this process from {gpubuf.__file__}")
+        raise
 
 
 def _gpubuf_file() -> str:
